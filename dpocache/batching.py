@@ -1,0 +1,96 @@
+"""Batches of preference pairs: token-budget, length-grouped batches for the reference pass,
+fixed-size batches in a seeded order for training, and the padded pair layout both use.
+
+Pair layout: a batch of B pairs becomes 2B right-padded rows, ``prompt + chosen`` in rows
+``[0, B)`` and ``prompt + rejected`` in rows ``[B, 2B)``; ``completion_mask`` marks the
+completion tokens, the only ones scored.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .data import TokenizedPair
+from .logprobs import CompletionLogProbs, PairLogProbs
+
+
+@dataclass
+class PairBatch:
+    input_ids: torch.Tensor  # (2B, T)
+    attention_mask: torch.Tensor  # (2B, T)
+    completion_mask: torch.Tensor  # (2B, T)
+
+    @property
+    def num_pairs(self) -> int:
+        return self.input_ids.shape[0] // 2
+
+    def to(self, device) -> "PairBatch":
+        return PairBatch(*(t.to(device, non_blocking=True) for t in (self.input_ids, self.attention_mask, self.completion_mask)))
+
+
+def collate_pairs(pairs: Sequence[TokenizedPair], pad_id: int = 0) -> PairBatch:
+    """Right-padded 2B-row layout of ``pairs`` (see the module docstring)."""
+    seqs = [(p.prompt_ids, p.chosen_ids) for p in pairs] + [(p.prompt_ids, p.rejected_ids) for p in pairs]
+    width = max(len(a) + len(b) for a, b in seqs)
+    n = len(seqs)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, width), dtype=torch.long)
+    completion_mask = torch.zeros((n, width), dtype=torch.long)
+    for row, (prompt, completion) in enumerate(seqs):
+        p, c = len(prompt), len(completion)
+        input_ids[row, :p + c] = torch.tensor(prompt + completion, dtype=torch.long)
+        attention_mask[row, :p + c] = 1
+        completion_mask[row, p:p + c] = 1
+    return PairBatch(input_ids, attention_mask, completion_mask)
+
+
+def pair_logprobs(lp: CompletionLogProbs, batch: PairBatch) -> PairLogProbs:
+    """Run ``lp`` on a pair batch and split the result into chosen and rejected halves."""
+    token_logps = lp(batch.input_ids, batch.attention_mask, batch.completion_mask)  # (2B, T)
+    sums = token_logps.sum(-1)  # (2B,)
+    counts = batch.completion_mask.sum(-1)  # (2B,)
+    b = batch.num_pairs
+    return PairLogProbs(sums[:b], sums[b:], counts[:b], counts[b:], token_logps)
+
+
+def padded_cost(pairs: Sequence[TokenizedPair]) -> int:
+    """Token slots a batch of ``pairs`` occupies in the padded layout."""
+    width = max(max(len(p.prompt_ids) + len(p.chosen_ids), len(p.prompt_ids) + len(p.rejected_ids)) for p in pairs)
+    return 2 * len(pairs) * width
+
+
+def token_budget_batches(pairs: Sequence[TokenizedPair], max_tokens: int, max_pairs: int | None = None) -> list[list[TokenizedPair]]:
+    """Group pairs of similar length into batches whose padded size stays under ``max_tokens``.
+
+    For inference only (the reference pass), where order does not matter: pairs are sorted
+    longest first, so the largest batch runs first and an out-of-memory shows at once.
+    A single pair larger than the budget gets a batch of its own.
+    """
+    ordered = sorted(pairs, key=lambda p: max(len(p.chosen_ids), len(p.rejected_ids)) + len(p.prompt_ids), reverse=True)
+    batches: list[list[TokenizedPair]] = []
+    current: list[TokenizedPair] = []
+    width = 0
+    for p in ordered:
+        w = len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids))
+        new_width = max(width, w)
+        full = max_pairs is not None and len(current) >= max_pairs
+        if current and (2 * (len(current) + 1) * new_width > max_tokens or full):
+            batches.append(current)
+            current, new_width = [], w
+        current.append(p)
+        width = new_width
+    if current:
+        batches.append(current)
+    return batches
+
+
+def training_order(num_pairs: int, seed: int, epoch: int) -> list[int]:
+    """The permutation of pair indices for ``epoch``: a pure function of (seed, epoch), so a
+    resumed run replays the same order without storing it."""
+    order = list(range(num_pairs))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order

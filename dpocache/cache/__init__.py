@@ -1,0 +1,9 @@
+"""The persistent, content-addressed reference cache (see DESIGN.md, "The reference cache")."""
+
+from .build import BuildSummary, build_missing, default_cache_dir, export_rows, namespace_for_dir, namespace_for_module, verify
+from .store import CachedValues, CacheError, CacheStore, CorruptShard, MissingReferenceError, Namespace
+
+__all__ = [
+    "BuildSummary", "CacheError", "CacheStore", "CachedValues", "CorruptShard", "MissingReferenceError", "Namespace",
+    "build_missing", "default_cache_dir", "export_rows", "namespace_for_dir", "namespace_for_module", "verify",
+]

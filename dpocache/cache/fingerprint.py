@@ -1,0 +1,99 @@
+"""Fingerprints of what changes reference log-probs besides the data: the model's weights (by
+content) and its config. Weight-file hashes are memoised by (path, size, mtime) so that a cache
+hit re-hashes nothing; TRL re-hashes the full state dict on every start instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from .atomic import atomic_write_text
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+# Config fields that do not change a forward pass's numbers (the load dtype is ours to set and
+# is part of the namespace separately).
+_CONFIG_IGNORED = {
+    "transformers_version", "_name_or_path", "torch_dtype", "dtype", "use_cache",
+    "output_attentions", "output_hidden_states", "return_dict", "_attn_implementation_autoset",
+}
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+class FingerprintMemo:
+    """``{absolute path: {size, mtime_ns, sha256}}`` in one JSON file."""
+
+    def __init__(self, memo_file: Path | None):
+        self.path = memo_file
+        self.entries: dict[str, dict] = {}
+        if memo_file is not None and memo_file.exists():
+            try:
+                self.entries = json.loads(memo_file.read_text())
+            except (OSError, json.JSONDecodeError):
+                self.entries = {}  # a damaged memo only costs a re-hash
+        self.hashed_bytes = 0  # bytes actually read this session (0 on a memo hit)
+
+    def sha256(self, path: Path) -> str:
+        st = path.stat()
+        key = str(path.resolve())
+        hit = self.entries.get(key)
+        if hit and hit["size"] == st.st_size and hit["mtime_ns"] == st.st_mtime_ns:
+            return hit["sha256"]
+        digest = file_sha256(path)
+        self.hashed_bytes += st.st_size
+        self.entries[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.path, json.dumps(self.entries, indent=1, sort_keys=True))
+        return digest
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    files = sorted(p for p in model_dir.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)
+                   and not p.name.startswith(("optimizer", "scheduler", "rng", "training_args")))
+    # PEFT adapter weights are not the reference's weights.
+    return [p for p in files if not p.name.startswith("adapter_")]
+
+
+def config_sha256(config: dict) -> str:
+    kept = {k: v for k, v in config.items() if k not in _CONFIG_IGNORED}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def model_dir_fingerprint(model_dir: str | Path, memo: FingerprintMemo) -> dict:
+    """``{"weights_sha256", "config_sha256"}`` of a Hugging Face model directory."""
+    model_dir = Path(model_dir)
+    files = weight_files(model_dir)
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no weight files ({', '.join(WEIGHT_SUFFIXES)})")
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + b"\0" + memo.sha256(f).encode() + b"\n")
+    config_path = model_dir / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"{config_path}: missing")
+    return {"weights_sha256": h.hexdigest(), "config_sha256": config_sha256(json.loads(config_path.read_text()))}
+
+
+def module_fingerprint(model: torch.nn.Module) -> dict:
+    """The same fingerprint for a model that lives only in memory (the Python API): its
+    state dict by content. Costs a full pass over the weights; directories are memoised."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().to("cpu").contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}\n".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return {"weights_sha256": h.hexdigest(), "config_sha256": config_sha256(model.config.to_dict())}
+
+
+def default_memo_path(cache_dir: Path) -> Path:
+    return cache_dir / "fingerprints.json"
+

@@ -1,0 +1,145 @@
+"""``dpocache cache build|info|verify|export``: argument handling and printing only; the work
+is in ``dpocache.cache``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from .cache import CacheStore, build_missing, default_cache_dir, export_rows, namespace_for_dir, verify
+from .cache.build import DEFAULT_MAX_TOKENS, namespace_dirs, open_namespace_dir, reference_weights_dir
+from .data import PreferenceData, load_preference_data
+from .reference import ReferenceModel, default_device, dtype_name, resolve_dtype
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def load_tokenizer(model_path: str | Path):
+    from transformers import AutoTokenizer
+
+    path = Path(model_path)
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError):
+        # A PEFT adapter directory may hold no tokenizer; its base does.
+        return AutoTokenizer.from_pretrained(str(reference_weights_dir(path)))
+
+
+def _load_data(args, tokenizer) -> PreferenceData:
+    data = load_preference_data(args.data, tokenizer, args.max_length, args.max_prompt_length, args.skip_invalid)
+    if data.skipped:
+        print(f"skipped {len(data.skipped)} invalid rows:", file=sys.stderr)
+        for s in data.skipped[:20]:
+            print(f"  {s}", file=sys.stderr)
+        if len(data.skipped) > 20:
+            print(f"  ... and {len(data.skipped) - 20} more", file=sys.stderr)
+    return data
+
+
+def _open_store(args, device) -> tuple[CacheStore, torch.dtype]:
+    dtype = resolve_dtype(args.dtype, device)
+    if args.dtype == "auto":
+        print(f"dtype: {dtype_name(dtype)} (auto, chosen for {device.type})", file=sys.stderr)
+    cache_dir = args.cache_dir or default_cache_dir()
+    store = CacheStore(cache_dir, namespace_for_dir(args.model, dtype, cache_dir))
+    store.open(quarantine=args.cache_command == "build")
+    for bad in store.corrupt:
+        print(f"corrupt shard {store.dir / bad.file}: {bad.reason}; not loaded", file=sys.stderr)
+    return store, dtype
+
+
+def _reference_loader(args, dtype, device):
+    return lambda: ReferenceModel.from_pretrained(reference_weights_dir(args.model), dtype, device)
+
+
+def cmd_build(args) -> int:
+    device = torch.device(args.device) if args.device else default_device()
+    tokenizer = load_tokenizer(args.model)
+    data = _load_data(args, tokenizer)
+    store, dtype = _open_store(args, device)
+    summary = build_missing(
+        store, data.pairs, _reference_loader(args, dtype, device), pad_id=tokenizer.pad_token_id or 0,
+        per_token=args.per_token, max_tokens=args.max_tokens or DEFAULT_MAX_TOKENS, shard_pairs=args.shard_size,
+    )
+    s = summary
+    print(f"pairs {s.pairs} (unique {s.unique}): computed {s.computed}, reused {s.reused}")
+    print(f"tokens {s.tokens} in {s.seconds:.1f} s ({s.tokens_per_s:.0f} tokens/s), peak memory {_human_bytes(s.peak_memory_bytes)}")
+    print(f"cache {s.cache_dir} (dtype {dtype_name(dtype)}, {len(store)} pairs stored, {_human_bytes(store.size_bytes())})")
+    if args.json:
+        out = s.to_json()
+        out["skipped"] = len(data.skipped)
+        print(json.dumps(out))
+    return 0
+
+
+def cmd_info(args) -> int:
+    cache_dir = args.cache_dir or default_cache_dir()
+    dirs = namespace_dirs(cache_dir)
+    if not dirs:
+        print(f"{cache_dir}: no cached namespaces")
+        return 0
+    status = 0
+    for ns_dir in dirs:
+        store = open_namespace_dir(ns_dir)
+        ns = store.namespace
+        per_token = sum(s.info.pairs for s in store.shards if s.info.per_token)
+        print(f"{ns_dir.name}  model {ns.model}  dtype {ns.dtype}  pairs {len(store)} (per-token {per_token})  "
+              f"shards {len(store.shards)}  size {_human_bytes(store.size_bytes())}")
+        for bad in store.corrupt:
+            print(f"  CORRUPT {ns_dir / bad.file}: {bad.reason}")
+            status = 1
+    return status
+
+
+def cmd_verify(args) -> int:
+    device = torch.device(args.device) if args.device else default_device()
+    tokenizer = load_tokenizer(args.model)
+    data = _load_data(args, tokenizer)
+    store, dtype = _open_store(args, device)
+    reference = ReferenceModel.from_pretrained(reference_weights_dir(args.model), dtype, device)
+    report = verify(store, data.pairs, reference, args.samples, args.seed, tokenizer.pad_token_id or 0,
+                    args.max_tokens or DEFAULT_MAX_TOKENS)
+    print(f"checked {report.checked} pairs: max |stored - recomputed| = {report.max_abs_diff:.3g}")
+    for line in report.mismatches:
+        print(f"MISMATCH {line}")
+    for bad in report.corrupt_shards:
+        print(f"CORRUPT {store.dir / bad.file}: {bad.reason}")
+    if report.missing:
+        print(f"MISSING {report.missing} pairs of the data have no cached value (run dpocache cache build)")
+    print("OK" if report.ok else "FAILED")
+    return 0 if report.ok else 1
+
+
+def cmd_export(args) -> int:
+    device = torch.device(args.device) if args.device else default_device()
+    tokenizer = load_tokenizer(args.model)
+    data = _load_data(args, tokenizer)
+    store, _ = _open_store(args, device)
+    out: Path = args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", encoding="utf-8") as f:
+        for row in export_rows(store, data.pairs, args.with_ids):
+            f.write(json.dumps(row) + "\n")
+    print(f"wrote {len(data.pairs)} rows to {out}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    commands = {"build": cmd_build, "info": cmd_info, "verify": cmd_verify, "export": cmd_export}
+    from .cache import MissingReferenceError
+
+    try:
+        return commands[args.cache_command](args)
+    except MissingReferenceError as err:
+        print(f"dpocache: error: {err}", file=sys.stderr)
+        return 1

@@ -1,0 +1,428 @@
+"""Preference data: load rows, validate them, render chat templates, tokenize, truncate, key.
+
+Accepted row formats (those TRL documents):
+
+- standard: ``{"prompt": str, "chosen": str, "rejected": str}``
+- conversational: ``prompt``, ``chosen`` and ``rejected`` are lists of ``{"role", "content"}``
+  messages, rendered with the tokenizer's chat template
+- implicit prompt: only ``chosen`` and ``rejected``, as full strings or conversations; their
+  longest common prefix is the prompt
+
+Sources: ``.jsonl``, ``.json`` (a list of objects, or ``{"data": [...]}``), ``.parquet``,
+``.csv`` files, a directory written by ``datasets.Dataset.save_to_disk``, a
+``datasets.Dataset`` or a list of dicts.
+
+Truncation rule (``max_length`` L, ``max_prompt_length`` P): a sequence is prompt + one
+completion, and both sequences of a pair must fit in L tokens.
+
+1. If the prompt plus the longer completion fits, nothing is cut.
+2. Otherwise the prompt keeps its *last* ``max(P, L - longest completion)`` tokens (its end is
+   what the completion answers), never fewer than it has to.
+3. Each completion then keeps its *first* ``L - kept prompt`` tokens.
+
+A pair whose kept prompt leaves no room for a completion is a bad row.
+
+Each pair's example key is a hash of its final token ids (after template and truncation), so
+any change to the tokenizer, template or length limits that changes the ids changes the key.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import struct
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from tqdm.auto import tqdm
+
+KEY_BYTES = 16
+
+
+class DataError(ValueError):
+    """A bad row: the message names the source, the line or row, and the field."""
+
+    def __init__(self, location: str, field_name: str | None, reason: str):
+        self.location = location
+        self.field = field_name
+        self.reason = reason
+        where = f"{location}: field '{field_name}'" if field_name else location
+        super().__init__(f"{where}: {reason}")
+
+
+@dataclass(frozen=True)
+class RawRow:
+    """One row as read from the source, with where it came from (for error messages)."""
+
+    index: int  # position among the source's rows, 0-based
+    location: str  # "data.jsonl:17" (line) or "data.parquet:row 16"
+    values: Any  # the parsed object; validated later
+
+
+@dataclass(frozen=True)
+class TokenizedPair:
+    """A preference pair as token ids after chat template and truncation.
+
+    ``chosen_ids`` and ``rejected_ids`` are the completion tokens only; the model sees
+    ``prompt_ids + chosen_ids`` and ``prompt_ids + rejected_ids``.
+    """
+
+    index: int
+    prompt_ids: tuple[int, ...]
+    chosen_ids: tuple[int, ...]
+    rejected_ids: tuple[int, ...]
+    key: bytes
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the two sequences, the prompt counted twice (as a padded layout runs)."""
+        return 2 * len(self.prompt_ids) + len(self.chosen_ids) + len(self.rejected_ids)
+
+    @property
+    def unique_tokens(self) -> int:
+        """Tokens with the prompt counted once: the work a shared-prompt layout does."""
+        return len(self.prompt_ids) + len(self.chosen_ids) + len(self.rejected_ids)
+
+
+@dataclass(frozen=True)
+class SkippedRow:
+    location: str
+    field: str | None
+    reason: str
+
+    def __str__(self) -> str:
+        return str(DataError(self.location, self.field, self.reason))
+
+
+@dataclass
+class PreferenceData:
+    """Tokenized pairs in source order, plus the rows skipped (with ``skip_invalid``)."""
+
+    source: str
+    pairs: list[TokenizedPair]
+    skipped: list[SkippedRow] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+
+def example_key(prompt_ids: Sequence[int], chosen_ids: Sequence[int], rejected_ids: Sequence[int]) -> bytes:
+    """16-byte BLAKE2b digest of the three id sequences; lengths are hashed too so that
+    moving a token across the prompt/completion boundary changes the key."""
+    h = hashlib.blake2b(digest_size=KEY_BYTES)
+    h.update(struct.pack("<3I", len(prompt_ids), len(chosen_ids), len(rejected_ids)))
+    for ids in (prompt_ids, chosen_ids, rejected_ids):
+        h.update(array("q", ids).tobytes())
+    return h.digest()
+
+
+# --------------------------------------------------------------------------------------------
+# Reading rows
+
+
+def read_rows(source: Any) -> tuple[str, list[RawRow]]:
+    """Read every row of ``source`` without validating it. Returns (name, rows)."""
+    if isinstance(source, (list, tuple)):
+        return "<rows>", [RawRow(i, f"<rows>:row {i}", r) for i, r in enumerate(source)]
+    if _is_hf_dataset(source):
+        return "<dataset>", [RawRow(i, f"<dataset>:row {i}", r) for i, r in enumerate(source)]
+    path = Path(source)
+    name = str(source)
+    if not path.exists():
+        raise FileNotFoundError(f"{name}: no such file or directory")
+    if path.is_dir():
+        return name, _read_hf_dir(path)
+    suffix = path.suffix.lower()
+    readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet, ".csv": _read_csv}
+    if suffix not in readers:
+        raise DataError(name, None, f"unknown file type '{suffix}'; expected one of {sorted(readers)} "
+                        "or a directory written by datasets.save_to_disk")
+    return name, readers[suffix](path)
+
+
+def _is_hf_dataset(obj: Any) -> bool:
+    return type(obj).__module__.startswith("datasets.") and hasattr(obj, "column_names")
+
+
+def _read_jsonl(path: Path) -> list[RawRow]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            location = f"{path}:{line_no}"
+            try:
+                values = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(location, None, f"malformed JSON ({e.msg} at column {e.colno})") from None
+            rows.append(RawRow(len(rows), location, values))
+    return rows
+
+
+def _read_json(path: Path) -> list[RawRow]:
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{e.lineno}", None, f"malformed JSON ({e.msg} at column {e.colno})") from None
+    if isinstance(obj, dict) and isinstance(obj.get("data"), list):
+        obj = obj["data"]
+    if not isinstance(obj, list):
+        raise DataError(str(path), None, "expected a JSON list of rows (or {\"data\": [...]})")
+    return [RawRow(i, f"{path}:row {i}", r) for i, r in enumerate(obj)]
+
+
+def _read_csv(path: Path) -> list[RawRow]:
+    rows = []
+    with open(path, encoding="utf-8", newline="") as f:
+        reader = csv.DictReader(f)
+        for values in reader:
+            # line_num is the line the record ended on; with multi-line fields that is the
+            # most useful line to name.
+            rows.append(RawRow(len(rows), f"{path}:{reader.line_num}", dict(values)))
+    return rows
+
+
+def _read_parquet(path: Path) -> list[RawRow]:
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    return [RawRow(i, f"{path}:row {i}", r) for i, r in enumerate(table.to_pylist())]
+
+
+def _read_hf_dir(path: Path) -> list[RawRow]:
+    import datasets
+
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise DataError(str(path), None, f"a DatasetDict with splits {list(ds)}; pass one split's directory")
+        ds = ds["train"]
+    return [RawRow(i, f"{path}:row {i}", r) for i, r in enumerate(ds)]
+
+
+# --------------------------------------------------------------------------------------------
+# Validation and rendering to text
+
+
+@dataclass(frozen=True)
+class _RenderedRow:
+    """A valid row as text: the prompt, and each completion as it continues the prompt."""
+
+    prompt: str
+    chosen: str
+    rejected: str
+    templated: bool  # rendered by the chat template (which adds its own special tokens)
+
+
+def _is_messages(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(m, dict) for m in value)
+
+
+def _check_messages(location: str, field_name: str, messages: list) -> None:
+    if not messages:
+        raise DataError(location, field_name, "empty list of messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DataError(location, f"{field_name}[{i}]", "each message needs string 'role' and 'content'")
+
+
+def _check_text(location: str, field_name: str, value: Any) -> str:
+    if value is None:
+        raise DataError(location, field_name, "missing")
+    if not isinstance(value, str):
+        raise DataError(location, field_name, f"expected a string or a list of messages, got {type(value).__name__}")
+    if not value.strip():
+        raise DataError(location, field_name, "empty string")
+    return value
+
+
+def _common_prefix_len(a: Sequence, b: Sequence) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _split_implicit(location: str, chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
+    """Implicit prompt: the longest common prefix of chosen and rejected is the prompt."""
+    if _is_messages(chosen) and _is_messages(rejected):
+        n = _common_prefix_len(chosen, rejected)
+        if n == 0:
+            raise DataError(location, "chosen", "implicit prompt: chosen and rejected share no first message")
+        return chosen[:n], chosen[n:], rejected[n:]
+    chosen = _check_text(location, "chosen", chosen)
+    rejected = _check_text(location, "rejected", rejected)
+    n = _common_prefix_len(chosen, rejected)
+    # Cut at a word boundary, as TRL's extract_prompt does, so that the completion starts
+    # with its own word rather than the tail of a shared one.
+    while n > 0 and not chosen[n - 1].isspace() and n < len(chosen) and not chosen[n].isspace():
+        n -= 1
+    # Leave the space to the completion (" blue", not "blue"): BPE vocabularies hold words
+    # with their leading space.
+    if n > 0 and chosen[n - 1] == " ":
+        n -= 1
+    if n == 0:
+        raise DataError(location, "chosen", "implicit prompt: chosen and rejected share no prefix")
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
+def _render(row: RawRow, tokenizer) -> _RenderedRow:
+    values = row.values
+    loc = row.location
+    if not isinstance(values, dict):
+        raise DataError(loc, None, f"expected an object with prompt/chosen/rejected, got {type(values).__name__}")
+    for name in ("chosen", "rejected"):
+        if values.get(name) is None:
+            raise DataError(loc, name, "missing")
+    prompt, chosen, rejected = values.get("prompt"), values["chosen"], values["rejected"]
+    if prompt is None:
+        prompt, chosen, rejected = _split_implicit(loc, chosen, rejected)
+    kinds = {name: _is_messages(v) for name, v in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected))}
+    if all(kinds.values()):
+        return _render_conversation(loc, prompt, chosen, rejected, tokenizer)
+    if any(kinds.values()):
+        odd = [n for n, is_msgs in kinds.items() if not is_msgs]
+        raise DataError(loc, odd[0], "mixes messages and plain text: give all fields as messages or all as strings")
+    return _RenderedRow(
+        _check_text(loc, "prompt", prompt), _check_text(loc, "chosen", chosen),
+        _check_text(loc, "rejected", rejected), templated=False,
+    )
+
+
+def _render_conversation(loc: str, prompt: list, chosen: list, rejected: list, tokenizer) -> _RenderedRow:
+    for name, msgs in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+        _check_messages(loc, name, msgs)
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(loc, "prompt", "conversational row but the tokenizer has no chat template")
+    prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    completions = []
+    for name, msgs in (("chosen", chosen), ("rejected", rejected)):
+        full = tokenizer.apply_chat_template(prompt + msgs, tokenize=False)
+        if not full.startswith(prompt_text):
+            raise DataError(loc, name, "the chat template does not render the prompt as a prefix of the conversation")
+        completions.append(full[len(prompt_text):])
+    return _RenderedRow(prompt_text, completions[0], completions[1], templated=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenization and truncation
+
+
+def truncate_pair(
+    prompt: list[int], chosen: list[int], rejected: list[int], max_length: int | None,
+    max_prompt_length: int | None,
+) -> tuple[list[int], list[int], list[int]]:
+    """Apply the module's truncation rule. Returns the kept (prompt, chosen, rejected)."""
+    if max_length is None:
+        return prompt, chosen, rejected
+    longest = max(len(chosen), len(rejected))
+    if len(prompt) + longest > max_length:
+        floor = max_prompt_length if max_prompt_length is not None else max_length // 2
+        keep = min(len(prompt), max(floor, max_length - longest))
+        prompt = prompt[len(prompt) - keep:]
+        room = max_length - len(prompt)
+        chosen, rejected = chosen[:room], rejected[:room]
+    return prompt, chosen, rejected
+
+
+def _special_ids(tokenizer) -> tuple[int | None, int | None]:
+    return tokenizer.bos_token_id, tokenizer.eos_token_id
+
+
+def _tokenize_texts(tokenizer, texts: list[str], desc: str, show_progress: bool) -> list[list[int]]:
+    """Batched tokenization (the fast tokenizers parallelise a batch), chunked for the bar."""
+    out: list[list[int]] = []
+    step = 2048
+    for start in tqdm(range(0, len(texts), step), desc=desc, disable=not show_progress or len(texts) < 4 * step,
+                      unit_scale=step, unit="rows"):
+        out.extend(tokenizer(texts[start:start + step], add_special_tokens=False)["input_ids"])
+    return out
+
+
+def tokenize_rows(
+    rows: list[RawRow],
+    tokenizer,
+    max_length: int | None = None,
+    max_prompt_length: int | None = None,
+    skip_invalid: bool = False,
+    show_progress: bool = True,
+) -> tuple[list[TokenizedPair], list[SkippedRow]]:
+    """Validate, render and tokenize rows. Bad rows raise ``DataError`` unless
+    ``skip_invalid``, in which case they are returned as ``SkippedRow``s."""
+    skipped: list[SkippedRow] = []
+    rendered: list[tuple[RawRow, _RenderedRow]] = []
+    for row in rows:
+        try:
+            rendered.append((row, _render(row, tokenizer)))
+        except DataError as e:
+            if not skip_invalid:
+                raise
+            skipped.append(SkippedRow(e.location, e.field, e.reason))
+    # Prompt and completions are tokenized separately, as TRL does, so that the boundary
+    # between them is exact; plain-text prompts get BOS, plain-text completions get EOS.
+    texts = [r.prompt for _, r in rendered] + [r.chosen for _, r in rendered] + [r.rejected for _, r in rendered]
+    ids = _tokenize_texts(tokenizer, texts, "tokenizing", show_progress)
+    n = len(rendered)
+    bos, eos = _special_ids(tokenizer)
+    pairs: list[TokenizedPair] = []
+    for i, (row, r) in enumerate(rendered):
+        prompt, chosen, rejected = ids[i], ids[n + i], ids[2 * n + i]
+        if not r.templated:
+            if bos is not None and (not prompt or prompt[0] != bos):
+                prompt = [bos] + prompt
+            if eos is not None:
+                chosen, rejected = chosen + [eos], rejected + [eos]
+        try:
+            pairs.append(_finish_pair(row, prompt, chosen, rejected, max_length, max_prompt_length))
+        except DataError as e:
+            if not skip_invalid:
+                raise
+            skipped.append(SkippedRow(e.location, e.field, e.reason))
+    return pairs, skipped
+
+
+def _finish_pair(row: RawRow, prompt, chosen, rejected, max_length, max_prompt_length) -> TokenizedPair:
+    for name, ids in (("chosen", chosen), ("rejected", rejected)):
+        if not ids:
+            raise DataError(row.location, name, "tokenizes to no tokens")
+    if max_length is not None and max_prompt_length is not None and max_prompt_length >= max_length:
+        raise ValueError(f"max_prompt_length ({max_prompt_length}) must be below max_length ({max_length})")
+    prompt, chosen, rejected = truncate_pair(prompt, chosen, rejected, max_length, max_prompt_length)
+    if not chosen or not rejected:
+        raise DataError(row.location, "prompt", f"the prompt ({len(prompt)} tokens after truncation) leaves "
+                        f"no room for a completion within max_length={max_length}")
+    return TokenizedPair(row.index, tuple(prompt), tuple(chosen), tuple(rejected),
+                         example_key(prompt, chosen, rejected))
+
+
+def load_preference_data(
+    source: Any,
+    tokenizer,
+    max_length: int | None = None,
+    max_prompt_length: int | None = None,
+    skip_invalid: bool = False,
+    show_progress: bool = True,
+) -> PreferenceData:
+    """Read, validate, render and tokenize a preference data set. See the module docstring."""
+    name, rows = read_rows(source)
+    if not rows:
+        raise DataError(name, None, "no rows")
+    pairs, skipped = tokenize_rows(rows, tokenizer, max_length, max_prompt_length, skip_invalid, show_progress)
+    if not pairs:
+        raise DataError(name, None, f"no valid rows ({len(skipped)} skipped; first: {skipped[0] if skipped else '-'})")
+    return PreferenceData(name, pairs, skipped)
+
+
+def write_jsonl(rows: Iterable[dict], path: str | Path) -> Path:
+    """Write rows as JSON lines (a helper for the demo, tests and benchmarks)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return path

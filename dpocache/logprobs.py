@@ -1,0 +1,198 @@
+"""Per-token log-probabilities of completion tokens: the one function the cache build, training
+and evaluation all use (DESIGN.md convention 3), so the cached reference value is exactly what
+the policy computes at step 0.
+
+Memory: a causal LM's forward returns logits ``(N, T, V)``; with V = 128k and fp32 that is the
+largest tensor in a DPO step by far. Here the model's body runs alone, the hidden states of
+the positions that predict a completion token are gathered ``(M, H)``, and the output head is
+applied to them in chunks of rows, each chunk's logits ``(C, V)`` upcast to fp32 only for its
+log-softmax. With gradients on, each chunk is checkpointed, so backward also holds one chunk
+of logits at a time.
+
+Heads that transform their logits are reproduced: Gemma 2's final soft-capping, Cohere's
+``logit_scale``, Granite's ``logits_scaling``. A one-time probe compares the fast path with the
+model's own forward on a few tokens; if they disagree (an unknown head), the module falls back
+to the model's forward and says so once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+log = logging.getLogger(__name__)
+
+# fp32 logits held at once per chunk: 32M elements = 128 MiB.
+DEFAULT_LOGITS_BUDGET = 1 << 25
+
+
+def unwrap_causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers ``*ForCausalLM`` inside DDP / PEFT wrappers (same parameters)."""
+    if hasattr(model, "module") and isinstance(getattr(model, "module"), nn.Module):  # DDP
+        model = model.module
+    if hasattr(model, "get_base_model") and hasattr(model, "peft_config"):  # PEFT
+        model = model.get_base_model()
+    return model
+
+
+def logit_transform(config) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What the model's own forward does to ``lm_head``'s output, from its config."""
+    softcap = getattr(config, "final_logit_softcapping", None)
+    scale = getattr(config, "logit_scale", None)  # Cohere multiplies
+    divide = getattr(config, "logits_scaling", None)  # Granite divides
+
+    def transform(logits: torch.Tensor) -> torch.Tensor:
+        if scale is not None:
+            logits = logits * scale
+        if divide is not None:
+            logits = logits / divide
+        if softcap is not None:
+            # Gemma 2 (Gemma Team, 2024, arXiv 2408.00118, section 2): tanh soft-capping.
+            logits = torch.tanh(logits / softcap) * softcap
+        return logits
+
+    return transform
+
+
+class CompletionLogProbs(nn.Module):
+    """Wraps a causal LM; ``forward`` returns per-token log-probs of completion tokens.
+
+    Being an ``nn.Module`` whose forward does the whole computation lets DDP and FSDP wrap it
+    and see every parameter use in one forward call.
+    """
+
+    def __init__(self, model: nn.Module, logits_budget: int = DEFAULT_LOGITS_BUDGET, probe: bool = True):
+        super().__init__()
+        self.model = model
+        lm = unwrap_causal_lm(model)
+        self.config = lm.config
+        self.logits_budget = logits_budget
+        self._transform = logit_transform(lm.config)
+        self.fast_path = True
+        if probe:
+            self.fast_path = self._probe_fast_path()
+
+    # The body and head are looked up on each call: PEFT's disable_adapter and FSDP swap
+    # wrappers in place, and a stale reference would bypass them.
+    def _causal_lm(self) -> nn.Module:
+        return unwrap_causal_lm(self.model)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+        """Per-token log-probs of completion tokens.
+
+        Args:
+            input_ids: ``(N, T)`` token ids, right-padded.
+            attention_mask: ``(N, T)`` 1 on real tokens, 0 on padding.
+            completion_mask: ``(N, T)`` 1 on completion tokens (those scored), 0 on prompt and
+                padding. Position 0 is never a completion token.
+        Returns:
+            ``(N, T)`` float32: ``log p(token_t | tokens_<t)`` where ``completion_mask`` is 1,
+            0 elsewhere.
+        """
+        target = completion_mask[:, 1:].bool()  # (N, T-1): position t predicts token t+1
+        labels = input_ids[:, 1:][target]  # (M,)
+        if self.fast_path:
+            hidden = self._body(input_ids, attention_mask)  # (N, T, H)
+            picked = hidden[:, :-1][target]  # (M, H)
+            logps = self._head_logps(picked, labels)  # (M,)
+        else:
+            logits = self._causal_lm()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+            logps = logits[:, :-1][target].float().log_softmax(-1).gather(-1, labels[:, None]).squeeze(-1)  # (M,)
+        out = torch.zeros(target.shape, dtype=torch.float32, device=input_ids.device)  # (N, T-1)
+        out = out.masked_scatter(target, logps)
+        return F.pad(out, (1, 0))  # (N, T)
+
+    def _body(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        body = self._causal_lm().get_decoder()
+        out = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return out[0]  # last_hidden_state (N, T, H), final norm applied
+
+    def _head_logps(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """``hidden (M, H)``, ``labels (M,)`` → ``(M,)`` fp32 log-probs, in row chunks."""
+        head = self._causal_lm().get_output_embeddings()
+        rows = max(1, self.logits_budget // max(1, self.config.get_text_config().vocab_size))
+        parts = []
+        for h, y in zip(hidden.split(rows), labels.split(rows)):
+            if torch.is_grad_enabled() and h.requires_grad:
+                # Recompute this chunk's logits in backward instead of keeping (C, V) alive.
+                parts.append(checkpoint(self._chunk_logps, head, h, y, use_reentrant=False))
+            else:
+                parts.append(self._chunk_logps(head, h, y))
+        if not parts:
+            return hidden.new_zeros((0,), dtype=torch.float32)
+        return torch.cat(parts)
+
+    def _chunk_logps(self, head: nn.Module, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = self._transform(head(h)).float()  # (C, V)
+        return logits.gather(-1, y[:, None]).squeeze(-1) - logits.logsumexp(-1)  # (C,)
+
+    @torch.no_grad()
+    def _probe_fast_path(self) -> bool:
+        """Compare the fast path with the model's own forward on a short sequence."""
+        lm = self._causal_lm()
+        vocab = self.config.get_text_config().vocab_size
+        device = next(lm.parameters()).device
+        ids = (torch.arange(1, 13, device=device) * 7919 % vocab)[None]  # (1, 12)
+        attn = torch.ones_like(ids)
+        comp = torch.zeros_like(ids)
+        comp[:, 4:] = 1
+        was_training = lm.training
+        lm.eval()
+        try:
+            fast = self.forward_fast_only(ids, attn, comp)
+            logits = lm(input_ids=ids, attention_mask=attn, use_cache=False).logits.float()  # (1, 12, V)
+            naive = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+            naive = F.pad(naive * comp[:, 1:], (1, 0))
+        finally:
+            lm.train(was_training)
+        dtype = next(lm.parameters()).dtype
+        tol = 1e-3 if dtype == torch.float32 else 5e-2
+        err = (fast - naive).abs().max().item()
+        if err > tol:
+            log.warning(
+                "%s: the chunked output head differs from the model's own forward by %.3g; "
+                "falling back to the full forward (more memory: full logits are materialised)",
+                type(lm).__name__, err,
+            )
+            return False
+        return True
+
+    def forward_fast_only(self, input_ids, attention_mask, completion_mask) -> torch.Tensor:
+        """The fast path regardless of the probe's verdict (used by the probe and tests)."""
+        saved, self.fast_path = self.fast_path, True
+        try:
+            return self.forward(input_ids, attention_mask, completion_mask)
+        finally:
+            self.fast_path = saved
+
+
+def sequence_sums(token_logps: torch.Tensor, completion_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``token_logps (N, T)``, ``completion_mask (N, T)`` → (sums ``(N,)`` fp32, token counts ``(N,)`` int)."""
+    return token_logps.sum(-1), completion_mask.sum(-1)
+
+
+def autocast(dtype: torch.dtype, device: torch.device | str):
+    """Mixed precision for ``dtype`` = bfloat16/float16 (weights stay as loaded); a no-op for
+    float32. The cache build and training both enter it, so their numerics are the same."""
+    device_type = torch.device(device).type
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=dtype)
+
+
+@dataclass
+class PairLogProbs:
+    """Per-pair results for a batch of B pairs."""
+
+    chosen_logps: torch.Tensor  # (B,) fp32 sum over chosen completion tokens
+    rejected_logps: torch.Tensor  # (B,)
+    chosen_tokens: torch.Tensor  # (B,) int
+    rejected_tokens: torch.Tensor  # (B,)
+    token_logps: torch.Tensor  # (2B, T): rows [0, B) chosen, [B, 2B) rejected

@@ -1,0 +1,695 @@
+"""DPO-family preference losses: pure functions over per-sequence log-probs, and their registry.
+
+Every loss reads the same six tensors, all of shape ``(B,)``:
+
+- ``policy_chosen``, ``policy_rejected``: the policy's SUM of completion-token log-probs;
+- ``ref_chosen``, ``ref_rejected``: the same sums under the reference (``None`` for the
+  reference-free losses ``simpo``, ``orpo`` and ``sft``);
+- ``chosen_tokens``, ``rejected_tokens``: the completion token counts, so length-normalised
+  losses (``ipo``, ``sigmoid_norm``, ``dpo_norm``, ``simpo``, ``orpo``, ``sft``) can be served
+  by the same cached sums as the sum losses.
+
+and returns ``(losses, chosen_rewards, rejected_rewards)``, each ``(B,)``: per-example losses
+(the caller takes the mean) and detached implicit rewards for logging.
+
+The names and formulas follow TRL 1.x ``DPOTrainer`` ``loss_type`` (``sigmoid`` ... ``sft``,
+``sigmoid_norm``), open-instruct (``dpo_norm``), TRL ``CPOTrainer`` (``simpo``) and TRL
+``ORPOTrainer`` (``orpo``). Where this module departs from TRL the docstring of the loss says
+so and why.
+
+Use :func:`preference_loss` (it validates, upcasts and combines); the functions in
+:data:`LOSSES` are the bare formulas. A new variant is a new function and one registry line.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "LOSSES",
+    "LossFn",
+    "LossSpec",
+    "needs_reference",
+    "parse_loss_spec",
+    "preference_loss",
+]
+
+LossOutput = tuple[Tensor, Tensor, Tensor]
+
+# The one default every loss shares (TRL DPOConfig/CPOConfig/ORPOConfig all use 0.1).
+DEFAULT_BETA = 0.1
+
+# Largest average log-prob ORPO feeds to log(1 - p): at exactly 0 the odds are infinite and the
+# gradient is NaN (TRL has that NaN); -1e-6 is a per-token probability of 0.999999.
+_ORPO_MAX_AVG_LOGP = -1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared pieces
+# ---------------------------------------------------------------------------------------------
+
+
+def _logratios(pc: Tensor, pr: Tensor, rc: Tensor, rr: Tensor) -> tuple[Tensor, Tensor]:
+    """log pi/pi_ref of chosen and of rejected; all ``(B,)``."""
+    return pc - rc, pr - rr
+
+
+def _sum_rewards(beta: float, pc: Tensor, pr: Tensor, rc: Tensor, rr: Tensor) -> tuple[Tensor, Tensor]:
+    """DPO implicit rewards beta * log(pi/pi_ref) on sums (DPO eq. 5); TRL 1.x logs these for
+    every ``loss_type``. ``(B,)`` each, detached."""
+    return (beta * (pc - rc)).detach(), (beta * (pr - rr)).detach()
+
+
+def _avg_rewards(beta: float, pc: Tensor, pr: Tensor, ct: Tensor, rt: Tensor) -> tuple[Tensor, Tensor]:
+    """Reference-free rewards beta * average log-prob (SimPO eq. 4, TRL ORPO/CPO). ``(B,)``."""
+    return (beta * pc / ct).detach(), (beta * pr / rt).detach()
+
+
+def _smoothed_sigmoid(logits: Tensor, label_smoothing: float) -> Tensor:
+    """Conservative-DPO BCE: the label is flipped with probability ``label_smoothing``
+    (Mitchell 2023, "A note on DPO with noisy preferences"). ``logits`` already carries beta.
+    ``(B,)`` in, ``(B,)`` out; equals -logsigmoid(logits) when label_smoothing is 0."""
+    return -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing
+
+
+def _nll(pc: Tensor, ct: Tensor) -> Tensor:
+    """Mean per-token NLL of each chosen completion, ``(B,)``: -(sum log-probs / tokens)."""
+    return -(pc / ct)
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses that need the reference. Argument order everywhere:
+#   pc, pr = policy chosen / rejected summed log-probs, (B,)
+#   rc, rr = reference chosen / rejected summed log-probs, (B,)
+#   ct, rt = chosen / rejected completion token counts (float, >= 1), (B,)
+# ---------------------------------------------------------------------------------------------
+
+
+def sigmoid_loss(pc, pr, rc, rr, ct, rt, *, beta: float, label_smoothing: float) -> LossOutput:
+    """DPO: Rafailov, Sharma, Mitchell, Ermon, Manning, Finn (2023), arXiv:2305.18290, eq. 7.
+
+    loss = -log sigma(beta * ((pc - rc) - (pr - rr))), with optional conservative-DPO label
+    smoothing (cDPO, Mitchell 2023). TRL 1.x's ``sigmoid`` has no label smoothing; at the
+    default ``label_smoothing=0`` the two agree exactly.
+
+    Args: pc, pr, rc, rr: summed log-probs ``(B,)``; ct, rt: token counts ``(B,)`` (unused).
+    Needs the reference.
+    """
+    chosen_lr, rejected_lr = _logratios(pc, pr, rc, rr)
+    losses = _smoothed_sigmoid(beta * (chosen_lr - rejected_lr), label_smoothing)
+    return (losses, *_sum_rewards(beta, pc, pr, rc, rr))
+
+
+def hinge_loss(pc, pr, rc, rr, ct, rt, *, beta: float) -> LossOutput:
+    """Hinge-norm loss of RSO: Liu, Zhao, Joshi, Khalman, Saleh, Liu, Liu (2023), arXiv:2309.06657
+    (sec. 3), the normalised-likelihood form of the SLiC calibration loss (Zhao et al. 2023,
+    arXiv:2305.10425, eq. 1): relu(1 - beta * ((pc - rc) - (pr - rr))). beta acts as 1/margin.
+
+    Args: pc, pr, rc, rr ``(B,)``; ct, rt ``(B,)`` unused. Needs the reference.
+    """
+    chosen_lr, rejected_lr = _logratios(pc, pr, rc, rr)
+    losses = torch.relu(1 - beta * (chosen_lr - rejected_lr))
+    return (losses, *_sum_rewards(beta, pc, pr, rc, rr))
+
+
+def ipo_loss(pc, pr, rc, rr, ct, rt, *, beta: float) -> LossOutput:
+    """IPO: Azar, Rowland, Piot, Guo, Calandriello, Valko, Munos (2023), arXiv:2310.12036,
+    eq. 17, with beta as the paper's tau.
+
+    loss = (h - 1/(2 beta))^2 with h = (pc - rc)/ct - (pr - rr)/rt. The per-token
+    normalisation is TRL's (confirmed with the IPO authors): on sums the square grows with
+    length and beta stops being comparable across data sets.
+
+    Args: pc, pr, rc, rr ``(B,)``; ct, rt token counts ``(B,)``. Needs the reference.
+    """
+    chosen_lr, rejected_lr = _logratios(pc, pr, rc, rr)
+    h = chosen_lr / ct - rejected_lr / rt
+    losses = (h - 1 / (2 * beta)) ** 2
+    return (losses, *_sum_rewards(beta, pc, pr, rc, rr))
+
+
+def exo_pair_loss(pc, pr, rc, rr, ct, rt, *, beta: float, label_smoothing: float) -> LossOutput:
+    """EXO (pairwise): Ji, Lu, Niu, Ke, Wang, Zhu, Tang, Huang (2024), arXiv:2402.00856, eq. 16.
+
+    Reverse KL between the policy's pairwise preference q = softmax(beta * logratios) and the
+    smoothed label p = (1 - eps, eps), eps = ``label_smoothing``:
+    q_w (log q_w - log(1 - eps)) + q_l (log q_l - log eps).
+    eps must lie in (0, 1): at 0 the second log is -inf (TRL 0.x silently swapped in 1e-3;
+    here 1e-3, the paper's value, is the default and 0 is an error).
+
+    Args: pc, pr, rc, rr ``(B,)``; ct, rt ``(B,)`` unused. Needs the reference.
+    """
+    chosen_lr, rejected_lr = _logratios(pc, pr, rc, rr)
+    logits = beta * (chosen_lr - rejected_lr)
+    losses = torch.sigmoid(logits) * (F.logsigmoid(logits) - math.log1p(-label_smoothing)) + torch.sigmoid(
+        -logits
+    ) * (F.logsigmoid(-logits) - math.log(label_smoothing))
+    return (losses, *_sum_rewards(beta, pc, pr, rc, rr))
+
+
+def nca_pair_loss(pc, pr, rc, rr, ct, rt, *, beta: float) -> LossOutput:
+    """NCA (pairwise): Chen, He, Yuan, Cui, Su, Zhu (2024), arXiv:2402.05369, sec. 4, the
+    preference-data (K=2) case TRL implements: -log sigma(r_w) - 1/2 log sigma(-r_w) - 1/2 log sigma(-r_l),
+    r = beta * log(pi/pi_ref). Unlike DPO it pushes the chosen likelihood up in absolute terms.
+
+    Args: pc, pr, rc, rr ``(B,)``; ct, rt ``(B,)`` unused. Needs the reference.
+    """
+    chosen_r, rejected_r = _logratios(pc, pr, rc, rr)
+    chosen_r, rejected_r = beta * chosen_r, beta * rejected_r
+    losses = -F.logsigmoid(chosen_r) - 0.5 * F.logsigmoid(-chosen_r) - 0.5 * F.logsigmoid(-rejected_r)
+    return (losses, *_sum_rewards(beta, pc, pr, rc, rr))
+
+
+def robust_loss(pc, pr, rc, rr, ct, rt, *, beta: float, label_smoothing: float) -> LossOutput:
+    """Robust DPO: Chowdhury, Kini, Natarajan (2024), arXiv:2403.00409, sec. 3 (the unbiased
+    estimator of the clean loss when labels flip with probability eps = ``label_smoothing``):
+    ((1 - eps) * -log sigma(z) - eps * -log sigma(-z)) / (1 - 2 eps), z = beta * margin.
+    eps must lie in [0, 0.5); at 0 this is ``sigmoid``.
+
+    Args: pc, pr, rc, rr ``(B,)``; ct, rt ``(B,)`` unused. Needs the reference.
+    """
+    chosen_lr, rejected_lr = _logratios(pc, pr, rc, rr)
+    z = beta * (chosen_lr - rejected_lr)
+    eps = label_smoothing
+    losses = (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
+    return (losses, *_sum_rewards(beta, pc, pr, rc, rr))
+
+
+def bco_pair_loss(pc, pr, rc, rr, ct, rt, *, beta: float, bco_delta: float) -> LossOutput:
+    """BCO (pairwise): Jung, Han, Nam, On (2024), arXiv:2404.04656, the BCO loss with reward
+    shift delta, applied to paired data:
+    -log sigma(r_w - delta) - log sigma(-(r_l - delta)), r = beta * log(pi/pi_ref).
+
+    delta is the reward shift: TRL 0.x kept a running mean of the batch rewards in the trainer,
+    TRL 1.x dropped it (delta = 0). To keep this function pure delta is the explicit param
+    ``bco_delta`` (default 0, TRL 1.x); a trainer that wants the paper's shift passes its
+    running mean of (chosen and rejected) rewards.
+
+    Args: pc, pr, rc, rr ``(B,)``; ct, rt ``(B,)`` unused. Needs the reference.
+    """
+    chosen_r, rejected_r = _logratios(pc, pr, rc, rr)
+    chosen_r, rejected_r = beta * chosen_r, beta * rejected_r
+    losses = -F.logsigmoid(chosen_r - bco_delta) - F.logsigmoid(-(rejected_r - bco_delta))
+    return (losses, *_sum_rewards(beta, pc, pr, rc, rr))
+
+
+def sppo_hard_loss(pc, pr, rc, rr, ct, rt, *, beta: float) -> LossOutput:
+    """SPPO, hard-label version: Wu, Sun, Yuan, Ji, Yang, Gu (2024), arXiv:2405.00675, eq. 4.7
+    of Algorithm 1 with P(winner) = 1 and P(loser) = 0 (as in TRL):
+    (log(pi/pi_ref)_w - 1/(2 beta))^2 + (log(pi/pi_ref)_l + 1/(2 beta))^2.
+
+    Args: pc, pr, rc, rr ``(B,)``; ct, rt ``(B,)`` unused. Needs the reference.
+    """
+    chosen_lr, rejected_lr = _logratios(pc, pr, rc, rr)
+    losses = (chosen_lr - 0.5 / beta) ** 2 + (rejected_lr + 0.5 / beta) ** 2
+    return (losses, *_sum_rewards(beta, pc, pr, rc, rr))
+
+
+def _aot_bce(sorted_delta: Tensor, beta: float, label_smoothing: float) -> Tensor:
+    """The AOT objective on batch-sorted margins, ``(B,)``: a smoothed logistic loss."""
+    return _smoothed_sigmoid(beta * sorted_delta, label_smoothing)
+
+
+def aot_loss(pc, pr, rc, rr, ct, rt, *, beta: float, label_smoothing: float) -> LossOutput:
+    """AOT (paired): Melnyk, Mroueh, Belgodere, Rigotti, Nitsure, Yurochkin, Greenewald,
+    Navratil, Ross (2024), arXiv:2406.05882, sec. 3 (paired AOT): first-order stochastic dominance of the
+    policy's over the reference's log-ratio distribution, via sorting over the batch.
+
+    delta_(i) = sort(pc - pr)_(i) - sort(rc - rr)_(i); loss as ``sigmoid`` on delta.
+    Entry i of ``losses`` belongs to the i-th quantile, not to example i (the mean is what
+    counts); the function is still a pure function of the batch.
+
+    Args: pc, pr, rc, rr ``(B,)``; ct, rt ``(B,)`` unused. Needs the reference.
+    """
+    policy_sorted, _ = torch.sort(pc - pr, dim=0)  # (B,)
+    ref_sorted, _ = torch.sort(rc - rr, dim=0)  # (B,)
+    losses = _aot_bce(policy_sorted - ref_sorted, beta, label_smoothing)
+    return (losses, *_sum_rewards(beta, pc, pr, rc, rr))
+
+
+def aot_unpaired_loss(pc, pr, rc, rr, ct, rt, *, beta: float, label_smoothing: float) -> LossOutput:
+    """AOT (unpaired): Melnyk et al. (2024), arXiv:2406.05882, sec. 3 (unpaired AOT): the chosen log-ratio
+    distribution should dominate the rejected one; chosen and rejected are sorted separately.
+
+    delta_(i) = sort(pc - rc)_(i) - sort(pr - rr)_(i); loss as ``sigmoid`` on delta.
+    As in ``aot``, entry i of ``losses`` is a quantile, not example i.
+
+    Args: pc, pr, rc, rr ``(B,)``; ct, rt ``(B,)`` unused. Needs the reference.
+    """
+    chosen_lr, rejected_lr = _logratios(pc, pr, rc, rr)
+    chosen_sorted, _ = torch.sort(chosen_lr, dim=0)  # (B,)
+    rejected_sorted, _ = torch.sort(rejected_lr, dim=0)  # (B,)
+    losses = _aot_bce(chosen_sorted - rejected_sorted, beta, label_smoothing)
+    return (losses, *_sum_rewards(beta, pc, pr, rc, rr))
+
+
+def apo_zero_loss(pc, pr, rc, rr, ct, rt, *, beta: float) -> LossOutput:
+    """APO-zero: D'Oosterlinck, Xu, Develder, Demeester, Singh, Potts, Kiela, Mehri (2024),
+    arXiv:2408.06266, eq. 7: (1 - sigma(r_w)) + sigma(r_l), r = beta * log(pi/pi_ref).
+    Raises chosen and lowers rejected likelihood; for chosen outputs better than the model's.
+
+    Args: pc, pr, rc, rr ``(B,)``; ct, rt ``(B,)`` unused. Needs the reference.
+    """
+    chosen_lr, rejected_lr = _logratios(pc, pr, rc, rr)
+    losses = (1 - torch.sigmoid(beta * chosen_lr)) + torch.sigmoid(beta * rejected_lr)
+    return (losses, *_sum_rewards(beta, pc, pr, rc, rr))
+
+
+def apo_down_loss(pc, pr, rc, rr, ct, rt, *, beta: float) -> LossOutput:
+    """APO-down: D'Oosterlinck et al. (2024), arXiv:2408.06266, eq. 8:
+    sigma(r_w) + (1 - sigma(r_w - r_l)). Lowers both likelihoods, rejected more; for chosen
+    outputs worse than the model's.
+
+    Args: pc, pr, rc, rr ``(B,)``; ct, rt ``(B,)`` unused. Needs the reference.
+    """
+    chosen_lr, rejected_lr = _logratios(pc, pr, rc, rr)
+    losses = torch.sigmoid(beta * chosen_lr) + (1 - torch.sigmoid(beta * (chosen_lr - rejected_lr)))
+    return (losses, *_sum_rewards(beta, pc, pr, rc, rr))
+
+
+def discopop_loss(pc, pr, rc, rr, ct, rt, *, beta: float, discopop_tau: float) -> LossOutput:
+    """DiscoPOP (log-ratio modulated loss): Chris Lu, Holt, Fanconi, Chan, Foerster, van der
+    Schaar, Lange (2024), arXiv:2406.08414, eq. 5.
+
+    With z = beta * margin and m = sigma(z / tau): loss = (1 - m) * -log sigma(z) + m * exp(-z).
+    m * exp(-z) is evaluated as exp(-z + log sigma(z / tau)): the same number, but TRL's
+    product overflows to inf * 0 = NaN once z < -88 in float32.
+
+    Args: pc, pr, rc, rr ``(B,)``; ct, rt ``(B,)`` unused. Needs the reference.
+    """
+    chosen_lr, rejected_lr = _logratios(pc, pr, rc, rr)
+    z = beta * (chosen_lr - rejected_lr)
+    logistic = -F.logsigmoid(z) * torch.sigmoid(-z / discopop_tau)  # (1 - m) = sigma(-z/tau)
+    exponential = torch.exp(-z + F.logsigmoid(z / discopop_tau))
+    return (logistic + exponential, *_sum_rewards(beta, pc, pr, rc, rr))
+
+
+def sigmoid_norm_loss(pc, pr, rc, rr, ct, rt, *, beta: float) -> LossOutput:
+    """Length-normalised DPO, TRL 1.x ``sigmoid_norm`` (DPO eq. 7, Rafailov et al. 2023,
+    arXiv:2305.18290, on per-token log-ratios as in SimPO, Meng et al. 2024, arXiv:2405.14734):
+    -log sigma(beta * ((pc - rc)/ct - (pr - rr)/rt)).
+
+    Same loss as ``dpo_norm``; the rewards differ: TRL logs sum rewards beta*(pc - rc) for
+    every loss type, and this keeps that.
+
+    Args: pc, pr, rc, rr ``(B,)``; ct, rt token counts ``(B,)``. Needs the reference.
+    """
+    chosen_lr, rejected_lr = _logratios(pc, pr, rc, rr)
+    losses = -F.logsigmoid(beta * (chosen_lr / ct - rejected_lr / rt))
+    return (losses, *_sum_rewards(beta, pc, pr, rc, rr))
+
+
+def dpo_norm_loss(pc, pr, rc, rr, ct, rt, *, beta: float, label_smoothing: float) -> LossOutput:
+    """open-instruct ``dpo_norm`` (length-normalised DPO of Tulu 3, Lambert et al. 2024, arXiv:2411.15124):
+    DPO eq. 7 (arXiv:2305.18290) on length-normalised log-probs, i.e. every sum divided by
+    its token count for policy and reference alike, with cDPO label smoothing.
+
+    Rewards are on the normalised values: beta * (pc/ct - rc/ct), beta * (pr/rt - rr/rt).
+
+    Args: pc, pr, rc, rr ``(B,)``; ct, rt token counts ``(B,)``. Needs the reference.
+    """
+    pc, pr, rc, rr = pc / ct, pr / rt, rc / ct, rr / rt
+    chosen_lr, rejected_lr = _logratios(pc, pr, rc, rr)
+    losses = _smoothed_sigmoid(beta * (chosen_lr - rejected_lr), label_smoothing)
+    return (losses, *_sum_rewards(beta, pc, pr, rc, rr))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference-free losses: rc, rr are accepted (and ignored) so every loss has one signature.
+# ---------------------------------------------------------------------------------------------
+
+
+def simpo_loss(pc, pr, rc, rr, ct, rt, *, beta: float, gamma: float, label_smoothing: float) -> LossOutput:
+    """SimPO: Meng, Xia, Chen (2024), arXiv:2405.14734, eq. 6:
+    -log sigma(beta * pc/ct - beta * pr/rt - gamma), with cDPO label smoothing as the SimPO
+    trainer has it.
+
+    ``gamma`` is the absolute target reward margin (TRL ``CPOConfig.simpo_gamma``, default 0.5,
+    with beta 0.1). The paper's own trainer takes gamma/beta instead (``gamma_beta_ratio``)
+    and uses beta ~2.0-2.5 with gamma/beta ~0.5: pass beta=2.0, gamma=1.0 for that regime.
+    Rewards: beta * average log-prob (SimPO eq. 4).
+
+    Args: pc, pr ``(B,)``; rc, rr ignored (may be None); ct, rt token counts ``(B,)``.
+    Reference-free.
+    """
+    logits = beta * (pc / ct) - beta * (pr / rt) - gamma
+    losses = _smoothed_sigmoid(logits, label_smoothing)
+    return (losses, *_avg_rewards(beta, pc, pr, ct, rt))
+
+
+def _log1mexp(x: Tensor) -> Tensor:
+    """log(1 - exp(x)) for x < 0, accurate at both ends (Maechler 2012, "Accurately computing
+    log(1 - exp(-|a|))"): expm1 near 0, log1p far from it. ``(B,)`` in and out."""
+    return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def orpo_loss(pc, pr, rc, rr, ct, rt, *, beta: float, orpo_alpha: float) -> LossOutput:
+    """ORPO: Hong, Lee, Thorne (2024), arXiv:2403.07691, eqs. 4-7 (odds, odds ratio, L_ORPO, L_OR).
+
+    With average log-probs a = sum/tokens, log odds(y) = a - log(1 - exp(a)):
+    loss = NLL_chosen - lambda * log sigma(log odds(y_w) - log odds(y_l)), lambda =
+    ``orpo_alpha`` (TRL ``ORPOConfig.beta``, default 0.1), NLL = -(pc / ct).
+    ``beta`` here only scales the logged rewards beta * a (TRL uses one beta for both; at the
+    defaults the two agree).
+
+    Departures from TRL: the NLL is per example (mean over examples of each one's per-token
+    mean) where TRL takes one token-weighted mean over the batch; the average log-prob fed to
+    log(1 - exp(a)) is capped at -1e-6, where TRL returns a NaN gradient at a = 0.
+
+    Args: pc, pr ``(B,)``; rc, rr ignored (may be None); ct, rt token counts ``(B,)``.
+    Reference-free.
+    """
+    avg_c = (pc / ct).clamp(max=_ORPO_MAX_AVG_LOGP)
+    avg_r = (pr / rt).clamp(max=_ORPO_MAX_AVG_LOGP)
+    log_odds = (avg_c - avg_r) - (_log1mexp(avg_c) - _log1mexp(avg_r))  # log of eq. 5's odds ratio
+    losses = _nll(pc, ct) - orpo_alpha * F.logsigmoid(log_odds)  # eqs. 6-7
+    return (losses, *_avg_rewards(beta, pc, pr, ct, rt))
+
+
+def sft_loss(pc, pr, rc, rr, ct, rt, *, beta: float) -> LossOutput:
+    """SFT on the chosen completion, TRL 1.x ``sft``: the generation loss L_gen of MPO (Wang,
+    Chen, Wang, et al. 2024, arXiv:2411.10442, sec. 3, L = w_p L_p + w_q L_q + w_g L_gen),
+    -(pc / ct), the mean per-token NLL of each chosen completion.
+
+    TRL computes one token-weighted mean over the whole batch and repeats it per example; here
+    each example has its own mean (the batch mean is then over examples). Rewards: beta *
+    average log-prob, as for the other reference-free losses (TRL 1.x logs sum rewards
+    against the reference, which a reference-free loss may not have).
+
+    Args: pc, pr ``(B,)``; rc, rr ignored (may be None); ct, rt token counts ``(B,)``.
+    Reference-free.
+    """
+    return (_nll(pc, ct), *_avg_rewards(beta, pc, pr, ct, rt))
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LossFn:
+    """A registry entry: the pure loss function, whether it reads the reference log-probs, and
+    the params it takes with their defaults (the only place those defaults live).
+
+    Calling the entry fills in the defaults: ``LOSSES["ipo"](pc, pr, rc, rr, ct, rt, beta=0.5)``.
+    It does not validate or upcast; :func:`preference_loss` does.
+    """
+
+    fn: Callable[..., LossOutput]
+    needs_reference: bool
+    defaults: Mapping[str, float]
+
+    def __call__(self, pc, pr, rc, rr, ct, rt, **params: float) -> LossOutput:
+        return self.fn(pc, pr, rc, rr, ct, rt, **{**self.defaults, **params})
+
+
+def _ref(fn: Callable[..., LossOutput], **defaults: float) -> LossFn:
+    return LossFn(fn, needs_reference=True, defaults=MappingProxyType({"beta": DEFAULT_BETA, **defaults}))
+
+
+def _free(fn: Callable[..., LossOutput], **defaults: float) -> LossFn:
+    return LossFn(fn, needs_reference=False, defaults=MappingProxyType({"beta": DEFAULT_BETA, **defaults}))
+
+
+LOSSES: Mapping[str, LossFn] = MappingProxyType(
+    {
+        "sigmoid": _ref(sigmoid_loss, label_smoothing=0.0),
+        "hinge": _ref(hinge_loss),
+        "ipo": _ref(ipo_loss),
+        "exo_pair": _ref(exo_pair_loss, label_smoothing=1e-3),
+        "nca_pair": _ref(nca_pair_loss),
+        "robust": _ref(robust_loss, label_smoothing=0.0),
+        "bco_pair": _ref(bco_pair_loss, bco_delta=0.0),
+        "sppo_hard": _ref(sppo_hard_loss),
+        "aot": _ref(aot_loss, label_smoothing=0.0),
+        "aot_unpaired": _ref(aot_unpaired_loss, label_smoothing=0.0),
+        "apo_zero": _ref(apo_zero_loss),
+        "apo_down": _ref(apo_down_loss),
+        "discopop": _ref(discopop_loss, discopop_tau=0.05),
+        "sigmoid_norm": _ref(sigmoid_norm_loss),
+        "dpo_norm": _ref(dpo_norm_loss, label_smoothing=0.0),
+        "simpo": _free(simpo_loss, gamma=0.5, label_smoothing=0.0),
+        "orpo": _free(orpo_loss, orpo_alpha=0.1),
+        "sft": _free(sft_loss),
+    }
+)
+
+# Params that apply on top of any loss, with their defaults. rpo_alpha: RPO, Pang, Yuan, Cho,
+# He, Sukhbaatar, Weston (2024), arXiv:2404.19733, sec. 2 (the DPO+NLL loss): + alpha * the
+# length-normalised NLL of the chosen. The paper weights the DPO term instead; TRL 0.x (and
+# this) weight the NLL term, so rpo_alpha = 1/paper_alpha up to the overall scale.
+GLOBAL_DEFAULTS: Mapping[str, float | None] = MappingProxyType({"rpo_alpha": None})
+
+
+def _known_params() -> list[str]:
+    names = {p for entry in LOSSES.values() for p in entry.defaults} | set(GLOBAL_DEFAULTS)
+    return sorted(names)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss specs: one loss or a weighted sum of several
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """A weighted sum of registry losses plus the params they share.
+
+    ``terms`` is ``((name, weight), ...)``; ``params`` maps param name to value, and a loss reads
+    the ones it declares (unset ones take that loss's default). ``str(spec)`` gives the
+    canonical spec string, e.g. ``"sigmoid:1,sft:0.5"``.
+    """
+
+    terms: tuple[tuple[str, float], ...]
+    params: Mapping[str, float | None] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return ",".join(f"{name}:{weight:g}" for name, weight in self.terms)
+
+    @property
+    def needs_reference(self) -> bool:
+        return any(LOSSES[name].needs_reference for name, _ in self.terms)
+
+
+def _check_name(name: str) -> str:
+    if name not in LOSSES:
+        raise ValueError(f"unknown loss {name!r}; known losses: {', '.join(LOSSES)}")
+    return name
+
+
+def _check_weight(name: str, weight: float) -> float:
+    weight = float(weight)
+    # A negative weight turns minimisation into maximisation: almost surely a typo.
+    if not math.isfinite(weight) or weight < 0:
+        raise ValueError(f"loss weight for {name!r} must be a finite number >= 0, got {weight}")
+    return weight
+
+
+def _parse_string(spec: str) -> list[tuple[str, float]]:
+    """``"sigmoid"``, ``"sigmoid,sft"`` or ``"sigmoid:1.0,sft:0.5"`` -> [(name, weight), ...]."""
+    terms = []
+    for part in spec.split(","):
+        name, sep, weight = part.strip().partition(":")
+        if not name.strip():
+            raise ValueError(f"empty loss name in loss spec {spec!r}")
+        try:
+            value = float(weight) if sep else 1.0
+        except ValueError:
+            raise ValueError(f"loss weight {weight!r} in loss spec {spec!r} is not a number") from None
+        terms.append((name.strip(), value))
+    return terms
+
+
+def _check_params(params: Mapping[str, float | None]) -> None:
+    unknown = sorted(set(params) - set(_known_params()))
+    if unknown:
+        raise ValueError(f"unknown loss param(s) {unknown}; known params: {', '.join(_known_params())}")
+
+
+def parse_loss_spec(
+    spec: str | Sequence[str] | Sequence[tuple[str, float]] | LossSpec,
+    weights: Sequence[float] | None = None,
+    **params: float | None,
+) -> LossSpec:
+    """Build a :class:`LossSpec` from any of the accepted forms.
+
+    Args:
+        spec: a loss name (``"sigmoid"``), a spec string (``"sigmoid:1.0,sft:0.5"``; a missing
+            weight is 1), a list of names (``["sigmoid", "sft"]``, weights from ``weights``),
+            a list of ``(name, weight)`` pairs, or a ``LossSpec`` (its params are kept;
+            ``params`` given here override them).
+        weights: one weight per name when ``spec`` is a list of names; default all 1.
+        **params: loss params (``beta``, ``label_smoothing``, ...); None means the default.
+
+    Raises:
+        ValueError: unknown loss or param, a repeated loss, a bad or mismatched weight.
+    """
+    if isinstance(spec, LossSpec):
+        if weights is not None:
+            raise ValueError("weights cannot be given with a LossSpec; it already has its weights")
+        terms, params = list(spec.terms), {**spec.params, **params}
+    elif isinstance(spec, str):
+        terms = _parse_string(spec)
+        if weights is not None:
+            if any(":" in part for part in spec.split(",")):
+                raise ValueError(f"loss spec {spec!r} has weights already; do not also pass weights")
+            terms = _zip_weights([name for name, _ in terms], weights)
+    else:
+        items = list(spec)
+        if items and all(isinstance(item, str) for item in items):
+            terms = _zip_weights(items, weights) if weights is not None else [(n, 1.0) for n in items]
+        elif items and all(isinstance(item, (tuple, list)) and len(item) == 2 for item in items):
+            if weights is not None:
+                raise ValueError("weights cannot be given with (name, weight) pairs")
+            terms = [(str(name), weight) for name, weight in items]
+        else:
+            raise ValueError(f"loss spec must be a name, a spec string or a non-empty list, got {spec!r}")
+    terms = [(_check_name(name), _check_weight(name, weight)) for name, weight in terms]
+    names = [name for name, _ in terms]
+    if len(set(names)) != len(names):
+        raise ValueError(f"loss spec repeats a loss: {names}; give each loss once with its weight")
+    _check_params(params)
+    # None means "this loss's default", so a config can leave a param unset without knowing
+    # each loss's default (exo_pair's label_smoothing is 1e-3, the others' 0).
+    params = {k: v for k, v in params.items() if v is not None}
+    return LossSpec(tuple(terms), MappingProxyType(params))
+
+
+def _zip_weights(names: list[str], weights: Sequence[float]) -> list[tuple[str, float]]:
+    weights = list(weights)
+    if len(weights) != len(names):
+        raise ValueError(f"{len(weights)} weights given for {len(names)} losses {names}")
+    return list(zip(names, weights))
+
+
+def needs_reference(name_or_spec: str | Sequence[str] | LossSpec) -> bool:
+    """True when the loss (or any loss of the spec) reads reference log-probs."""
+    return parse_loss_spec(name_or_spec).needs_reference
+
+
+# ---------------------------------------------------------------------------------------------
+# The entry point
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_values(spec: LossSpec) -> None:
+    """Reject param values the formulas cannot take, naming the loss."""
+    for name, _ in spec.terms:
+        p = {**LOSSES[name].defaults, **{k: v for k, v in spec.params.items() if k in LOSSES[name].defaults}}
+        # IPO, SPPO and the SimPO ratio divide by beta; a non-positive beta flips every loss.
+        if not p["beta"] > 0:
+            raise ValueError(f"{name}: beta must be > 0, got {p['beta']}")
+        eps = p.get("label_smoothing")
+        if name == "exo_pair" and not 0 < eps < 1:
+            raise ValueError(f"exo_pair: label_smoothing (the paper's epsilon) must be in (0, 1), got {eps}")
+        if name == "robust" and not 0 <= eps < 0.5:
+            raise ValueError(f"robust: label_smoothing (the flip rate) must be in [0, 0.5), got {eps}")
+        if eps is not None and name not in ("exo_pair", "robust") and not 0 <= eps <= 0.5:
+            raise ValueError(f"{name}: label_smoothing must be in [0, 0.5], got {eps}")
+        if name == "discopop" and not p["discopop_tau"] > 0:
+            raise ValueError(f"discopop: discopop_tau must be > 0, got {p['discopop_tau']}")
+    rpo_alpha = spec.params.get("rpo_alpha", GLOBAL_DEFAULTS["rpo_alpha"])
+    if rpo_alpha is not None and not (math.isfinite(rpo_alpha) and rpo_alpha >= 0):
+        raise ValueError(f"rpo_alpha must be None or a finite number >= 0, got {rpo_alpha}")
+
+
+def _prepare(spec: LossSpec, tensors: dict[str, Tensor | None]) -> list[Tensor | None]:
+    """Check shapes and reference presence; upcast to at least float32; clamp counts to >= 1.
+    Returns the tensors in the order given (the loss functions' argument order).
+
+    Upcast because a bf16 sum of ~300 log-probs has a resolution of 2 nats: the policy-minus-
+    reference differences the losses are made of would be noise. Token counts are clamped at 1
+    (as TRL does) so an empty completion divides by 1, not 0.
+    """
+    if spec.needs_reference and (tensors["ref_chosen"] is None or tensors["ref_rejected"] is None):
+        needing = [name for name, _ in spec.terms if LOSSES[name].needs_reference]
+        raise ValueError(
+            f"loss {', '.join(needing)} needs reference log-probs, but ref_chosen/ref_rejected is None; "
+            f"reference-free losses: {', '.join(n for n, e in LOSSES.items() if not e.needs_reference)}"
+        )
+    present = {k: v for k, v in tensors.items() if v is not None}
+    for key, value in present.items():
+        if not isinstance(value, Tensor) or value.dim() != 1:
+            shape = getattr(value, "shape", type(value).__name__)
+            raise ValueError(f"{key} must be a 1-D tensor of shape (B,), got {shape}")
+    sizes = {key: value.shape[0] for key, value in present.items()}
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"all inputs must have the same batch size B, got {sizes}")
+    dtype = torch.promote_types(tensors["policy_chosen"].dtype, torch.float32)
+    out = {k: v.to(dtype) if v is not None else None for k, v in tensors.items()}
+    for key in ("chosen_tokens", "rejected_tokens"):
+        out[key] = out[key].clamp(min=1.0)
+    return list(out.values())
+
+
+def preference_loss(
+    name: str | Sequence[str] | LossSpec,
+    policy_chosen: Tensor,
+    policy_rejected: Tensor,
+    ref_chosen: Tensor | None,
+    ref_rejected: Tensor | None,
+    chosen_tokens: Tensor,
+    rejected_tokens: Tensor,
+    **params: float | None,
+) -> LossOutput:
+    """Per-example preference losses and detached rewards for one batch.
+
+    Args:
+        name: a loss name (``"sigmoid"``), a spec string (``"sigmoid:1,sft:0.5"``), a list of
+            names, or a :class:`LossSpec`. A spec gives the weighted sum of its losses.
+        policy_chosen: policy summed completion log-probs of the chosen responses, ``(B,)``.
+        policy_rejected: same for the rejected responses, ``(B,)``.
+        ref_chosen: reference summed log-probs of chosen, ``(B,)``; None allowed only when
+            every loss of the spec is reference-free.
+        ref_rejected: same for rejected, ``(B,)`` or None.
+        chosen_tokens: completion token counts of chosen, ``(B,)``, int or float.
+        rejected_tokens: completion token counts of rejected, ``(B,)``, int or float.
+        **params: ``beta``, ``label_smoothing``, ``gamma`` (SimPO), ``orpo_alpha``,
+            ``discopop_tau``, ``bco_delta``, ``rpo_alpha`` (adds rpo_alpha * -(pc/ct) to
+            every example's loss, RPO arXiv:2404.19733). Each loss reads the ones it declares
+            in :data:`LOSSES`; an unset (or None) one takes that loss's default. Params known
+            to the registry but read by no loss of the spec are accepted and ignored, so one
+            config can drive any loss.
+
+    Returns:
+        ``(losses, chosen_rewards, rejected_rewards)``, each ``(B,)`` in float32 (float64 if the
+        inputs are): losses differentiable w.r.t. the policy inputs; rewards detached, those of
+        the first loss in the spec.
+
+    Raises:
+        ValueError: unknown loss or param, bad param value, missing reference, bad shapes.
+    """
+    spec = parse_loss_spec(name, **params)
+    _check_values(spec)
+    args = _prepare(
+        spec,
+        {
+            "policy_chosen": policy_chosen,
+            "policy_rejected": policy_rejected,
+            "ref_chosen": ref_chosen,
+            "ref_rejected": ref_rejected,
+            "chosen_tokens": chosen_tokens,
+            "rejected_tokens": rejected_tokens,
+        },
+    )
+    pc, _, _, _, ct, _ = args
+    total, rewards = None, None
+    for loss_name, weight in spec.terms:
+        entry = LOSSES[loss_name]
+        own = {k: v for k, v in spec.params.items() if k in entry.defaults}
+        losses, chosen_r, rejected_r = entry(*args, **own)
+        total = weight * losses if total is None else total + weight * losses
+        if rewards is None:  # rewards are those of the first loss of the spec
+            rewards = (chosen_r, rejected_r)
+    rpo_alpha = spec.params.get("rpo_alpha", GLOBAL_DEFAULTS["rpo_alpha"])
+    if rpo_alpha is not None:
+        total = total + rpo_alpha * _nll(pc, ct)  # RPO's DPO+NLL loss
+    return total, rewards[0], rewards[1]

@@ -1,0 +1,129 @@
+"""The reference model: frozen, inference only, with counters that prove when it ran.
+
+Either a model of its own (``from_pretrained``) or the policy itself with its LoRA adapter
+disabled (``from_peft_policy``): the DPO reference of a LoRA run is the base model, never the
+adapter-on model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .logprobs import CompletionLogProbs, autocast
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
+    """``auto`` → bfloat16 where the hardware runs it natively (CUDA with bf16, CPUs with
+    AVX512-BF16 or AMX), else float32."""
+    if name == "auto":
+        device = torch.device(device)
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got '{name}'")
+    return DTYPES[name]
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(f in flags for f in ("avx512_bf16", "amx_bf16"))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """DPO compares log-probs of the same sequence under two models; dropout would make them
+    random. TRL and open-instruct disable it too."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
+def load_causal_lm(path: str | Path, device: torch.device | str = "cpu", attn_implementation: str | None = "sdpa") -> nn.Module:
+    """Load a causal LM in fp32 (the master weights; lower precision is applied by autocast,
+    so the reference and the training forward compute the same numbers)."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"dtype": torch.float32}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    except (ValueError, ImportError):
+        # Some architectures have no SDPA kernel; their own default is the right choice.
+        kwargs.pop("attn_implementation", None)
+        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    disable_dropout(model)
+    return model.to(device)
+
+
+class ReferenceModel:
+    """Frozen log-prob scorer. ``logprobs`` runs under ``inference_mode`` and counts its work."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.float32, compile: bool = False,
+                 adapter_disabled: bool = False):
+        self.model = model
+        self.dtype = dtype
+        self.device = next(model.parameters()).device
+        self.adapter_disabled = adapter_disabled
+        if not adapter_disabled:
+            model.eval()
+            model.requires_grad_(False)
+        self._scorer = CompletionLogProbs(model)
+        self._run = torch.compile(self._scorer, dynamic=True) if compile else self._scorer
+        self.forward_passes = 0
+        self.tokens = 0
+        self.seconds = 0.0
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device | None = None,
+                        compile: bool = False) -> "ReferenceModel":
+        device = torch.device(device) if device is not None else default_device()
+        if isinstance(dtype, str):
+            dtype = resolve_dtype(dtype, device)
+        return cls(load_causal_lm(path, device), dtype, compile)
+
+    @classmethod
+    def from_peft_policy(cls, policy: nn.Module, dtype: torch.dtype = torch.float32) -> "ReferenceModel":
+        """The policy's base weights, with every LoRA adapter disabled during each call."""
+        if not hasattr(policy, "disable_adapter"):
+            raise TypeError("from_peft_policy needs a PEFT model (with disable_adapter)")
+        return cls(policy, dtype, adapter_disabled=True)
+
+    def _adapter_context(self):
+        return self.model.disable_adapter() if self.adapter_disabled else contextlib.nullcontext()
+
+    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+        """``(N, T)`` inputs → ``(N, T)`` fp32 per-token log-probs, 0 at prompt and padding."""
+        start = time.perf_counter()
+        was_training = self.model.training
+        self.model.eval()  # an adapter-disabled policy may be in train mode
+        try:
+            with torch.inference_mode(), autocast(self.dtype, self.device), self._adapter_context():
+                out = self._run(input_ids.to(self.device), attention_mask.to(self.device), completion_mask.to(self.device))
+        finally:
+            self.model.train(was_training)
+        self.forward_passes += 1
+        self.tokens += int(attention_mask.sum())
+        self.seconds += time.perf_counter() - start
+        return out
