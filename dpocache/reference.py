@@ -19,6 +19,10 @@ from .logprobs import CompletionLogProbs, autocast
 
 log = logging.getLogger(__name__)
 
+# Reference forward passes run in this process, by any ReferenceModel: training records it
+# before its first step and after its last to prove it made none.
+FORWARD_PASSES = 0
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -124,6 +128,8 @@ class ReferenceModel:
         finally:
             self.model.train(was_training)
         self.forward_passes += 1
+        global FORWARD_PASSES
+        FORWARD_PASSES += 1
         self.tokens += int(attention_mask.sum())
         self.seconds += time.perf_counter() - start
         return out

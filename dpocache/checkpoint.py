@@ -1,0 +1,122 @@
+"""Training checkpoints: loadable by transformers and PEFT as they are, plus the optimizer,
+scheduler and RNG state needed to resume exactly. No pickle: tensors go to safetensors, the
+rest to JSON.
+
+Layout of ``OUTPUT/checkpoints/step-000100/``::
+
+    model.safetensors + config.json      (full fine-tuning; save_pretrained)
+    adapter_model.safetensors + adapter_config.json   (LoRA; PEFT save_pretrained)
+    tokenizer files
+    optimizer.safetensors                AdamW moments, ``state.<param index>.<name>``
+    trainer_state.json                   step, optimizer param groups, scheduler, RNG, config
+
+A checkpoint is written to ``step-N.tmp`` and renamed when complete, so a crash mid-save
+leaves the previous checkpoint the newest complete one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .cache.atomic import atomic_write_text
+
+STATE_FILE = "trainer_state.json"
+
+
+def checkpoint_dir(output_dir: Path, step: int) -> Path:
+    return output_dir / "checkpoints" / f"step-{step:06d}"
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    root = output_dir / "checkpoints"
+    if not root.exists():
+        return None
+    done = sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp") and (p / STATE_FILE).exists())
+    return done[-1] if done else None
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    state = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for idx, values in state["state"].items():
+        for name, value in values.items():
+            if torch.is_tensor(value):
+                tensors[f"state.{idx}.{name}"] = value.detach().cpu().contiguous()
+            else:
+                scalars[f"{idx}.{name}"] = value
+    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
+
+
+def save_checkpoint(output_dir: Path, step: int, model, tokenizer, optimizer, scheduler, extra: dict, keep: int) -> Path:
+    """Write checkpoint ``step`` atomically and keep only the newest ``keep``."""
+    final = checkpoint_dir(output_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    tensors, opt_meta = _optimizer_tensors(optimizer)
+    tensors["rng.torch"] = torch.get_rng_state()
+    if torch.cuda.is_available():
+        tensors["rng.cuda"] = torch.cuda.get_rng_state()
+    save_file(tensors, str(tmp / "optimizer.safetensors"))
+    state = {"step": step, "optimizer": opt_meta, "scheduler": scheduler.state_dict(), **extra}
+    atomic_write_text(tmp / STATE_FILE, json.dumps(state, indent=1, default=str))
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    _prune(output_dir, keep)
+    return final
+
+
+def _prune(output_dir: Path, keep: int) -> None:
+    root = output_dir / "checkpoints"
+    done = sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
+    for old in done[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_trainer_state(ckpt: Path, optimizer, scheduler) -> dict:
+    """Restore optimizer, scheduler and RNG from ``ckpt``; returns the saved state dict."""
+    state = json.loads((ckpt / STATE_FILE).read_text())
+    tensors = load_file(str(ckpt / "optimizer.safetensors"))
+    opt_state: dict = {}
+    for key, value in tensors.items():
+        if key.startswith("state."):
+            _, idx, name = key.split(".", 2)
+            opt_state.setdefault(int(idx), {})[name] = value
+    for key, value in state["optimizer"]["scalars"].items():
+        idx, name = key.split(".", 1)
+        opt_state.setdefault(int(idx), {})[name] = value
+    optimizer.load_state_dict({"state": opt_state, "param_groups": state["optimizer"]["param_groups"]})
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(tensors["rng.torch"])
+    if "rng.cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["rng.cuda"])
+    return state
+
+
+def load_model_weights(ckpt: Path, model) -> None:
+    """Load a checkpoint's weights into the live policy (full or LoRA)."""
+    adapter = ckpt / "adapter_model.safetensors"
+    if adapter.exists():
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, load_file(str(adapter)))
+        return
+    from transformers.modeling_utils import load_sharded_checkpoint
+
+    if (ckpt / "model.safetensors").exists():
+        state = load_file(str(ckpt / "model.safetensors"))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        # Tied weights (lm_head = embeddings) are saved once; anything else missing is an error.
+        real_missing = [k for k in missing if "lm_head" not in k]
+        if real_missing or unexpected:
+            raise RuntimeError(f"{ckpt}: weights do not match the model (missing {real_missing[:5]}, unexpected {unexpected[:5]})")
+    else:
+        load_sharded_checkpoint(model, str(ckpt), strict=False)

@@ -1,0 +1,152 @@
+"""Metric reduction, the JSONL/TensorBoard writers, FLOPs and MFU."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from .distributed import DistEnv, all_reduce_sum
+
+
+class MetricWindow:
+    """Sums of per-example metrics over a logging window, reduced across ranks on read.
+
+    Everything is stored as (sum, weight) so that a mean over several micro-batches, steps and
+    ranks is the mean over all their examples (or tokens, for token-weighted metrics), not a
+    mean of means.
+    """
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = defaultdict(float)
+        self.weights: dict[str, float] = defaultdict(float)
+        self.totals: set[str] = set()  # names reported as sums (token counts), not means
+
+    def add(self, name: str, total: float, weight: float) -> None:
+        self.sums[name] += total
+        self.weights[name] += weight
+
+    def add_total(self, name: str, value: float) -> None:
+        self.totals.add(name)
+        self.add(name, value, 1.0)
+
+    def add_mean(self, name: str, values: torch.Tensor) -> None:
+        """Add a ``(B,)`` tensor of per-example values."""
+        self.add(name, float(values.detach().float().sum()), values.numel())
+
+    def reduce(self, env: DistEnv) -> dict[str, float]:
+        names = sorted(self.sums)
+        if not names:
+            return {}
+        packed = torch.tensor([[self.sums[n], self.weights[n]] for n in names], dtype=torch.float64)  # (K, 2)
+        packed = all_reduce_sum(env, packed.to(env.device)).cpu()
+        return {n: (s if n in self.totals else s / w if w else float("nan")) for n, (s, w) in zip(names, packed.tolist())}
+
+    def clear(self) -> None:
+        self.sums.clear()
+        self.weights.clear()
+        self.totals.clear()
+
+
+class MetricsWriter:
+    """``metrics.jsonl`` (one object per line), and TensorBoard events if asked and installed."""
+
+    def __init__(self, output_dir: Path, tensorboard: bool = False, enabled: bool = True):
+        self.enabled = enabled
+        self.path = output_dir / "metrics.jsonl"
+        self._tb = None
+        if enabled and tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(output_dir / "tensorboard"))
+            except ImportError:
+                print("tensorboard is not installed; writing metrics.jsonl only")
+
+    def truncate_after(self, step: int) -> None:
+        """Drop lines logged after ``step`` (a resumed run rewrites them)."""
+        if not self.enabled or not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, record["step"])
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(output_dir: str | Path) -> list[dict]:
+    path = Path(output_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ----------------------------------------------------------------------------- FLOPs and MFU
+
+
+def count_params(model: torch.nn.Module, trainable_only: bool = False) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+def forward_flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: float) -> float:
+    """Forward FLOPs per token: 2N for the matmuls with the weights plus 4·L·H·T for the
+    attention scores and values (Kaplan et al. 2020; PaLM, Chowdhery et al. 2022, appendix B).
+    Embedding lookups are not matmuls, but N includes them: a small overestimate for big
+    models, which is the convention MFU figures use."""
+    return 2.0 * n_params + 4.0 * n_layers * hidden * seq_len
+
+
+def train_flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: float) -> float:
+    """Forward + backward: three times the forward (6N + 12·L·H·T)."""
+    return 3.0 * forward_flops_per_token(n_params, n_layers, hidden, seq_len)
+
+
+def model_shape(model: torch.nn.Module) -> tuple[int, int]:
+    """(layers, hidden) from a transformers config."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", 0)
+    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 0)
+    return int(layers), int(hidden)
+
+
+_PEAK_CACHE: dict[tuple[str, str], float] = {}
+
+
+def measured_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 2048, seconds: float = 0.5) -> float:
+    """The machine's matmul throughput (FLOP/s) for ``dtype``, measured: the best of repeated
+    ``size``×``size`` products. MFU is reported against this, not a datasheet figure."""
+    key = (str(device), str(dtype))
+    if key in _PEAK_CACHE:
+        return _PEAK_CACHE[key]
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    best = float("inf")
+    deadline = time.perf_counter() + seconds
+    torch.mm(a, b)  # warm-up: library initialisation, AMX tile configuration
+    while time.perf_counter() < deadline or best == float("inf"):
+        _sync(device)
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    _PEAK_CACHE[key] = 2.0 * size**3 / best
+    return _PEAK_CACHE[key]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

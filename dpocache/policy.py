@@ -1,0 +1,94 @@
+"""The policy: loading (full or LoRA), the optimizer, the schedule, distributed wrapping."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .config import Config
+from .distributed import DistEnv
+from .reference import load_causal_lm
+
+
+def load_policy(cfg: Config, device: torch.device) -> nn.Module:
+    """fp32 master weights (autocast supplies bf16 compute). With ``lora.r > 0`` a fresh PEFT
+    LoRA adapter is added; a PEFT adapter directory as ``model.path`` is loaded trainable."""
+    path = Path(cfg.model.path)
+    adapter_config = path / "adapter_config.json"
+    if adapter_config.exists():
+        from peft import PeftModel
+
+        base = json.loads(adapter_config.read_text())["base_model_name_or_path"]
+        model = PeftModel.from_pretrained(load_causal_lm(base, device, cfg.model.attn_implementation), str(path), is_trainable=True)
+    else:
+        model = load_causal_lm(path, device, cfg.model.attn_implementation)
+        if cfg.lora.r > 0:
+            model = add_lora(model, cfg)
+    if cfg.model.gradient_checkpointing:
+        # Non-reentrant: works with inputs that do not require grad (frozen embeddings in LoRA).
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "enable_input_require_grads"):
+            model.enable_input_require_grads()
+    model.config.use_cache = False
+    return model.to(device)
+
+
+def add_lora(model: nn.Module, cfg: Config) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    targets = cfg.lora.target_modules
+    lora = LoraConfig(
+        r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout, task_type="CAUSAL_LM",
+        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
+    )
+    return get_peft_model(model, lora)
+
+
+def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on biases and norm weights (1-D parameters), as is standard."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 else decay).append(p)
+    o = cfg.optim
+    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+
+
+def lr_multiplier(step: int, total: int, warmup: int, schedule: str) -> float:
+    """Linear warm-up over ``warmup`` steps, then linear or cosine decay to 0 at ``total``."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup) / max(1, total - warmup)
+    progress = min(1.0, max(0.0, progress))
+    if schedule == "linear":
+        return 1.0 - progress
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"optim.schedule must be linear, cosine or constant; got '{schedule}'")
+
+
+def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int):
+    warmup = int(round(cfg.optim.warmup_ratio * total_steps))
+    lr_multiplier(0, total_steps, warmup, cfg.optim.schedule)  # validate the schedule name now
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, total_steps, warmup, cfg.optim.schedule))
+
+
+def wrap_for_distributed(scorer: nn.Module, policy: nn.Module, cfg: Config, env: DistEnv) -> nn.Module:
+    """DDP (or FSDP2 with ``distributed.fsdp``) around the log-prob module under torchrun."""
+    if not env.enabled:
+        return scorer
+    if cfg.distributed.fsdp:
+        from .fsdp import shard_policy
+
+        return shard_policy(scorer, policy, env)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    device_ids = [env.device.index] if env.device.type == "cuda" else None
+    return DDP(scorer, device_ids=device_ids)

@@ -1,0 +1,388 @@
+"""The training loop: setup → (train_step → log → evaluate → checkpoint)* → save. Read top to
+bottom.
+
+The reference model never runs here. Before the first step every training (and eval) pair
+must have a cached reference value; what is missing is built by ``dpocache.cache`` (from
+``model.ref_model`` if given, else the initial policy's weights), and the reference model is
+freed before the policy is loaded. ``run.json`` records where the values came from and that no
+reference forward pass ran during training.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from . import __version__, reference as reference_mod
+from .batching import collate_pairs, pair_logprobs, training_order
+from .cache import CacheStore, build_missing, default_cache_dir, namespace_for_dir
+from .cache.build import reference_weights_dir
+from .checkpoint import latest_checkpoint, load_model_weights, load_trainer_state, save_checkpoint
+from .config import Config
+from .data import PreferenceData, TokenizedPair, load_preference_data
+from .distributed import DistEnv, all_reduce_max, barrier, init_distributed
+from .logprobs import CompletionLogProbs, autocast
+from .losses import parse_loss_spec, preference_loss
+from .metrics import (MetricWindow, MetricsWriter, count_params, measured_peak_flops, model_shape,
+                      train_flops_per_token)
+from .policy import build_optimizer, build_scheduler, load_policy, wrap_for_distributed
+from .reference import ReferenceModel, dtype_name, resolve_dtype
+
+
+class TrainingDiverged(RuntimeError):
+    pass
+
+
+@dataclass
+class ReferenceValues:
+    """Cached reference sums aligned with a data set's pairs."""
+
+    chosen: torch.Tensor  # (N,) float32
+    rejected: torch.Tensor  # (N,)
+
+
+@dataclass
+class Run:
+    cfg: Config
+    env: DistEnv
+    out: Path
+    dtype: torch.dtype
+    tokenizer: object
+    train_data: PreferenceData
+    eval_data: PreferenceData | None
+    ref_train: ReferenceValues | None
+    ref_eval: ReferenceValues | None
+    spec: object  # losses.LossSpec
+    policy: torch.nn.Module  # the (PEFT-wrapped) causal LM, for saving
+    scorer: torch.nn.Module  # CompletionLogProbs over the policy, DDP/FSDP-wrapped when distributed
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    total_steps: int
+    steps_per_epoch: int
+    writer: MetricsWriter
+    info: dict = field(default_factory=dict)  # what run.json records
+    step: int = 0
+
+
+# ------------------------------------------------------------------------------------ setup
+
+
+def setup(cfg: Config) -> Run:
+    env = init_distributed(cfg.model.device, cfg.distributed.backend)
+    if cfg.model.path is None or cfg.data.train is None:
+        raise ValueError("model.path (--model) and data.train (--data) are required")
+    out = Path(cfg.train.output_dir)
+    if env.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+    barrier(env)
+    dtype = resolve_dtype(cfg.model.dtype, env.device)
+    torch.manual_seed(cfg.train.seed)
+    from .cache_cli import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model.path)
+    train_data = _load_data(cfg, cfg.data.train, tokenizer, env)
+    eval_data = _load_data(cfg, cfg.data.eval, tokenizer, env) if cfg.data.eval else None
+    spec = parse_loss_spec(cfg.loss.name, **cfg.loss.params())
+    ref_train, ref_eval, ref_info = prepare_reference(cfg, env, dtype, spec, tokenizer, train_data, eval_data)
+    policy = load_policy(cfg, env.device)
+    scorer = wrap_for_distributed(CompletionLogProbs(policy), policy, cfg, env)
+    global_batch = cfg.train.batch_size * cfg.train.grad_accum * env.world_size
+    steps_per_epoch = len(train_data) // global_batch
+    if steps_per_epoch == 0:
+        raise ValueError(f"{cfg.data.train}: {len(train_data)} pairs is less than one global batch ({global_batch})")
+    total = cfg.train.max_steps if cfg.train.max_steps is not None else cfg.train.epochs * steps_per_epoch
+    optimizer = build_optimizer(cfg, policy)
+    scheduler = build_scheduler(cfg, optimizer, total)
+    writer = MetricsWriter(out, cfg.train.tensorboard, enabled=env.is_main)
+    run = Run(cfg, env, out, dtype, tokenizer, train_data, eval_data, ref_train, ref_eval, spec, policy, scorer,
+              optimizer, scheduler, total, steps_per_epoch, writer)
+    run.info = _run_info(run, ref_info)
+    if cfg.train.resume:
+        resume(run)
+    return run
+
+
+def _load_data(cfg: Config, source: str, tokenizer, env: DistEnv) -> PreferenceData:
+    data = load_preference_data(source, tokenizer, cfg.data.max_length, cfg.data.max_prompt_length,
+                                cfg.data.skip_invalid, show_progress=env.is_main and cfg.train.progress)
+    if data.skipped and env.is_main:
+        print(f"{source}: skipped {len(data.skipped)} invalid rows, first: {data.skipped[0]}", file=sys.stderr)
+    return data
+
+
+def prepare_reference(cfg: Config, env: DistEnv, dtype: torch.dtype, spec, tokenizer, train_data: PreferenceData,
+                      eval_data: PreferenceData | None):
+    """Reference sums for every pair, from the cache; builds what is missing first, then frees
+    the reference model. Returns (train values, eval values, report for run.json)."""
+    if not spec.needs_reference:
+        return None, None, {"source": "none (reference-free loss)", "forward_passes_during_training": 0}
+    ref_dir = reference_weights_dir(cfg.model.ref_model or cfg.model.path)
+    cache_dir = Path(cfg.cache.dir) if cfg.cache.dir else default_cache_dir()
+    store = CacheStore(cache_dir, namespace_for_dir(ref_dir, dtype, cache_dir))
+    pairs = train_data.pairs + (eval_data.pairs if eval_data else [])
+    summary = None
+    if env.is_main:
+        store.open(quarantine=True)
+        for bad in store.corrupt:
+            print(f"corrupt shard {store.dir / bad.file}: {bad.reason}; recomputing its pairs", file=sys.stderr)
+        summary = build_missing(
+            store, pairs, lambda: ReferenceModel.from_pretrained(ref_dir, dtype, env.device),
+            pad_id=tokenizer.pad_token_id or 0, max_tokens=cfg.cache.max_tokens, shard_pairs=cfg.cache.shard_size,
+            show_progress=cfg.train.progress,
+        )
+        gc.collect()  # the reference model is unreachable now; give its memory back
+    barrier(env)
+    store.open()
+    train_vals = store.lookup([p.key for p in train_data.pairs])
+    eval_vals = store.lookup([p.key for p in eval_data.pairs]) if eval_data else None
+    info = {
+        "source": "cache", "cache_dir": str(store.dir), "namespace": store.namespace.id, "model": str(ref_dir),
+        "dtype": dtype_name(dtype), "pairs": len(set(p.key for p in pairs)),
+        "computed": summary.computed if summary else None, "reused": summary.reused if summary else None,
+    }
+    return (ReferenceValues(train_vals.chosen_logps, train_vals.rejected_logps),
+            ReferenceValues(eval_vals.chosen_logps, eval_vals.rejected_logps) if eval_vals else None, info)
+
+
+def _run_info(run: Run, ref_info: dict) -> dict:
+    import peft
+    import transformers
+
+    return {
+        "config": run.cfg.to_dict(),
+        "versions": {"dpocache": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+                     "peft": peft.__version__, "python": platform.python_version()},
+        "device": str(run.env.device), "world_size": run.env.world_size, "dtype": dtype_name(run.dtype),
+        "data": {"train_pairs": len(run.train_data), "train_skipped": len(run.train_data.skipped),
+                 "eval_pairs": len(run.eval_data) if run.eval_data else 0},
+        "policy": {"parameters": count_params(run.policy), "trainable": count_params(run.policy, trainable_only=True)},
+        "loss": str(run.spec), "total_steps": run.total_steps,
+        "reference": ref_info,
+        # Counted, not asserted: every ReferenceModel forward in this process increments it.
+        "_ref_passes_at_start": reference_mod.FORWARD_PASSES,
+    }
+
+
+def resume(run: Run) -> None:
+    ckpt = latest_checkpoint(run.out)
+    if ckpt is None:
+        if run.env.is_main:
+            print(f"no checkpoint in {run.out / 'checkpoints'}; starting from step 0", file=sys.stderr)
+        return
+    load_model_weights(ckpt, run.policy)
+    state = load_trainer_state(ckpt, run.optimizer, run.scheduler)
+    run.step = state["step"]
+    run.writer.truncate_after(run.step)
+    if run.env.is_main:
+        print(f"resumed from {ckpt} at step {run.step}", file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------- one step
+
+
+def step_indices(run: Run, step: int, micro: int) -> list[int]:
+    """Pair indices of this rank's micro-batch ``micro`` of optimizer step ``step``.
+
+    The global batch of a step is a slice of the epoch's seeded permutation; micro-batch ``a``
+    of rank ``r`` is its ``(a * world + r)``-th block of ``batch_size``. So a run on W ranks
+    with batch b sees exactly the pairs of a 1-rank run with batch W*b.
+    """
+    cfg, env = run.cfg.train, run.env
+    global_batch = cfg.batch_size * cfg.grad_accum * env.world_size
+    epoch, within = divmod(step, run.steps_per_epoch)
+    order = training_order(len(run.train_data), cfg.seed, epoch)
+    start = within * global_batch + (micro * env.world_size + env.rank) * cfg.batch_size
+    return order[start:start + cfg.batch_size]
+
+
+def batch_losses(run: Run, pairs: list[TokenizedPair], ref: ReferenceValues | None, idx: list[int], window: MetricWindow,
+                 prefix: str = ""):
+    """Policy forward on ``pairs``, the loss per example ``(B,)``, and the metrics recorded."""
+    batch = collate_pairs(pairs, run.tokenizer.pad_token_id or 0).to(run.env.device)
+    with autocast(run.dtype, run.env.device):
+        lp = pair_logprobs(run.scorer, batch)
+    ref_c = ref.chosen[idx].to(run.env.device) if ref is not None else None
+    ref_r = ref.rejected[idx].to(run.env.device) if ref is not None else None
+    losses, rc, rr = preference_loss(run.spec, lp.chosen_logps, lp.rejected_logps, ref_c, ref_r, lp.chosen_tokens,
+                                     lp.rejected_tokens)
+    window.add_mean(prefix + "loss", losses)
+    window.add_mean(prefix + "rewards/chosen", rc)
+    window.add_mean(prefix + "rewards/rejected", rr)
+    window.add_mean(prefix + "rewards/average", (rc + rr) / 2)
+    # A tie (policy == reference) counts half: accuracy starts at chance, 0.5, not 0.
+    window.add_mean(prefix + "rewards/accuracies", (rc > rr).float() + 0.5 * (rc == rr).float())
+    window.add_mean(prefix + "rewards/margins", rc - rr)
+    window.add_mean(prefix + "logps/chosen", lp.chosen_logps)
+    window.add_mean(prefix + "logps/rejected", lp.rejected_logps)
+    if _has_nll(run):
+        window.add_mean(prefix + "sft_loss", -(lp.chosen_logps.detach() / lp.chosen_tokens.clamp(min=1)))
+    window.add_total(prefix + "tokens", float(batch.attention_mask.sum()))
+    return losses
+
+
+def _has_nll(run: Run) -> bool:
+    names = {n for n, _ in run.spec.terms}
+    return bool(names & {"sft", "orpo"}) or run.spec.params.get("rpo_alpha") is not None
+
+
+def train_step(run: Run, window: MetricWindow) -> None:
+    """One optimizer step over ``grad_accum`` micro-batches."""
+    cfg = run.cfg.train
+    run.scorer.train()
+    for micro in range(cfg.grad_accum):
+        idx = step_indices(run, run.step, micro)
+        pairs = [run.train_data.pairs[i] for i in idx]
+        sync = micro == cfg.grad_accum - 1
+        with _no_sync(run.scorer, sync):
+            losses = batch_losses(run, pairs, run.ref_train, idx, window)
+            loss = losses.mean() / cfg.grad_accum
+            _check_finite(run, loss)
+            loss.backward()
+    max_norm = run.cfg.optim.max_grad_norm
+    params = [p for p in run.policy.parameters() if p.requires_grad]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+    window.add("grad_norm", float(grad_norm), 1.0)
+    window.add("lr", run.scheduler.get_last_lr()[0], 1.0)
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.step += 1
+
+
+def _no_sync(scorer, sync: bool):
+    import contextlib
+
+    if sync or not hasattr(scorer, "no_sync"):
+        return contextlib.nullcontext()
+    return scorer.no_sync()
+
+
+def _check_finite(run: Run, loss: torch.Tensor) -> None:
+    bad = torch.tensor([0.0 if torch.isfinite(loss) else 1.0], device=run.env.device)
+    if all_reduce_max(run.env, bad).item() > 0:
+        last = latest_checkpoint(run.out)
+        raise TrainingDiverged(
+            f"step {run.step + 1}: the loss is {float(loss)} (not finite). Stopped without saving; the last good "
+            f"checkpoint is {last if last else 'none (no checkpoint was saved yet)'}. Try a lower --lr or --beta."
+        )
+
+
+# ------------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> dict[str, float]:
+    """Loss, reward accuracy and margin on the eval set against its cached reference."""
+    if run.eval_data is None:
+        return {}
+    run.scorer.eval()
+    window = MetricWindow()
+    n, env = len(run.eval_data), run.env
+    bs = run.cfg.train.eval_batch_size or run.cfg.train.batch_size
+    mine = list(range(env.rank, n, env.world_size))  # each rank scores its stride of the set
+    for start in range(0, len(mine), bs):
+        idx = mine[start:start + bs]
+        batch_losses(run, [run.eval_data.pairs[i] for i in idx], run.ref_eval, idx, window, prefix="eval/")
+    metrics = window.reduce(env)
+    metrics.pop("eval/tokens", None)
+    return metrics
+
+
+# ------------------------------------------------------------------------------------ loop
+
+
+def log_window(run: Run, window: MetricWindow, seconds: float, flops_per_token: float, peak: float) -> dict:
+    m = window.reduce(run.env)
+    tokens = m.pop("tokens", 0.0)  # all ranks'
+    record = {"step": run.step, "epoch": run.step / run.steps_per_epoch, **m}
+    record["tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0
+    record["mfu"] = record["tokens_per_s"] * flops_per_token / peak if peak > 0 else 0.0
+    run.writer.write(record)
+    window.clear()
+    return record
+
+
+def train(cfg: Config) -> dict:
+    """Run a whole training job; returns the final summary (also written to run.json)."""
+    run = setup(cfg)
+    layers, hidden = model_shape(run.policy)
+    mean_len = sum(p.num_tokens for p in run.train_data.pairs) / (2 * len(run.train_data))
+    flops_per_token = train_flops_per_token(count_params(run.policy), layers, hidden, mean_len)
+    peak = measured_peak_flops(run.env.device, run.dtype)
+    _write_run_json(run)
+    if run.step == 0:
+        _log_eval(run)
+    bar = tqdm(total=run.total_steps, initial=run.step, desc="train", unit="step", dynamic_ncols=True,
+               disable=not (run.env.is_main and cfg.train.progress))
+    window, t0 = MetricWindow(), time.perf_counter()
+    while run.step < run.total_steps:
+        train_step(run, window)
+        bar.update(1)
+        last = run.step == run.total_steps
+        if run.step % cfg.train.logging_steps == 0 or last:
+            record = log_window(run, window, time.perf_counter() - t0, flops_per_token, peak)
+            bar.set_postfix(loss=f"{record['loss']:.4f}", acc=f"{record['rewards/accuracies']:.2f}",
+                            tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+            t0 = time.perf_counter()
+        if cfg.train.eval_steps and run.step % cfg.train.eval_steps == 0 and not last:
+            _log_eval(run)
+        if cfg.train.save_steps and run.step % cfg.train.save_steps == 0 and not last:
+            _save(run)
+    bar.close()
+    final_eval = _log_eval(run)
+    _save(run)
+    final_dir = save_final(run)
+    summary = _finish(run, final_eval, final_dir)
+    run.writer.close()
+    return summary
+
+
+def _log_eval(run: Run) -> dict:
+    metrics = evaluate(run)
+    if metrics:
+        run.writer.write({"step": run.step, "epoch": run.step / run.steps_per_epoch, **metrics})
+    return metrics
+
+
+def _save(run: Run) -> None:
+    if run.env.is_main:
+        extra = {"config": run.cfg.to_dict(), "epoch": run.step / run.steps_per_epoch}
+        save_checkpoint(run.out, run.step, run.policy, run.tokenizer, run.optimizer, run.scheduler, extra,
+                        run.cfg.train.save_total_limit)
+    barrier(run.env)
+
+
+def save_final(run: Run) -> Path:
+    final = run.out / "final"
+    if run.env.is_main:
+        run.policy.save_pretrained(final)
+        run.tokenizer.save_pretrained(final)
+    barrier(run.env)
+    return final
+
+
+def _finish(run: Run, final_eval: dict, final_dir: Path) -> dict:
+    passes = reference_mod.FORWARD_PASSES - run.info.pop("_ref_passes_at_start")
+    if run.info["reference"].get("source") == "cache":
+        run.info["reference"]["forward_passes_during_training"] = passes
+    run.info["final"] = {"step": run.step, "eval": final_eval, "output": str(final_dir)}
+    _write_run_json(run)
+    if run.cfg.train.push_to_hub and run.env.is_main:
+        from .hub import push_folder
+
+        push_folder(final_dir, run.cfg.train.push_to_hub)
+    return run.info
+
+
+def _write_run_json(run: Run) -> None:
+    if run.env.is_main:
+        info = {k: v for k, v in run.info.items() if not k.startswith("_")}
+        (run.out / "run.json").write_text(json.dumps(info, indent=1, default=str))

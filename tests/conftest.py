@@ -1,0 +1,90 @@
+"""Shared fixtures: a tokenizer, tiny models (in memory and saved with ``save_pretrained``) and
+a generated preference data set. Everything is built offline and once per session."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+# Two threads keep CPU timings steady on small CI machines; set before torch starts its pools.
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+WORDS = (
+    "the of and to in is that for it as was with be by on not this are or from at which but have "
+    "sort sorted list numbers answer question please order ascending model reward prompt cache "
+    "token train step loss good bad yes"
+).split()
+
+
+def make_rows(n: int, seed: int = 0, min_prompt: int = 3, max_prompt: int = 24, max_completion: int = 18) -> list[dict]:
+    """``n`` standard-format rows of varied lengths; every row is distinct (its number is in
+    the prompt), so every row has its own key."""
+    rng = random.Random(seed)
+
+    def words(k: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(k))
+
+    rows = []
+    for i in range(n):
+        prompt = f"row {seed}-{i}: " + words(rng.randint(min_prompt, max_prompt))
+        chosen = " " + words(rng.randint(1, max_completion))
+        rejected = " " + words(rng.randint(1, max_completion))
+        rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+    return rows
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from dpocache.tiny import build_tokenizer
+
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tokenizer):
+    """``arch -> model`` built from config (fp32, eval mode); callers must not mutate them."""
+    from dpocache.tiny import ARCHITECTURES, build_model
+
+    models = {}
+    for arch in ARCHITECTURES:
+        m = build_model(arch, tokenizer)
+        m.eval()
+        models[arch] = m
+    return models
+
+
+def _save_model(out: Path, tokenizer, arch: str, seed: int) -> Path:
+    from dpocache.tiny import build_model
+
+    out.mkdir(parents=True, exist_ok=True)
+    build_model(arch, tokenizer, seed=seed).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory, tokenizer) -> Path:
+    """A tiny llama with its tokenizer, saved as a Hugging Face model directory."""
+    return _save_model(tmp_path_factory.mktemp("llama-seed0"), tokenizer, "llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def other_model_dir(tmp_path_factory, tokenizer) -> Path:
+    """Same architecture and config as ``model_dir``, different weights."""
+    return _save_model(tmp_path_factory.mktemp("llama-seed1"), tokenizer, "llama", seed=1)
+
+
+@pytest.fixture(scope="session")
+def pref_rows() -> list[dict]:
+    return make_rows(48)
+
+
+@pytest.fixture(scope="session")
+def pref_jsonl(tmp_path_factory, pref_rows) -> Path:
+    from dpocache.data import write_jsonl
+
+    return write_jsonl(pref_rows, tmp_path_factory.mktemp("data") / "prefs.jsonl")
