@@ -62,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:
+        # The config tree's flags are parsed by dpocache.config, not argparse (which would take
+        # the value of an unknown flag for the positional CONFIG).
+        argv = ["train", "--", *argv[1:]]
     args, extra = build_parser().parse_known_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if extra and args.command != "train":

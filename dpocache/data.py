@@ -16,8 +16,9 @@ Truncation rule (``max_length`` L, ``max_prompt_length`` P): a sequence is promp
 completion, and both sequences of a pair must fit in L tokens.
 
 1. If the prompt plus the longer completion fits, nothing is cut.
-2. Otherwise the prompt keeps its *last* ``max(P, L - longest completion)`` tokens (its end is
-   what the completion answers), never fewer than it has to.
+2. Otherwise the prompt keeps its *last* ``max(P, L - longest completion, 1)`` tokens (its end
+   is what the completion answers), never fewer than it has to, and never none: the first
+   completion token is scored from the prompt's last position.
 3. Each completion then keeps its *first* ``L - kept prompt`` tokens.
 
 A pair whose kept prompt leaves no room for a completion is a bad row.
@@ -323,7 +324,9 @@ def truncate_pair(
     longest = max(len(chosen), len(rejected))
     if len(prompt) + longest > max_length:
         floor = max_prompt_length if max_prompt_length is not None else max_length // 2
-        keep = min(len(prompt), max(floor, max_length - longest))
+        # At least one prompt token: a completion token at position 0 predicts from nothing
+        # and would be counted but never scored.
+        keep = min(len(prompt), max(floor, max_length - longest, 1))
         prompt = prompt[len(prompt) - keep:]
         room = max_length - len(prompt)
         chosen, rejected = chosen[:room], rejected[:room]

@@ -37,6 +37,12 @@ def make_rows(n: int, seed: int = 0, min_prompt: int = 3, max_prompt: int = 24, 
     return rows
 
 
+@pytest.fixture(scope="session", name="make_rows")
+def make_rows_fixture():
+    """The ``make_rows`` function, for tests that generate their own rows."""
+    return make_rows
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from dpocache.tiny import build_tokenizer
