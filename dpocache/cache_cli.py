@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 
-from .cache import CacheStore, build_missing, default_cache_dir, export_rows, namespace_for_dir, verify
-from .cache.build import DEFAULT_MAX_TOKENS, namespace_dirs, open_namespace_dir, reference_weights_dir
+from .cache import CacheStore, default_cache_dir, export_rows, namespace_for_dir, verify
+from .cache.build import DEFAULT_MAX_TOKENS, build_distributed, namespace_dirs, open_namespace_dir, reference_weights_dir
 from .data import PreferenceData, load_preference_data
+from .distributed import destroy, init_distributed
 from .reference import ReferenceModel, default_device, dtype_name, resolve_dtype
 
 
@@ -35,9 +36,10 @@ def load_tokenizer(model_path: str | Path):
         return AutoTokenizer.from_pretrained(str(reference_weights_dir(path)))
 
 
-def _load_data(args, tokenizer) -> PreferenceData:
-    data = load_preference_data(args.data, tokenizer, args.max_length, args.max_prompt_length, args.skip_invalid)
-    if data.skipped:
+def _load_data(args, tokenizer, verbose: bool = True) -> PreferenceData:
+    data = load_preference_data(args.data, tokenizer, args.max_length, args.max_prompt_length, args.skip_invalid,
+                                show_progress=verbose)
+    if data.skipped and verbose:
         print(f"skipped {len(data.skipped)} invalid rows:", file=sys.stderr)
         for s in data.skipped[:20]:
             print(f"  {s}", file=sys.stderr)
@@ -46,40 +48,54 @@ def _load_data(args, tokenizer) -> PreferenceData:
     return data
 
 
-def _open_store(args, device) -> tuple[CacheStore, torch.dtype]:
+def _open_store(args, device, open_now: bool = True, verbose: bool = True) -> tuple[CacheStore, torch.dtype]:
     dtype = resolve_dtype(args.dtype, device)
-    if args.dtype == "auto":
+    if args.dtype == "auto" and verbose:
         print(f"dtype: {dtype_name(dtype)} (auto, chosen for {device.type})", file=sys.stderr)
     cache_dir = args.cache_dir or default_cache_dir()
     store = CacheStore(cache_dir, namespace_for_dir(args.model, dtype, cache_dir))
-    store.open(quarantine=args.cache_command == "build")
-    for bad in store.corrupt:
-        print(f"corrupt shard {store.dir / bad.file}: {bad.reason}; not loaded", file=sys.stderr)
+    if open_now:
+        store.open(quarantine=args.cache_command == "build")
+        for bad in store.corrupt:
+            print(f"corrupt shard {store.dir / bad.file}: {bad.reason}; not loaded", file=sys.stderr)
     return store, dtype
 
 
 def _reference_loader(args, dtype, device):
-    return lambda: ReferenceModel.from_pretrained(reference_weights_dir(args.model), dtype, device)
+    return lambda: ReferenceModel.from_pretrained(reference_weights_dir(args.model), dtype, device, layout=args.layout)
 
 
 def cmd_build(args) -> int:
-    device = torch.device(args.device) if args.device else default_device()
-    tokenizer = load_tokenizer(args.model)
-    data = _load_data(args, tokenizer)
-    store, dtype = _open_store(args, device)
-    summary = build_missing(
-        store, data.pairs, _reference_loader(args, dtype, device), pad_id=tokenizer.pad_token_id or 0,
-        per_token=args.per_token, max_tokens=args.max_tokens or DEFAULT_MAX_TOKENS, shard_pairs=args.shard_size,
-    )
-    s = summary
-    print(f"pairs {s.pairs} (unique {s.unique}): computed {s.computed}, reused {s.reused}")
-    print(f"tokens {s.tokens} in {s.seconds:.1f} s ({s.tokens_per_s:.0f} tokens/s), peak memory {_human_bytes(s.peak_memory_bytes)}")
+    """Under torchrun every rank scores its token-balanced share of the missing pairs
+    (``build_distributed``); rank 0 prints the totals."""
+    env = init_distributed(args.device)
+    try:
+        tokenizer = load_tokenizer(args.model)
+        data = _load_data(args, tokenizer, verbose=env.is_main)
+        store, dtype = _open_store(args, env.device, open_now=False, verbose=env.is_main)
+        summary = build_distributed(
+            store, data.pairs, _reference_loader(args, dtype, env.device), env, pad_id=tokenizer.pad_token_id or 0,
+            per_token=args.per_token, max_tokens=args.max_tokens or DEFAULT_MAX_TOKENS, shard_pairs=args.shard_size,
+        )
+        if env.is_main:
+            _print_build_summary(args, summary, store, dtype, data)
+    finally:
+        destroy(env)
+    return 0
+
+
+def _print_build_summary(args, s, store: CacheStore, dtype: torch.dtype, data: PreferenceData) -> None:
+    for bad in s.corrupt_shards:
+        print(f"corrupt shard {store.dir / bad}; not loaded", file=sys.stderr)
+    ranks = f" on {s.world_size} ranks" if s.world_size > 1 else ""
+    print(f"pairs {s.pairs} (unique {s.unique}): computed {s.computed}{ranks}, reused {s.reused}")
+    print(f"tokens {s.tokens} in {s.seconds:.1f} s ({s.tokens_per_s:.0f} tokens/s), peak memory {_human_bytes(s.peak_memory_bytes)}"
+          + (" (largest rank)" if s.world_size > 1 else ""))
     print(f"cache {s.cache_dir} (dtype {dtype_name(dtype)}, {len(store)} pairs stored, {_human_bytes(store.size_bytes())})")
     if args.json:
         out = s.to_json()
         out["skipped"] = len(data.skipped)
         print(json.dumps(out))
-    return 0
 
 
 def cmd_info(args) -> int:
@@ -106,7 +122,7 @@ def cmd_verify(args) -> int:
     tokenizer = load_tokenizer(args.model)
     data = _load_data(args, tokenizer)
     store, dtype = _open_store(args, device)
-    reference = ReferenceModel.from_pretrained(reference_weights_dir(args.model), dtype, device)
+    reference = ReferenceModel.from_pretrained(reference_weights_dir(args.model), dtype, device, layout=args.layout)
     report = verify(store, data.pairs, reference, args.samples, args.seed, tokenizer.pad_token_id or 0,
                     args.max_tokens or DEFAULT_MAX_TOKENS)
     print(f"checked {report.checked} pairs: max |stored - recomputed| = {report.max_abs_diff:.3g}")
@@ -135,11 +151,15 @@ def cmd_export(args) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
+
+    if args.cache_command != "build" and int(os.environ.get("RANK", "0")) != 0:
+        return 0  # only build shares its work across torchrun's ranks; the others run once, on rank 0
     commands = {"build": cmd_build, "info": cmd_info, "verify": cmd_verify, "export": cmd_export}
-    from .cache import MissingReferenceError
+    from .cache import CacheError
 
     try:
         return commands[args.cache_command](args)
-    except MissingReferenceError as err:
+    except CacheError as err:  # a missing value, or a distributed build that left holes
         print(f"dpocache: error: {err}", file=sys.stderr)
         return 1

@@ -109,14 +109,20 @@ def load_model_weights(ckpt: Path, model) -> None:
 
         set_peft_model_state_dict(model, load_file(str(adapter)))
         return
-    from transformers.modeling_utils import load_sharded_checkpoint
-
+    # save_pretrained writes one model.safetensors, or shards listed in an index for big models.
+    # (transformers 5 moved its load_sharded_checkpoint out of modeling_utils; reading the
+    # index here needs no transformers internals.)
+    index = ckpt / "model.safetensors.index.json"
     if (ckpt / "model.safetensors").exists():
         state = load_file(str(ckpt / "model.safetensors"))
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        # Tied weights (lm_head = embeddings) are saved once; anything else missing is an error.
-        real_missing = [k for k in missing if "lm_head" not in k]
-        if real_missing or unexpected:
-            raise RuntimeError(f"{ckpt}: weights do not match the model (missing {real_missing[:5]}, unexpected {unexpected[:5]})")
+    elif index.exists():
+        state = {}
+        for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+            state.update(load_file(str(ckpt / shard)))
     else:
-        load_sharded_checkpoint(model, str(ckpt), strict=False)
+        raise FileNotFoundError(f"{ckpt}: no model.safetensors, model.safetensors.index.json or adapter_model.safetensors")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # Tied weights (lm_head = embeddings) are saved once; anything else missing is an error.
+    real_missing = [k for k in missing if "lm_head" not in k]
+    if real_missing or unexpected:
+        raise RuntimeError(f"{ckpt}: weights do not match the model (missing {real_missing[:5]}, unexpected {unexpected[:5]})")

@@ -92,6 +92,7 @@ class TrainLoopConfig:
 class CacheConfig:
     dir: str | None = None  # default: $DPOCACHE_CACHE_DIR or ~/.cache/dpocache
     max_tokens: int = 16384  # padded tokens per reference forward
+    layout: str = "shared"  # reference pass: shared (each prompt once, dpocache.prefix) | padded (two rows per pair)
     shard_size: int = 4096
 
 
@@ -156,6 +157,10 @@ def _coerce(dotted: str, annotation: Any, value: Any) -> Any:
         if optional:
             return None
         raise ConfigError(f"{dotted}: cannot be empty")
+    if isinstance(value, (dict, list)):
+        # A YAML list or mapping where a scalar belongs: str() would accept it silently, int()
+        # and float() raise TypeError.
+        raise ConfigError(f"{dotted}: expected {getattr(base, '__name__', base)}, got {value!r}")
     try:
         if base is bool:
             if isinstance(value, bool):

@@ -2,16 +2,23 @@
 
 Without ``torchrun`` (no ``WORLD_SIZE`` in the environment) everything here is a no-op for a
 world of one, so single-process code paths are the same code.
+
+Only small tensors ever cross ranks here (metric sums, counters, flags): the reference cache
+is shared through the file system, and the model through DDP/FSDP's own collectives.
 """
 
 from __future__ import annotations
 
 import datetime
+import heapq
 import os
 from dataclasses import dataclass
+from typing import Callable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -20,6 +27,7 @@ class DistEnv:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    owns_group: bool = False  # this process group was created by init_distributed (destroy it at the end)
 
     @property
     def is_main(self) -> bool:
@@ -31,7 +39,11 @@ class DistEnv:
 
 
 def init_distributed(device: str | None = None, backend: str | None = None) -> DistEnv:
-    """Join the process group torchrun describes (gloo on CPU, nccl on CUDA, unless given)."""
+    """Join the process group torchrun describes: nccl on CUDA, gloo on CPU, unless given.
+
+    Each rank uses ``cuda:LOCAL_RANK`` when CUDA is used. Calling it again (the cache build
+    inside training) returns the same environment without re-initialising.
+    """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -39,17 +51,23 @@ def init_distributed(device: str | None = None, backend: str | None = None) -> D
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     if dev.type == "cuda":
-        dev = torch.device("cuda", local_rank)
+        dev = torch.device("cuda", local_rank if dev.index is None or world > 1 else dev.index)
         torch.cuda.set_device(dev)
+    owns = False
     if world > 1 and not dist.is_initialized():
         backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
-    return DistEnv(rank, world, local_rank, dev)
+        kwargs = {"device_id": dev} if backend == "nccl" else {}
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30), **kwargs)
+        owns = True
+    return DistEnv(rank, world, local_rank, dev, owns)
 
 
 def barrier(env: DistEnv) -> None:
     if env.enabled:
-        dist.barrier()
+        if env.device.type == "cuda":
+            dist.barrier(device_ids=[env.device.index])
+        else:
+            dist.barrier()
 
 
 def all_reduce_sum(env: DistEnv, tensor: torch.Tensor) -> torch.Tensor:
@@ -65,14 +83,52 @@ def all_reduce_max(env: DistEnv, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def reduce_counts(env: DistEnv, counts: Sequence[float], op: str = "sum") -> list[float]:
+    """A few numbers summed (or maxed) over ranks, as a Python list, on every rank."""
+    t = torch.tensor(list(counts), dtype=torch.float64, device=env.device)
+    t = all_reduce_sum(env, t) if op == "sum" else all_reduce_max(env, t)
+    return t.cpu().tolist()
+
+
+def same_on_all_ranks(env: DistEnv, value: int) -> bool:
+    """Whether an integer (a count, a digest truncated to 62 bits) is equal on every rank."""
+    if not env.enabled:
+        return True
+    t = torch.tensor([value, -value], dtype=torch.int64, device=env.device)
+    all_reduce_max(env, t)
+    return int(t[0]) == -int(t[1])
+
+
 def broadcast_object(env: DistEnv, obj):
+    """Rank 0's ``obj`` on every rank (small objects: a path, an error message)."""
     if not env.enabled:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, device=env.device if env.device.type == "cuda" else None)
     return box[0]
 
 
 def destroy(env: DistEnv) -> None:
-    if env.enabled and dist.is_initialized():
+    """Leave the process group, if ``init_distributed`` created it (a caller's own group is
+    left alone)."""
+    if env.enabled and env.owns_group and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def split_by_weight(items: Sequence[T], world_size: int, weight: Callable[[T], float],
+                    tiebreak: Callable[[T], object] = lambda item: 0) -> list[list[T]]:
+    """Split ``items`` into ``world_size`` parts of near-equal total weight.
+
+    Greedy longest-processing-time: heaviest item first, each to the part with the smallest
+    load so far (ties to the lower rank). Its makespan is within 4/3 of optimal (Graham 1969).
+    Deterministic given the items, so every rank computes the same split without talking to
+    the others; ``tiebreak`` orders equal weights (give a unique key, e.g. the example key,
+    so the result does not depend on the input order either).
+    """
+    parts: list[list[T]] = [[] for _ in range(world_size)]
+    heap = [(0.0, r) for r in range(world_size)]  # (load, rank)
+    for item in sorted(items, key=lambda x: (-weight(x), tiebreak(x))):
+        load, r = heapq.heappop(heap)
+        parts[r].append(item)
+        heapq.heappush(heap, (load + weight(item), r))
+    return parts

@@ -91,4 +91,10 @@ def wrap_for_distributed(scorer: nn.Module, policy: nn.Module, cfg: Config, env:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     device_ids = [env.device.index] if env.device.type == "cuda" else None
-    return DDP(scorer, device_ids=device_ids)
+    # The only buffers are constants (rotary frequencies): no need to broadcast them before
+    # every forward, and without that collective an eval forward needs no other rank.
+    import inspect
+
+    no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                      else {"broadcast_buffers": False})  # the name before torch 2.13
+    return DDP(scorer, device_ids=device_ids, **no_buffer_sync)

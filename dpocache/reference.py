@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 # before its first step and after its last to prove it made none.
 FORWARD_PASSES = 0
 
+LAYOUTS = ("shared", "padded")
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -85,8 +87,16 @@ class ReferenceModel:
     """Frozen log-prob scorer. ``logprobs`` runs under ``inference_mode`` and counts its work."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype = torch.float32, compile: bool = False,
-                 adapter_disabled: bool = False):
+                 adapter_disabled: bool = False, layout: str = "shared"):
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got '{layout}'")
         self.model = model
+        # How pairs are laid out for the forward (dpocache.prefix): "shared" runs each prompt
+        # once for both completions; "padded" runs prompt + chosen and prompt + rejected rows.
+        # Models whose attention takes no custom mask fall back to "padded".
+        from .prefix import shared_prompt_supported
+
+        self.layout = layout if layout == "padded" or shared_prompt_supported(model) else "padded"
         self.dtype = dtype
         self.device = next(model.parameters()).device
         self.adapter_disabled = adapter_disabled
@@ -101,11 +111,11 @@ class ReferenceModel:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device | None = None,
-                        compile: bool = False) -> "ReferenceModel":
+                        compile: bool = False, layout: str = "shared") -> "ReferenceModel":
         device = torch.device(device) if device is not None else default_device()
         if isinstance(dtype, str):
             dtype = resolve_dtype(dtype, device)
-        return cls(load_causal_lm(path, device), dtype, compile)
+        return cls(load_causal_lm(path, device), dtype, compile, layout=layout)
 
     @classmethod
     def from_peft_policy(cls, policy: nn.Module, dtype: torch.dtype = torch.float32) -> "ReferenceModel":
@@ -119,17 +129,29 @@ class ReferenceModel:
 
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
         """``(N, T)`` inputs → ``(N, T)`` fp32 per-token log-probs, 0 at prompt and padding."""
+        return self._call(lambda: self._run(input_ids.to(self.device), attention_mask.to(self.device),
+                                            completion_mask.to(self.device)), int(attention_mask.sum()))
+
+    def shared_prompt_logprobs(self, batch) -> torch.Tensor:
+        """``(M,)`` fp32 log-probs of the scored tokens of a ``dpocache.prefix.SharedPromptBatch``
+        (each prompt run once for both completions)."""
+        from .prefix import shared_prompt_logps
+
+        return self._call(lambda: shared_prompt_logps(self._scorer, batch.to(self.device)), batch.num_tokens)
+
+    def _call(self, fn, tokens: int) -> torch.Tensor:
+        """Run ``fn`` frozen (eval, inference mode, autocast, adapter off) and count the pass."""
         start = time.perf_counter()
         was_training = self.model.training
         self.model.eval()  # an adapter-disabled policy may be in train mode
         try:
             with torch.inference_mode(), autocast(self.dtype, self.device), self._adapter_context():
-                out = self._run(input_ids.to(self.device), attention_mask.to(self.device), completion_mask.to(self.device))
+                out = fn()
         finally:
             self.model.train(was_training)
         self.forward_passes += 1
         global FORWARD_PASSES
         FORWARD_PASSES += 1
-        self.tokens += int(attention_mask.sum())
+        self.tokens += tokens
         self.seconds += time.perf_counter() - start
         return out

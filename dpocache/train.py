@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import platform
 import sys
 import time
@@ -23,12 +24,12 @@ from tqdm.auto import tqdm
 
 from . import __version__, reference as reference_mod
 from .batching import collate_pairs, pair_logprobs, training_order
-from .cache import CacheStore, build_missing, default_cache_dir, namespace_for_dir
-from .cache.build import reference_weights_dir
+from .cache import CacheStore, default_cache_dir, namespace_for_dir
+from .cache.build import build_distributed, reference_weights_dir
 from .checkpoint import latest_checkpoint, load_model_weights, load_trainer_state, save_checkpoint
 from .config import Config
 from .data import PreferenceData, TokenizedPair, load_preference_data
-from .distributed import DistEnv, all_reduce_max, barrier, init_distributed
+from .distributed import DistEnv, all_reduce_max, barrier, broadcast_object, destroy, init_distributed
 from .logprobs import CompletionLogProbs, autocast
 from .losses import parse_loss_spec, preference_loss
 from .metrics import (MetricWindow, MetricsWriter, count_params, measured_peak_flops, model_shape,
@@ -79,6 +80,8 @@ def setup(cfg: Config) -> Run:
     env = init_distributed(cfg.model.device, cfg.distributed.backend)
     if cfg.model.path is None or cfg.data.train is None:
         raise ValueError("model.path (--model) and data.train (--data) are required")
+    if cfg.distributed.fsdp and env.enabled and cfg.lora.r > 0:
+        raise ValueError("distributed.fsdp with LoRA is not supported: LoRA trains few parameters, use DDP (no --fsdp)")
     out = Path(cfg.train.output_dir)
     if env.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -90,9 +93,13 @@ def setup(cfg: Config) -> Run:
     tokenizer = load_tokenizer(cfg.model.path)
     train_data = _load_data(cfg, cfg.data.train, tokenizer, env)
     eval_data = _load_data(cfg, cfg.data.eval, tokenizer, env) if cfg.data.eval else None
+    if eval_data is not None and len(eval_data) < env.world_size:
+        raise ValueError(f"{cfg.data.eval}: {len(eval_data)} pairs, fewer than the {env.world_size} ranks that share it")
     spec = parse_loss_spec(cfg.loss.name, **cfg.loss.params())
     ref_train, ref_eval, ref_info = prepare_reference(cfg, env, dtype, spec, tokenizer, train_data, eval_data)
-    policy = load_policy(cfg, env.device)
+    fsdp = cfg.distributed.fsdp and env.enabled
+    # FSDP moves each unit to the device as it shards it: load on the CPU, never whole on a GPU.
+    policy = load_policy(cfg, torch.device("cpu") if fsdp else env.device)
     scorer = wrap_for_distributed(CompletionLogProbs(policy), policy, cfg, env)
     global_batch = cfg.train.batch_size * cfg.train.grad_accum * env.world_size
     steps_per_epoch = len(train_data) // global_batch
@@ -128,25 +135,24 @@ def prepare_reference(cfg: Config, env: DistEnv, dtype: torch.dtype, spec, token
     cache_dir = Path(cfg.cache.dir) if cfg.cache.dir else default_cache_dir()
     store = CacheStore(cache_dir, namespace_for_dir(ref_dir, dtype, cache_dir))
     pairs = train_data.pairs + (eval_data.pairs if eval_data else [])
-    summary = None
+    # Every rank scores its token-balanced share of what is missing (one rank: all of it).
+    summary = build_distributed(
+        store, pairs, lambda: ReferenceModel.from_pretrained(ref_dir, dtype, env.device, layout=cfg.cache.layout), env,
+        pad_id=tokenizer.pad_token_id or 0, max_tokens=cfg.cache.max_tokens, shard_pairs=cfg.cache.shard_size,
+        show_progress=cfg.train.progress and env.is_main,
+    )
     if env.is_main:
-        store.open(quarantine=True)
-        for bad in store.corrupt:
-            print(f"corrupt shard {store.dir / bad.file}: {bad.reason}; recomputing its pairs", file=sys.stderr)
-        summary = build_missing(
-            store, pairs, lambda: ReferenceModel.from_pretrained(ref_dir, dtype, env.device),
-            pad_id=tokenizer.pad_token_id or 0, max_tokens=cfg.cache.max_tokens, shard_pairs=cfg.cache.shard_size,
-            show_progress=cfg.train.progress,
-        )
-        gc.collect()  # the reference model is unreachable now; give its memory back
-    barrier(env)
-    store.open()
+        for bad in summary.corrupt_shards:
+            print(f"corrupt shard {store.dir / bad}; recomputing its pairs", file=sys.stderr)
+    gc.collect()  # the reference model is unreachable now; give its memory back
+    if not env.is_main:
+        store.open()  # rank 0's store already holds every rank's new shards
     train_vals = store.lookup([p.key for p in train_data.pairs])
     eval_vals = store.lookup([p.key for p in eval_data.pairs]) if eval_data else None
     info = {
         "source": "cache", "cache_dir": str(store.dir), "namespace": store.namespace.id, "model": str(ref_dir),
         "dtype": dtype_name(dtype), "pairs": len(set(p.key for p in pairs)),
-        "computed": summary.computed if summary else None, "reused": summary.reused if summary else None,
+        "computed": summary.computed, "reused": summary.reused, "built_on_ranks": summary.world_size,
     }
     return (ReferenceValues(train_vals.chosen_logps, train_vals.rejected_logps),
             ReferenceValues(eval_vals.chosen_logps, eval_vals.rejected_logps) if eval_vals else None, info)
@@ -172,17 +178,41 @@ def _run_info(run: Run, ref_info: dict) -> dict:
 
 
 def resume(run: Run) -> None:
-    ckpt = latest_checkpoint(run.out)
+    """Continue from the newest checkpoint (rank 0's choice; every rank reads it, so the output
+    directory must be shared). Checkpoints hold full weights and optimizer state, so the
+    world size may differ from the run that wrote them."""
+    found = latest_checkpoint(run.out)
+    ckpt = broadcast_object(run.env, str(found) if found else None)
     if ckpt is None:
         if run.env.is_main:
             print(f"no checkpoint in {run.out / 'checkpoints'}; starting from step 0", file=sys.stderr)
         return
-    load_model_weights(ckpt, run.policy)
-    state = load_trainer_state(ckpt, run.optimizer, run.scheduler)
+    ckpt = Path(ckpt)
+    if _sharded(run):
+        from .fsdp import GatheredOptimizer, load_full_weights
+
+        load_full_weights(ckpt, run.policy, run.env)
+        state = load_trainer_state(ckpt, GatheredOptimizer(run.policy, run.optimizer), run.scheduler)
+    else:
+        load_model_weights(ckpt, run.policy)
+        state = load_trainer_state(ckpt, run.optimizer, run.scheduler)
     run.step = state["step"]
     run.writer.truncate_after(run.step)
     if run.env.is_main:
         print(f"resumed from {ckpt} at step {run.step}", file=sys.stderr)
+        saved = state.get("global_batch")
+        if saved is not None and saved != _global_batch(run):
+            print(f"warning: the global batch was {saved} and is now {_global_batch(run)} (batch_size x grad_accum x "
+                  f"world_size); steps after {run.step} take different pairs than the first run would have",
+                  file=sys.stderr)
+
+
+def _global_batch(run: Run) -> int:
+    return run.cfg.train.batch_size * run.cfg.train.grad_accum * run.env.world_size
+
+
+def _sharded(run: Run) -> bool:
+    return run.cfg.distributed.fsdp and run.env.enabled
 
 
 # ------------------------------------------------------------------------------- one step
@@ -249,6 +279,8 @@ def train_step(run: Run, window: MetricWindow) -> None:
     max_norm = run.cfg.optim.max_grad_norm
     params = [p for p in run.policy.parameters() if p.requires_grad]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor; the norm over every rank's shard
+        grad_norm = grad_norm.full_tensor()
     window.add("grad_norm", float(grad_norm), 1.0)
     window.add("lr", run.scheduler.get_last_lr()[0], 1.0)
     run.optimizer.step()
@@ -288,9 +320,15 @@ def evaluate(run: Run) -> dict[str, float]:
     n, env = len(run.eval_data), run.env
     bs = run.cfg.train.eval_batch_size or run.cfg.train.batch_size
     mine = list(range(env.rank, n, env.world_size))  # each rank scores its stride of the set
-    for start in range(0, len(mine), bs):
-        idx = mine[start:start + bs]
-        batch_losses(run, [run.eval_data.pairs[i] for i in idx], run.ref_eval, idx, window, prefix="eval/")
+    batches = math.ceil(math.ceil(n / env.world_size) / bs)  # the longest stride's count, the same on every rank
+    for b in range(batches):
+        idx = mine[b * bs:(b + 1) * bs]
+        if idx:
+            batch_losses(run, [run.eval_data.pairs[i] for i in idx], run.ref_eval, idx, window, prefix="eval/")
+        elif _sharded(run):
+            # An FSDP forward is a collective (it all-gathers each layer): a rank whose stride is
+            # one pair shorter still runs it, on any pair, and records nothing.
+            batch_losses(run, run.eval_data.pairs[:1], run.ref_eval, [0], MetricWindow(), prefix="eval/")
     metrics = window.reduce(env)
     metrics.pop("eval/tokens", None)
     return metrics
@@ -304,15 +342,25 @@ def log_window(run: Run, window: MetricWindow, seconds: float, flops_per_token: 
     tokens = m.pop("tokens", 0.0)  # all ranks'
     record = {"step": run.step, "epoch": run.step / run.steps_per_epoch, **m}
     record["tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0
-    record["mfu"] = record["tokens_per_s"] * flops_per_token / peak if peak > 0 else 0.0
+    # tokens_per_s counts every rank's tokens; peak is one device's: MFU is per device.
+    record["mfu"] = record["tokens_per_s"] * flops_per_token / (peak * run.env.world_size) if peak > 0 else 0.0
     run.writer.write(record)
     window.clear()
     return record
 
 
 def train(cfg: Config) -> dict:
-    """Run a whole training job; returns the final summary (also written to run.json)."""
+    """Run a whole training job; returns the final summary (also written to run.json). Under
+    torchrun every rank runs it; only rank 0 writes files, logs and progress bars."""
     run = setup(cfg)
+    try:
+        return _train(run)
+    finally:
+        destroy(run.env)
+
+
+def _train(run: Run) -> dict:
+    cfg = run.cfg
     layers, hidden = model_shape(run.policy)
     mean_len = sum(p.num_tokens for p in run.train_data.pairs) / (2 * len(run.train_data))
     flops_per_token = train_flops_per_token(count_params(run.policy), layers, hidden, mean_len)
@@ -353,17 +401,31 @@ def _log_eval(run: Run) -> dict:
 
 
 def _save(run: Run) -> None:
+    """One checkpoint, written by rank 0 (DDP replicas are identical; FSDP shards are gathered
+    to rank 0 first)."""
+    model, optimizer = run.policy, run.optimizer
+    if _sharded(run):
+        from .fsdp import GatheredModel, GatheredOptimizer, full_model_state, full_optimizer_state
+
+        model = GatheredModel(run.policy, full_model_state(run.policy))  # collectives: every rank
+        optimizer = GatheredOptimizer(run.policy, run.optimizer, full_optimizer_state(run.policy, run.optimizer))
     if run.env.is_main:
-        extra = {"config": run.cfg.to_dict(), "epoch": run.step / run.steps_per_epoch}
-        save_checkpoint(run.out, run.step, run.policy, run.tokenizer, run.optimizer, run.scheduler, extra,
+        extra = {"config": run.cfg.to_dict(), "epoch": run.step / run.steps_per_epoch,
+                 "world_size": run.env.world_size, "global_batch": _global_batch(run)}
+        save_checkpoint(run.out, run.step, model, run.tokenizer, optimizer, run.scheduler, extra,
                         run.cfg.train.save_total_limit)
     barrier(run.env)
 
 
 def save_final(run: Run) -> Path:
     final = run.out / "final"
+    model = run.policy
+    if _sharded(run):
+        from .fsdp import GatheredModel, full_model_state
+
+        model = GatheredModel(run.policy, full_model_state(run.policy))
     if run.env.is_main:
-        run.policy.save_pretrained(final)
+        model.save_pretrained(final)
         run.tokenizer.save_pretrained(final)
     barrier(run.env)
     return final

@@ -307,5 +307,6 @@ def test_key_changes_iff_ids_change(tokenizer):
 def test_example_key_hashes_the_boundaries():
     assert example_key([1, 2], [3], [4]) != example_key([1], [2, 3], [4])
     assert example_key([1], [2], [3]) != example_key([1], [3], [2])
+    assert example_key([1], [2, 3], [4]) != example_key([1], [3, 2], [4])  # order within a sequence
     assert example_key([1], [2], [3]) == example_key((1,), (2,), (3,))
     assert len(example_key([1], [2], [3])) == 16

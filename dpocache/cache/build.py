@@ -8,6 +8,7 @@ missing: a complete cache costs no model load and no forward pass.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -22,9 +23,10 @@ from tqdm.auto import tqdm
 
 from ..batching import PairBatch, collate_pairs, pair_logprobs, token_budget_batches
 from ..data import TokenizedPair
+from ..distributed import DistEnv, barrier, broadcast_object, reduce_counts, same_on_all_ranks, split_by_weight
 from ..reference import ReferenceModel, dtype_name
 from .fingerprint import FingerprintMemo, default_memo_path, model_dir_fingerprint, module_fingerprint
-from .store import CacheStore, CorruptShard, Namespace
+from .store import CacheError, CacheStore, CorruptShard, Namespace
 
 DEFAULT_MAX_TOKENS = 16384  # padded token slots per reference forward
 
@@ -81,6 +83,7 @@ class BuildSummary:
     namespace: str
     forward_passes: int
     corrupt_shards: list[str] = field(default_factory=list)
+    world_size: int = 1  # processes that shared the work (the counts above are their totals)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -94,7 +97,12 @@ def unique_pairs(pairs: Sequence[TokenizedPair]) -> dict[bytes, TokenizedPair]:
 
 
 def score_batch(reference: ReferenceModel, batch: Sequence[TokenizedPair], pad_id: int):
-    """Reference values of one batch: (sums and counts ``(B,)``, per-token lists)."""
+    """Reference values of one batch: (sums and counts ``(B,)``, per-token lists), in the
+    reference's layout (``ReferenceModel.layout``)."""
+    if getattr(reference, "layout", "padded") == "shared":
+        from ..prefix import score_batch_shared
+
+        return score_batch_shared(reference, batch, pad_id)
     pb: PairBatch = collate_pairs(batch, pad_id)
     token_logps = reference.logprobs(pb.input_ids, pb.attention_mask, pb.completion_mask).cpu()  # (2B, T)
     mask = pb.completion_mask.bool()
@@ -103,6 +111,15 @@ def score_batch(reference: ReferenceModel, batch: Sequence[TokenizedPair], pad_i
     per_token = [token_logps[i][mask[i]] for i in range(token_logps.shape[0])]
     b = len(batch)
     return sums[:b], sums[b:], counts[:b], counts[b:], per_token[:b], per_token[b:]
+
+
+def reference_batches(reference: ReferenceModel, pairs: Sequence[TokenizedPair], max_tokens: int) -> list[list[TokenizedPair]]:
+    """Length-grouped batches under ``max_tokens`` padded slots, for the reference's layout."""
+    if getattr(reference, "layout", "padded") == "shared":
+        from ..prefix import shared_budget_batches
+
+        return shared_budget_batches(pairs, max_tokens)
+    return token_budget_batches(pairs, max_tokens)
 
 
 def build_missing(
@@ -127,7 +144,7 @@ def build_missing(
         writer = store.writer(shard_pairs, flush_seconds, update_manifest)
         bar = tqdm(total=len(todo), unit="pairs", desc="reference log-probs", disable=not show_progress, dynamic_ncols=True)
         try:
-            for batch in token_budget_batches(todo, max_tokens):
+            for batch in reference_batches(reference, todo, max_tokens):
                 cs, rs, cn, rn, cpt, rpt = score_batch(reference, batch, pad_id)
                 writer.add([p.key for p in batch], cs, rs, cn, rn, cpt if per_token else None, rpt if per_token else None)
                 tokens += sum(p.unique_tokens for p in batch)
@@ -146,6 +163,109 @@ def build_missing(
         forward_passes=reference.forward_passes if reference is not None else 0,
         corrupt_shards=[str(c) for c in store.corrupt],
     )
+
+
+# ------------------------------------------------------------------------------- distributed
+
+
+def split_by_tokens(pairs: Sequence[TokenizedPair], world_size: int) -> list[list[TokenizedPair]]:
+    """Each rank's share of ``pairs``, balanced by the tokens the reference runs on (both
+    sequences of a pair, as the padded layout runs them), not by row count: a share of long
+    pairs costs more than one of short pairs. Deterministic (ties broken by example key), so
+    every rank computes the same split with no communication; every pair is in exactly one
+    share."""
+    return split_by_weight(pairs, world_size, weight=lambda p: p.num_tokens, tiebreak=lambda p: p.key)
+
+
+def _keys_digest(keys: Sequence[bytes]) -> int:
+    """62 bits of a hash of a key list, to check that every rank sees the same work."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(len(keys).to_bytes(8, "little"))
+    for k in keys:
+        h.update(k)
+    return int.from_bytes(h.digest(), "little") >> 2
+
+
+def build_distributed(
+    store: CacheStore,
+    pairs: Sequence[TokenizedPair],
+    load_reference: Callable[[], ReferenceModel],
+    env: DistEnv,
+    pad_id: int = 0,
+    per_token: bool = False,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    shard_pairs: int = 4096,
+    flush_seconds: float = 60.0,
+    show_progress: bool = True,
+) -> BuildSummary:
+    """``build_missing`` over every rank of ``env`` (a world of one is exactly ``build_missing``
+    with the store opened and bad shards quarantined first).
+
+    Every rank must call it with the same pairs and an unopened (or stale) ``store`` on a
+    directory all ranks share. Rank 0 opens the store first (quarantining bad shards, adopting
+    orphan shards of a killed build), then the others open it; each rank computes the same
+    missing keys and the same token-balanced split (``split_by_tokens``), scores its share and
+    writes its own shards without touching the manifest (names are content-addressed: no two
+    ranks can write the same file). Only counters are reduced. Afterwards rank 0 re-opens the
+    store, which adopts every rank's shards, writes the manifest once, and checks that every
+    pair has a value. On return rank 0's ``store`` holds every pair; other ranks must
+    ``store.open()`` to see the new shards. The summary holds totals over ranks.
+    """
+    start = time.perf_counter()
+    if env.is_main:
+        store.open(quarantine=True)
+    corrupt = [str(c) for c in store.corrupt]
+    barrier(env)  # the others read the store only after rank 0 has quarantined and rewritten
+    if not env.is_main:
+        store.open()
+    by_key = unique_pairs(pairs)
+    todo_keys = store.missing(by_key, per_token)
+    if not same_on_all_ranks(env, _keys_digest(todo_keys)):
+        raise CacheError("ranks disagree on which pairs the cache lacks: every rank must load the same data with the "
+                         "same tokenizer and length limits, and see the same cache directory")
+    mine = split_by_tokens([by_key[k] for k in todo_keys], env.world_size)[env.rank]
+    local, error = None, None
+    try:
+        local = build_missing(store, mine, load_reference, pad_id=pad_id, per_token=per_token, max_tokens=max_tokens,
+                              shard_pairs=shard_pairs, flush_seconds=flush_seconds,
+                              show_progress=show_progress and env.is_main, update_manifest=not env.enabled)
+    except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks learn of it
+        error = e
+    # Also the synchronisation point: every rank's shards are flushed and renamed into place.
+    computed, tokens, passes, failed = reduce_counts(env, [
+        local.computed if local else 0, local.tokens if local else 0, local.forward_passes if local else 0,
+        1.0 if error else 0.0])
+    (peak,) = reduce_counts(env, [local.peak_memory_bytes if local else 0], op="max")
+    if error is not None:
+        raise error
+    if failed:
+        raise CacheError(f"{int(failed)} of {env.world_size} ranks failed while building the reference cache (their "
+                         "errors are above); what they computed before failing is kept: run the build again to resume")
+    problem = None
+    if env.is_main and env.enabled:
+        store.open()  # adopts every rank's new shards; writes the manifest (once, here)
+        problem = _missing_after_build(store, by_key, per_token)
+    problem = broadcast_object(env, problem)
+    if problem:
+        raise CacheError(problem)
+    seconds = time.perf_counter() - start
+    return BuildSummary(
+        pairs=len(pairs), unique=len(by_key), computed=int(computed), reused=len(by_key) - len(todo_keys),
+        tokens=int(tokens), seconds=seconds, tokens_per_s=tokens / seconds if tokens else 0.0,
+        peak_memory_bytes=int(peak), cache_dir=str(store.dir), namespace=store.namespace.id, forward_passes=int(passes),
+        corrupt_shards=corrupt, world_size=env.world_size,
+    )
+
+
+def _missing_after_build(store: CacheStore, by_key: dict[bytes, TokenizedPair], per_token: bool) -> str | None:
+    missing = store.missing(by_key, per_token)
+    if not missing:
+        return None
+    first = ", ".join(k.hex()[:12] for k in missing[:5])
+    return (f"after the distributed build, {len(missing)} of {len(by_key)} pairs still have no cached value in "
+            f"{store.dir} (keys {first}{', ...' if len(missing) > 5 else ''}). A rank's shards are not visible "
+            "to rank 0: the cache directory must be one shared directory for every node (or build on one node "
+            "and copy it), and no rank may fail silently. Run the build again to compute what is missing.")
 
 
 # ------------------------------------------------------------------------------------ verify
@@ -181,7 +301,7 @@ def verify(store: CacheStore, pairs: Sequence[TokenizedPair], reference: Referen
     chosen = random.Random(seed).sample(cached, min(samples, len(cached)))
     mismatches: list[str] = []
     max_diff = 0.0
-    for batch in token_budget_batches(chosen, max_tokens):
+    for batch in reference_batches(reference, chosen, max_tokens):
         cs, rs, *_ = score_batch(reference, batch, pad_id)
         stored = store.lookup([p.key for p in batch])
         for i, p in enumerate(batch):

@@ -1,0 +1,262 @@
+"""dpocache against TRL's DPOTrainer, side by side, on the same model, data, dtype and batch.
+
+    python bench/bench_vs_trl.py --config 58m --dtype bfloat16 --reps 3
+
+Builds (once, under bench/work/) a Llama of the configuration's size from its config with random
+weights, a tokenizer, and a preference set of the configuration's length distribution; then, for
+each repetition, runs in separate processes (peak RSS is per process):
+
+1. TRL ``DPOTrainer(precompute_ref_log_probs=True)``: its precompute, timed as TRL runs it (its
+   DataLoader over the whole set); model load, tokenisation and its state-dict hash excluded.
+2. ``dpocache cache build --json`` into a fresh cache directory; model load excluded.
+3. TRL's training steps, its precomputed values read back from its datasets cache (a cache hit).
+4. ``dpocache train`` steps on the cache built in 2 (a cache hit), same batch size and dtype.
+5. ``dpocache cache build`` again on the complete cache (no model load, no forward).
+
+Sides alternate within a repetition, so both see the same load on a shared machine. Tokens are
+counted the same way for both: each prompt once, plus chosen and rejected. Prints medians and
+ratios and writes everything to bench/results/.
+
+``--config 1b --startup-only`` measures the cache-hit start-up of a ~1.1B model only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import BENCH_DIR, CONFIGS, build_inputs  # noqa: E402
+
+WORKERS = BENCH_DIR / "workers.py"
+
+
+def run_worker(mode: str, spec: dict, scratch: Path, log: Path) -> dict:
+    """Run one worker process; returns its result plus ``peak_rss_bytes`` and ``wall_s``."""
+    spec = dict(spec)
+    spec_path = scratch / f"{mode}-spec.json"
+    spec["out"] = str(scratch / f"{mode}-result.json")
+    spec["spawned_at"] = time.time()
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TQDM_DISABLE="1",
+               HF_DATASETS_DISABLE_PROGRESS_BARS="1", TRANSFORMERS_VERBOSITY="error")
+    env.update(spec.get("env", {}))
+    t0 = time.perf_counter()
+    with open(log, "a") as f:
+        f.write(f"\n=== {mode} {json.dumps(spec)}\n")
+        f.flush()
+        proc = subprocess.Popen([sys.executable, str(WORKERS), mode, str(spec_path)], stdout=f, stderr=subprocess.STDOUT,
+                                env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{mode} failed with exit code {proc.returncode}; see {log}")
+    result = json.loads(Path(spec["out"]).read_text())
+    result["peak_rss_bytes"] = usage.ru_maxrss * 1024  # Linux: KiB
+    result["wall_s"] = wall
+    return result
+
+
+def measure_peak(dtype_name: str, seconds: float = 3.0) -> float:
+    import torch
+
+    from dpocache.metrics import measured_peak_flops
+
+    dtype = getattr(torch, dtype_name)
+    return max(measured_peak_flops(torch.device("cpu"), dtype, size=size, seconds=seconds) for size in (1024, 2048))
+
+
+def flops_of_build(inputs: Path, info: dict) -> dict:
+    """Reference-pass FLOPs of the data set, two ways:
+
+    - ``convention``: the issue's (and dpocache.metrics') 2N per token, prompt counted once,
+      plus attention 4·L·H·(mean sequence length) per token; N includes the embeddings.
+    - ``executed``: the matmuls dpocache actually runs: 2·(non-embedding body parameters) per
+      token, the output head 2·H·V on completion positions only, the same attention term.
+    """
+    from dpocache.cache_cli import load_tokenizer
+    from dpocache.data import load_preference_data
+    from dpocache.metrics import forward_flops_per_token
+
+    cfg = info["config"]
+    tok = load_tokenizer(inputs / "model")
+    pairs = load_preference_data(str(inputs / "data.jsonl"), tok, None, None, False, show_progress=False).pairs
+    unique = sum(p.unique_tokens for p in pairs)
+    completion = sum(len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
+    mean_seq = sum(p.num_tokens for p in pairs) / (2 * len(pairs))
+    n, layers, hidden, vocab = info["parameters"], cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]
+    attention = 4.0 * layers * hidden * mean_seq
+    body = n - 2 * vocab * hidden  # untied embeddings and head
+    return {
+        "unique_tokens": unique,
+        "convention": unique * forward_flops_per_token(n, layers, hidden, mean_seq),
+        "executed": unique * (2.0 * body + attention) + completion * 2.0 * hidden * vocab,
+    }
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def train_pairs_per_s(result: dict, batch: int, skip: int = 1) -> float:
+    steps = result["step_s"][skip:] or result["step_s"]
+    return batch / statistics.median(steps)
+
+
+def bench_config(args, config_name: str, dtype: str, log: Path) -> dict:
+    cfg = CONFIGS[config_name]
+    pairs = args.pairs or cfg.pairs
+    inputs = build_inputs(cfg, pairs)
+    info = json.loads((inputs / "info.json").read_text())
+    model, data = str(inputs / "model"), str(inputs / "data.jsonl")
+    reps = []
+    for rep in range(args.reps):
+        scratch = Path(tempfile.mkdtemp(prefix=f"bench-{config_name}-{dtype}-{rep}-", dir=args.scratch))
+        hf_cache = scratch / "hf-datasets"  # TRL's precompute cache: fresh per repetition, hit by its training run
+        cache_dir = scratch / "dpocache"
+        common = {"model": model, "data": data, "dtype": dtype, "batch_size": args.batch_size}
+        trl_env = {"env": {"HF_DATASETS_CACHE": str(hf_cache)}, "trl_precompute_batch_size": args.trl_precompute_batch_size,
+                   "trl_gradient_checkpointing": args.trl_gradient_checkpointing}
+        r: dict = {}
+        order = ["trl", "dpo"] if rep % 2 == 0 else ["dpo", "trl"]
+        for side in order:
+            if args.startup_only:
+                break
+            if side == "trl" and not args.skip_trl:
+                r["trl_precompute"] = run_worker("trl-precompute", {**common, **trl_env, "workdir": str(scratch / "trl-pre")}, scratch, log)
+            elif side == "dpo":
+                r["dpo_build"] = run_worker("dpo-build", {**common, "cache_dir": str(cache_dir), "extra_args": args.build_args}, scratch, log)
+        if args.startup_only:
+            r["dpo_build"] = run_worker("dpo-build", {**common, "cache_dir": str(cache_dir), "extra_args": args.build_args}, scratch, log)
+        if args.train_steps > 0 and not args.startup_only:
+            for side in order:
+                if side == "trl" and not args.skip_trl:
+                    r["trl_train"] = run_worker("trl-train", {**common, **trl_env, "steps": args.train_steps,
+                                                              "workdir": str(scratch / "trl-train")}, scratch, log)
+                elif side == "dpo":
+                    r["dpo_train"] = run_worker("dpo-train", {**common, "cache_dir": str(cache_dir), "steps": args.train_steps,
+                                                              "workdir": str(scratch / "dpo-train"), "extra_args": args.train_args}, scratch, log)
+        r["dpo_startup"] = run_worker("dpo-startup", {**common, "cache_dir": str(cache_dir), "workdir": str(scratch / "dpo-startup"),
+                                                      "extra_args": args.train_args}, scratch, log)
+        r["dpo_build_hit"] = run_worker("dpo-build", {**common, "cache_dir": str(cache_dir), "extra_args": args.build_args}, scratch, log)
+        r["loadavg"] = os.getloadavg()
+        reps.append(r)
+        print(f"  rep {rep + 1}/{args.reps} done (load average {r['loadavg'][0]:.1f})", flush=True)
+        if not args.keep_scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return {"config": config_name, "dtype": dtype, "pairs": pairs, "inputs": info, "reps": reps}
+
+
+def summarise(res: dict, peaks: dict, batch: int) -> list[tuple[str, float | None, float | None, str]]:
+    reps = res["reps"]
+    get = lambda key, field: [r[key][field] for r in reps if key in r]  # noqa: E731
+    rows = []
+    tp_trl, tp_dpo = median(get("trl_precompute", "tokens_per_s")), median(get("dpo_build", "tokens_per_s"))
+    rows.append(("cache tokens/s (prompt once)", tp_trl, tp_dpo, "x"))
+    if tp_trl is not None:
+        rows.append(("  TRL tokens/s (prompt twice, TRL's count)", median(get("trl_precompute", "tokens_per_s_prompt_twice")), None, ""))
+    rows.append(("cache peak RSS (MiB)", _mib(median(get("trl_precompute", "peak_rss_bytes"))),
+                 _mib(median(get("dpo_build", "peak_rss_bytes"))), "x"))
+    if any("trl_train" in r or "dpo_train" in r for r in reps):
+        rows.append(("train pairs/s", median([train_pairs_per_s(r["trl_train"], batch) for r in reps if "trl_train" in r]),
+                     median([train_pairs_per_s(r["dpo_train"], batch) for r in reps if "dpo_train" in r]), "x"))
+        rows.append(("train peak RSS (MiB)", _mib(median(get("trl_train", "peak_rss_bytes"))),
+                     _mib(median(get("dpo_train", "peak_rss_bytes"))), "x"))
+        rows.append(("train start-up on cache hit, beyond model load (s)", median(get("trl_train", "startup_beyond_load_s")),
+                     median(get("dpo_train", "startup_beyond_load_s")), "x"))
+    rows.append(("dpocache start-up to first step, beyond model load (s)", None, median(get("dpo_startup", "startup_beyond_load_s")), ""))
+    rows.append(("dpocache model load (s)", None, median(get("dpo_startup", "model_load_s")), ""))
+    rows.append(("`dpocache cache build` on a complete cache, whole command (s)", None, median(get("dpo_build_hit", "wall_s")), ""))
+    if any("trl_precompute" in r for r in reps):
+        rows.append(("TRL state-dict hash on each start (s)", median(get("trl_precompute", "hash_module_s")), None, ""))
+    flops = res.get("flops")
+    if flops and tp_dpo:
+        secs = median(get("dpo_build", "compute_s"))
+        for kind in ("convention", "executed"):
+            achieved = flops[kind] / secs
+            for pd, peak in peaks.items():
+                rows.append((f"cache-pass MFU vs measured {pd} peak ({kind} FLOPs)", None, achieved / peak, "%"))
+    return rows
+
+
+def _mib(x):
+    return None if x is None else x / 2**20
+
+
+def print_table(title: str, rows) -> str:
+    lines = [f"### {title}", "", "| metric | TRL 1.16 | dpocache | ratio |", "| --- | ---: | ---: | ---: |"]
+    for name, trl, dpo, kind in rows:
+        if kind == "%":
+            lines.append(f"| {name} | | {100 * dpo:.1f}% | |")
+            continue
+        f = lambda v: "" if v is None else (f"{v:,.0f}" if v >= 100 else f"{v:.2f}")  # noqa: E731
+        ratio = f"{dpo / trl:.2f}x" if kind == "x" and trl and dpo else ""
+        lines.append(f"| {name} | {f(trl)} | {f(dpo)} | {ratio} |")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="58m", choices=sorted(CONFIGS))
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], nargs="+")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--pairs", type=int, default=None, help="pairs in the data set (default: the configuration's)")
+    p.add_argument("--batch-size", type=int, default=8, help="training batch (pairs), both sides; TRL's default")
+    p.add_argument("--train-steps", type=int, default=5, help="training steps per run (the first is not timed); 0 skips training")
+    p.add_argument("--trl-precompute-batch-size", type=int, default=None,
+                   help="TRL's precompute_ref_batch_size (default: TRL's, the training batch size)")
+    p.add_argument("--trl-gradient-checkpointing", action="store_true",
+                   help="TRL's own default; off by default here, as dpocache's, so both train the same way")
+    p.add_argument("--skip-trl", action="store_true", help="dpocache only (no TRL runs)")
+    p.add_argument("--startup-only", action="store_true", help="only the cache build and the cache-hit start-up")
+    p.add_argument("--build-args", nargs=argparse.REMAINDER, default=[], help="extra `dpocache cache build` flags (last)")
+    p.add_argument("--train-args", default="", help="extra `dpocache train` flags, one string")
+    p.add_argument("--scratch", default=None, help="where per-run directories go (default: the system temp dir)")
+    p.add_argument("--keep-scratch", action="store_true")
+    p.add_argument("--out", default=str(BENCH_DIR / "results"))
+    args = p.parse_args(argv)
+    args.train_args = args.train_args.split()
+    dtypes = args.dtype if isinstance(args.dtype, list) else [args.dtype]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    log = out / f"{args.config}-{stamp}.log"
+    print(f"measuring the matmul peak (log: {log})", flush=True)
+    peaks = {d: measure_peak(d) for d in ("bfloat16", "float32")}
+    print("  " + ", ".join(f"{d}: {v / 1e9:.0f} GFLOP/s" for d, v in peaks.items()), flush=True)
+    tables = []
+    for dtype in dtypes:
+        print(f"{args.config} {dtype}: {args.reps} repetitions", flush=True)
+        res = bench_config(args, args.config, dtype, log)
+        inputs = build_inputs(CONFIGS[args.config], res["pairs"])
+        res["flops"] = flops_of_build(inputs, res["inputs"])
+        peaks_after = {d: measure_peak(d) for d in ("bfloat16", "float32")}
+        res["peaks"] = {d: max(peaks[d], peaks_after[d]) for d in peaks}
+        res["args"] = vars(args)
+        rows = summarise(res, res["peaks"], args.batch_size)
+        res["table"] = rows
+        title = (f"{args.config}, {dtype}, {res['pairs']} pairs, batch {args.batch_size}, medians of {args.reps} "
+                 f"(load average {statistics.median(r['loadavg'][0] for r in res['reps']):.1f})")
+        res["markdown"] = print_table(title, rows)
+        tables.append(res["markdown"])
+        path = out / f"{args.config}-{dtype}-{stamp}.json"
+        path.write_text(json.dumps(res, indent=1, default=str))
+        print(f"wrote {path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,207 @@
+"""One benchmark run per process: ``python bench/workers.py MODE SPEC_JSON``.
+
+Each run is its own process so its peak RSS (read by the parent with ``wait4``) is its own. The
+parent passes the wall-clock time at which it spawned the process (``spawned_at``); start-up
+times are measured from it, so they include interpreter start and imports.
+
+Modes:
+    trl-precompute  TRL DPOTrainer with precompute_ref_log_probs=True: time its precompute
+    trl-train       TRL DPOTrainer training steps, its precomputed values read from its cache
+    dpo-build       ``dpocache cache build --json``, in process (the CLI's own code path)
+    dpo-train       ``dpocache train`` steps on a built cache
+    dpo-startup     ``dpocache train`` until its first step, then stop (start-up on a cache hit)
+
+Results go to ``SPEC["out"]`` as JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def _write(spec: dict, result: dict) -> None:
+    Path(spec["out"]).write_text(json.dumps(result))
+
+
+def _token_counts(dataset) -> dict:
+    p = sum(len(x) for x in dataset["prompt_ids"])
+    c = sum(len(x) for x in dataset["chosen_ids"])
+    r = sum(len(x) for x in dataset["rejected_ids"])
+    return {"prompt": p, "chosen": c, "rejected": r, "unique": p + c + r, "prompt_twice": 2 * p + c + r}
+
+
+# ----------------------------------------------------------------------------------- TRL
+
+
+def _trl_trainer(spec: dict, callbacks=()):
+    import torch
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+    import trl.trainer.dpo_trainer as dpo_mod
+
+    timings: dict = {}
+    t = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32, attn_implementation="sdpa")
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    timings["model_load_s"] = time.perf_counter() - t
+    dataset = load_dataset("json", data_files=spec["data"], split="train")
+
+    original_hash = dpo_mod.hash_module
+
+    def timed_hash(module):
+        t = time.perf_counter()
+        out = original_hash(module)
+        timings["hash_module_s"] = time.perf_counter() - t
+        return out
+
+    dpo_mod.hash_module = timed_hash
+    original_precompute = DPOTrainer._precompute_ref_logps
+
+    def timed_precompute(self, dataset, name, batch_size):
+        t = time.perf_counter()
+        out = original_precompute(self, dataset, name, batch_size)
+        timings["precompute_s"] = time.perf_counter() - t
+        timings["precompute_batch_size"] = batch_size
+        return out
+
+    DPOTrainer._precompute_ref_logps = timed_precompute
+    bf16 = spec["dtype"] == "bfloat16"
+    args = DPOConfig(
+        output_dir=spec["workdir"], per_device_train_batch_size=spec["batch_size"], precompute_ref_log_probs=True,
+        precompute_ref_batch_size=spec.get("trl_precompute_batch_size"), bf16=bf16, fp16=False, use_cpu=True,
+        report_to="none", gradient_checkpointing=spec.get("trl_gradient_checkpointing", False),
+        max_steps=spec.get("steps", 1), save_strategy="no", logging_steps=10_000, disable_tqdm=True,
+        dataloader_num_workers=0, seed=0, learning_rate=1e-6, warmup_steps=0, beta=0.1,
+    )
+    trainer = DPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                         callbacks=list(callbacks))
+    return trainer, timings
+
+
+def trl_precompute(spec: dict) -> None:
+    trainer, timings = _trl_trainer(spec)
+    counts = _token_counts(trainer.train_dataset)
+    _write(spec, {"side": "trl", **timings, "tokens": counts,
+                  "tokens_per_s": counts["unique"] / timings["precompute_s"],
+                  "tokens_per_s_prompt_twice": counts["prompt_twice"] / timings["precompute_s"]})
+
+
+def trl_train(spec: dict) -> None:
+    from transformers import TrainerCallback
+
+    steps: list[float] = []
+    marks: dict = {}
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            marks.setdefault("first_step_at", time.time())
+            marks["t"] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            steps.append(time.perf_counter() - marks["t"])
+
+    trainer, timings = _trl_trainer(spec, callbacks=[Timer()])
+    if "precompute_s" in timings:
+        timings["cache_missed"] = True  # TRL recomputed: its datasets cache was not hit
+    trainer.train()
+    _write(spec, {"side": "trl", **timings, "step_s": steps,
+                  "startup_s": marks["first_step_at"] - spec["spawned_at"],
+                  "startup_beyond_load_s": marks["first_step_at"] - spec["spawned_at"] - timings["model_load_s"]})
+
+
+# ------------------------------------------------------------------------------ dpocache
+
+
+def dpo_build(spec: dict) -> None:
+    from dpocache import cli
+    from dpocache.reference import ReferenceModel
+
+    loads: list[float] = []
+    original = ReferenceModel.from_pretrained.__func__
+
+    def timed(cls, *a, **kw):
+        t = time.perf_counter()
+        out = original(cls, *a, **kw)
+        loads.append(time.perf_counter() - t)
+        return out
+
+    ReferenceModel.from_pretrained = classmethod(timed)
+    argv = ["cache", "build", "--model", spec["model"], "--data", spec["data"], "--dtype", spec["dtype"],
+            "--device", "cpu", "--cache-dir", spec["cache_dir"], "--json", *spec.get("extra_args", [])]
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = cli.main(argv)
+    if rc != 0:
+        raise SystemExit(f"dpocache cache build failed ({rc}): {buf.getvalue()}")
+    summary = json.loads(buf.getvalue().strip().splitlines()[-1])
+    load = sum(loads)
+    compute = summary["seconds"] - load
+    _write(spec, {"side": "dpocache", "summary": summary, "model_load_s": load, "compute_s": compute,
+                  "tokens": summary["tokens"], "tokens_per_s": summary["tokens"] / compute if compute > 0 else 0.0,
+                  "wall_s": time.time() - spec["spawned_at"]})
+
+
+class _Stop(Exception):
+    pass
+
+
+def _dpo_train(spec: dict, stop_at_first_step: bool) -> dict:
+    import dpocache.train as train_mod
+    from dpocache.config import build_config
+
+    marks: dict = {"load_s": 0.0}
+    steps: list[float] = []
+    original_step, original_load = train_mod.train_step, train_mod.load_policy
+
+    def timed_load(*a, **kw):
+        t = time.perf_counter()
+        out = original_load(*a, **kw)
+        marks["load_s"] += time.perf_counter() - t
+        return out
+
+    def timed_step(run, window):
+        marks.setdefault("first_step_at", time.time())
+        if stop_at_first_step:
+            raise _Stop
+        t = time.perf_counter()
+        original_step(run, window)
+        steps.append(time.perf_counter() - t)
+
+    train_mod.train_step, train_mod.load_policy = timed_step, timed_load
+    overrides = ["--model", spec["model"], "--data", spec["data"], "--dtype", spec["dtype"], "--device", "cpu",
+                 "--cache-dir", spec["cache_dir"], "--output-dir", spec["workdir"], "--batch-size",
+                 str(spec["batch_size"]), "--max-steps", str(spec.get("steps", 1)), "--lr", "1e-6",
+                 "--optim.warmup_ratio", "0", "--logging-steps", "10000", "--train.progress", "false",
+                 "--max-length", "none", *spec.get("extra_args", [])]
+    cfg = build_config(None, overrides)
+    try:
+        train_mod.train(cfg)
+    except _Stop:
+        pass
+    first = marks["first_step_at"]
+    return {"side": "dpocache", "model_load_s": marks["load_s"], "step_s": steps,
+            "startup_s": first - spec["spawned_at"], "startup_beyond_load_s": first - spec["spawned_at"] - marks["load_s"]}
+
+
+def dpo_train(spec: dict) -> None:
+    _write(spec, _dpo_train(spec, stop_at_first_step=False))
+
+
+def dpo_startup(spec: dict) -> None:
+    _write(spec, _dpo_train(spec, stop_at_first_step=True))
+
+
+MODES = {"trl-precompute": trl_precompute, "trl-train": trl_train, "dpo-build": dpo_build, "dpo-train": dpo_train,
+         "dpo-startup": dpo_startup}
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    mode, spec_json = sys.argv[1], sys.argv[2]
+    MODES[mode](json.loads(Path(spec_json).read_text()))

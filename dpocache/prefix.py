@@ -1,0 +1,204 @@
+"""The shared-prompt layout: each pair is one row ``prompt + chosen + rejected``, so the prompt
+runs through the model once per pair instead of twice.
+
+A block mask keeps the two completions apart: a prompt token attends to the prompt before it
+(causal), a chosen token to the prompt and the chosen tokens before it, a rejected token to the
+prompt and the rejected tokens before it, never to the chosen ones. Position ids restart after
+the prompt for each completion (``p, p+1, ...``), so RoPE and learned position embeddings see
+exactly the positions of the two separate sequences ``prompt + chosen`` and ``prompt +
+rejected``; sliding windows are applied on these positions. Each completion token is scored
+from the hidden state of the position before it *in its own sequence*: the first chosen and the
+first rejected token both from the prompt's last position.
+
+So the values are those of the padded two-row layout (``dpocache.batching``) up to float
+rounding, at ``p + c + r`` tokens per pair instead of ``2 * (p + max(c, r))`` plus padding:
+for prompts as long as the completions that is about 3/4 of the work before padding, for
+prompts four times as long about 3/5.
+
+Supported where the model's body accepts a custom 4D mask and ``position_ids`` with the
+``sdpa`` or ``eager`` attention (Llama, Qwen2, Mistral, Gemma 2, GPT-2 and most decoder-only
+models of transformers >= 4.53); elsewhere ``shared_prompt_supported`` is False and callers use
+the padded layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .data import TokenizedPair
+from .logprobs import CompletionLogProbs, unwrap_causal_lm
+
+PROMPT, CHOSEN, REJECTED, PAD = 0, 1, 2, -1
+_ATTENTION = ("sdpa", "eager")
+
+
+@dataclass
+class SharedPromptBatch:
+    """``B`` pairs as ``B`` right-padded rows ``prompt + chosen + rejected``.
+
+    The ``M`` scored tokens are ordered pair by pair, chosen then rejected:
+    ``[c_0 chosen of pair 0, r_0 rejected of pair 0, c_1 chosen of pair 1, ...]``.
+    """
+
+    input_ids: torch.Tensor  # (B, T)
+    position_ids: torch.Tensor  # (B, T)
+    segments: torch.Tensor  # (B, T) int8: PROMPT, CHOSEN, REJECTED or PAD
+    source: torch.Tensor  # (M,) flat index b*T + t of the position that predicts each scored token
+    labels: torch.Tensor  # (M,) the scored token ids
+    sequence: torch.Tensor  # (M,) which sequence each scored token belongs to: b (chosen) or B + b (rejected)
+    chosen_tokens: torch.Tensor  # (B,) long
+    rejected_tokens: torch.Tensor  # (B,)
+
+    @property
+    def num_pairs(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-padding) tokens."""
+        return int((self.segments != PAD).sum())
+
+    def to(self, device) -> "SharedPromptBatch":
+        return SharedPromptBatch(*(t.to(device, non_blocking=True) for t in (
+            self.input_ids, self.position_ids, self.segments, self.source, self.labels, self.sequence,
+            self.chosen_tokens, self.rejected_tokens)))
+
+
+def collate_shared(pairs: Sequence[TokenizedPair], pad_id: int = 0) -> SharedPromptBatch:
+    """The shared-prompt layout of ``pairs`` (see the module docstring)."""
+    b = len(pairs)
+    width = max(p.unique_tokens for p in pairs)
+    input_ids = torch.full((b, width), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((b, width), dtype=torch.long)
+    segments = torch.full((b, width), PAD, dtype=torch.int8)
+    source, labels, sequence = [], [], []
+    for row, pair in enumerate(pairs):
+        p, c, r = len(pair.prompt_ids), len(pair.chosen_ids), len(pair.rejected_ids)
+        if p == 0:
+            raise ValueError(f"pair {pair.index}: an empty prompt cannot score its first completion token")
+        input_ids[row, :p + c + r] = torch.tensor(pair.prompt_ids + pair.chosen_ids + pair.rejected_ids, dtype=torch.long)
+        position_ids[row, :p + c] = torch.arange(p + c)
+        position_ids[row, p + c:p + c + r] = torch.arange(p, p + r)
+        segments[row, :p] = PROMPT
+        segments[row, p:p + c] = CHOSEN
+        segments[row, p + c:p + c + r] = REJECTED
+        base = row * width
+        # chosen token k sits at p+k and is predicted from p+k-1; rejected token k sits at p+c+k
+        # and is predicted from p+c+k-1, except k = 0, predicted from the prompt's last token.
+        source.extend(range(base + p - 1, base + p + c - 1))
+        if r:
+            source.append(base + p - 1)
+            source.extend(range(base + p + c, base + p + c + r - 1))
+        labels.extend(pair.chosen_ids)
+        labels.extend(pair.rejected_ids)
+        sequence.extend([row] * c + [b + row] * r)
+    as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    return SharedPromptBatch(
+        input_ids, position_ids, segments, as_long(source), as_long(labels), as_long(sequence),
+        as_long([len(p.chosen_ids) for p in pairs]), as_long([len(p.rejected_ids) for p in pairs]),
+    )
+
+
+def shared_budget_batches(pairs: Sequence[TokenizedPair], max_tokens: int, max_pairs: int | None = None) -> list[list[TokenizedPair]]:
+    """Length-grouped batches whose padded size ``pairs x longest row`` stays under
+    ``max_tokens``, longest first (inference only: order is free). Sorted by row length, the
+    padding left is the difference between neighbouring lengths."""
+    ordered = sorted(pairs, key=lambda p: p.unique_tokens, reverse=True)
+    batches: list[list[TokenizedPair]] = []
+    current: list[TokenizedPair] = []
+    width = 0
+    for p in ordered:
+        full = max_pairs is not None and len(current) >= max_pairs
+        if current and ((len(current) + 1) * max(width, p.unique_tokens) > max_tokens or full):
+            batches.append(current)
+            current, width = [], 0
+        current.append(p)
+        width = max(width, p.unique_tokens)
+    if current:
+        batches.append(current)
+    return batches
+
+
+# ---------------------------------------------------------------------------------- masks
+
+
+def shared_prompt_supported(model: nn.Module) -> bool:
+    """True when the model's attention takes the custom mask this layout needs."""
+    config = unwrap_causal_lm(model).config
+    return getattr(config, "_attn_implementation", None) in _ATTENTION
+
+
+def attention_mask(batch: SharedPromptBatch, config, dtype: torch.dtype = torch.float32):
+    """The block mask ``(B, 1, T, T)``, or ``{layer type: mask}`` for models with sliding layers.
+
+    Bool (True: attend) for SDPA; additive float (0 / most negative) for eager attention.
+    Padding queries attend to the prompt, so no row of the mask is empty (an all-masked row
+    would give NaN); their outputs are never read.
+    """
+    seg, pos = batch.segments, batch.position_ids  # (B, T)
+    t = seg.shape[1]
+    idx = torch.arange(t, device=seg.device)
+    causal = idx[None, :] <= idx[:, None]  # (T, T): key index <= query index
+    sq, sk = seg[:, :, None], seg[:, None, :]  # (B, T, 1), (B, 1, T)
+    allowed = causal & (sk != PAD) & ((sk == PROMPT) | (sk == sq))  # (B, T, T)
+    masks = {"full_attention": allowed}
+    layer_types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if layer_types and "sliding_attention" in layer_types and window:
+        distance = pos[:, :, None] - pos[:, None, :]  # (B, T, T) query position - key position
+        masks["sliding_attention"] = allowed & (distance < window)
+    impl = getattr(config, "_attn_implementation", "sdpa")
+    if impl == "eager":
+        neg = torch.finfo(dtype).min
+        masks = {k: torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, neg) for k, m in masks.items()}
+    masks = {k: m[:, None] for k, m in masks.items()}  # (B, 1, T, T)
+    if layer_types:
+        return {lt: masks.get(lt, masks["full_attention"]) for lt in set(layer_types)}
+    return masks["full_attention"]
+
+
+# ------------------------------------------------------------------------------- log-probs
+
+
+def shared_prompt_logps(lp: CompletionLogProbs, batch: SharedPromptBatch) -> torch.Tensor:
+    """``(M,)`` fp32 log-probs of the scored tokens of ``batch``, through ``lp``'s body and its
+    chunked, completion-only output head (the same code the padded layout runs)."""
+    lm = lp._causal_lm()
+    body = lm.get_decoder()
+    mask = attention_mask(batch, lm.config)
+    out = body(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids, use_cache=False)
+    hidden = out[0]  # (B, T, H), final norm applied
+    picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.source)  # (M, H)
+    return lp._head_logps(picked, batch.labels)  # (M,)
+
+
+def sequence_sums(logps: torch.Tensor, batch: SharedPromptBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(M,)`` scored log-probs → (chosen sums ``(B,)``, rejected sums ``(B,)``), fp32."""
+    b = batch.num_pairs
+    sums = torch.zeros(2 * b, dtype=torch.float32, device=logps.device).index_add(0, batch.sequence, logps)  # (2B,)
+    return sums[:b], sums[b:]
+
+
+def split_per_token(logps: torch.Tensor, batch: SharedPromptBatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``(M,)`` → per-pair lists of chosen and of rejected per-token log-probs."""
+    counts = torch.stack([batch.chosen_tokens, batch.rejected_tokens], 1).reshape(-1).tolist()  # c0, r0, c1, r1, ...
+    parts = logps.split(counts)
+    return list(parts[0::2]), list(parts[1::2])
+
+
+# ------------------------------------------------------------------------------- reference
+
+
+def score_batch_shared(reference, pairs: Sequence[TokenizedPair], pad_id: int = 0):
+    """Reference values of one batch in the shared-prompt layout, in the form of
+    ``dpocache.cache.build.score_batch``: (chosen sums, rejected sums, chosen counts, rejected
+    counts ``(B,)``, chosen per-token list, rejected per-token list)."""
+    batch = collate_shared(pairs, pad_id)
+    logps = reference.shared_prompt_logprobs(batch).cpu()  # (M,)
+    chosen, rejected = sequence_sums(logps, batch)
+    cpt, rpt = split_per_token(logps, batch)
+    return chosen, rejected, batch.chosen_tokens, batch.rejected_tokens, cpt, rpt

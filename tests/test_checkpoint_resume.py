@@ -1,0 +1,93 @@
+"""Resume: an interrupted run, continued with --resume, matches an uninterrupted one exactly
+(losses step by step and the final weights), for full fine-tuning and for LoRA."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from dpocache.checkpoint import STATE_FILE, latest_checkpoint
+from train_fixtures import (  # noqa: F401  (fixtures are used by name; one_thread is autouse)
+    base_model, flags, load_tensors, max_abs_diff, one_thread, run_json, run_training, train_jsonl, train_records,
+)
+
+STEPS = 8  # 6 steps per epoch: the resumed half crosses into the second epoch
+
+
+def _interrupted_then_resumed(tmp_path, base_model, train_jsonl, cache, *extra):
+    """Uninterrupted run A; run B "killed" after its step-4 checkpoint (everything later
+    deleted), then continued with --resume. Returns (A's dir, B's dir).
+
+    B's first attempt would be the same deterministic run as A, so B starts as a copy of A's
+    directory (half the test's time); B's steps 5..8 all come from the resumed run."""
+    common = ("--max-steps", str(STEPS), "--save-steps", "4", *extra)
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_training(*flags(base_model, train_jsonl, a, cache, *common))
+    shutil.copytree(a, b)
+
+    ckpts = sorted(p.name for p in (b / "checkpoints").iterdir())
+    assert ckpts == ["step-000004", "step-000008"]
+    shutil.rmtree(b / "checkpoints" / "step-000008")
+    shutil.rmtree(b / "final")
+    assert latest_checkpoint(b).name == "step-000004"
+    assert json.loads((b / "checkpoints" / "step-000004" / STATE_FILE).read_text())["step"] == 4
+
+    run_training(*flags(base_model, train_jsonl, b, cache, *common, "--resume"))
+    return a, b
+
+
+def _assert_same_losses(a, b):
+    ra, rb = train_records(a), train_records(b)
+    assert [r["step"] for r in ra] == list(range(1, STEPS + 1))
+    # The resumed run rewrote steps 5..8 (the lines the first attempt logged were dropped).
+    assert [r["step"] for r in rb] == list(range(1, STEPS + 1))
+    for x, y in zip(ra, rb):
+        for key in ("loss", "grad_norm", "lr", "rewards/margins"):
+            assert y[key] == pytest.approx(x[key], abs=1e-6, rel=0), (x["step"], key)
+    # Training moved: a resume that silently restarted from the initial weights would not match.
+    assert abs(ra[-1]["rewards/margins"]) > 1e-4
+
+
+def test_resume_matches_an_uninterrupted_run(tmp_path, base_model, train_jsonl):
+    a, b = _interrupted_then_resumed(tmp_path, base_model, train_jsonl, tmp_path / "cache")
+    _assert_same_losses(a, b)
+    wa, wb = load_tensors(a / "final" / "model.safetensors"), load_tensors(b / "final" / "model.safetensors")
+    assert max_abs_diff(wa, wb) <= 1e-6
+    assert max_abs_diff(wa, load_tensors(base_model / "model.safetensors")) > 1e-4
+    assert run_json(b)["final"]["step"] == STEPS
+
+
+def test_lora_resume_matches_an_uninterrupted_run(tmp_path, base_model, train_jsonl):
+    a, b = _interrupted_then_resumed(tmp_path, base_model, train_jsonl, tmp_path / "cache", "--lora-r", "4", "--lr", "1e-2")
+    assert (b / "checkpoints" / "step-000004" / "adapter_model.safetensors").exists()
+    _assert_same_losses(a, b)
+    wa = load_tensors(a / "final" / "adapter_model.safetensors")
+    wb = load_tensors(b / "final" / "adapter_model.safetensors")
+    assert max_abs_diff(wa, wb) <= 1e-6
+
+
+def test_resume_without_a_checkpoint_starts_at_step_zero(tmp_path, base_model, train_jsonl, capsys):
+    out = tmp_path / "run"
+    run_training(*flags(base_model, train_jsonl, out, tmp_path / "cache", "--max-steps", "2", "--resume"))
+    assert "starting from step 0" in capsys.readouterr().err
+    assert [r["step"] for r in train_records(out)] == [1, 2]
+
+
+def test_load_model_weights_reads_sharded_checkpoints(tmp_path, base_model):
+    """Big models are saved as shards plus an index; resume must load those too."""
+    from dpocache.checkpoint import load_model_weights
+    from dpocache.reference import load_causal_lm
+
+    trained = load_causal_lm(base_model)
+    for p in trained.parameters():
+        p.data.add_(0.01)
+    trained.save_pretrained(tmp_path / "ckpt", max_shard_size="100KB")
+    assert (tmp_path / "ckpt" / "model.safetensors.index.json").exists()
+    assert not (tmp_path / "ckpt" / "model.safetensors").exists()
+
+    fresh = load_causal_lm(base_model)
+    load_model_weights(tmp_path / "ckpt", fresh)
+    want, got = trained.state_dict(), fresh.state_dict()
+    assert max(float((want[k] - got[k]).abs().max()) for k in want) == 0

@@ -1,0 +1,151 @@
+"""The typed config tree: YAML (nested and flat), dotted command-line overrides, the order
+they apply in, the errors, ``dpocache train --help``, and every shipped YAML."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dpocache.cli import main as cli_main
+from dpocache.config import ALIASES, Config, ConfigError, build_config, field_types
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _yaml(tmp_path, text: str) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_yaml_and_command_line_apply_in_order(tmp_path):
+    path = _yaml(tmp_path, """
+model:
+  dtype: bfloat16
+optim:
+  lr: 1.0e-5
+  schedule: cosine
+train:
+  batch_size: 2
+  save_steps: 100
+beta: 0.3            # a flat alias
+lora_r: 8
+train.epochs: 3      # a dotted key at the top level
+""")
+    cfg = build_config(path, ["--optim.lr", "2e-5", "--beta=0.4", "--max-steps", "7", "--eval-data", "e.jsonl",
+                              "--resume", "--train.save_steps", "none", "--lora.alpha", "32"])
+    # YAML over defaults
+    assert cfg.model.dtype == "bfloat16"
+    assert cfg.optim.schedule == "cosine"
+    assert cfg.train.batch_size == 2
+    assert cfg.lora.r == 8
+    assert cfg.train.epochs == 3
+    # command line over YAML (dotted, alias with '=', hyphenated alias, bare boolean, none)
+    assert cfg.optim.lr == 2e-5
+    assert cfg.loss.beta == 0.4
+    assert cfg.train.max_steps == 7
+    assert cfg.data.eval == "e.jsonl"
+    assert cfg.train.resume is True
+    assert cfg.train.save_steps is None
+    assert cfg.lora.alpha == 32
+    # untouched: the dataclass defaults
+    default = Config()
+    assert cfg.optim.weight_decay == default.optim.weight_decay
+    assert cfg.train.seed == default.train.seed
+    assert cfg.data.max_length == default.data.max_length
+    # types are the fields' types, not strings
+    assert isinstance(cfg.optim.lr, float) and isinstance(cfg.train.max_steps, int)
+
+
+def test_yaml_nested_and_flat_spellings_are_equivalent(tmp_path):
+    nested = build_config(_yaml(tmp_path, "optim: {lr: 3.0e-6}\nloss: {name: ipo, beta: 0.5}\ntrain: {grad_accum: 4}\n"))
+    flat = build_config(_yaml(tmp_path, "lr: 3.0e-6\nloss: ipo\nbeta: 0.5\ngrad_accum: 4\n"))
+    cli = build_config(None, ["--lr", "3e-6", "--loss", "ipo", "--beta", "0.5", "--grad-accum", "4"])
+    assert nested.to_dict() == flat.to_dict() == cli.to_dict()
+    assert nested.loss.name == "ipo" and nested.optim.lr == 3e-6 and nested.train.grad_accum == 4
+
+
+def test_unknown_field_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"optim\.learning_rate"):
+        build_config(_yaml(tmp_path, "optim:\n  learning_rate: 1.0\n"))
+    with pytest.raises(ConfigError, match="config.yaml"):
+        build_config(_yaml(tmp_path, "optimizer:\n  lr: 1.0\n"))
+    with pytest.raises(ConfigError, match="'bogus'"):
+        build_config(None, ["--bogus", "1"])
+    with pytest.raises(ConfigError, match=r"train\.nope"):
+        build_config(None, ["--train.nope", "1"])
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--batch-size", "abc"], "train.batch_size"),
+    (["--lora-r", "1.5"], "lora.r"),
+    (["--lr", "fast"], "optim.lr"),
+    (["--resume", "maybe"], "train.resume"),
+    (["--beta", "none"], "loss.beta"),  # not optional
+])
+def test_bad_value_on_the_command_line(args, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")) as err:
+        build_config(None, args)
+    assert "command line" in str(err.value)
+
+
+@pytest.mark.parametrize("text, field", [
+    ("train:\n  epochs: [1, 2]\n", "train.epochs"),
+    ("optim:\n  lr: {a: 1}\n", "optim.lr"),
+    ("loss:\n  name: [sigmoid, sft]\n", "loss.name"),
+    ("train:\n  batch_size: eight\n", "train.batch_size"),
+])
+def test_bad_value_in_yaml_is_a_config_error(tmp_path, text, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        build_config(_yaml(tmp_path, text))
+
+
+def test_invalid_yaml_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        build_config(_yaml(tmp_path, "optim: [unclosed\n"))
+    with pytest.raises(ConfigError, match="mapping"):
+        build_config(_yaml(tmp_path, "- just\n- a list\n"))
+
+
+def test_every_alias_names_a_field():
+    fields = field_types()
+    assert set(ALIASES.values()) <= set(fields)
+
+
+def test_train_help_lists_every_field_with_its_default(capsys):
+    assert cli_main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.strip().startswith("--")}
+    defaults = Config().to_dict()
+    reverse = {v: k for k, v in ALIASES.items()}
+    for dotted in field_types():
+        flag = f"--{dotted}"
+        assert flag in lines, f"{flag} missing from dpocache train --help"
+        section, name = dotted.split(".")
+        assert lines[flag].rstrip().endswith(f"default: {defaults[section][name]!r}"), lines[flag]
+        if dotted in reverse:
+            assert f"--{reverse[dotted].replace('_', '-')}" in lines[flag]
+
+
+def test_cli_reports_config_errors_with_exit_code_2(capsys):
+    assert cli_main(["train", "--bogus", "1"]) == 2
+    assert "bogus" in capsys.readouterr().err
+    assert cli_main(["train", "--batch-size", "x"]) == 2
+    assert "train.batch_size" in capsys.readouterr().err
+
+
+SHIPPED = sorted((REPO / "dpocache" / "configs").glob("*.yaml")) + sorted((REPO / "configs").glob("*.yaml"))
+
+
+def test_there_are_shipped_configs():
+    assert any(p.parent.name == "configs" and p.parent.parent.name == "dpocache" for p in SHIPPED)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[str(p.relative_to(REPO)) for p in SHIPPED])
+def test_every_shipped_yaml_parses(path):
+    from dpocache.losses import parse_loss_spec
+
+    cfg = build_config(path)
+    parse_loss_spec(cfg.loss.name, **cfg.loss.params())  # the loss it names exists, its params are valid
+    assert cfg.model.dtype in ("auto", "float32", "bfloat16", "float16")

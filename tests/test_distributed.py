@@ -1,0 +1,296 @@
+"""Distributed cache build and training: ``torchrun`` with 2 CPU processes on gloo, compared
+with one process doing the same work.
+
+Each ``torchrun`` start costs seconds (two interpreters import torch and transformers), so the
+runs are module fixtures shared by the tests, and single-process baselines run in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dpocache.cache.build import split_by_tokens
+from dpocache.data import write_jsonl
+from dpocache.demo import sorting_pairs
+from dpocache.metrics import read_metrics
+from dpocache.tiny import save_tiny_model
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                       reason="needs torch.distributed with gloo"),
+]
+
+TOL = 1e-5
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(*args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run --nproc-per-node N -m dpocache ARGS`` on CPU/gloo."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "dpocache", *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def in_process(*args: str) -> int:
+    from dpocache.cli import main
+
+    return main(list(args))
+
+
+def train_args(a: dict, out: Path, batch: int, model: Path | None = None, *extra: str) -> list[str]:
+    return ["--model", str(model or a["model"]), "--ref-model", str(a["ref"]), "--data", str(a["train"]),
+            "--eval-data", str(a["eval"]), "--cache-dir", str(a["cache"]), "--dtype", "float32", "--device", "cpu",
+            "--max-length", "64", "--max-steps", "4", "--save-steps", "2", "--train.save_total_limit", "5",
+            "--logging-steps", "1", "--lr", "1e-3", "--optim.warmup_ratio", "0", "--train.progress", "false",
+            "--batch-size", str(batch), "--output-dir", str(out), *extra]
+
+
+def train_in_process(args: list[str]) -> dict:
+    from dpocache.config import build_config
+    from dpocache.train import train
+
+    return train(build_config(None, args))
+
+
+def losses(run_dir: Path) -> dict[int, dict]:
+    """``{step: record}`` of the training records (not eval) in metrics.jsonl."""
+    return {r["step"]: r for r in read_metrics(run_dir) if "loss" in r}
+
+
+def evals(run_dir: Path) -> list[dict]:
+    return [r for r in read_metrics(run_dir) if "eval/loss" in r]
+
+
+def assert_close_records(got: dict, want: dict, keys=("loss", "grad_norm", "rewards/margins", "rewards/accuracies",
+                                                        "logps/chosen")) -> None:
+    for k in keys:
+        assert abs(got[k] - want[k]) <= TOL * max(1.0, abs(want[k])), (k, got[k], want[k])
+
+
+def truncate_to(src: Path, dst: Path, step: int) -> Path:
+    """A copy of run ``src`` as if it had been killed right after checkpoint ``step``."""
+    shutil.copytree(src, dst)
+    shutil.rmtree(dst / "final", ignore_errors=True)
+    for ckpt in (dst / "checkpoints").glob("step-*"):
+        if int(ckpt.name.split("-")[1]) > step:
+            shutil.rmtree(ckpt)
+    return dst
+
+
+# ------------------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("dist")
+    return {
+        "root": root,
+        "model": save_tiny_model(root / "policy", "llama", seed=0),
+        # A reference with other weights: the first step's loss is not log 2, so it tests something.
+        "ref": save_tiny_model(root / "ref", "llama", seed=1),
+        "tied": save_tiny_model(root / "tied", "llama", seed=0, tie_word_embeddings=True),
+        "pairs37": write_jsonl(sorting_pairs(37, 11), root / "pairs37.jsonl"),
+        "train": write_jsonl(sorting_pairs(64, 12), root / "train.jsonl"),
+        "eval": write_jsonl(sorting_pairs(11, 13), root / "eval.jsonl"),  # odd: the ranks' strides differ
+        "cache": root / "train-cache",
+    }
+
+
+@pytest.fixture(scope="module")
+def ddp_run(assets) -> tuple[Path, subprocess.CompletedProcess]:
+    """2 ranks x batch 4, 4 steps, checkpoints at 2 and 4; builds the reference cache itself."""
+    out = assets["root"] / "ddp"
+    return out, torchrun("train", *train_args(assets, out, 4))
+
+
+@pytest.fixture(scope="module")
+def single_run(assets, ddp_run) -> Path:
+    """The same run in one process with batch 8 (after ddp_run: the cache is complete)."""
+    out = assets["root"] / "single"
+    train_in_process(train_args(assets, out, 8))
+    return out
+
+
+# ------------------------------------------------------------------------------ cache build
+
+
+def test_split_by_tokens_is_balanced_deterministic_and_exact(assets):
+    from dpocache.cache_cli import load_tokenizer
+    from dpocache.data import load_preference_data
+
+    pairs = load_preference_data(str(assets["pairs37"]), load_tokenizer(assets["model"]), show_progress=False).pairs
+    for world in (1, 2, 3, 8):
+        parts = split_by_tokens(pairs, world)
+        keys = [p.key for part in parts for p in part]
+        assert sorted(keys) == sorted(p.key for p in pairs)  # each pair in exactly one share
+        assert split_by_tokens(list(reversed(pairs)), world) == parts  # no dependence on order
+        loads = [sum(p.num_tokens for p in part) for part in parts]
+        # Greedy longest-first: no share exceeds another by more than the largest pair.
+        assert max(loads) - min(loads) <= max(p.num_tokens for p in pairs)
+    assert len(split_by_tokens(pairs[:1], 4)[0]) == 1  # more ranks than pairs: the others idle
+
+
+def test_distributed_build_equals_single_process_and_caches_each_pair_once(assets, tmp_path):
+    from dpocache.cache import CacheStore, build_missing, namespace_for_dir
+    from dpocache.cache_cli import load_tokenizer
+    from dpocache.data import load_preference_data
+    from dpocache.reference import ReferenceModel
+
+    model, data = assets["model"], assets["pairs37"]
+    common = ["--model", str(model), "--data", str(data), "--dtype", "float32", "--device", "cpu", "--max-length", "64"]
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    assert in_process("cache", "build", *common, "--cache-dir", str(single)) == 0
+
+    # A build killed earlier left 10 pairs in shards no manifest lists: they must be adopted.
+    pairs = load_preference_data(str(data), load_tokenizer(model), max_length=64, show_progress=False).pairs
+    orphan_store = CacheStore(multi, namespace_for_dir(model, torch.float32, multi)).open()
+    build_missing(orphan_store, pairs[:10], lambda: ReferenceModel.from_pretrained(model, "float32", "cpu"),
+                  shard_pairs=4, show_progress=False, update_manifest=False)
+    assert not (orphan_store.dir / "manifest.json").exists()
+
+    proc = torchrun("cache", "build", *common, "--cache-dir", str(multi), "--shard-size", "5", "--json")
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert proc.stdout.count('"computed"') == 1  # rank 0 alone prints
+    assert (summary["pairs"], summary["unique"], summary["computed"], summary["reused"]) == (37, 37, 27, 10)
+    assert summary["world_size"] == 2 and summary["tokens"] > 0
+
+    ns_dir = orphan_store.dir
+    manifest = json.loads((ns_dir / "manifest.json").read_text())
+    on_disk = {p.name for p in ns_dir.glob("shard-*.safetensors")}
+    assert {s["file"] for s in manifest["shards"]} == on_disk
+    assert manifest["pairs"] == 37
+    assert sum(s["pairs"] for s in manifest["shards"]) == 37  # no pair computed twice
+    from safetensors.torch import load_file
+
+    keys = [bytes(k.tolist()) for f in on_disk for k in load_file(str(ns_dir / f))["keys"]]
+    assert len(keys) == len(set(keys)) == 37
+
+    exports = {}
+    for name, cache in (("single", single), ("multi", multi)):
+        out = tmp_path / f"{name}.jsonl"
+        assert in_process("cache", "export", *common, "--cache-dir", str(cache), "--out", str(out)) == 0
+        exports[name] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(exports["multi"]) == 37
+    for a, b in zip(exports["single"], exports["multi"]):
+        assert a["key"] == b["key"] and a["chosen_tokens"] == b["chosen_tokens"]
+        for side in ("chosen_logps", "rejected_logps"):
+            assert abs(a[side] - b[side]) <= 1e-6 * max(1.0, abs(a[side])), (side, a, b)
+
+
+def test_missing_after_build_names_the_keys(assets, tmp_path):
+    from dpocache.cache import CacheStore, namespace_for_dir
+    from dpocache.cache.build import _missing_after_build, unique_pairs
+    from dpocache.cache_cli import load_tokenizer
+    from dpocache.data import load_preference_data
+
+    pairs = load_preference_data(str(assets["pairs37"]), load_tokenizer(assets["model"]), show_progress=False).pairs
+    store = CacheStore(tmp_path, namespace_for_dir(assets["model"], torch.float32, tmp_path)).open()
+    message = _missing_after_build(store, unique_pairs(pairs), per_token=False)
+    assert "37 of 37 pairs" in message and pairs[0].key.hex()[:12] in message and "shared" in message
+
+
+# ------------------------------------------------------------------------------ training
+
+
+def test_two_ranks_match_one_process_with_the_global_batch(assets, ddp_run, single_run):
+    out, proc = ddp_run
+    multi, single = losses(out), losses(single_run)
+    assert sorted(multi) == sorted(single) == [1, 2, 3, 4]
+    assert abs(multi[1]["loss"] - 0.6931) > 1e-3  # the reference differs from the policy
+    for step in (1, 2, 3, 4):
+        assert_close_records(multi[step], single[step])
+    # Eval: 11 pairs split 6/5 over the ranks, reduced as one mean over 11.
+    for got, want in zip(evals(out), evals(single_run), strict=True):
+        assert_close_records(got, want, keys=("eval/loss", "eval/rewards/accuracies", "eval/rewards/margins"))
+    # Rank 0 alone writes: one line per step, one run.json; the cache was built on both ranks.
+    assert [r["step"] for r in read_metrics(out)] == [0, 1, 2, 3, 4, 4]
+    info = json.loads((out / "run.json").read_text())
+    assert info["world_size"] == 2
+    ref = info["reference"]
+    assert ref["computed"] == 75 and ref["built_on_ranks"] == 2 and ref["forward_passes_during_training"] == 0
+    assert json.loads((single_run / "run.json").read_text())["reference"]["computed"] == 0
+    state = json.loads((out / "checkpoints" / "step-000002" / "trainer_state.json").read_text())
+    assert state["world_size"] == 2 and state["global_batch"] == 8
+
+
+def test_two_rank_resume_matches_uninterrupted_run(assets, ddp_run):
+    out, _ = ddp_run
+    resumed = truncate_to(out, assets["root"] / "ddp-resumed", step=2)
+    proc = torchrun("train", *train_args(assets, resumed, 4), "--resume")
+    assert "resumed from" in proc.stderr and "step 2" in proc.stderr
+    got, want = losses(resumed), losses(out)
+    assert sorted(got) == [1, 2, 3, 4]  # steps 1-2 kept from before the kill, 3-4 recomputed
+    for step in (3, 4):
+        assert_close_records(got[step], want[step])
+    assert_close_records(evals(resumed)[-1], evals(out)[-1], keys=("eval/loss", "eval/rewards/margins"))
+
+
+def test_two_rank_checkpoint_resumes_in_one_process(assets, ddp_run):
+    out, _ = ddp_run
+    resumed = truncate_to(out, assets["root"] / "ddp-to-single", step=2)
+    train_in_process(train_args(assets, resumed, 8, None, "--resume"))
+    got, want = losses(resumed), losses(out)
+    for step in (3, 4):
+        assert_close_records(got[step], want[step])
+
+
+def test_fsdp2_on_cpu_resumes_a_single_process_run_with_tied_embeddings(assets, ddp_run):
+    """FSDP2 (fully_shard) runs on CPU/gloo: it loads a 1-process checkpoint into shards,
+    trains on (matching the 1-process run), and writes gathered checkpoints identical to it."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    single = assets["root"] / "tied-single"
+    train_in_process(train_args(assets, single, 8, assets["tied"]))
+    sharded = truncate_to(single, assets["root"] / "tied-fsdp", step=2)
+    proc = torchrun("train", *train_args(assets, sharded, 4, assets["tied"], "--fsdp", "--resume"))
+    assert "resumed from" in proc.stderr
+    got, want = losses(sharded), losses(single)
+    for step in (3, 4):
+        assert_close_records(got[step], want[step])
+    assert_close_records(evals(sharded)[-1], evals(single)[-1], keys=("eval/loss", "eval/rewards/margins"))
+
+    # The gathered checkpoint is the one a single process writes: same tensors, same layout.
+    for name, tol in (("model.safetensors", 1e-5), ("optimizer.safetensors", 1e-6)):
+        a = load_file(str(sharded / "checkpoints" / "step-000004" / name))
+        b = load_file(str(single / "checkpoints" / "step-000004" / name))
+        assert sorted(a) == sorted(b), name
+        for k in (k for k in a if not k.startswith("rng.")):  # RNG state is per process
+            assert torch.allclose(a[k].float(), b[k].float(), atol=tol, rtol=0), (name, k)
+    final = AutoModelForCausalLM.from_pretrained(str(sharded / "final"))
+    assert final.lm_head.weight.data_ptr() == final.model.embed_tokens.weight.data_ptr()  # still tied
+    assert json.loads((sharded / "run.json").read_text())["config"]["distributed"]["fsdp"] is True
+
+
+def test_lora_with_ddp_matches_one_process(assets, ddp_run):
+    lora = ("--lora-r", "4", "--max-steps", "2", "--save-steps", "0")
+    multi, single = assets["root"] / "lora-ddp", assets["root"] / "lora-single"
+    torchrun("train", *train_args(assets, multi, 4, None, *lora))
+    train_in_process(train_args(assets, single, 8, None, *lora))
+    got, want = losses(multi), losses(single)
+    assert sorted(got) == [1, 2]
+    for step in (1, 2):
+        assert_close_records(got[step], want[step])
+    assert (multi / "final" / "adapter_model.safetensors").exists()

@@ -1,0 +1,145 @@
+"""Tests for dpocache.prefix: the shared-prompt layout gives the values of the padded two-row
+layout (``CompletionLogProbs`` over ``collate_pairs``), per token, on every tiny architecture,
+with padding present in both layouts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dpocache.batching import collate_pairs
+from dpocache.cache import CacheStore, build_missing, namespace_for_module
+from dpocache.cache.build import score_batch
+from dpocache.data import load_preference_data
+from dpocache.logprobs import CompletionLogProbs
+from dpocache.prefix import (CHOSEN, PAD, PROMPT, REJECTED, attention_mask, collate_shared, sequence_sums,
+                             shared_budget_batches, shared_prompt_logps, split_per_token)
+from dpocache.reference import ReferenceModel
+from dpocache.tiny import ARCHITECTURES, build_model
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def pairs(tokenizer, make_rows):
+    """12 pairs of varied prompt and completion lengths."""
+    data = load_preference_data(make_rows(12, seed=7), tokenizer, show_progress=False)
+    assert len({p.unique_tokens for p in data.pairs}) > 4  # varied: the shared layout is padded too
+    assert len({len(p.chosen_ids) - len(p.rejected_ids) for p in data.pairs}) > 2  # and so is the padded one
+    return data.pairs
+
+
+def padded_values(model, pairs, pad_id):
+    """Per-pair per-token chosen and rejected log-probs from the padded layout."""
+    batch = collate_pairs(pairs, pad_id)
+    with torch.no_grad():
+        token_logps = CompletionLogProbs(model)(batch.input_ids, batch.attention_mask, batch.completion_mask)  # (2B, T)
+    mask = batch.completion_mask.bool()
+    rows = [token_logps[i][mask[i]] for i in range(token_logps.shape[0])]
+    b = len(pairs)
+    return rows[:b], rows[b:]
+
+
+def shared_values(model, pairs, pad_id):
+    batch = collate_shared(pairs, pad_id)
+    with torch.no_grad():
+        logps = shared_prompt_logps(CompletionLogProbs(model), batch)  # (M,)
+    return split_per_token(logps, batch), sequence_sums(logps, batch)
+
+
+def _max_diff(xs, ys):
+    return max((x - y).abs().max().item() for x, y in zip(xs, ys))
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_shared_prompt_matches_padded(tiny_models, pairs, tokenizer, arch):
+    model = tiny_models[arch]
+    pc, pr = padded_values(model, pairs, tokenizer.pad_token_id)
+    (sc, sr), (sum_c, sum_r) = shared_values(model, pairs, tokenizer.pad_token_id)
+    assert [len(x) for x in sc] == [len(p.chosen_ids) for p in pairs]
+    assert [len(x) for x in sr] == [len(p.rejected_ids) for p in pairs]
+    assert _max_diff(pc, sc) < TOL
+    assert _max_diff(pr, sr) < TOL
+    torch.testing.assert_close(sum_c, torch.stack([x.sum() for x in pc]), rtol=1e-6, atol=1e-4)
+    torch.testing.assert_close(sum_r, torch.stack([x.sum() for x in pr]), rtol=1e-6, atol=1e-4)
+
+
+def test_rejected_does_not_see_chosen(tiny_models, pairs, tokenizer):
+    """Changing the chosen tokens leaves every rejected log-prob as it was (the block mask)."""
+    model = tiny_models["llama"]
+    (_, sr), _ = shared_values(model, pairs, tokenizer.pad_token_id)
+    altered = [type(p)(p.index, p.prompt_ids, tuple((t + 1) % 300 + 10 for t in p.chosen_ids), p.rejected_ids, p.key) for p in pairs]
+    (sc2, sr2), _ = shared_values(model, altered, tokenizer.pad_token_id)
+    assert _max_diff(sr, sr2) < TOL
+
+
+def test_gemma2_sliding_window_on_positions(tokenizer, pairs):
+    """A window shorter than the sequences: the shared layout must apply it on positions (the
+    rejected tokens sit further from the prompt in the row than in their own sequence)."""
+    model = build_model("gemma2", tokenizer, sliding_window=6).eval()
+    assert max(p.unique_tokens for p in pairs) > 12
+    pc, pr = padded_values(model, pairs, tokenizer.pad_token_id)
+    (sc, sr), _ = shared_values(model, pairs, tokenizer.pad_token_id)
+    assert _max_diff(pc, sc) < TOL
+    assert _max_diff(pr, sr) < TOL
+
+
+def test_layout_of_one_pair(tokenizer, pairs):
+    p = pairs[0]
+    batch = collate_shared([p], tokenizer.pad_token_id)
+    n_p, n_c, n_r = len(p.prompt_ids), len(p.chosen_ids), len(p.rejected_ids)
+    assert batch.segments[0].tolist() == [PROMPT] * n_p + [CHOSEN] * n_c + [REJECTED] * n_r
+    assert batch.position_ids[0].tolist() == list(range(n_p + n_c)) + list(range(n_p, n_p + n_r))
+    # The first chosen and the first rejected token are both predicted from the prompt's last token.
+    assert batch.source[0].item() == n_p - 1 and batch.source[n_c].item() == n_p - 1
+    assert batch.labels.tolist() == list(p.chosen_ids) + list(p.rejected_ids)
+
+
+def test_mask_has_no_empty_row(tokenizer, pairs):
+    batch = collate_shared(pairs, tokenizer.pad_token_id)
+    assert (batch.segments == PAD).any()
+    mask = attention_mask(batch, build_model("llama", tokenizer).config)  # (B, 1, T, T) bool
+    assert mask.any(-1).all()
+
+
+def test_budget_batches_cover_every_pair_once(pairs):
+    batches = shared_budget_batches(pairs, max_tokens=200)
+    assert sorted(p.index for b in batches for p in b) == sorted(p.index for p in pairs)
+    for b in batches:
+        assert len(b) == 1 or len(b) * max(p.unique_tokens for p in b) <= 200
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_cache_build_same_values_either_layout(tiny_models, pairs, tokenizer, tmp_path, arch):
+    """``build_missing`` with the shared layout stores the padded layout's values."""
+    model = tiny_models[arch]
+    stored = {}
+    for layout in ("padded", "shared"):
+        ref = ReferenceModel(model, torch.float32, layout=layout)
+        assert ref.layout == layout
+        store = CacheStore(tmp_path / layout, namespace_for_module(model, torch.float32)).open()
+        build_missing(store, pairs, lambda: ref, pad_id=tokenizer.pad_token_id, max_tokens=256, show_progress=False,
+                      per_token=True)
+        stored[layout] = store.lookup([p.key for p in pairs])
+    torch.testing.assert_close(stored["shared"].chosen_logps, stored["padded"].chosen_logps, rtol=1e-6, atol=1e-4)
+    torch.testing.assert_close(stored["shared"].rejected_logps, stored["padded"].rejected_logps, rtol=1e-6, atol=1e-4)
+    assert torch.equal(stored["shared"].chosen_tokens, stored["padded"].chosen_tokens)
+
+
+def test_score_batch_dispatches_on_layout(tiny_models, pairs, tokenizer):
+    model = tiny_models["qwen2"]
+    shared = score_batch(ReferenceModel(model, layout="shared"), pairs, tokenizer.pad_token_id)
+    padded = score_batch(ReferenceModel(model, layout="padded"), pairs, tokenizer.pad_token_id)
+    for a, b in zip(shared[:4], padded[:4]):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-6, atol=1e-4)
+    assert _max_diff(shared[4], padded[4]) < TOL and _max_diff(shared[5], padded[5]) < TOL
+
+
+def test_unsupported_attention_falls_back_to_padded(tokenizer, monkeypatch):
+    import dpocache.prefix
+
+    model = build_model("llama", tokenizer).eval()
+    monkeypatch.setattr(dpocache.prefix, "_ATTENTION", ("eager",))  # as if sdpa took no custom mask
+    assert ReferenceModel(model, layout="shared").layout == "padded"
+    with pytest.raises(ValueError):
+        ReferenceModel(model, layout="packed")

@@ -1,0 +1,118 @@
+"""Fixtures and helpers shared by the training tests (test_train, test_checkpoint_resume,
+test_config, test_demo). Imported explicitly by those modules, not through conftest.py.
+
+Everything is built offline: a tiny Llama saved with ``save_pretrained`` and the demo's sorting
+task as JSON lines. A fixture imported into several modules is registered once per module, so
+the expensive values are memoised here and built once per test session.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+TRAIN_PAIRS = 24  # batch 4 → 6 steps per epoch, so an 8-step run crosses an epoch boundary
+EVAL_PAIRS = 8
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+_BUILT: dict[str, Path] = {}
+
+
+def _once(name: str, build) -> Path:
+    if name not in _BUILT:
+        _BUILT[name] = build()
+    return _BUILT[name]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Run the tiny models on one intra-op thread (restored afterwards). Their matmuls are far
+    too small to split, and on a busy 2-core CI machine OpenMP's spin-waiting threads made
+    these runs 3-10x slower than one thread does."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def base_model(tmp_path_factory) -> Path:
+    """A tiny Llama and its tokenizer, saved as a Hugging Face model directory."""
+    from dpocache.tiny import save_tiny_model
+
+    return _once("base_model", lambda: save_tiny_model(tmp_path_factory.mktemp("train-base-model"), "llama"))
+
+
+def _rows_file(tmp_path_factory, name: str, n: int, seed: int) -> Path:
+    from dpocache.data import write_jsonl
+    from dpocache.demo import sorting_pairs
+
+    return _once(name, lambda: write_jsonl(sorting_pairs(n, seed), tmp_path_factory.mktemp("train-data") / f"{name}.jsonl"))
+
+
+@pytest.fixture(scope="session")
+def train_jsonl(tmp_path_factory) -> Path:
+    return _rows_file(tmp_path_factory, "train", TRAIN_PAIRS, seed=1)
+
+
+@pytest.fixture(scope="session")
+def eval_jsonl(tmp_path_factory) -> Path:
+    return _rows_file(tmp_path_factory, "eval", EVAL_PAIRS, seed=2)
+
+
+def flags(model: Path, data: Path, out: Path, cache: Path, *extra: str) -> list[str]:
+    """Command-line overrides for a small, deterministic fp32 CPU run; ``extra`` wins (later
+    flags override earlier ones)."""
+    return [
+        "--model", str(model), "--data", str(data), "--output-dir", str(out), "--cache-dir", str(cache),
+        "--train.progress", "false", "--dtype", "float32", "--device", "cpu", "--max-length", "64",
+        "--batch-size", "4", "--logging-steps", "1", "--lr", "1e-3", "--optim.warmup_ratio", "0",
+        *extra,
+    ]
+
+
+def run_training(*args: str) -> dict:
+    """``build_config(None, args)`` then ``train``; returns the run summary."""
+    from dpocache.config import build_config
+    from dpocache.train import train
+
+    return train(build_config(None, list(args)))
+
+
+def records(out: Path) -> list[dict]:
+    from dpocache.metrics import read_metrics
+
+    return read_metrics(out)
+
+
+def train_records(out: Path) -> list[dict]:
+    return [r for r in records(out) if "loss" in r]
+
+
+def eval_records(out: Path) -> list[dict]:
+    return [r for r in records(out) if any(k.startswith("eval/") for k in r)]
+
+
+def run_json(out: Path) -> dict:
+    return json.loads((Path(out) / "run.json").read_text())
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a)[:5], sorted(b)[:5])
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def namespace_dirs(cache: Path) -> list[Path]:
+    """Namespace directories under a cache root (anything but the fingerprint memo)."""
+    if not cache.exists():
+        return []
+    return [p for p in cache.iterdir() if p.is_dir()]
