@@ -144,7 +144,8 @@ def prepare_reference(cfg: Config, env: DistEnv, dtype: torch.dtype, spec, token
     if env.is_main:
         for bad in summary.corrupt_shards:
             print(f"corrupt shard {store.dir / bad}; recomputing its pairs", file=sys.stderr)
-    gc.collect()  # the reference model is unreachable now; give its memory back
+    if summary.computed:
+        gc.collect()  # the reference model is unreachable now; give its memory back
     if not env.is_main:
         store.open()  # rank 0's store already holds every rank's new shards
     train_vals = store.lookup([p.key for p in train_data.pairs])
@@ -302,7 +303,7 @@ def _check_finite(run: Run, loss: torch.Tensor) -> None:
     if all_reduce_max(run.env, bad).item() > 0:
         last = latest_checkpoint(run.out)
         raise TrainingDiverged(
-            f"step {run.step + 1}: the loss is {float(loss)} (not finite). Stopped without saving; the last good "
+            f"step {run.step + 1}: the loss is {float(loss.detach())} (not finite). Stopped without saving; the last good "
             f"checkpoint is {last if last else 'none (no checkpoint was saved yet)'}. Try a lower --lr or --beta."
         )
 

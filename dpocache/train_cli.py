@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 TRAIN_USAGE = """usage: dpocache train [CONFIG.yaml] [--key value ...]
@@ -65,6 +66,8 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     except TrainingDiverged as err:
         print(f"dpocache train: error: {err}", file=sys.stderr)
         return 1
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0  # rank 0 reports for the job
     final = info["final"]
     print(f"done: {final['step']} steps; model in {final['output']}")
     if final["eval"]:
