@@ -4,14 +4,15 @@ store (shards, manifest, checksums), incremental builds and per-token values."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
 import torch
 
 from dpocache.cache import CacheStore, MissingReferenceError, build_missing, namespace_for_dir
-from dpocache.cache.fingerprint import FingerprintMemo, model_dir_fingerprint
 from dpocache.cache.build import namespace_for_module
+from dpocache.cache.fingerprint import FingerprintMemo, model_dir_fingerprint
 from dpocache.data import load_preference_data
 from dpocache.reference import ReferenceModel
 
@@ -99,8 +100,6 @@ def test_fingerprint_memo_rehashes_nothing_on_a_hit(tmp_path, model_dir):
     third = FingerprintMemo(memo_file)
     assert model_dir_fingerprint(copy, third) == fp and third.hashed_bytes > 0
     st = (copy / "model.safetensors").stat()
-    import os
-
     os.utime(copy / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     fourth = FingerprintMemo(memo_file)
     assert model_dir_fingerprint(copy, fourth) == fp and fourth.hashed_bytes == st.st_size

@@ -7,7 +7,9 @@ import json
 
 import pytest
 
-from dpocache.data import DataError, example_key, load_preference_data, read_rows, tokenize_rows, truncate_pair, write_jsonl
+from dpocache.data import (
+    DataError, example_key, load_preference_data, read_rows, tokenize_rows, truncate_pair, write_jsonl,
+)
 
 
 def _load(source, tokenizer, **kwargs):
