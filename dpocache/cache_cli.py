@@ -55,7 +55,7 @@ def _open_store(args, device, open_now: bool = True, verbose: bool = True) -> tu
     cache_dir = args.cache_dir or default_cache_dir()
     store = CacheStore(cache_dir, namespace_for_dir(args.model, dtype, cache_dir))
     if open_now:
-        store.open(quarantine=args.cache_command == "build")
+        store.open()
         for bad in store.corrupt:
             print(f"corrupt shard {store.dir / bad.file}: {bad.reason}; not loaded", file=sys.stderr)
     return store, dtype

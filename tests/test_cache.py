@@ -202,7 +202,7 @@ def test_a_corrupt_shard_is_named_not_loaded_and_quarantined(tmp_path, model_dir
     assert "checksum" in reopened.corrupt[0].reason
     assert len(reopened) < len(pairs)
 
-    quarantined = CacheStore(tmp_path, reopened.namespace).open(quarantine=True)
+    quarantined = CacheStore(tmp_path, reopened.namespace).open(repair=True)
     assert not bad.exists() and bad.with_name(bad.name + ".corrupt").exists()
     summary, _ = _build(quarantined, pairs, reference)
     assert summary.computed == len(pairs) - len(reopened)
@@ -220,4 +220,7 @@ def test_shards_missing_from_the_manifest_are_adopted(tmp_path, model_dir, data,
     assert reopened.corrupt == [] and len(reopened) == len(pairs)
     after = reopened.lookup([p.key for p in pairs])
     assert torch.equal(before.chosen_logps, after.chosen_logps)
-    assert (store.dir / "manifest.json").exists()  # rewritten from the shards
+    assert not (store.dir / "manifest.json").exists()  # a plain open writes nothing (cache info is read-only)
+    reopened.open(repair=True)
+    assert (store.dir / "manifest.json").exists()  # a build's open rewrites it from the shards
+    assert len(reopened) == len(pairs)

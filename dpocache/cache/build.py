@@ -213,7 +213,7 @@ def build_distributed(
     """
     start = time.perf_counter()
     if env.is_main:
-        store.open(quarantine=True)
+        store.open(repair=True)
     corrupt = [str(c) for c in store.corrupt]
     barrier(env)  # the others read the store only after rank 0 has quarantined and rewritten
     if not env.is_main:
@@ -243,7 +243,7 @@ def build_distributed(
                          "errors are above); what they computed before failing is kept: run the build again to resume")
     problem = None
     if env.is_main and env.enabled:
-        store.open()  # adopts every rank's new shards; writes the manifest (once, here)
+        store.open(repair=True)  # adopts every rank's new shards; writes the manifest (once, here)
         problem = _missing_after_build(store, by_key, per_token)
     problem = broadcast_object(env, problem)
     if problem:

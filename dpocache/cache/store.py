@@ -123,25 +123,28 @@ class CacheStore:
 
     # ---------------------------------------------------------------- opening and verifying
 
-    def open(self, quarantine: bool = False) -> "CacheStore":
-        """Load every shard whose checksum holds. Bad shards go to ``self.corrupt``; with
-        ``quarantine`` they are renamed ``*.corrupt`` so no later run trips on them again."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+    def open(self, repair: bool = False) -> "CacheStore":
+        """Load every shard whose checksum holds; bad shards go to ``self.corrupt``, unloaded.
+
+        Read-only unless ``repair``: then bad shards are renamed ``*.corrupt`` (so no later run
+        trips on them again) and the manifest is rewritten to list exactly the good shards,
+        adopting those a killed build (or another rank) wrote but did not record."""
         self.shards, self.corrupt, self._index = [], [], {}
         recorded = {s["file"]: s for s in self._read_manifest().get("shards", [])}
-        on_disk = {p.name for p in self.dir.glob("shard-*.safetensors")}
+        on_disk = {p.name for p in self.dir.glob("shard-*.safetensors")} if self.dir.exists() else set()
         for name in sorted(recorded.keys() - on_disk):
             self.corrupt.append(CorruptShard(name, "listed in the manifest but missing on disk"))
         for name in sorted(on_disk):
             expected = recorded.get(name, {}).get("sha256")
             self._load_shard(name, expected)
-        if quarantine and self.corrupt:
+        if repair:
+            self.dir.mkdir(parents=True, exist_ok=True)
             for bad in self.corrupt:
                 path = self.dir / bad.file
                 if path.exists():
                     path.rename(path.with_name(path.name + ".corrupt"))
-        if set(recorded) != {s.info.file for s in self.shards}:
-            self.write_manifest()
+            if set(recorded) != {s.info.file for s in self.shards}:
+                self.write_manifest()
         return self
 
     def _read_manifest(self) -> dict:
@@ -257,6 +260,7 @@ class CacheStore:
 
     def add_shard(self, tensors: dict[str, torch.Tensor], update_manifest: bool = True) -> ShardInfo:
         """Write one shard atomically, register it, and (by default) record it in the manifest."""
+        self.dir.mkdir(parents=True, exist_ok=True)
         data = save_safetensors(tensors, metadata={"schema": str(SCHEMA_VERSION), "namespace": self.namespace.id})
         digest = hashlib.sha256(data).hexdigest()
         name = f"shard-{digest[:16]}.safetensors"
