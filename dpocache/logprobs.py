@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -61,6 +62,14 @@ def logit_transform(config) -> Callable[[torch.Tensor], torch.Tensor]:
     return transform
 
 
+def router_shape(config) -> tuple[int, int] | None:
+    """(experts, experts per token) of a mixture-of-experts config, else None."""
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if not experts or not hasattr(config, "output_router_logits"):
+        return None
+    return int(experts), int(getattr(config, "num_experts_per_tok", 2))
+
+
 class CompletionLogProbs(nn.Module):
     """Wraps a causal LM; ``forward`` returns per-token log-probs of completion tokens.
 
@@ -75,6 +84,9 @@ class CompletionLogProbs(nn.Module):
         self.config = lm.config
         self.logits_budget = logits_budget
         self._transform = logit_transform(lm.config)
+        self._router = router_shape(lm.config)
+        # MoE load-balancing loss of the last forward (a scalar in the graph), else None.
+        self.aux_loss: torch.Tensor | None = None
         self.fast_path = True
         if probe:
             self.fast_path = self._probe_fast_path()
@@ -103,16 +115,28 @@ class CompletionLogProbs(nn.Module):
             picked = hidden[:, :-1][target]  # (M, H)
             logps = self._head_logps(picked, labels)  # (M,)
         else:
-            logits = self._causal_lm()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+            moe = {"output_router_logits": True} if self._router else {}
+            result = self._causal_lm()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **moe)
+            self.aux_loss = getattr(result, "aux_loss", None)
+            logits = result.logits
             logps = logits[:, :-1][target].float().log_softmax(-1).gather(-1, labels[:, None]).squeeze(-1)  # (M,)
         out = torch.zeros(target.shape, dtype=torch.float32, device=input_ids.device)  # (N, T-1)
         out = out.masked_scatter(target, logps)
         return F.pad(out, (1, 0))  # (N, T)
 
     def _body(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        body = self._causal_lm().get_decoder()
-        out = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        return out[0]  # last_hidden_state (N, T, H), final norm applied
+        lm = self._causal_lm()
+        if self._router is None:
+            out = lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            return out[0]  # last_hidden_state (N, T, H), final norm applied
+        out = lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_router_logits=True)
+        # The model's own load-balancing loss (Switch Transformer, Fedus et al. 2021, eq. 4), from
+        # the module that defines the architecture, so it is exactly what its forward computes.
+        balance = getattr(sys.modules[type(lm).__module__], "load_balancing_loss_func", None)
+        if balance is not None and out.router_logits is not None:
+            experts, top_k = self._router
+            self.aux_loss = balance(out.router_logits, experts, top_k, attention_mask)
+        return out[0]
 
     def _head_logps(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """``hidden (M, H)``, ``labels (M,)`` → ``(M,)`` fp32 log-probs, in row chunks."""

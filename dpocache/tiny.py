@@ -96,6 +96,12 @@ _ARCH_CONFIGS = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
         final_logit_softcapping=30.0, attn_logit_softcapping=50.0, sliding_window=256,
     ),
+    # A mixture of experts: training adds its router load-balancing loss (logged as aux_loss).
+    "mixtral": dict(
+        model_type="mixtral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        num_local_experts=4, num_experts_per_tok=2,
+    ),
 }
 
 ARCHITECTURES = tuple(_ARCH_CONFIGS)

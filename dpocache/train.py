@@ -236,7 +236,8 @@ def step_indices(run: Run, step: int, micro: int) -> list[int]:
 
 def batch_losses(run: Run, pairs: list[TokenizedPair], ref: ReferenceValues | None, idx: list[int], window: MetricWindow,
                  prefix: str = ""):
-    """Policy forward on ``pairs``, the loss per example ``(B,)``, and the metrics recorded."""
+    """Policy forward on ``pairs``; returns the loss per example ``(B,)`` and, for MoE
+    policies, the router load-balancing loss (a scalar, else None); records the metrics."""
     batch = collate_pairs(pairs, run.tokenizer.pad_token_id or 0).to(run.env.device)
     with autocast(run.dtype, run.env.device):
         lp = pair_logprobs(run.scorer, batch)
@@ -256,7 +257,14 @@ def batch_losses(run: Run, pairs: list[TokenizedPair], ref: ReferenceValues | No
     if _has_nll(run):
         window.add_mean(prefix + "sft_loss", -(lp.chosen_logps.detach() / lp.chosen_tokens.clamp(min=1)))
     window.add_total(prefix + "tokens", float(batch.attention_mask.sum()))
-    return losses
+    aux = _scorer_core(run.scorer).aux_loss
+    if aux is not None:
+        window.add(prefix + "aux_loss", float(aux.detach()), 1.0)
+    return losses, aux
+
+
+def _scorer_core(scorer: torch.nn.Module) -> CompletionLogProbs:
+    return scorer.module if isinstance(getattr(scorer, "module", None), CompletionLogProbs) else scorer
 
 
 def _has_nll(run: Run) -> bool:
@@ -273,8 +281,11 @@ def train_step(run: Run, window: MetricWindow) -> None:
         pairs = [run.train_data.pairs[i] for i in idx]
         sync = micro == cfg.grad_accum - 1
         with _no_sync(run.scorer, sync):
-            losses = batch_losses(run, pairs, run.ref_train, idx, window)
-            loss = losses.mean() / cfg.grad_accum
+            losses, aux = batch_losses(run, pairs, run.ref_train, idx, window)
+            loss = losses.mean()
+            if aux is not None:  # MoE: the model's own router loss, with its own coefficient, as TRL adds it
+                loss = loss + getattr(run.policy.config, "router_aux_loss_coef", 0.001) * aux
+            loss = loss / cfg.grad_accum
             _check_finite(run, loss)
             loss.backward()
     max_norm = run.cfg.optim.max_grad_norm

@@ -330,3 +330,25 @@ def test_grad_accum_matches_a_bigger_batch(tmp_path, base_model, train_jsonl):
     big, accum = firsts
     for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen", "logps/rejected"):
         assert accum[key] == pytest.approx(big[key], abs=1e-5, rel=1e-5), key
+
+
+def test_moe_policy_adds_and_logs_its_router_loss(tmp_path, train_jsonl):
+    """A mixture-of-experts policy: the step loss includes router_aux_loss_coef * aux_loss (the
+    model's own load-balancing loss), and aux_loss is logged."""
+    from dpocache.tiny import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "moe", "mixtral")
+    out = tmp_path / "run"
+    run_training(*flags(model, train_jsonl, out, tmp_path / "cache", "--max-steps", "2"))
+    recs = train_records(out)
+    assert all("aux_loss" in r and math.isfinite(r["aux_loss"]) and r["aux_loss"] > 0 for r in recs)
+    # Step 1 runs at the reference: the preference loss is log 2 and the aux loss is logged
+    # separately (the logged loss is the preference loss alone).
+    assert recs[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert abs(recs[0]["rewards/margins"]) <= 1e-6
+
+    # The router loss reaches the gradient: with a zero coefficient step 1's grad norm differs.
+    no_aux = save_tiny_model(tmp_path / "moe-no-aux", "mixtral", router_aux_loss_coef=0.0)
+    out0 = tmp_path / "run-no-aux"
+    run_training(*flags(no_aux, train_jsonl, out0, tmp_path / "cache", "--max-steps", "1"))
+    assert train_records(out0)[0]["grad_norm"] != pytest.approx(recs[0]["grad_norm"], rel=1e-6)
