@@ -127,7 +127,8 @@ def bench_config(args, config_name: str, dtype: str, log: Path) -> dict:
         cache_dir = scratch / "dpocache"
         common = {"model": model, "data": data, "dtype": dtype, "batch_size": args.batch_size}
         trl_env = {"env": {"HF_DATASETS_CACHE": str(hf_cache)}, "trl_precompute_batch_size": args.trl_precompute_batch_size,
-                   "trl_gradient_checkpointing": args.trl_gradient_checkpointing}
+                   "trl_gradient_checkpointing": args.trl_gradient_checkpointing,
+                   "trl_ref_values": str(scratch / "trl-ref-values.json")}
         r: dict = {}
         order = ["trl", "dpo"] if rep % 2 == 0 else ["dpo", "trl"]
         for side in order:
@@ -215,7 +216,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--pairs", type=int, default=None, help="pairs in the data set (default: the configuration's)")
     p.add_argument("--batch-size", type=int, default=8, help="training batch (pairs), both sides; TRL's default")
-    p.add_argument("--train-steps", type=int, default=5, help="training steps per run (the first is not timed); 0 skips training")
+    p.add_argument("--train-steps", type=int, default=4, help="training steps per run (the first is not timed); 0 skips training")
     p.add_argument("--trl-precompute-batch-size", type=int, default=None,
                    help="TRL's precompute_ref_batch_size (default: TRL's, the training batch size)")
     p.add_argument("--trl-gradient-checkpointing", action="store_true",

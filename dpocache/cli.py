@@ -28,7 +28,7 @@ def _add_common_cache_args(p: argparse.ArgumentParser, needs_data: bool = True) 
         p.add_argument("--max-prompt-length", type=int, default=None, help="tokens the prompt keeps at least when truncating (default: max-length/2)")
         p.add_argument("--dtype", default="auto", help="auto (bf16 where the hardware has it), float32, bfloat16")
         p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-        p.add_argument("--max-tokens", type=int, default=None, help="padded tokens per reference forward (default 16384)")
+        p.add_argument("--max-tokens", type=int, default=None, help="padded tokens per reference forward (default 4096; GPUs like more)")
         p.add_argument("--layout", default="shared", choices=["shared", "padded"],
                        help="shared: each prompt runs once for both completions (default); padded: two rows per pair")
         p.add_argument("--skip-invalid", action="store_true", help="skip bad rows (reported) instead of failing")
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as err:
         print(f"dpocache: error: {err}", file=sys.stderr)
         return 2
-    except FileNotFoundError as err:
+    except (FileNotFoundError, FileExistsError) as err:
         print(f"dpocache: error: {err}", file=sys.stderr)
         return 2
 

@@ -83,6 +83,7 @@ class TrainLoopConfig:
     save_steps: int | None = None  # None: save at the end only
     save_total_limit: int = 2  # checkpoints kept (the newest)
     resume: bool = False  # continue from the newest checkpoint in output_dir
+    overwrite: bool = False  # start afresh in an output_dir that holds an earlier run
     tensorboard: bool = False
     push_to_hub: str | None = None  # a Hub repo id for the final checkpoint
     progress: bool = True
@@ -91,7 +92,7 @@ class TrainLoopConfig:
 @dataclass
 class CacheConfig:
     dir: str | None = None  # default: $DPOCACHE_CACHE_DIR or ~/.cache/dpocache
-    max_tokens: int = 16384  # padded tokens per reference forward
+    max_tokens: int = 4096  # padded tokens per reference forward (measured best on CPU; raise on GPU)
     layout: str = "shared"  # reference pass: shared (each prompt once, dpocache.prefix) | padded (two rows per pair)
     shard_size: int = 4096
 

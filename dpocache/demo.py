@@ -54,7 +54,9 @@ def demo_config(out: Path, overrides: list[str] | None = None) -> Config:
     model_dir, train, held_out = prepare(out)
     cfg = build_config(DEMO_CONFIG, [
         "--model", str(model_dir), "--data", str(train), "--eval-data", str(held_out),
-        "--output-dir", str(out / "run"), "--cache-dir", str(out / "cache"), *(overrides or []),
+        "--output-dir", str(out / "run"), "--cache-dir", str(out / "cache"),
+        "--train.overwrite", "true",  # the demo owns its run directory; its cache is what persists
+        *(overrides or []),
     ])
     return cfg
 

@@ -11,6 +11,7 @@ reference forward pass ran during training.
 from __future__ import annotations
 
 import gc
+import shutil
 import json
 import math
 import platform
@@ -114,7 +115,24 @@ def setup(cfg: Config) -> Run:
     run.info = _run_info(run, ref_info)
     if cfg.train.resume:
         resume(run)
+    else:
+        start_fresh(run)
     return run
+
+
+def start_fresh(run: Run) -> None:
+    """A run that does not resume must not mix with an earlier one's metrics or checkpoints
+    (a later --resume would pick up the wrong checkpoint): refuse, unless told to overwrite."""
+    earlier = latest_checkpoint(run.out) is not None or (run.out / "metrics.jsonl").exists()
+    if earlier and not run.cfg.train.overwrite:
+        raise FileExistsError(
+            f"{run.out} holds an earlier run (metrics.jsonl or checkpoints). Pass --resume to continue it, "
+            "--train.overwrite to start afresh there, or another --output-dir."
+        )
+    if earlier and run.env.is_main:
+        shutil.rmtree(run.out / "checkpoints", ignore_errors=True)
+        (run.out / "metrics.jsonl").unlink(missing_ok=True)
+    barrier(run.env)
 
 
 def _load_data(cfg: Config, source: str, tokenizer, env: DistEnv) -> PreferenceData:

@@ -352,3 +352,16 @@ def test_moe_policy_adds_and_logs_its_router_loss(tmp_path, train_jsonl):
     out0 = tmp_path / "run-no-aux"
     run_training(*flags(no_aux, train_jsonl, out0, tmp_path / "cache", "--max-steps", "1"))
     assert train_records(out0)[0]["grad_norm"] != pytest.approx(recs[0]["grad_norm"], rel=1e-6)
+
+
+def test_a_fresh_run_refuses_an_output_dir_with_an_earlier_run(tmp_path, base_model, train_jsonl, shared_cache):
+    out = tmp_path / "run"
+    args = flags(base_model, train_jsonl, out, shared_cache, "--max-steps", "2", "--save-steps", "1")
+    run_training(*args)
+    with pytest.raises(FileExistsError, match="--resume"):
+        run_training(*args)
+    assert cli_main(["train", *args]) == 2
+    # --train.overwrite starts afresh: the earlier metrics and checkpoints are gone, not mixed in.
+    run_training(*args, "--train.overwrite", "true", "--max-steps", "1")
+    assert [r["step"] for r in train_records(out)] == [1]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001"]
