@@ -365,3 +365,14 @@ def test_a_fresh_run_refuses_an_output_dir_with_an_earlier_run(tmp_path, base_mo
     run_training(*args, "--train.overwrite", "true", "--max-steps", "1")
     assert [r["step"] for r in train_records(out)] == [1]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001"]
+
+
+def test_push_to_hub_fails_clearly_and_keeps_the_checkpoint(tmp_path, base_model, train_jsonl, shared_cache, capsys):
+    """No Hub here (or no token): the run still writes everything, then exits 1 naming the repo
+    and where the checkpoint is."""
+    out = tmp_path / "run"
+    args = flags(base_model, train_jsonl, out, shared_cache, "--max-steps", "1", "--push-to-hub", "someone/dpocache-test")
+    assert cli_main(["train", *args]) == 1
+    err = capsys.readouterr().err
+    assert "someone/dpocache-test" in err and str(out / "final") in err
+    assert (out / "final" / "model.safetensors").exists() and (out / "run.json").exists()
