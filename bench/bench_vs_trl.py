@@ -9,9 +9,11 @@ each repetition, runs in separate processes (peak RSS is per process):
 1. TRL ``DPOTrainer(precompute_ref_log_probs=True)``: its precompute, timed as TRL runs it (its
    DataLoader over the whole set); model load, tokenisation and its state-dict hash excluded.
 2. ``dpocache cache build --json`` into a fresh cache directory; model load excluded.
-3. TRL's training steps, its precomputed values read back from its datasets cache (a cache hit).
+3. TRL's training steps, with the values of its precompute run read back (its own datasets
+   cache does not hit across processes here, so it would recompute them all).
 4. ``dpocache train`` steps on the cache built in 2 (a cache hit), same batch size and dtype.
-5. ``dpocache cache build`` again on the complete cache (no model load, no forward).
+5. ``dpocache train`` up to its first step (start-up on a cache hit), and ``dpocache cache
+   build`` again on the complete cache (no model load, no forward).
 
 Sides alternate within a repetition, so both see the same load on a shared machine. Tokens are
 counted the same way for both: each prompt once, plus chosen and rejected. Prints medians and
@@ -139,7 +141,12 @@ def bench_config(args, config_name: str, dtype: str, log: Path) -> dict:
             elif side == "dpo":
                 r["dpo_build"] = run_worker("dpo-build", {**common, "cache_dir": str(cache_dir), "extra_args": args.build_args}, scratch, log)
         if args.startup_only:
-            r["dpo_build"] = run_worker("dpo-build", {**common, "cache_dir": str(cache_dir), "extra_args": args.build_args}, scratch, log)
+            # One cache for every repetition (built by the first): only the start-up is measured.
+            cache_dir = inputs / "dpocache-cache"
+            if rep == 0:
+                r["dpo_build"] = run_worker("dpo-build", {**common, "cache_dir": str(cache_dir), "extra_args": args.build_args}, scratch, log)
+            if not args.skip_trl:
+                r["trl_hash"] = run_worker("trl-hash", common, scratch, log)
         if args.train_steps > 0 and not args.startup_only:
             for side in order:
                 if side == "trl" and not args.skip_trl:
@@ -161,7 +168,7 @@ def bench_config(args, config_name: str, dtype: str, log: Path) -> dict:
 
 def summarise(res: dict, peaks: dict, batch: int) -> list[tuple[str, float | None, float | None, str]]:
     reps = res["reps"]
-    get = lambda key, field: [r[key][field] for r in reps if key in r]  # noqa: E731
+    get = lambda key, field: [r[key].get(field) for r in reps if key in r]  # noqa: E731
     rows = []
     tp_trl, tp_dpo = median(get("trl_precompute", "tokens_per_s")), median(get("dpo_build", "tokens_per_s"))
     rows.append(("cache tokens/s (prompt once)", tp_trl, tp_dpo, "x"))
@@ -177,10 +184,13 @@ def summarise(res: dict, peaks: dict, batch: int) -> list[tuple[str, float | Non
         rows.append(("train start-up on cache hit, beyond model load (s)", median(get("trl_train", "startup_beyond_load_s")),
                      median(get("dpo_train", "startup_beyond_load_s")), "x"))
     rows.append(("dpocache start-up to first step, beyond model load (s)", None, median(get("dpo_startup", "startup_beyond_load_s")), ""))
+    rows.append(("  of which interpreter start and imports (s)", None, median(get("dpo_startup", "imports_s")), ""))
+    rows.append(("  beyond model load and imports (s)", None, median(get("dpo_startup", "startup_beyond_load_and_imports_s")), ""))
     rows.append(("dpocache model load (s)", None, median(get("dpo_startup", "model_load_s")), ""))
     rows.append(("`dpocache cache build` on a complete cache, whole command (s)", None, median(get("dpo_build_hit", "wall_s")), ""))
-    if any("trl_precompute" in r for r in reps):
-        rows.append(("TRL state-dict hash on each start (s)", median(get("trl_precompute", "hash_module_s")), None, ""))
+    if any("trl_precompute" in r or "trl_hash" in r for r in reps):
+        rows.append(("TRL state-dict hash on each start (s)",
+                     median(get("trl_precompute", "hash_module_s") + get("trl_hash", "hash_module_s")), None, ""))
     flops = res.get("flops")
     if flops and tp_dpo:
         secs = median(get("dpo_build", "compute_s"))
@@ -228,7 +238,16 @@ def main(argv=None) -> int:
     p.add_argument("--scratch", default=None, help="where per-run directories go (default: the system temp dir)")
     p.add_argument("--keep-scratch", action="store_true")
     p.add_argument("--out", default=str(BENCH_DIR / "results"))
+    p.add_argument("--summarise", nargs="+", metavar="JSON", help="only re-print the tables of earlier results")
     args = p.parse_args(argv)
+    if args.summarise:
+        for path in args.summarise:
+            res = json.loads(Path(path).read_text())
+            rows = summarise(res, res["peaks"], res["args"]["batch_size"])
+            print_table(f"{res['config']}, {res['dtype']}, {res['pairs']} pairs, batch {res['args']['batch_size']}, medians of "
+                        f"{len(res['reps'])} (load average {statistics.median(r['loadavg'][0] for r in res['reps']):.1f})", rows)
+            print()
+        return 0
     args.train_args = args.train_args.split()
     dtypes = args.dtype if isinstance(args.dtype, list) else [args.dtype]
     out = Path(args.out)
@@ -243,8 +262,9 @@ def main(argv=None) -> int:
         print(f"{args.config} {dtype}: {args.reps} repetitions", flush=True)
         res = bench_config(args, args.config, dtype, log)
         inputs = build_inputs(CONFIGS[args.config], res["pairs"])
-        res["flops"] = flops_of_build(inputs, res["inputs"])
-        peaks_after = {d: measure_peak(d) for d in ("bfloat16", "float32")}
+        res["flops"] = None if args.startup_only else flops_of_build(inputs, res["inputs"])
+        res["startup_only"] = args.startup_only
+        peaks_after = {d: measure_peak(d) for d in ("bfloat16", "float32")} if not args.startup_only else peaks
         res["peaks"] = {d: max(peaks[d], peaks_after[d]) for d in peaks}
         res["args"] = vars(args)
         rows = summarise(res, res["peaks"], args.batch_size)

@@ -39,7 +39,7 @@ CONFIGS = {
     "long-prompt": BenchConfig("long-prompt", prompt_words=(80, 240), completion_words=(10, 70), pairs=128),
     # ~1.1B parameters (TinyLlama's shape), for the cache-hit start-up time only.
     "1b": BenchConfig("1b", hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-                      num_key_value_heads=4, pairs=32),
+                      num_key_value_heads=4, pairs=16),
 }
 
 TOKENIZER_VOCAB = 8000  # trained size (the BPE saturates below it on the generated corpus); <= the model's

@@ -10,6 +10,7 @@ Modes:
     dpo-build       ``dpocache cache build --json``, in process (the CLI's own code path)
     dpo-train       ``dpocache train`` steps on a built cache
     dpo-startup     ``dpocache train`` until its first step, then stop (start-up on a cache hit)
+    trl-hash        TRL's state-dict hash alone (what its every start costs beyond loading)
 
 Results go to ``SPEC["out"]`` as JSON.
 """
@@ -166,6 +167,14 @@ def _dpo_train(spec: dict, stop_at_first_step: bool) -> dict:
     import dpocache.train as train_mod
     from dpocache.config import build_config
 
+    # Python-level imports (torch, transformers' lazily imported model and tokenizer modules,
+    # peft), timed apart: every PyTorch trainer pays them, whatever it does after.
+    import peft  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+    AutoConfig.from_pretrained(spec["model"])  # imports the architecture's modules
+    imports_done = time.time()
+
     marks: dict = {"load_s": 0.0}
     steps: list[float] = []
     original_step, original_load = train_mod.train_step, train_mod.load_policy
@@ -197,6 +206,8 @@ def _dpo_train(spec: dict, stop_at_first_step: bool) -> dict:
         pass
     first = marks["first_step_at"]
     return {"side": "dpocache", "model_load_s": marks["load_s"], "step_s": steps,
+            "imports_s": imports_done - spec["spawned_at"],
+            "startup_beyond_load_and_imports_s": first - imports_done - marks["load_s"],
             "startup_s": first - spec["spawned_at"], "startup_beyond_load_s": first - spec["spawned_at"] - marks["load_s"]}
 
 
@@ -208,7 +219,22 @@ def dpo_startup(spec: dict) -> None:
     _write(spec, _dpo_train(spec, stop_at_first_step=True))
 
 
-MODES = {"trl-precompute": trl_precompute, "trl-train": trl_train, "dpo-build": dpo_build, "dpo-train": dpo_train,
+def trl_hash(spec: dict) -> None:
+    """What TRL's DPOTrainer does to the model on every start with precompute_ref_log_probs:
+    hash its whole state dict (trl.trainer.utils.hash_module)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.utils import hash_module
+
+    t = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    load = time.perf_counter() - t
+    t = time.perf_counter()
+    hash_module(model)
+    _write(spec, {"side": "trl", "model_load_s": load, "hash_module_s": time.perf_counter() - t})
+
+
+MODES = {"trl-hash": trl_hash, "trl-precompute": trl_precompute, "trl-train": trl_train, "dpo-build": dpo_build, "dpo-train": dpo_train,
          "dpo-startup": dpo_startup}
 
 if __name__ == "__main__":

@@ -73,6 +73,7 @@ class OptimConfig:
 class TrainLoopConfig:
     output_dir: str = "runs/dpo"
     batch_size: int = 8  # pairs per device per micro-batch
+    layout: str = "shared"  # shared: prompt once per pair (dpocache.prefix; single process, dense models) | padded
     grad_accum: int = 1
     epochs: int = 1
     max_steps: int | None = None  # optimizer steps; overrides epochs

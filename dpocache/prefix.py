@@ -202,3 +202,58 @@ def score_batch_shared(reference, pairs: Sequence[TokenizedPair], pad_id: int = 
     chosen, rejected = sequence_sums(logps, batch)
     cpt, rpt = split_per_token(logps, batch)
     return chosen, rejected, batch.chosen_tokens, batch.rejected_tokens, cpt, rpt
+
+
+# -------------------------------------------------------------------------------- training
+
+
+class SharedPromptScorer(nn.Module):
+    """The policy's forward in the shared-prompt layout, as one ``nn.Module`` call (so a
+    wrapper sees every parameter use in one forward, as with ``CompletionLogProbs``)."""
+
+    def __init__(self, lp: CompletionLogProbs):
+        super().__init__()
+        self.lp = lp
+
+    @property
+    def aux_loss(self):
+        return None  # only used for dense models (see ``shared_training_supported``)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, segments: torch.Tensor, source: torch.Tensor,
+                labels: torch.Tensor) -> torch.Tensor:
+        """``(B, T)`` layout tensors and ``(M,)`` scored positions → ``(M,)`` fp32 log-probs."""
+        batch = SharedPromptBatch(input_ids, position_ids, segments, source, labels, source, source, source)
+        return shared_prompt_logps(self.lp, batch)
+
+
+def shared_training_supported(lp: nn.Module) -> bool:
+    """A plain ``CompletionLogProbs`` (not DDP/FSDP-wrapped) on its fast path, over a dense
+    model whose attention takes the block mask. MoE models (router loss) and distributed
+    wrappers keep the padded layout."""
+    # The exact type: FSDP2's fully_shard swaps the class for a subclass whose hooks run on
+    # ``forward``, which this layout's scorer does not call.
+    return (type(lp) is CompletionLogProbs and lp.fast_path and getattr(lp, "_router", None) is None
+            and shared_prompt_supported(lp.model))
+
+
+def training_scorer(scorer: nn.Module, layout: str) -> nn.Module:
+    """``scorer`` itself (padded layout) or a ``SharedPromptScorer`` over it."""
+    if layout not in ("shared", "padded"):
+        raise ValueError(f"train.layout must be shared or padded; got '{layout}'")
+    if layout == "shared" and shared_training_supported(scorer):
+        return SharedPromptScorer(scorer)
+    return scorer
+
+
+def layout_logprobs(scorer: nn.Module, pairs: Sequence[TokenizedPair], pad_id: int, device):
+    """Policy log-probs of ``pairs`` in ``scorer``'s layout: (``PairLogProbs``, real tokens run)."""
+    from .batching import collate_pairs, pair_logprobs
+    from .logprobs import PairLogProbs
+
+    if isinstance(scorer, SharedPromptScorer):
+        batch = collate_shared(pairs, pad_id).to(device)
+        logps = scorer(batch.input_ids, batch.position_ids, batch.segments, batch.source, batch.labels)  # (M,)
+        chosen, rejected = sequence_sums(logps, batch)
+        return PairLogProbs(chosen, rejected, batch.chosen_tokens, batch.rejected_tokens, logps), batch.num_tokens
+    batch = collate_pairs(pairs, pad_id).to(device)
+    return pair_logprobs(scorer, batch), int(batch.attention_mask.sum())

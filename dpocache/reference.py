@@ -105,6 +105,8 @@ class ReferenceModel:
             model.eval()
             model.requires_grad_(False)
         self._scorer = CompletionLogProbs(model)
+        if not self._scorer.fast_path:
+            self.layout = "padded"  # an unknown head: the model's own forward, on the padded layout
         self._run = torch.compile(self._scorer, dynamic=True) if compile else self._scorer
         self.forward_passes = 0
         self.tokens = 0

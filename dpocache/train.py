@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import __version__, reference as reference_mod
-from .batching import collate_pairs, pair_logprobs, training_order
+from .batching import training_order
 from .cache import CacheStore, default_cache_dir, namespace_for_dir
 from .cache.build import build_distributed, reference_weights_dir
 from .checkpoint import latest_checkpoint, load_model_weights, load_trainer_state, save_checkpoint
@@ -35,6 +35,7 @@ from .logprobs import CompletionLogProbs, autocast
 from .losses import parse_loss_spec, preference_loss
 from .metrics import (MetricWindow, MetricsWriter, count_params, measured_peak_flops, model_shape,
                       train_flops_per_token)
+from .prefix import layout_logprobs, training_scorer
 from .policy import build_optimizer, build_scheduler, load_policy, wrap_for_distributed
 from .reference import ReferenceModel, dtype_name, resolve_dtype
 
@@ -102,6 +103,7 @@ def setup(cfg: Config) -> Run:
     # FSDP moves each unit to the device as it shards it: load on the CPU, never whole on a GPU.
     policy = load_policy(cfg, torch.device("cpu") if fsdp else env.device)
     scorer = wrap_for_distributed(CompletionLogProbs(policy), policy, cfg, env)
+    scorer = training_scorer(scorer, cfg.train.layout)  # shared-prompt layout where supported (dpocache.prefix)
     global_batch = cfg.train.batch_size * cfg.train.grad_accum * env.world_size
     steps_per_epoch = len(train_data) // global_batch
     if steps_per_epoch == 0:
@@ -256,9 +258,8 @@ def batch_losses(run: Run, pairs: list[TokenizedPair], ref: ReferenceValues | No
                  prefix: str = ""):
     """Policy forward on ``pairs``; returns the loss per example ``(B,)`` and, for MoE
     policies, the router load-balancing loss (a scalar, else None); records the metrics."""
-    batch = collate_pairs(pairs, run.tokenizer.pad_token_id or 0).to(run.env.device)
     with autocast(run.dtype, run.env.device):
-        lp = pair_logprobs(run.scorer, batch)
+        lp, tokens = layout_logprobs(run.scorer, pairs, run.tokenizer.pad_token_id or 0, run.env.device)
     ref_c = ref.chosen[idx].to(run.env.device) if ref is not None else None
     ref_r = ref.rejected[idx].to(run.env.device) if ref is not None else None
     losses, rc, rr = preference_loss(run.spec, lp.chosen_logps, lp.rejected_logps, ref_c, ref_r, lp.chosen_tokens,
@@ -274,7 +275,7 @@ def batch_losses(run: Run, pairs: list[TokenizedPair], ref: ReferenceValues | No
     window.add_mean(prefix + "logps/rejected", lp.rejected_logps)
     if _has_nll(run):
         window.add_mean(prefix + "sft_loss", -(lp.chosen_logps.detach() / lp.chosen_tokens.clamp(min=1)))
-    window.add_total(prefix + "tokens", float(batch.attention_mask.sum()))
+    window.add_total(prefix + "tokens", float(tokens))
     aux = _scorer_core(run.scorer).aux_loss
     if aux is not None:
         window.add(prefix + "aux_loss", float(aux.detach()), 1.0)

@@ -143,3 +143,45 @@ def test_unsupported_attention_falls_back_to_padded(tokenizer, monkeypatch):
     assert ReferenceModel(model, layout="shared").layout == "padded"
     with pytest.raises(ValueError):
         ReferenceModel(model, layout="packed")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_training_layout_same_values_and_gradients(tokenizer, pairs, arch):
+    """The shared-prompt training forward gives the padded layout's sums and gradients: the
+    prompt's gradient is the sum of what its two sequences send it."""
+    from dpocache.prefix import SharedPromptScorer, layout_logprobs, training_scorer
+
+    from dpocache.reference import disable_dropout
+
+    model = build_model(arch, tokenizer).train()
+    disable_dropout(model)  # as training does; GPT-2's dropout would make the two passes differ
+    lp = CompletionLogProbs(model)
+    shared = training_scorer(lp, "shared")
+    assert isinstance(shared, SharedPromptScorer) and training_scorer(lp, "padded") is lp
+    grads, sums = {}, {}
+    for name, scorer in (("padded", lp), ("shared", shared)):
+        model.zero_grad()
+        out, tokens = layout_logprobs(scorer, pairs, tokenizer.pad_token_id, "cpu")
+        (out.chosen_logps.sum() - 0.5 * out.rejected_logps.sum()).backward()
+        grads[name] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        sums[name] = (out.chosen_logps.detach(), out.rejected_logps.detach(), out.chosen_tokens, tokens)
+    torch.testing.assert_close(sums["shared"][0], sums["padded"][0], rtol=1e-6, atol=1e-4)
+    torch.testing.assert_close(sums["shared"][1], sums["padded"][1], rtol=1e-6, atol=1e-4)
+    assert torch.equal(sums["shared"][2], sums["padded"][2])
+    assert sums["shared"][3] == sum(p.unique_tokens for p in pairs) < sums["padded"][3]
+    torch.testing.assert_close(grads["shared"], grads["padded"], rtol=1e-4, atol=1e-5)
+
+
+def test_training_layout_keeps_wrapped_scorers(tiny_models):
+    """A DDP/FSDP-wrapped scorer (not a plain CompletionLogProbs) keeps the padded layout."""
+    from dpocache.prefix import training_scorer
+
+    wrapper = torch.nn.Module()
+    wrapper.module = CompletionLogProbs(tiny_models["llama"])
+    assert training_scorer(wrapper, "shared") is wrapper
+    fsdp_like = type("FSDPCompletionLogProbs", (CompletionLogProbs,), {})  # what fully_shard makes of the class
+    sharded = CompletionLogProbs(tiny_models["llama"])
+    sharded.__class__ = fsdp_like
+    assert training_scorer(sharded, "shared") is sharded
+    with pytest.raises(ValueError):
+        training_scorer(wrapper, "packed")
