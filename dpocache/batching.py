@@ -57,32 +57,37 @@ def pair_logprobs(lp: CompletionLogProbs, batch: PairBatch) -> PairLogProbs:
     return PairLogProbs(sums[:b], sums[b:], counts[:b], counts[b:], token_logps)
 
 
-def padded_cost(pairs: Sequence[TokenizedPair]) -> int:
-    """Token slots a batch of ``pairs`` occupies in the padded layout."""
-    width = max(max(len(p.prompt_ids) + len(p.chosen_ids), len(p.prompt_ids) + len(p.rejected_ids)) for p in pairs)
-    return 2 * len(pairs) * width
+def _row_cost(layout: str):
+    """(rows per pair, width of a pair's row) in ``layout``: the padded layout runs two rows of
+    ``prompt + longer completion``; the shared-prompt layout (``dpocache.prefix``) one row of
+    ``prompt + chosen + rejected``."""
+    if layout == "shared":
+        return 1, lambda p: p.unique_tokens
+    return 2, lambda p: len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids))
 
 
-def token_budget_batches(pairs: Sequence[TokenizedPair], max_tokens: int, max_pairs: int | None = None) -> list[list[TokenizedPair]]:
-    """Group pairs of similar length into batches whose padded size stays under ``max_tokens``.
+def token_budget_batches(pairs: Sequence[TokenizedPair], max_tokens: int, layout: str = "padded",
+                         max_pairs: int | None = None) -> list[list[TokenizedPair]]:
+    """Group pairs of similar length into batches whose padded size in ``layout`` (rows x
+    longest row) stays under ``max_tokens``.
 
     For inference only (the reference pass), where order does not matter: pairs are sorted
-    longest first, so the largest batch runs first and an out-of-memory shows at once.
-    A single pair larger than the budget gets a batch of its own.
+    longest first, so the largest batch runs first and an out-of-memory shows at once; sorted
+    by length, the padding left is the difference between neighbouring lengths. A single pair
+    larger than the budget gets a batch of its own.
     """
-    ordered = sorted(pairs, key=lambda p: max(len(p.chosen_ids), len(p.rejected_ids)) + len(p.prompt_ids), reverse=True)
+    rows, width_of = _row_cost(layout)
+    ordered = sorted(pairs, key=width_of, reverse=True)
     batches: list[list[TokenizedPair]] = []
     current: list[TokenizedPair] = []
     width = 0
     for p in ordered:
-        w = len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids))
-        new_width = max(width, w)
         full = max_pairs is not None and len(current) >= max_pairs
-        if current and (2 * (len(current) + 1) * new_width > max_tokens or full):
+        if current and (rows * (len(current) + 1) * max(width, width_of(p)) > max_tokens or full):
             batches.append(current)
-            current, new_width = [], w
+            current, width = [], 0
         current.append(p)
-        width = new_width
+        width = max(width, width_of(p))
     if current:
         batches.append(current)
     return batches

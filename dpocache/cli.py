@@ -11,7 +11,6 @@ Exit codes: 0 success, 1 a check failed (verify, corrupt shards), 2 bad input or
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
@@ -89,6 +88,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dpocache: error: {err}", file=sys.stderr)
         return 2
 
-
-def print_json_line(obj: dict) -> None:
-    print(json.dumps(obj, default=str), flush=True)

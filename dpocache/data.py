@@ -357,6 +357,8 @@ def tokenize_rows(
 ) -> tuple[list[TokenizedPair], list[SkippedRow]]:
     """Validate, render and tokenize rows. Bad rows raise ``DataError`` unless
     ``skip_invalid``, in which case they are returned as ``SkippedRow``s."""
+    if max_length is not None and max_prompt_length is not None and max_prompt_length >= max_length:
+        raise ValueError(f"max_prompt_length ({max_prompt_length}) must be below max_length ({max_length})")
     skipped: list[SkippedRow] = []
     rendered: list[tuple[RawRow, _RenderedRow]] = []
     for row in rows:
@@ -393,8 +395,6 @@ def _finish_pair(row: RawRow, prompt, chosen, rejected, max_length, max_prompt_l
     for name, ids in (("chosen", chosen), ("rejected", rejected)):
         if not ids:
             raise DataError(row.location, name, "tokenizes to no tokens")
-    if max_length is not None and max_prompt_length is not None and max_prompt_length >= max_length:
-        raise ValueError(f"max_prompt_length ({max_prompt_length}) must be below max_length ({max_length})")
     prompt, chosen, rejected = truncate_pair(prompt, chosen, rejected, max_length, max_prompt_length)
     if not chosen or not rejected:
         raise DataError(row.location, "prompt", f"the prompt ({len(prompt)} tokens after truncation) leaves "

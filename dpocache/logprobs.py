@@ -197,11 +197,6 @@ class CompletionLogProbs(nn.Module):
             self.fast_path = saved
 
 
-def sequence_sums(token_logps: torch.Tensor, completion_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``token_logps (N, T)``, ``completion_mask (N, T)`` → (sums ``(N,)`` fp32, token counts ``(N,)`` int)."""
-    return token_logps.sum(-1), completion_mask.sum(-1)
-
-
 def autocast(dtype: torch.dtype, device: torch.device | str):
     """Mixed precision for ``dtype`` = bfloat16/float16 (weights stay as loaded); a no-op for
     float32. The cache build and training both enter it, so their numerics are the same."""

@@ -103,26 +103,6 @@ def collate_shared(pairs: Sequence[TokenizedPair], pad_id: int = 0) -> SharedPro
     )
 
 
-def shared_budget_batches(pairs: Sequence[TokenizedPair], max_tokens: int, max_pairs: int | None = None) -> list[list[TokenizedPair]]:
-    """Length-grouped batches whose padded size ``pairs x longest row`` stays under
-    ``max_tokens``, longest first (inference only: order is free). Sorted by row length, the
-    padding left is the difference between neighbouring lengths."""
-    ordered = sorted(pairs, key=lambda p: p.unique_tokens, reverse=True)
-    batches: list[list[TokenizedPair]] = []
-    current: list[TokenizedPair] = []
-    width = 0
-    for p in ordered:
-        full = max_pairs is not None and len(current) >= max_pairs
-        if current and ((len(current) + 1) * max(width, p.unique_tokens) > max_tokens or full):
-            batches.append(current)
-            current, width = [], 0
-        current.append(p)
-        width = max(width, p.unique_tokens)
-    if current:
-        batches.append(current)
-    return batches
-
-
 # ---------------------------------------------------------------------------------- masks
 
 

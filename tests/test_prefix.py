@@ -12,8 +12,9 @@ from dpocache.cache import CacheStore, build_missing, namespace_for_module
 from dpocache.cache.build import score_batch
 from dpocache.data import load_preference_data
 from dpocache.logprobs import CompletionLogProbs
+from dpocache.batching import token_budget_batches
 from dpocache.prefix import (CHOSEN, PAD, PROMPT, REJECTED, attention_mask, collate_shared, sequence_sums,
-                             shared_budget_batches, shared_prompt_logps, split_per_token)
+                             shared_prompt_logps, split_per_token)
 from dpocache.reference import ReferenceModel
 from dpocache.tiny import ARCHITECTURES, build_model
 
@@ -103,7 +104,7 @@ def test_mask_has_no_empty_row(tokenizer, pairs):
 
 
 def test_budget_batches_cover_every_pair_once(pairs):
-    batches = shared_budget_batches(pairs, max_tokens=200)
+    batches = token_budget_batches(pairs, max_tokens=200, layout="shared")
     assert sorted(p.index for b in batches for p in b) == sorted(p.index for p in pairs)
     for b in batches:
         assert len(b) == 1 or len(b) * max(p.unique_tokens for p in b) <= 200

@@ -115,11 +115,7 @@ def score_batch(reference: ReferenceModel, batch: Sequence[TokenizedPair], pad_i
 
 def reference_batches(reference: ReferenceModel, pairs: Sequence[TokenizedPair], max_tokens: int) -> list[list[TokenizedPair]]:
     """Length-grouped batches under ``max_tokens`` padded slots, for the reference's layout."""
-    if getattr(reference, "layout", "padded") == "shared":
-        from ..prefix import shared_budget_batches
-
-        return shared_budget_batches(pairs, max_tokens)
-    return token_budget_batches(pairs, max_tokens)
+    return token_budget_batches(pairs, max_tokens, layout=getattr(reference, "layout", "padded"))
 
 
 def build_missing(
