@@ -15,6 +15,7 @@ import logging
 import sys
 from pathlib import Path
 
+from .allocator import configure_cpu_allocator
 from .data import DataError
 
 
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra and args.command != "train":
         print(f"dpocache: error: unrecognized arguments: {' '.join(extra)}", file=sys.stderr)
         return 2
+    configure_cpu_allocator()
     try:
         if args.command == "cache":
             from . import cache_cli

@@ -24,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import __version__, reference as reference_mod
+from .allocator import configure_cpu_allocator
 from .batching import training_order
 from .cache import CacheStore, default_cache_dir, namespace_for_dir
 from .cache.build import build_distributed, reference_weights_dir
@@ -382,7 +383,9 @@ def log_window(run: Run, window: MetricWindow, seconds: float, flops_per_token: 
 
 def train(cfg: Config) -> dict:
     """Run a whole training job; returns the final summary (also written to run.json). Under
-    torchrun every rank runs it; only rank 0 writes files, logs and progress bars."""
+    torchrun every rank runs it; only rank 0 writes files, logs and progress bars. Sets the
+    process's CPU allocator (``dpocache.allocator``) as the command line does."""
+    configure_cpu_allocator()
     run = setup(cfg)
     try:
         return _train(run)
