@@ -167,9 +167,9 @@ def _dpo_train(spec: dict, stop_at_first_step: bool) -> dict:
     import dpocache.train as train_mod
     from dpocache.config import build_config
 
-    # Python-level imports (torch, transformers' lazily imported model and tokenizer modules,
-    # peft), timed apart: every PyTorch trainer pays them, whatever it does after.
-    import peft  # noqa: F401
+    # Python-level imports (torch, transformers' lazily imported model and tokenizer modules),
+    # timed apart: every PyTorch trainer pays them, whatever it does after. peft is imported
+    # only by runs with LoRA (it adds about 3 s), so not here.
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
     AutoConfig.from_pretrained(spec["model"])  # imports the architecture's modules
