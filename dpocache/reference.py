@@ -95,7 +95,7 @@ class ReferenceModel:
         # How pairs are laid out for the forward (dpocache.prefix): "shared" runs each prompt
         # once for both completions; "padded" runs prompt + chosen and prompt + rejected rows.
         # Models whose attention takes no custom mask fall back to "padded".
-        from .prefix import shared_prompt_supported
+        from .prefix import shared_prompt_logps, shared_prompt_supported
 
         self.layout = layout if layout == "padded" or shared_prompt_supported(model) else "padded"
         self.dtype = dtype
@@ -107,7 +107,9 @@ class ReferenceModel:
         self._scorer = CompletionLogProbs(model)
         if not self._scorer.fast_path:
             self.layout = "padded"  # an unknown head: the model's own forward, on the padded layout
+        # Optional torch.compile, for both layouts (measured no faster on a 2-core CPU: bench/README.md).
         self._run = torch.compile(self._scorer, dynamic=True) if compile else self._scorer
+        self._run_shared = torch.compile(shared_prompt_logps, dynamic=True) if compile else shared_prompt_logps
         self.forward_passes = 0
         self.tokens = 0
         self.seconds = 0.0
@@ -138,9 +140,7 @@ class ReferenceModel:
     def shared_prompt_logprobs(self, batch) -> torch.Tensor:
         """``(M,)`` fp32 log-probs of the scored tokens of a ``dpocache.prefix.SharedPromptBatch``
         (each prompt run once for both completions)."""
-        from .prefix import shared_prompt_logps
-
-        return self._call(lambda: shared_prompt_logps(self._scorer, batch.to(self.device)), batch.num_tokens)
+        return self._call(lambda: self._run_shared(self._scorer, batch.to(self.device)), batch.num_tokens)
 
     def _call(self, fn, tokens: int) -> torch.Tensor:
         """Run ``fn`` frozen (eval, inference mode, autocast, adapter off) and count the pass."""
