@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import gc
 import importlib.metadata
-import shutil
 import json
 import math
 import platform
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -37,8 +37,8 @@ from .logprobs import CompletionLogProbs, autocast
 from .losses import parse_loss_spec, preference_loss
 from .metrics import (MetricWindow, MetricsWriter, count_params, measured_peak_flops, model_shape,
                       train_flops_per_token)
-from .prefix import layout_logprobs, training_scorer
 from .policy import build_optimizer, build_scheduler, load_policy, wrap_for_distributed
+from .prefix import layout_logprobs, training_scorer
 from .reference import ReferenceModel, dtype_name, resolve_dtype
 
 
