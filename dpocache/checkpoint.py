@@ -109,20 +109,31 @@ def load_model_weights(ckpt: Path, model) -> None:
 
         set_peft_model_state_dict(model, load_file(str(adapter)))
         return
-    # save_pretrained writes one model.safetensors, or shards listed in an index for big models.
-    # (transformers 5 moved its load_sharded_checkpoint out of modeling_utils; reading the
-    # index here needs no transformers internals.)
+    missing, unexpected = model.load_state_dict(read_full_weights(ckpt), strict=False)
+    check_loaded_keys(ckpt, missing, unexpected)
+
+
+def read_full_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    """A Hugging Face checkpoint's full weights: ``save_pretrained`` writes one
+    ``model.safetensors``, or shards listed in an index for big models. (transformers 5 moved
+    its load_sharded_checkpoint out of modeling_utils; reading the index here needs no
+    transformers internals.)"""
+    single = ckpt / "model.safetensors"
+    if single.exists():
+        return load_file(str(single))
     index = ckpt / "model.safetensors.index.json"
-    if (ckpt / "model.safetensors").exists():
-        state = load_file(str(ckpt / "model.safetensors"))
-    elif index.exists():
-        state = {}
-        for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-            state.update(load_file(str(ckpt / shard)))
-    else:
+    if not index.exists():
         raise FileNotFoundError(f"{ckpt}: no model.safetensors, model.safetensors.index.json or adapter_model.safetensors")
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    # Tied weights (lm_head = embeddings) are saved once; anything else missing is an error.
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+        state.update(load_file(str(ckpt / shard)))
+    return state
+
+
+def check_loaded_keys(ckpt: Path, missing, unexpected) -> None:
+    """Tied weights (lm_head = embeddings) are saved once; anything else missing, or any
+    unexpected key, means the checkpoint is not this model's."""
     real_missing = [k for k in missing if "lm_head" not in k]
     if real_missing or unexpected:
-        raise RuntimeError(f"{ckpt}: weights do not match the model (missing {real_missing[:5]}, unexpected {unexpected[:5]})")
+        raise RuntimeError(f"{ckpt}: weights do not match the model (missing {real_missing[:5]}, "
+                           f"unexpected {list(unexpected)[:5]})")

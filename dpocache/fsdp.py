@@ -16,12 +16,12 @@ So a checkpoint resumes on any world size, with or without FSDP, and loads in tr
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from .checkpoint import check_loaded_keys, read_full_weights
 from .distributed import DistEnv
 from .logprobs import unwrap_causal_lm
 
@@ -144,22 +144,6 @@ class GatheredOptimizer:
         set_optimizer_state_dict(self.policy, self.optimizer, by_name, options=_full_options())
 
 
-def read_full_weights(ckpt: Path) -> dict[str, torch.Tensor]:
-    """A Hugging Face checkpoint's weights (one ``model.safetensors`` or an indexed set)."""
-    from safetensors.torch import load_file
-
-    single = ckpt / "model.safetensors"
-    if single.exists():
-        return load_file(str(single))
-    index = ckpt / "model.safetensors.index.json"
-    if not index.exists():
-        raise FileNotFoundError(f"{ckpt}: no model.safetensors(.index.json); FSDP resumes full fine-tuning checkpoints only")
-    state: dict[str, torch.Tensor] = {}
-    for name in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-        state.update(load_file(str(ckpt / name)))
-    return state
-
-
 def load_full_weights(ckpt: Path, policy: nn.Module, env: DistEnv) -> None:
     """Load a gathered (or single-process) checkpoint into the sharded policy: rank 0 reads
     the files and each tensor is broadcast and sharded, so only one process holds the full
@@ -168,8 +152,4 @@ def load_full_weights(ckpt: Path, policy: nn.Module, env: DistEnv) -> None:
 
     state = read_full_weights(ckpt) if env.is_main else {}
     result = set_model_state_dict(policy, state, options=_full_options(broadcast_from_rank0=True, strict=False))
-    # Tied weights (lm_head = embeddings) are saved once; anything else missing is an error.
-    missing = [k for k in result.missing_keys if "lm_head" not in k]
-    if missing or result.unexpected_keys:
-        raise RuntimeError(f"{ckpt}: weights do not match the model (missing {missing[:5]}, "
-                           f"unexpected {list(result.unexpected_keys)[:5]})")
+    check_loaded_keys(ckpt, result.missing_keys, result.unexpected_keys)
