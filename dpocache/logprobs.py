@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from . import bf16_matmul
+
 log = logging.getLogger(__name__)
 
 # fp32 logits held at once per chunk: 32M elements = 128 MiB.
@@ -85,6 +87,9 @@ class CompletionLogProbs(nn.Module):
         super().__init__()
         self.model = model
         lm = unwrap_causal_lm(model)
+        # Under CPU bf16 autocast on a CPU without AMX, linear layers use the fp32 GEMM on
+        # bf16-rounded operands (dpocache.bf16_matmul): the same numbers, faster there.
+        bf16_matmul.install(model)
         self.config = lm.config
         self.logits_budget = logits_budget
         self._transform = logit_transform(lm.config)

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import bf16_matmul
+from .bf16_matmul import cpu_has_amx_bf16
 from .logprobs import CompletionLogProbs, autocast
 
 log = logging.getLogger(__name__)
@@ -40,14 +42,6 @@ def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got '{name}'")
     return DTYPES[name]
-
-
-def cpu_has_amx_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags.split()
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -120,7 +114,12 @@ class ReferenceModel:
         device = torch.device(device) if device is not None else default_device()
         if isinstance(dtype, str):
             dtype = resolve_dtype(dtype, device)
-        return cls(load_causal_lm(path, device), dtype, compile, layout=layout)
+        model = load_causal_lm(path, device)
+        reference = cls(model, dtype, compile, layout=layout)
+        if dtype == torch.bfloat16:
+            # This model is ours and frozen: its fp32 weights are only ever used as bf16 values.
+            bf16_matmul.round_frozen_weights_(model)
+        return reference
 
     @classmethod
     def from_peft_policy(cls, policy: nn.Module, dtype: torch.dtype = torch.float32) -> "ReferenceModel":
