@@ -33,7 +33,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
     """``auto`` → bfloat16 where it is faster than float32: CUDA devices with bf16, and CPUs
     with AMX tiles. CPUs with only AVX512-BF16 run bf16 matrix products *slower* than fp32
-    (measured on one: 86 against 153 GFLOP/s at 2048x2048), so they get float32."""
+    (measured on one: 86 against 153 GFLOP/s at 2048x2048), so they get float32. An explicit
+    bfloat16 there runs its linear layers through the fp32 GEMM (``dpocache.bf16_matmul``),
+    which still measured slower end to end than float32 (bench/README.md)."""
     if name == "auto":
         device = torch.device(device)
         if device.type == "cuda":

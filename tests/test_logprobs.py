@@ -123,7 +123,9 @@ def test_independent_of_batch_composition_and_padding(tiny_models, pairs, tokeni
     assert (mixed.token_logps[1, t:] == 0).all()
 
 
-def test_small_logits_budget_chunks_to_the_same_values(tiny_models, batch):
+def test_small_logits_budget_chunks_to_the_same_values(tiny_models, batch, monkeypatch):
+    # The row-chunked head (training, bf16, GPUs); fp32 CPU inference would take the tiles.
+    monkeypatch.setattr(CompletionLogProbs, "_tiles_apply", staticmethod(lambda head, hidden: False))
     model = tiny_models["llama"]
     vocab = model.config.vocab_size
     scored = int(batch.completion_mask[:, 1:].sum())
@@ -136,6 +138,31 @@ def test_small_logits_budget_chunks_to_the_same_values(tiny_models, batch):
         naive = naive_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
     assert _max_diff(a, b) < TOL
     assert _max_diff(a, naive) < TOL
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma2"])  # gpt2 ties its head; gemma2 soft-caps
+def test_cpu_tiles_of_rows_and_vocabulary_give_the_naive_values(tokenizer, batch, arch, monkeypatch):
+    """fp32 CPU inference: tiles of 7 rows x 110 words (vocab 512: a partial last tile), the
+    log-sum-exp carried across tiles; the same values as the full log-softmax."""
+    import dpocache.logprobs as logprobs
+
+    monkeypatch.setattr(logprobs, "CPU_TILE_ROWS", 7)
+    monkeypatch.setattr(logprobs, "CPU_TILE_VOCAB", 110)
+    overrides = {"final_logit_softcapping": 0.5} if arch == "gemma2" else {}
+    model = build_model(arch, tokenizer, **overrides).eval()
+    tiled = []
+    original = CompletionLogProbs._tiled_head_logps
+    monkeypatch.setattr(CompletionLogProbs, "_tiled_head_logps",
+                        lambda self, *a: tiled.append(1) or original(self, *a))
+    lp = CompletionLogProbs(model)
+    assert lp.fast_path is True
+    with torch.no_grad():
+        fast = lp(batch.input_ids, batch.attention_mask, batch.completion_mask)
+        naive = naive_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
+    assert tiled and model.config.vocab_size % 110 != 0
+    assert _max_diff(fast, naive) < TOL
+    labels = batch.input_ids[:, 1:][batch.completion_mask[:, 1:].bool()]
+    assert (labels >= model.config.vocab_size // 110 * 110).any()  # some in the partial last tile
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])  # gpt2 ties its head to the embeddings
