@@ -107,8 +107,10 @@ def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def install(model: nn.Module, mode: str | None = None) -> int:
     """Route the model's ``nn.Linear`` layers through the fp32 GEMM under CPU bf16 autocast
     (see the module docstring). Idempotent; returns how many layers were switched (0 with mode
-    ``native``). Subclasses of ``nn.Linear`` (quantised layers) are left alone."""
-    if resolve_mode(mode) != "fp32-gemm":
+    ``native`` or a model not on the CPU). Subclasses of ``nn.Linear`` (quantised layers) are
+    left alone."""
+    first = next(model.parameters(), None)
+    if resolve_mode(mode) != "fp32-gemm" or (first is not None and first.device.type != "cpu"):
         return 0
     count = 0
     for module in model.modules():

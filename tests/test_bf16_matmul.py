@@ -107,6 +107,7 @@ def test_install_is_idempotent_skips_subclasses_and_honours_native(monkeypatch):
     assert bf16_matmul.install(model, "native") == 0
     assert bf16_matmul.install(model, "fp32-gemm") == 2
     assert bf16_matmul.install(model, "fp32-gemm") == 0
+    assert bf16_matmul.install(nn.Linear(4, 4, device="meta"), "fp32-gemm") == 0  # only models on the CPU
     monkeypatch.setenv(bf16_matmul.ENV_VAR, "fast")
     with pytest.raises(ValueError, match="DPOCACHE_BF16_MATMUL"):
         bf16_matmul.resolve_mode()
