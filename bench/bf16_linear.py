@@ -43,9 +43,8 @@ def main() -> None:
     print("rows x in x out | native bf16 | fp32-gemm bf16 | fp32 (GFLOP/s) | fp32-gemm / native")
     for rows, fan_in, fan_out in SHAPES:
         native = nn.Linear(fan_in, fan_out, bias=False)
-        routed = copy.deepcopy(native)
-        bf16_matmul.install(routed, "fp32-gemm")
-        frozen = copy.deepcopy(routed)
+        frozen = copy.deepcopy(native)
+        bf16_matmul.install(frozen, "fp32-gemm")
         bf16_matmul.round_frozen_weights_(frozen)  # as the reference model runs
         x = torch.randn(rows, fan_in)
 

@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 
 # fp32 logits held at once per chunk: 32M elements = 128 MiB.
 DEFAULT_LOGITS_BUDGET = 1 << 25
-# Logits per chunk for CPU inference (16 MiB of fp32): measured on the 58m benchmark, 131-row
-# chunks ran the reference pass faster than 1048-row ones (a 134 MB buffer per chunk).
+# Logits per chunk for CPU inference that does not take the tiles below (bf16, heads that are
+# not a plain nn.Linear): 16 MiB of fp32. Measured on the 58m benchmark, 131-row chunks ran the
+# reference pass faster than 1048-row ones (a 134 MB buffer per chunk).
 CPU_INFERENCE_LOGITS_BUDGET = 1 << 22
 CPU_MIN_CHUNK_ROWS = 64
 # fp32 CPU inference with a plain linear head goes further: tiles of rows x vocabulary whose
@@ -155,7 +156,8 @@ class CompletionLogProbs(nn.Module):
         return out[0]
 
     def _head_logps(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """``hidden (M, H)``, ``labels (M,)`` → ``(M,)`` fp32 log-probs, in row chunks."""
+        """``hidden (M, H)``, ``labels (M,)`` → ``(M,)`` fp32 log-probs, in row chunks (or, for
+        fp32 CPU inference, in tiles of rows x vocabulary)."""
         head = self._causal_lm().get_output_embeddings()
         if self._tiles_apply(head, hidden):
             return self._tiled_head_logps(head, hidden, labels)
