@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .allocator import configure_cpu_allocator
 from .data import DataError
-from .signals import Interrupted, stop_signals
+from .signals import Interrupted, ignore_stop_signals, stop_signals
 
 
 def _add_common_cache_args(p: argparse.ArgumentParser, needs_data: bool = True) -> None:
@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dpocache: error: {err}", file=sys.stderr)
         return 2
     except Interrupted as stop:
+        ignore_stop_signals()
         # Under torchrun every rank stops; rank 0 speaks for them unless the signal was this rank's alone.
         rank = int(os.environ.get("RANK", "0"))
         if rank == 0 or stop.received_here:

@@ -95,6 +95,14 @@ class StopRequest:
             raise self.interrupted(message)
 
 
+def ignore_stop_signals() -> None:
+    """For a process that is exiting because of a stop signal: a repeated one (torchrun sends
+    SIGTERM to the workers still running once one has exited) must not cut the exit short."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+
+
 @contextlib.contextmanager
 def stop_signals(signals: tuple[int, ...] = STOP_SIGNALS) -> Iterator[StopRequest]:
     """Route ``signals`` to a ``StopRequest`` within the block; restore the previous handlers
