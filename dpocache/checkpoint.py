@@ -32,11 +32,23 @@ def checkpoint_dir(output_dir: Path, step: int) -> Path:
     return output_dir / "checkpoints" / f"step-{step:06d}"
 
 
-def latest_checkpoint(output_dir: Path) -> Path | None:
+def checkpoints(output_dir: Path, complete: bool = True) -> list[Path]:
+    """``output_dir``'s checkpoint directories, oldest first: by step number, not by name
+    (``step-1000000`` is newer than ``step-999999``). ``complete``: only those with their
+    trainer state (a save killed before its rename leaves a ``.tmp`` directory, never listed)."""
     root = output_dir / "checkpoints"
     if not root.exists():
-        return None
-    done = sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp") and (p / STATE_FILE).exists())
+        return []
+    found = []
+    for p in root.glob("step-*"):
+        step = p.name[len("step-"):]
+        if step.isdigit() and p.is_dir() and (not complete or (p / STATE_FILE).exists()):
+            found.append((int(step), p))
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    done = checkpoints(output_dir)
     return done[-1] if done else None
 
 
@@ -75,8 +87,7 @@ def save_checkpoint(output_dir: Path, step: int, model, tokenizer, optimizer, sc
 
 
 def _prune(output_dir: Path, keep: int) -> None:
-    root = output_dir / "checkpoints"
-    done = sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
+    done = checkpoints(output_dir, complete=False)
     for old in done[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
 

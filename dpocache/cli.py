@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
 from .allocator import configure_cpu_allocator
 from .data import DataError
+from .signals import Interrupted, ignore_stop_signals, stop_signals
 
 
 def _add_common_cache_args(p: argparse.ArgumentParser, needs_data: bool = True) -> None:
@@ -76,17 +78,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_cpu_allocator()
     try:
-        if args.command == "cache":
-            from . import cache_cli
+        # SIGTERM/SIGINT while loading end here at once; builds and training stop at safe points.
+        with stop_signals():
+            if args.command == "cache":
+                from . import cache_cli
 
-            return cache_cli.run(args)
-        from . import train_cli
+                return cache_cli.run(args)
+            from . import train_cli
 
-        return train_cli.run(args, extra)
+            return train_cli.run(args, extra)
     except DataError as err:
         print(f"dpocache: error: {err}", file=sys.stderr)
         return 2
     except (FileNotFoundError, FileExistsError) as err:
         print(f"dpocache: error: {err}", file=sys.stderr)
         return 2
+    except Interrupted as stop:
+        ignore_stop_signals()
+        # Under torchrun every rank stops; rank 0 speaks for them unless the signal was this rank's alone.
+        rank = int(os.environ.get("RANK", "0"))
+        if rank == 0 or stop.received_here:
+            print(f"dpocache{f' (rank {rank})' if rank else ''}: {stop}", file=sys.stderr)
+        return stop.exit_code
 

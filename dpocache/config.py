@@ -81,7 +81,8 @@ class TrainLoopConfig:
     logging_steps: int = 10
     eval_steps: int | None = None  # None: evaluate at the start and the end only
     eval_batch_size: int | None = None  # default: batch_size
-    save_steps: int | None = None  # None: save at the end only
+    save_steps: int | None = None  # also save every N steps (None: by save_minutes and at the end)
+    save_minutes: float | None = 30.0  # save every this many minutes (rank 0's clock) and at the end; 0/None: off
     save_total_limit: int = 2  # checkpoints kept (the newest)
     resume: bool = False  # continue from the newest checkpoint in output_dir
     overwrite: bool = False  # start afresh in an output_dir that holds an earlier run

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from .cache.atomic import atomic_write_text
 from .distributed import DistEnv, all_reduce_sum
 
 
@@ -67,12 +68,22 @@ class MetricsWriter:
             except ImportError:
                 print("tensorboard is not installed; writing metrics.jsonl only")
 
-    def truncate_after(self, step: int) -> None:
-        """Drop lines logged after ``step`` (a resumed run rewrites them)."""
+    def rewind(self, step: int) -> None:
+        """Drop the rows a run resumed at ``step`` logs again, so the history has each once:
+        rows after ``step``; at step 0 (no checkpoint) every row, the step-0 eval included.
+        The rows at a checkpoint's own step were all logged before it was saved, and stay. A
+        torn last line (the process was killed while writing it) goes too."""
         if not self.enabled or not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        kept = [row for row in _parse(self.path) if step > 0 and row.get("step", 0) <= step]
+        atomic_write_text(self.path, "".join(json.dumps(row) + "\n" for row in kept))
+
+    def last_row(self, step: int, prefix: str) -> dict | None:
+        """The newest row logged at ``step`` with a metric named ``prefix...`` (None: none)."""
+        if not self.enabled or not self.path.exists():
+            return None
+        rows = [r for r in _parse(self.path) if r.get("step") == step and any(k.startswith(prefix) for k in r)]
+        return rows[-1] if rows else None
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -91,8 +102,22 @@ class MetricsWriter:
 
 
 def read_metrics(output_dir: str | Path) -> list[dict]:
-    path = Path(output_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return _parse(Path(output_dir) / "metrics.jsonl")
+
+
+def _parse(path: Path) -> list[dict]:
+    """The rows of a metrics file. Its last line may be torn (a kill mid-write): it is
+    dropped; a bad line before it is damage, named with its line number."""
+    lines = [(i, line) for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if line.strip()]
+    rows = []
+    for n, (i, line) in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if n == len(lines) - 1:
+                break
+            raise ValueError(f"{path}:{i}: not a JSON object ({e.msg})") from None
+    return rows
 
 
 # ----------------------------------------------------------------------------- FLOPs and MFU

@@ -29,7 +29,7 @@ from .allocator import configure_cpu_allocator
 from .batching import training_order
 from .cache import CacheStore, default_cache_dir, namespace_for_dir
 from .cache.build import build_distributed, reference_weights_dir
-from .checkpoint import latest_checkpoint, load_model_weights, load_trainer_state, save_checkpoint
+from .checkpoint import checkpoint_dir, latest_checkpoint, load_model_weights, load_trainer_state, save_checkpoint
 from .config import Config
 from .data import PreferenceData, TokenizedPair, load_preference_data
 from .distributed import DistEnv, all_reduce_max, barrier, broadcast_object, destroy, init_distributed
@@ -40,6 +40,7 @@ from .metrics import (MetricWindow, MetricsWriter, count_params, measured_peak_f
 from .policy import build_optimizer, build_scheduler, load_policy, wrap_for_distributed
 from .prefix import layout_logprobs, training_scorer
 from .reference import ReferenceModel, dtype_name, resolve_dtype
+from .signals import StopRequest, stop_signals
 
 
 class TrainingDiverged(RuntimeError):
@@ -75,6 +76,8 @@ class Run:
     writer: MetricsWriter
     info: dict = field(default_factory=dict)  # what run.json records
     step: int = 0
+    saved_step: int | None = None  # the step of the newest checkpoint (None: none yet)
+    saved_at: float = 0.0  # _clock() at the newest checkpoint (or the start of the loop)
 
 
 # ------------------------------------------------------------------------------------ setup
@@ -211,6 +214,7 @@ def resume(run: Run) -> None:
     if ckpt is None:
         if run.env.is_main:
             print(f"no checkpoint in {run.out / 'checkpoints'}; starting from step 0", file=sys.stderr)
+        run.writer.rewind(0)  # the killed attempt's rows: this run logs them again
         return
     ckpt = Path(ckpt)
     if _sharded(run):
@@ -221,8 +225,8 @@ def resume(run: Run) -> None:
     else:
         load_model_weights(ckpt, run.policy)
         state = load_trainer_state(ckpt, run.optimizer, run.scheduler)
-    run.step = state["step"]
-    run.writer.truncate_after(run.step)
+    run.step = run.saved_step = state["step"]
+    run.writer.rewind(run.step)
     if run.env.is_main:
         print(f"resumed from {ckpt} at step {run.step}", file=sys.stderr)
         saved = state.get("global_batch")
@@ -387,50 +391,93 @@ def log_window(run: Run, window: MetricWindow, seconds: float, flops_per_token: 
 def train(cfg: Config) -> dict:
     """Run a whole training job; returns the final summary (also written to run.json). Under
     torchrun every rank runs it; only rank 0 writes files, logs and progress bars. Sets the
-    process's CPU allocator (``dpocache.allocator``) as the command line does."""
+    process's CPU allocator (``dpocache.allocator``) as the command line does.
+
+    SIGTERM or SIGINT stops it after the optimizer step in flight, on every rank together: a
+    checkpoint of that step is saved, then ``signals.Interrupted`` is raised (the command line
+    exits 143 or 130); ``--resume`` continues exactly where it stopped."""
     configure_cpu_allocator()
-    run = setup(cfg)
-    try:
-        return _train(run)
-    finally:
-        destroy(run.env)
+    with stop_signals() as stop:
+        run = setup(cfg)
+        try:
+            return _train(run, stop)
+        finally:
+            destroy(run.env)
 
 
-def _train(run: Run) -> dict:
+def _train(run: Run, stop: StopRequest) -> dict:
     cfg = run.cfg
     layers, hidden = model_shape(run.policy)
     mean_len = sum(p.num_tokens for p in run.train_data.pairs) / (2 * len(run.train_data))
     flops_per_token = train_flops_per_token(count_params(run.policy), layers, hidden, mean_len)
     _write_run_json(run)
-    if run.step == 0:
-        _log_eval(run)
-    bar = tqdm(total=run.total_steps, initial=run.step, desc="train", unit="step", dynamic_ncols=True,
-               disable=not (run.env.is_main and cfg.train.progress))
-    window, t0 = MetricWindow(), time.perf_counter()
-    while run.step < run.total_steps:
-        train_step(run, window)
-        bar.update(1)
-        last = run.step == run.total_steps
-        if run.step % cfg.train.logging_steps == 0 or last:
-            elapsed = time.perf_counter() - t0
-            # Measured (0.5 s, once) at the first log rather than before the first step, so it
-            # neither delays the start nor counts in a window's throughput.
-            peak = measured_peak_flops(run.env.device, run.dtype)
-            record = log_window(run, window, elapsed, flops_per_token, peak)
-            bar.set_postfix(loss=f"{record['loss']:.4f}", acc=f"{record['rewards/accuracies']:.2f}",
-                            tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
-            t0 = time.perf_counter()
-        if cfg.train.eval_steps and run.step % cfg.train.eval_steps == 0 and not last:
+    # From here a signal only sets ``stop``; the loop acts on it between optimizer steps.
+    with stop.deferred():
+        if run.step == 0:
             _log_eval(run)
-        if cfg.train.save_steps and run.step % cfg.train.save_steps == 0 and not last:
+        bar = tqdm(total=run.total_steps, initial=run.step, desc="train", unit="step", dynamic_ncols=True,
+                   disable=not (run.env.is_main and cfg.train.progress))
+        window, t0 = MetricWindow(), time.perf_counter()
+        run.saved_at = _clock()
+        while run.step < run.total_steps:
+            train_step(run, window)
+            bar.update(1)
+            last = run.step == run.total_steps
+            save_due, signum = _save_or_stop(run, stop)
+            # A stopped run logs its partial window: the steps since the last log are not redone.
+            if run.step % cfg.train.logging_steps == 0 or last or signum:
+                elapsed = time.perf_counter() - t0
+                # Measured (0.5 s, once) at the first log rather than before the first step, so it
+                # neither delays the start nor counts in a window's throughput.
+                peak = measured_peak_flops(run.env.device, run.dtype)
+                record = log_window(run, window, elapsed, flops_per_token, peak)
+                bar.set_postfix(loss=f"{record['loss']:.4f}", acc=f"{record['rewards/accuracies']:.2f}",
+                                tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+                t0 = time.perf_counter()
+            if cfg.train.eval_steps and run.step % cfg.train.eval_steps == 0 and not last:
+                _log_eval(run)
+            if signum or (save_due and not last):
+                _save(run)
+            if signum:
+                bar.close()
+                raise stop.interrupted(f"checkpoint of step {run.step} of {run.total_steps} saved in "
+                                       f"{checkpoint_dir(run.out, run.step)}; continue with --resume", signum)
+        bar.close()
+        final_eval = _final_eval(run)
+        if run.saved_step != run.step:
             _save(run)
-    bar.close()
-    final_eval = _log_eval(run)
-    _save(run)
-    final_dir = save_final(run)
-    summary = _finish(run, final_eval, final_dir)
+        final_dir = save_final(run)
+        summary = _finish(run, final_eval, final_dir)
     run.writer.close()
     return summary
+
+
+def _clock() -> float:
+    """Seconds on a monotonic clock, for the time-interval checkpoints."""
+    return time.monotonic()
+
+
+def _save_or_stop(run: Run, stop: StopRequest) -> tuple[bool, int]:
+    """(whether a checkpoint is due, the stop signal or 0), the same on every rank: ranks must
+    save together (FSDP gathers) and stop together (a rank left in a collective waits forever).
+    Rank 0's clock decides a time-interval save; a signal on any rank stops every rank."""
+    cfg = run.cfg.train
+    by_steps = bool(cfg.save_steps) and run.step % cfg.save_steps == 0
+    by_time = run.env.is_main and bool(cfg.save_minutes) and _clock() - run.saved_at >= 60 * cfg.save_minutes
+    agreed = all_reduce_max(run.env, torch.tensor([float(by_time), float(stop.signum or 0)], device=run.env.device))
+    by_time, signum = agreed.tolist()
+    return by_steps or by_time > 0, int(signum)
+
+
+def _final_eval(run: Run) -> dict:
+    """The eval at the last step. A resumed run that logged it before it stopped (a finished
+    run resumed again) reads it back instead of logging a second one."""
+    logged = None
+    if run.eval_data is not None and run.saved_step == run.step:
+        logged = broadcast_object(run.env, run.writer.last_row(run.step, "eval/") if run.env.is_main else None)
+    if logged is not None:
+        return {k: v for k, v in logged.items() if k.startswith("eval/")}
+    return _log_eval(run)
 
 
 def _log_eval(run: Run) -> dict:
@@ -455,6 +502,7 @@ def _save(run: Run) -> None:
         save_checkpoint(run.out, run.step, model, run.tokenizer, optimizer, run.scheduler, extra,
                         run.cfg.train.save_total_limit)
     barrier(run.env)
+    run.saved_step, run.saved_at = run.step, _clock()
 
 
 def save_final(run: Run) -> Path:

@@ -294,3 +294,74 @@ def test_lora_with_ddp_matches_one_process(assets, ddp_run):
     for step in (1, 2):
         assert_close_records(got[step], want[step])
     assert (multi / "final" / "adapter_model.safetensors").exists()
+
+
+# ------------------------------------------------------------------------------ stop signals
+
+
+def torchrun_signalled(script: str, tmp_path: Path, *args: str, **hook: str) -> subprocess.CompletedProcess:
+    """``torchrun`` of ``script`` (a driver of ``dpocache ARGS`` that signals itself, see
+    test_signals.py; its settings in ``hook``), expected to stop with 143 on every rank."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(script)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               CUDA_VISIBLE_DEVICES="", **hook)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), str(driver), *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    # torchrun's report names the workers' exit status: every rank stopped with 128 + SIGTERM.
+    assert proc.stderr.count("exitcode  : 143") >= 1 and "exitcode  : -" not in proc.stderr, proc.stderr[-6000:]
+    return proc
+
+
+def test_sigterm_to_one_rank_of_a_build_keeps_every_pair_computed(assets, tmp_path, capsys):
+    """Rank 1 gets SIGTERM once its progress passes 30%: it flushes and stops, rank 0 finishes
+    its share, the manifest lists both, every rank exits 143 with one line, and the next build
+    reuses every pair computed before the signal."""
+    from dpocache.cache import CacheStore, namespace_for_dir
+    from dpocache.cache_cli import load_tokenizer
+    from dpocache.data import load_preference_data
+    from test_signals import SIGNAL_AT_PROGRESS
+
+    cache, report = tmp_path / "cache", tmp_path / "seen"
+    common = ["--model", str(assets["model"]), "--data", str(assets["pairs37"]), "--dtype", "float32", "--device", "cpu",
+              "--max-tokens", "1", "--cache-dir", str(cache)]
+    proc = torchrun_signalled(SIGNAL_AT_PROGRESS, tmp_path, "cache", "build", *common, SIGNAL_RANK="1",
+                              SIGNAL_AT_FRACTION="0.3", SIGNAL_NAME="SIGTERM", SIGNAL_REPORT=str(report))
+    lines = proc.stderr.splitlines()
+    assert sum(line.startswith("dpocache (rank 1): stopped by SIGTERM: ") for line in lines) == 1, proc.stderr[-6000:]
+    assert sum(line.startswith("dpocache: stopped by SIGTERM: ") for line in lines) == 1, proc.stderr[-6000:]
+
+    pairs = load_preference_data(str(assets["pairs37"]), load_tokenizer(assets["model"]), show_progress=False).pairs
+    shares = split_by_tokens(pairs, 2)
+    seen = int(report.read_text())
+    assert 0.3 * len(shares[1]) < seen < len(shares[1])
+    store = CacheStore(cache, namespace_for_dir(assets["model"], torch.float32, cache)).open()
+    manifest = json.loads((store.dir / "manifest.json").read_text())
+    assert len(store) == manifest["pairs"] == len(shares[0]) + seen
+    assert {s["file"] for s in manifest["shards"]} == {p.name for p in store.dir.glob("shard-*.safetensors")}
+
+    assert in_process("cache", "build", *common, "--json") == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (summary["reused"], summary["computed"]) == (len(shares[0]) + seen, 37 - len(shares[0]) - seen)
+
+
+def test_sigterm_to_one_rank_of_training_checkpoints_and_resumes_exactly(assets, ddp_run, tmp_path):
+    """Default settings (no --save-steps): rank 1 gets SIGTERM after step 2; every rank agrees to
+    stop there, one checkpoint of step 2 is saved, and --resume matches the uninterrupted run."""
+    from dpocache.checkpoint import checkpoints
+    from test_signals import SIGNAL_AFTER_STEP
+
+    out, _ = ddp_run
+    stopped = tmp_path / "stopped"
+    args = train_args(assets, stopped, 4, None, "--save-steps", "0")
+    proc = torchrun_signalled(SIGNAL_AFTER_STEP, tmp_path, "train", *args, SIGNAL_RANK="1", SIGNAL_AFTER_STEP="2")
+    assert "dpocache: stopped by SIGTERM: checkpoint of step 2 of 4" in proc.stderr, proc.stderr[-6000:]
+    assert [p.name for p in checkpoints(stopped)] == ["step-000002"]
+    torchrun("train", *args, "--resume")
+    got, want = losses(stopped), losses(out)
+    assert sorted(got) == [1, 2, 3, 4]
+    for step in (1, 2, 3, 4):
+        assert_close_records(got[step], want[step])
+    assert [r["step"] for r in read_metrics(stopped)] == [0, 1, 2, 3, 4, 4]

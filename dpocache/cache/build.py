@@ -8,6 +8,7 @@ missing: a complete cache costs no model load and no forward pass.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -25,6 +26,7 @@ from ..batching import PairBatch, collate_pairs, pair_logprobs, token_budget_bat
 from ..data import TokenizedPair
 from ..distributed import DistEnv, barrier, broadcast_object, reduce_counts, same_on_all_ranks, split_by_weight
 from ..reference import ReferenceModel, dtype_name
+from ..signals import StopRequest, stop_signals
 from .fingerprint import FingerprintMemo, default_memo_path, model_dir_fingerprint, module_fingerprint
 from .store import CacheError, CacheStore, CorruptShard, Namespace
 
@@ -84,6 +86,7 @@ class BuildSummary:
     forward_passes: int
     corrupt_shards: list[str] = field(default_factory=list)
     world_size: int = 1  # processes that shared the work (the counts above are their totals)
+    interrupted: int = 0  # the signal that stopped the build (0: it ran to the end)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -130,35 +133,78 @@ def build_missing(
     show_progress: bool = True,
     update_manifest: bool = True,
 ) -> BuildSummary:
-    """Compute and store the reference values of every pair ``store`` lacks."""
+    """Compute and store the reference values of every pair ``store`` lacks.
+
+    SIGTERM or SIGINT ends the build after the batch in flight: what was computed is flushed
+    (shard and manifest), then ``signals.Interrupted`` is raised (the command line exits 143 or
+    130); the next build reuses every pair computed before the signal.
+    """
+    with stop_signals() as stop:
+        summary = score_missing(store, pairs, load_reference, stop, pad_id=pad_id, per_token=per_token,
+                                max_tokens=max_tokens, shard_pairs=shard_pairs, flush_seconds=flush_seconds,
+                                show_progress=show_progress, update_manifest=update_manifest)
+        if summary.interrupted:
+            raise stop.interrupted(interrupted_message(summary))
+    return summary
+
+
+def score_missing(
+    store: CacheStore,
+    pairs: Sequence[TokenizedPair],
+    load_reference: Callable[[], ReferenceModel],
+    stop: StopRequest,
+    pad_id: int = 0,
+    per_token: bool = False,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    shard_pairs: int = 4096,
+    flush_seconds: float = 60.0,
+    show_progress: bool = True,
+    update_manifest: bool = True,
+) -> BuildSummary:
+    """``build_missing``'s work, stopping when ``stop`` is set: the summary then counts the pairs
+    computed (and flushed) before the signal, and ``interrupted`` names it. The caller decides
+    what a stop means (``build_distributed`` first agrees on it with the other ranks)."""
     start = time.perf_counter()
     by_key = unique_pairs(pairs)
     todo = [by_key[k] for k in store.missing(by_key, per_token)]
     reference = load_reference() if todo else None
-    tokens = 0
+    tokens = done = 0
     if todo:
         writer = store.writer(shard_pairs, flush_seconds, update_manifest)
         bar = tqdm(total=len(todo), unit="pairs", desc="reference log-probs", disable=not show_progress, dynamic_ncols=True)
-        try:
-            for batch in reference_batches(reference, todo, max_tokens):
-                cs, rs, cn, rn, cpt, rpt = score_batch(reference, batch, pad_id)
-                writer.add([p.key for p in batch], cs, rs, cn, rn, cpt if per_token else None, rpt if per_token else None)
-                tokens += sum(p.unique_tokens for p in batch)
-                bar.update(len(batch))
-                bar.set_postfix(tok_s=f"{tokens / max(1e-9, time.perf_counter() - start):.0f}", refresh=False)
-        finally:
-            # Whatever was computed before an error or Ctrl-C is kept.
-            writer.flush()
-            bar.close()
+        # A signal only sets ``stop`` here: a batch is scored and added whole, never half.
+        with stop.deferred():
+            try:
+                for batch in reference_batches(reference, todo, max_tokens):
+                    if stop:
+                        break
+                    cs, rs, cn, rn, cpt, rpt = score_batch(reference, batch, pad_id)
+                    writer.add([p.key for p in batch], cs, rs, cn, rn, cpt if per_token else None,
+                               rpt if per_token else None)
+                    done += len(batch)
+                    tokens += sum(p.unique_tokens for p in batch)
+                    bar.update(len(batch))
+                    bar.set_postfix(tok_s=f"{tokens / max(1e-9, time.perf_counter() - start):.0f}", refresh=False)
+            finally:
+                # Whatever was computed before a signal or an error is kept.
+                writer.flush()
+                bar.close()
     seconds = time.perf_counter() - start
     device = reference.device if reference is not None else None
     return BuildSummary(
-        pairs=len(pairs), unique=len(by_key), computed=len(todo), reused=len(by_key) - len(todo), tokens=tokens,
+        pairs=len(pairs), unique=len(by_key), computed=done, reused=len(by_key) - len(todo), tokens=tokens,
         seconds=seconds, tokens_per_s=tokens / seconds if tokens else 0.0, peak_memory_bytes=peak_memory_bytes(device),
         cache_dir=str(store.dir), namespace=store.namespace.id,
         forward_passes=reference.forward_passes if reference is not None else 0,
-        corrupt_shards=[str(c) for c in store.corrupt],
+        corrupt_shards=[str(c) for c in store.corrupt], interrupted=stop.signum or 0,
     )
+
+
+def interrupted_message(summary: BuildSummary) -> str:
+    """The line a stopped build ends with: what was saved, what remains."""
+    missing = summary.unique - summary.reused
+    return (f"{summary.computed} of the {missing} pairs the cache lacked were computed and saved in "
+            f"{summary.cache_dir}; run the build again to compute the other {missing - summary.computed}")
 
 
 # ------------------------------------------------------------------------------- distributed
@@ -206,7 +252,22 @@ def build_distributed(
     store, which adopts every rank's shards, writes the manifest once, and checks that every
     pair has a value. On return rank 0's ``store`` holds every pair; other ranks must
     ``store.open()`` to see the new shards. The summary holds totals over ranks.
+
+    SIGTERM or SIGINT on any rank ends that rank's scoring after the batch in flight; once the
+    others are done (or stopped too), every rank's shards are in the manifest and every rank
+    raises ``signals.Interrupted``.
     """
+    # Every rank stops at the same place: a stop signal (torchrun forwards SIGTERM to every
+    # worker; a scheduler may signal one) only ends a rank's scoring loop, and the ranks agree
+    # on it in the reduction below, so none waits forever in a collective another left.
+    with stop_signals() as stop, stop.deferred() if env.enabled else contextlib.nullcontext():
+        return _build_shares(store, pairs, load_reference, env, stop, pad_id=pad_id, per_token=per_token,
+                             max_tokens=max_tokens, shard_pairs=shard_pairs, flush_seconds=flush_seconds,
+                             show_progress=show_progress)
+
+
+def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_reference: Callable[[], ReferenceModel],
+                  env: DistEnv, stop: StopRequest, **kwargs) -> BuildSummary:
     start = time.perf_counter()
     if env.is_main:
         store.open(repair=True)
@@ -215,23 +276,22 @@ def build_distributed(
     if not env.is_main:
         store.open()
     by_key = unique_pairs(pairs)
-    todo_keys = store.missing(by_key, per_token)
+    todo_keys = store.missing(by_key, kwargs["per_token"])
     if not same_on_all_ranks(env, _keys_digest(todo_keys)):
         raise CacheError("ranks disagree on which pairs the cache lacks: every rank must load the same data with the "
                          "same tokenizer and length limits, and see the same cache directory")
     mine = split_by_tokens([by_key[k] for k in todo_keys], env.world_size)[env.rank]
+    kwargs["show_progress"] = kwargs["show_progress"] and env.is_main
     local, error = None, None
     try:
-        local = build_missing(store, mine, load_reference, pad_id=pad_id, per_token=per_token, max_tokens=max_tokens,
-                              shard_pairs=shard_pairs, flush_seconds=flush_seconds,
-                              show_progress=show_progress and env.is_main, update_manifest=not env.enabled)
+        local = score_missing(store, mine, load_reference, stop, update_manifest=not env.enabled, **kwargs)
     except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks learn of it
         error = e
     # Also the synchronisation point: every rank's shards are flushed and renamed into place.
     computed, tokens, passes, failed = reduce_counts(env, [
         local.computed if local else 0, local.tokens if local else 0, local.forward_passes if local else 0,
         1.0 if error else 0.0])
-    (peak,) = reduce_counts(env, [local.peak_memory_bytes if local else 0], op="max")
+    peak, signum = reduce_counts(env, [local.peak_memory_bytes if local else 0, stop.signum or 0], op="max")
     if error is not None:
         raise error
     if failed:
@@ -240,17 +300,20 @@ def build_distributed(
     problem = None
     if env.is_main and env.enabled:
         store.open(repair=True)  # adopts every rank's new shards; writes the manifest (once, here)
-        problem = _missing_after_build(store, by_key, per_token)
+        problem = None if signum else _missing_after_build(store, by_key, kwargs["per_token"])
     problem = broadcast_object(env, problem)
     if problem:
         raise CacheError(problem)
     seconds = time.perf_counter() - start
-    return BuildSummary(
+    summary = BuildSummary(
         pairs=len(pairs), unique=len(by_key), computed=int(computed), reused=len(by_key) - len(todo_keys),
         tokens=int(tokens), seconds=seconds, tokens_per_s=tokens / seconds if tokens else 0.0,
         peak_memory_bytes=int(peak), cache_dir=str(store.dir), namespace=store.namespace.id, forward_passes=int(passes),
-        corrupt_shards=corrupt, world_size=env.world_size,
+        corrupt_shards=corrupt, world_size=env.world_size, interrupted=int(signum),
     )
+    if signum:
+        raise stop.interrupted(interrupted_message(summary), signum=int(signum))
+    return summary
 
 
 def _missing_after_build(store: CacheStore, by_key: dict[bytes, TokenizedPair], per_token: bool) -> str | None:
