@@ -21,6 +21,7 @@ Ray actors (``pip install 'dpocache[ray]'``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -144,12 +145,13 @@ class ReferenceService:
         self._counts = dict.fromkeys(SUMMED, 0)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
-                        max_tokens: int = DEFAULT_MAX_TOKENS, cache_dir: str | Path | None = None, compile: bool = False,
-                        **kwargs) -> "ReferenceService":
+    def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype = "auto",
+                        device: str | torch.device | None = None, max_tokens: int = DEFAULT_MAX_TOKENS,
+                        cache_dir: str | Path | None = None, compile: bool = False, **kwargs) -> "ReferenceService":
         """A model directory (a PEFT adapter directory means its base: the initial policy)."""
         weights = reference_weights_dir(path)
-        reference = ReferenceModel.from_pretrained(weights, dtype, device, compile=compile, layout=kwargs.pop("layout", "shared"))
+        layout = kwargs.pop("layout", "shared")
+        reference = ReferenceModel.from_pretrained(weights, dtype, device, compile=compile, layout=layout)
         namespace = namespace_for_dir(weights, reference.dtype, Path(cache_dir)) if cache_dir is not None else None
         return cls(reference, max_tokens=max_tokens, cache_dir=cache_dir, namespace=namespace, **kwargs)
 
@@ -289,11 +291,10 @@ class ReferenceService:
 def base_namespace(policy: nn.Module, dtype: torch.dtype) -> Namespace:
     """The namespace of a PEFT policy's base weights: adapter tensors left out and PEFT's
     ``base_layer`` renaming undone, so it equals that of the same weights without PEFT."""
-    import hashlib
-
     base = unwrap_causal_lm(policy)
     h = hashlib.sha256()
-    for name, tensor in sorted((n.replace(".base_layer", ""), t) for n, t in base.state_dict().items() if "lora_" not in n):
+    kept = ((n.replace(".base_layer", ""), t) for n, t in base.state_dict().items() if "lora_" not in n)
+    for name, tensor in sorted(kept, key=lambda item: item[0]):
         t = tensor.detach().to("cpu").contiguous()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}\n".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
@@ -355,8 +356,9 @@ class _Replica:
         self.service = ReferenceService.from_pretrained(path, **service_kwargs)
         self.exit_once = exit_once
 
-    def ready(self) -> int:
-        return os.getpid()
+    def ready(self) -> tuple[int, int, int | None]:
+        """(process id, vocabulary size, context length)."""
+        return os.getpid(), self.service.vocab_size, self.service.context
 
     def score(self, requests: list[Request]) -> list[list[torch.Tensor]]:
         if self.exit_once:
@@ -402,34 +404,32 @@ class ReferencePool:
         resources = {"num_gpus": 1} if gpus >= num_replicas else {"num_cpus": 1}
         actor = ray.remote(_Replica).options(max_restarts=max_restarts, max_task_retries=max_task_retries, **resources)
         self.replicas = [actor.remote(str(path), service_kwargs, _exit_once) for _ in range(num_replicas)]
-        ray.get([r.ready.remote() for r in self.replicas])
+        _, self.vocab_size, self.context = ray.get([r.ready.remote() for r in self.replicas])[0]
 
     def score(self, requests: Sequence[Request]) -> list[list[torch.Tensor]]:
         """As ``ReferenceService.score``, over the replicas."""
         ray = self._ray
+        for i, r in enumerate(requests):  # here, so that an error names the caller's request index
+            check_request(i, r, self.vocab_size, self.context)
         n = len(self.replicas)
-        shares = [s for s in split_by_weight(list(range(len(requests))), n, weight=lambda i: _request_tokens(requests[i]),
-                                             tiebreak=lambda i: i) if s]
-        shares = [sorted(s) for s in shares]
-        pending = {self.replicas[r].score.remote([requests[i] for i in s]): (r, s) for r, s in enumerate(shares)}
+        shares = [sorted(s) for s in split_by_weight(list(range(len(requests))), n, tiebreak=lambda i: i,
+                                                     weight=lambda i: _request_tokens(requests[i])) if s]
+        submit = lambda r, s: self.replicas[r].score.remote([requests[i] for i in shares[s]])  # noqa: E731
+        # ref -> (replica, share, tries); share s starts on replica s
+        pending = {submit(s, s): (s, s, 0) for s in range(len(shares))}
         results: list = [None] * len(requests)
-        attempts = dict.fromkeys(range(len(shares)), 0)
         while pending:
-            done, _ = ray.wait(list(pending), num_returns=1)
-            ref = done[0]
-            r, share = pending.pop(ref)
+            (ref,), _ = ray.wait(list(pending), num_returns=1)
+            r, s, tries = pending.pop(ref)
             try:
                 values = ray.get(ref)
             except ray.exceptions.RayActorError:
-                # Ray's own restarts and retries are spent: give the share to the next replica.
-                key = shares.index(share)
-                attempts[key] += 1
-                if attempts[key] > n:
+                # Ray's own restarts and task retries are spent: the share goes to the next replica.
+                if tries + 1 >= n:
                     raise
-                nxt = (r + 1) % n
-                pending[self.replicas[nxt].score.remote([requests[i] for i in share])] = (nxt, share)
+                pending[submit((r + 1) % n, s)] = ((r + 1) % n, s, tries + 1)
                 continue
-            for i, v in zip(share, values):
+            for i, v in zip(shares[s], values):
                 results[i] = v
         return results
 

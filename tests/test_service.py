@@ -25,8 +25,8 @@ def make_requests(n: int, g: int, seed: int = 0, vocab: int = 500, prompt=(3, 24
     """``n`` requests of ``g`` completions each, every length drawn at random."""
     rng = random.Random(seed)
     ids = lambda k: [rng.randrange(10, vocab) for _ in range(k)]  # noqa: E731
-    return [{"prompt_ids": ids(rng.randint(*prompt)), "completion_ids": [ids(rng.randint(*completion)) for _ in range(g)]}
-            for _ in range(n)]
+    return [{"prompt_ids": ids(rng.randint(*prompt)),
+             "completion_ids": [ids(rng.randint(*completion)) for _ in range(g)]} for _ in range(n)]
 
 
 @torch.no_grad()
@@ -195,8 +195,8 @@ def test_peft_policy_adapter_off(tiny_models, tokenizer, tmp_path):
     from peft import LoraConfig, get_peft_model
 
     base = build_model("llama", tokenizer, seed=0).eval()
-    policy = get_peft_model(build_model("llama", tokenizer, seed=0), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
-                                                                                 init_lora_weights=False))
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)  # a non-zero adapter
+    policy = get_peft_model(build_model("llama", tokenizer, seed=0), lora)
     policy.train()
     requests = make_requests(2, 2, seed=13)
     service = ReferenceService.from_peft_policy(policy, cache_dir=tmp_path)
