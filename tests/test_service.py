@@ -222,3 +222,66 @@ def test_bad_requests_get_one_line(tiny_models, mutate, message):
         service.score(requests)
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
     assert service.stats()["forward_passes"] == 0  # checked before anything runs
+
+
+# ------------------------------------------------------------------------------- dpocache score
+
+
+def _score_cli(args, capsys):
+    from dpocache.cli import main
+
+    code = main(["score", *map(str, args)])
+    return code, capsys.readouterr()
+
+
+def test_score_cli_text_ids_and_resume(model_dir, tokenizer, tmp_path, capsys):
+    """Text rows are tokenized as ``cache build`` does (BOS before a plain prompt, EOS after
+    each completion): the same ids given as ids score the same. A second run computes nothing."""
+    from dpocache.data import write_jsonl
+
+    prompt, completions = "sort: 3 1 2", [" 1 2 3", " 3 2 1", " 2"]
+    ids = {"prompt_ids": [tokenizer.bos_token_id] + tokenizer(prompt, add_special_tokens=False)["input_ids"],
+           "completion_ids": [tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                              for c in completions]}
+    messages = {"prompt": [{"role": "user", "content": "sort: 5 4"}],
+                "completions": [[{"role": "assistant", "content": "4 5"}], [{"role": "assistant", "content": "5"}]]}
+    data = write_jsonl([{"prompt": prompt, "completions": completions}, ids, messages], tmp_path / "rows.jsonl")
+    out, stats = tmp_path / "out" / "logps.jsonl", tmp_path / "stats.jsonl"
+    args = ["--model", model_dir, "--data", data, "--out", out, "--cache-dir", tmp_path / "cache",
+            "--dtype", "float32", "--device", "cpu", "--stats", stats]
+    code, _ = _score_cli(args, capsys)
+    assert code == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["index"] for r in rows] == [0, 1, 2]
+    assert rows[0]["token_logps"] == rows[1]["token_logps"]
+    assert rows[0]["tokens"] == [len(c) for c in ids["completion_ids"]]
+    assert rows[2]["tokens"][0] > 2  # the template's end-of-turn marker is part of the completion
+    expected = ReferenceService.from_pretrained(model_dir, dtype="float32", device="cpu").score([ids])[0]
+    for got, want in zip(rows[0]["token_logps"], expected):
+        assert max(abs(a - b) for a, b in zip(got, want.tolist())) < TOL
+    assert rows[0]["logps"][0] == pytest.approx(sum(rows[0]["token_logps"][0]), abs=1e-5)
+    first = out.read_text()
+    code, printed = _score_cli(args, capsys)
+    assert code == 0 and out.read_text() == first
+    runs = [json.loads(x) for x in stats.read_text().splitlines()]
+    assert runs[0]["forward_sequences"] == 5 and runs[0]["duplicates"] == 3  # rows 0 and 1 are the same ids
+    assert runs[-1]["forward_passes"] == 0 and runs[-1]["cache_hits"] == 8  # every sequence of the 3 rows
+    assert "0 computed" in printed.out
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"prompt_ids": [1, 2], "completion_ids": [[3], [4, 100_000]]},
+     "rows.jsonl:2: field 'completions[1]': token id 100000 is outside"),
+    ({"prompt_ids": [], "completion_ids": [[3]]}, "rows.jsonl:2: field 'prompt_ids': empty prompt"),
+    ({"prompt": "sort: 1", "completions": []}, "rows.jsonl:2: field 'completions': expected a non-empty list"),
+    ({"prompt": "sort: 1", "completions": [" 1", ""]}, "rows.jsonl:2: field 'completions[1]': expected a non-empty"),
+])
+def test_score_cli_bad_row_one_line(model_dir, tmp_path, capsys, row, message):
+    from dpocache.data import write_jsonl
+
+    data = write_jsonl([{"prompt_ids": [1, 2], "completion_ids": [[3]]}, row], tmp_path / "rows.jsonl")
+    code, printed = _score_cli(["--model", model_dir, "--data", data, "--out", tmp_path / "o.jsonl",
+                                "--cache-dir", tmp_path / "c", "--device", "cpu"], capsys)
+    assert code == 2
+    assert printed.err.count("\n") == 1 and message in printed.err and "Traceback" not in printed.err
+    assert not (tmp_path / "o.jsonl").exists()
