@@ -260,7 +260,7 @@ class ReferenceService:
         response log-probs on ``input_ids``' device, 0 at padding (and in a row whose response
         is all padding). Rows with the same prompt share one forward row."""
         requests, rows = forward_requests(input_ids, max_req_tokens, pad_id)
-        return forward_output(self.score(requests), rows, input_ids, max_req_tokens)
+        return forward_output(_scored_rows(self.score, requests, rows), rows, input_ids, max_req_tokens)
 
     # -------------------------------------------------------------------------------- stats
 
@@ -326,6 +326,15 @@ def forward_requests(input_ids: torch.Tensor, max_req_tokens: int, pad_id: int) 
         requests[r]["completion_ids"].append(response[:end])
         rows.append((r, len(requests[r]["completion_ids"]) - 1))
     return requests, rows
+
+
+def _scored_rows(score, requests: list[Request], rows: list) -> list[list[torch.Tensor]]:
+    """``score(requests)``, a bad request named by its row of the ``(G, T)`` batch."""
+    try:
+        return score(requests)
+    except RequestError as e:
+        row = rows.index((e.request, e.completion if e.completion is not None else 0))
+        raise ValueError(f"input_ids row {row}: {e.reason}") from None
 
 
 def forward_output(values: list[list[torch.Tensor]], rows: list, input_ids: torch.Tensor,
@@ -436,7 +445,7 @@ class ReferencePool:
     def forward(self, input_ids: torch.Tensor, max_req_tokens: int, pad_id: int) -> torch.Tensor:
         """As ``ReferenceService.forward``, over the replicas."""
         requests, rows = forward_requests(input_ids, max_req_tokens, pad_id)
-        return forward_output(self.score(requests), rows, input_ids, max_req_tokens)
+        return forward_output(_scored_rows(self.score, requests, rows), rows, input_ids, max_req_tokens)
 
     def stats(self) -> dict:
         """Summed counters, with each replica's under ``replicas`` (a restarted replica's start

@@ -141,6 +141,9 @@ def test_forward_equals_score(tiny_models):
     for row, v in zip(out, expected):
         assert torch.allclose(row[:v.numel()], v, atol=TOL, rtol=0)
         assert (row[v.numel():] == 0).all()
+    input_ids[4, max_req + 1] = 100_000  # a bad id is named by its row of the batch
+    with pytest.raises(ValueError, match=r"^input_ids row 4: token id 100000 is outside"):
+        service.forward(input_ids, max_req, pad)
 
 
 def test_cache_second_pass_runs_nothing(tiny_models, tmp_path):
