@@ -177,9 +177,12 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default=None)
     p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--peak-tflops", type=float, default=None, help="the device's peak, for MFU (known GPUs: automatic)")
     p.add_argument("--out", type=Path, default=BENCH_DIR / "results")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = resolve_dtype(args.dtype, device)
     model = build_model(args.size, device)

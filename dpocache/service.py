@@ -174,15 +174,17 @@ class ReferenceService:
         if self.store is not None:
             self.store.refresh()
         work = self._plan(checked, results)
-        for group, keys, values in zip(work.groups, work.group_keys, self._run(work.groups)):
-            for key, value in zip(keys, values):
-                value = value.float().cpu()
-                for r, k in work.keys[key]:
-                    results[r][k] = value
-                if self.store is not None:
-                    self.store.put(key, value)
-        if self.store is not None:
-            self.store.flush()  # every call's values on disk before it returns: nothing computed is lost
+        try:
+            for group, values in self._run(work.groups):
+                for key, value in zip(work.group_keys[group], values):
+                    for r, k in work.keys[key]:
+                        results[r][k] = value
+                    if self.store is not None:
+                        self.store.put(key, value)
+        finally:
+            if self.store is not None:
+                # Before returning, and on an error or Ctrl-C: nothing computed is lost.
+                self.store.flush()
         c = self._counts
         c["calls"] += 1
         c["requests"] += len(checked)
@@ -222,35 +224,34 @@ class ReferenceService:
         return _Work(groups, keys, group_keys)
 
     def _run(self, groups: list[Group]):
-        """Per group, its completions' ``(c,)`` log-probs, in the order of ``groups``."""
-        out: dict[int, list[torch.Tensor]] = {}
-        index = {id(g): i for i, g in enumerate(groups)}
+        """Yields ``(group index, [(c,) fp32 CPU log-probs of each of its completions])``,
+        batch after batch."""
         c = self._counts
-        if self.reference.layout == "shared":
-            batches = budget_batches(groups, self.max_tokens, width=lambda g: g.unique_tokens)
+        shared = self.reference.layout == "shared"
+        order = list(range(len(groups)))
+        if shared:
+            batches = budget_batches(order, self.max_tokens, width=lambda i: groups[i].unique_tokens)
         else:
-            batches = budget_batches(groups, self.max_tokens, width=lambda g: g.padded_width,
-                                     rows=lambda g: len(g.completions))
+            batches = budget_batches(order, self.max_tokens, width=lambda i: groups[i].padded_width,
+                                     rows=lambda i: len(groups[i].completions))
         for batch in batches:
-            before = self.reference.tokens
-            if self.reference.layout == "shared":
-                gb = collate_groups(batch)
+            tokens, seconds = self.reference.tokens, self.reference.seconds
+            members = [groups[i] for i in batch]
+            if shared:
+                gb = collate_groups(members)
                 parts = iter(self.reference.shared_prompt_logprobs(gb).float().cpu().split(gb.counts))
-                values = [[next(parts) for _ in g.completions] for g in batch]
-                c["prompt_tokens_saved"] += sum(len(g.prompt) * (len(g.completions) - 1) for g in batch)
+                c["prompt_tokens_saved"] += sum(len(g.prompt) * (len(g.completions) - 1) for g in members)
             else:
-                sb = collate_sequences(batch)
-                parts = iter(per_sequence(self.reference.logprobs(sb.input_ids, sb.attention_mask,
-                                                                  sb.completion_mask).float().cpu(), sb))
-                values = [[next(parts) for _ in g.completions] for g in batch]
+                sb = collate_sequences(members)
+                token_logps = self.reference.logprobs(sb.input_ids, sb.attention_mask, sb.completion_mask)  # (N, T)
+                parts = iter(per_sequence(token_logps.float().cpu(), sb))
             c["forward_passes"] += 1
-            c["tokens"] += self.reference.tokens - before
-            c["forward_sequences"] += sum(len(g.completions) for g in batch)
-            c["sequence_tokens"] += sum(g.sequence_tokens for g in batch)
-            for g, v in zip(batch, values):
-                out[index[id(g)]] = v
-        c["seconds"] = self.reference.seconds
-        return [out[i] for i in range(len(groups))]
+            c["tokens"] += self.reference.tokens - tokens
+            c["seconds"] += self.reference.seconds - seconds
+            c["forward_sequences"] += sum(len(g.completions) for g in members)
+            c["sequence_tokens"] += sum(g.sequence_tokens for g in members)
+            for i, g in zip(batch, members):
+                yield i, [next(parts) for _ in g.completions]
 
     # -------------------------------------------------------------------- torchforge's entry
 
@@ -278,7 +279,6 @@ class ReferenceService:
 
     def reset_stats(self) -> None:
         self._counts = dict.fromkeys(SUMMED, 0)
-        self.reference.seconds = 0.0
 
     def _log_stats(self) -> None:
         if self.stats_file is None:

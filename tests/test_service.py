@@ -167,6 +167,27 @@ def test_cache_second_pass_runs_nothing(tiny_models, tmp_path):
     assert again.stats()["forward_sequences"] == 1
 
 
+def test_interrupted_call_keeps_what_it_computed(tiny_models, tmp_path):
+    """Ctrl-C in the second forward of a call: the first batch's values are on disk."""
+    model = tiny_models["llama"]
+    requests = make_requests(4, 2, seed=15)
+    service = ReferenceService(model, cache_dir=tmp_path, max_tokens=40)  # several batches
+    run, calls = service.reference.shared_prompt_logprobs, []
+
+    def interrupted(batch):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return run(batch)
+
+    service.reference.shared_prompt_logprobs = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        service.score(requests)
+    again = ReferenceService(model, cache_dir=tmp_path, max_tokens=40)
+    assert_matches_naive(model, requests, again.score(requests))
+    assert 0 < again.stats()["cache_hits"] < 8
+
+
 def test_cache_never_hits_across_dtype_or_weights(tiny_models, tokenizer, tmp_path):
     model = tiny_models["llama"]
     requests = make_requests(2, 2, seed=10)
