@@ -309,3 +309,21 @@ def test_score_cli_bad_row_one_line(model_dir, tmp_path, capsys, row, message):
     assert code == 2
     assert printed.err.count("\n") == 1 and message in printed.err and "Traceback" not in printed.err
     assert not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_grpo_example_kl_starts_at_zero_and_rises(tmp_path):
+    """examples/grpo_kl.py: the policy starts as the reference (KL 0 within float rounding)
+    and moves away from it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "examples" / "grpo_kl.py"
+    args = ["--out", tmp_path, "--steps", 3, "--prompts", 2, "--max-new-tokens", 8]
+    done = subprocess.run([sys.executable, script, *map(str, args)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    kl = [float(line.split()[2]) for line in lines if line.split() and line.split()[0].isdigit()]  # step reward kl
+    assert len(kl) == 3 and kl[0] < 1e-5 and kl[2] > kl[0] and kl[2] > 1e-4
+    assert "cache hits" in lines[-1]
