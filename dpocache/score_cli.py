@@ -122,6 +122,8 @@ def cmd_score(args) -> int:
     from .cache_cli import load_tokenizer
     from .service import ReferenceService
 
+    if not Path(args.model).is_dir():
+        raise DataError(f"--model {args.model}", None, "not a model directory")
     name, rows = read_rows(args.data)
     if not rows:
         raise DataError(name, None, "no rows")

@@ -311,6 +311,15 @@ def test_score_cli_bad_row_one_line(model_dir, tmp_path, capsys, row, message):
     assert not (tmp_path / "o.jsonl").exists()
 
 
+def test_score_cli_missing_model_one_line(tmp_path, capsys):
+    from dpocache.data import write_jsonl
+
+    data = write_jsonl([{"prompt_ids": [1, 2], "completion_ids": [[3]]}], tmp_path / "rows.jsonl")
+    code, printed = _score_cli(["--model", tmp_path / "nope", "--data", data, "--out", tmp_path / "o.jsonl"], capsys)
+    assert code == 2 and printed.err.count("\n") == 1
+    assert "--model" in printed.err and "not a model directory" in printed.err
+
+
 @pytest.mark.slow
 def test_grpo_example_kl_starts_at_zero_and_rises(tmp_path):
     """examples/grpo_kl.py: the policy starts as the reference (KL 0 within float rounding)
