@@ -336,3 +336,14 @@ def test_grpo_example_kl_starts_at_zero_and_rises(tmp_path):
     kl = [float(line.split()[2]) for line in lines if line.split() and line.split()[0].isdigit()]  # step reward kl
     assert len(kl) == 3 and kl[0] < 1e-5 and kl[2] > kl[0] and kl[2] > 1e-4
     assert "cache hits" in lines[-1]
+
+
+def test_pool_without_ray_says_how_to_install(monkeypatch, model_dir):
+    """The package and the service work without Ray; the pool names the extra to install."""
+    import sys
+
+    from dpocache.service import ReferencePool
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'dpocache\[ray\]'"):
+        ReferencePool(model_dir, num_replicas=2)
