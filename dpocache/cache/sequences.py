@@ -88,6 +88,7 @@ class SequenceStore:
             keys, counts, values = t["keys"], t["tokens"].long(), t["token_logps"]
         except Exception as e:  # noqa: BLE001 - a shard that hashes right but does not parse
             self.corrupt.append(f"{path.name}: unreadable ({e})")
+            log.warning("%s: unreadable (%s); not loaded", path, e)
             return
         raw = keys.numpy().tobytes()
         for row, part in enumerate(values.split(counts.tolist())):
