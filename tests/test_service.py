@@ -188,6 +188,21 @@ def test_interrupted_call_keeps_what_it_computed(tiny_models, tmp_path):
     assert 0 < again.stats()["cache_hits"] < 8
 
 
+def test_corrupt_cache_shard_is_never_used(tiny_models, tmp_path):
+    """A shard whose bytes no longer match its name is reported and skipped: recomputed."""
+    model = tiny_models["llama"]
+    requests = make_requests(2, 2, seed=16)
+    first = ReferenceService(model, cache_dir=tmp_path)
+    first.score(requests)
+    (shard,) = first.store.dir.glob("seq-*.safetensors")
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # a value's last byte
+    shard.write_bytes(bytes(data))
+    again = ReferenceService(model, cache_dir=tmp_path)
+    assert_matches_naive(model, requests, again.score(requests))
+    assert again.stats()["cache_hits"] == 0 and len(again.store.corrupt) == 1
+
+
 def test_cache_never_hits_across_dtype_or_weights(tiny_models, tokenizer, tmp_path):
     model = tiny_models["llama"]
     requests = make_requests(2, 2, seed=10)
