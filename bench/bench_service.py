@@ -154,13 +154,14 @@ def summarise(res: dict) -> list[str]:
         f"{'tokens/s (prompt + completion per sequence)':<44}{tokens / med('padded_s'):>20.0f}"
         f"{tokens / med('service_s'):>12.0f}{med('padded_s') / med('service_s'):>8.2f}x",
         f"{'seconds':<44}{med('padded_s'):>20.3f}{med('service_s'):>12.3f}",
-        f"{'peak memory (MiB; RSS on CPU)':<44}{med('padded_peak_bytes') / 2**20:>20.0f}"
-        f"{med('service_peak_bytes') / 2**20:>12.0f}",
         f"cached: first pass {med('cached_first_s'):.3f} s, second {med('cached_second_s'):.4f} s "
         f"({med('cached_first_s') / med('cached_second_s'):.0f}x; forward passes in the second: "
         f"{max(r['cached_second_forward_passes'] for r in reps)})",
         f"max |service - padded| per token: {max(r['max_abs_diff_vs_padded'] for r in reps):.2e}",
     ]
+    if res["device"].startswith("cuda"):  # on a CPU only the process's lifetime peak is known (in the JSON)
+        lines.insert(3, f"{'peak memory (MiB)':<44}{med('padded_peak_bytes') / 2**20:>20.0f}"
+                        f"{med('service_peak_bytes') / 2**20:>12.0f}")
     if res.get("peak_tflops"):
         mfu = res["service_flops"] / med("service_s") / (res["peak_tflops"] * 1e12)
         lines.append(f"service MFU: {100 * mfu:.1f}% of {res['peak_tflops']:.0f} TFLOP/s "
@@ -178,7 +179,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=None)
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--peak-tflops", type=float, default=None, help="the device's peak, for MFU (known GPUs: automatic)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (known GPUs: automatic)")
     p.add_argument("--out", type=Path, default=BENCH_DIR / "results")
     args = p.parse_args(argv)
     if args.threads:
