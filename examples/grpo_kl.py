@@ -10,7 +10,7 @@ policy starts as the reference, so the KL starts at 0 and rises as the policy mo
 
     python examples/grpo_kl.py                 # in-process ReferenceService
     python examples/grpo_kl.py --ray           # a ReferencePool of two Ray replicas
-    python examples/grpo_kl.py --steps 40 --cache-dir /tmp/ref-cache
+    python examples/grpo_kl.py --steps 40 --cache-dir ref-cache
 """
 
 from __future__ import annotations
