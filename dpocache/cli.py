@@ -1,6 +1,7 @@
 """The ``dpocache`` command.
 
     dpocache cache build|info|verify|export ...
+    dpocache score --model M --data rows.jsonl --out logps.jsonl
     dpocache train [CONFIG.yaml] [--key value ...]
     dpocache demo
     dpocache plot OUTPUT_DIR
@@ -62,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .train_cli import add_train_parsers
 
     add_train_parsers(sub)
+    from .score_cli import add_score_parser
+
+    add_score_parser(sub)
     return parser
 
 
@@ -84,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
                 from . import cache_cli
 
                 return cache_cli.run(args)
+            if args.command == "score":
+                from . import score_cli
+
+                return score_cli.run(args)
             from . import train_cli
 
             return train_cli.run(args, extra)

@@ -1,0 +1,166 @@
+"""``dpocache score``: per-token reference log-probs of prompts and their completions, offline.
+
+A row of the data is a prompt and its completions, as text (plain, or chat messages rendered
+with the tokenizer's chat template, as ``cache build`` does) or as token ids::
+
+    {"prompt": "sort: 3 1 2", "completions": [" 1 2 3", " 3 2 1"]}
+    {"prompt": [{"role": "user", "content": "..."}], "completions": [[{"role": "assistant", "content": "..."}]]}
+    {"prompt_ids": [1, 17, 9], "completion_ids": [[4, 5, 2], [6, 2]]}
+
+Each output line holds the row's index and, per completion, its per-token log-probs, their
+sum and its token count. Every chunk of rows scored is in the look-aside cache
+(``dpocache.service``) before the next starts, so a run that is stopped resumes where it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from .data import DataError, RawRow, read_rows
+
+
+def add_score_parser(sub) -> None:
+    s = sub.add_parser("score", help="per-token reference log-probs of prompts and their completions (JSONL out)")
+    s.add_argument("--model", required=True, help="reference model directory (a PEFT adapter dir means its base)")
+    s.add_argument("--data", required=True, help="rows: prompt + completions (text or messages) or prompt_ids + "
+                   "completion_ids; .jsonl/.json/.parquet/.csv")
+    s.add_argument("--out", type=Path, required=True, help="output JSONL, one line per row, in data order")
+    s.add_argument("--cache-dir", type=Path, default=None, help="look-aside cache (default: the reference cache root)")
+    s.add_argument("--dtype", default="auto", help="auto (bf16 where the hardware has it), float32, bfloat16")
+    s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    s.add_argument("--max-tokens", type=int, default=None, help="token slots per forward (default 4096)")
+    s.add_argument("--chunk-rows", type=int, default=256, help="rows scored (and cached) at a time")
+    s.add_argument("--stats", type=Path, default=None, help="append the service's counters to this JSONL file")
+
+
+# ------------------------------------------------------------------------------- tokenizing
+
+
+def _is_messages(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
+
+
+def _text(row: RawRow, field: str, value) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise DataError(row.location, field, "expected a non-empty string or a list of messages")
+    return value
+
+
+def _tokenize(row: RawRow, tokenizer) -> dict:
+    """A text row as a request: plain text gets BOS before the prompt and EOS after each
+    completion; messages go through the chat template (which adds its own special tokens)."""
+    values = row.values
+    prompt, completions = values["prompt"], values.get("completions")
+    if not isinstance(completions, list) or not completions:
+        raise DataError(row.location, "completions", "expected a non-empty list")
+    if _is_messages(prompt):
+        if not getattr(tokenizer, "chat_template", None):
+            raise DataError(row.location, "prompt", "conversational row but the tokenizer has no chat template")
+        prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        texts = []
+        for k, c in enumerate(completions):
+            if not _is_messages(c):
+                raise DataError(row.location, f"completions[{k}]",
+                                "the prompt is messages: give completions as messages")
+            full = tokenizer.apply_chat_template(prompt + c, tokenize=False)
+            if not full.startswith(prompt_text):
+                raise DataError(row.location, f"completions[{k}]", "the chat template does not render the prompt as "
+                                "a prefix of the conversation")
+            texts.append(full[len(prompt_text):])
+        ids = tokenizer([prompt_text, *texts], add_special_tokens=False)["input_ids"]
+        return {"prompt_ids": ids[0], "completion_ids": ids[1:]}
+    texts = [_text(row, "prompt", prompt)] + [_text(row, f"completions[{k}]", c) for k, c in enumerate(completions)]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    prompt_ids = ids[0] if bos is None or (ids[0] and ids[0][0] == bos) else [bos] + ids[0]
+    return {"prompt_ids": prompt_ids, "completion_ids": [c + [eos] if eos is not None else c for c in ids[1:]]}
+
+
+def to_request(row: RawRow, tokenizer) -> dict:
+    values = row.values
+    if not isinstance(values, dict):
+        raise DataError(row.location, None, f"expected an object, got {type(values).__name__}")
+    if "prompt_ids" in values or "completion_ids" in values:
+        return {"prompt_ids": values.get("prompt_ids"), "completion_ids": values.get("completion_ids")}
+    if "prompt" not in values:
+        raise DataError(row.location, "prompt", "missing (give prompt + completions, or prompt_ids + completion_ids)")
+    return _tokenize(row, tokenizer)
+
+
+def check_rows(rows: list[RawRow], requests: list[dict], model: str | Path) -> None:
+    """The service's checks, with the row's location in the message, before the model loads
+    (its vocabulary and context are in its config)."""
+    from transformers import AutoConfig
+
+    from .cache.build import reference_weights_dir
+    from .service import RequestError, check_request
+
+    config = AutoConfig.from_pretrained(str(reference_weights_dir(model))).get_text_config()
+    vocab, context = config.vocab_size, getattr(config, "max_position_embeddings", None)
+    for i, (row, request) in enumerate(zip(rows, requests)):
+        try:
+            check_request(i, request, vocab, context)
+        except RequestError as e:
+            field = "prompt_ids" if e.completion is None else f"completions[{e.completion}]"
+            raise DataError(row.location, field, e.reason) from None
+
+
+# -------------------------------------------------------------------------------- command
+
+
+def cmd_score(args) -> int:
+    # The model machinery (torch, transformers) is imported when the command runs, as cli.py
+    # does for its other commands: building the parser stays light.
+    from .cache import default_cache_dir
+    from .cache.build import DEFAULT_MAX_TOKENS
+    from .cache_cli import load_tokenizer
+    from .service import ReferenceService
+
+    if not Path(args.model).is_dir():
+        raise DataError(f"--model {args.model}", None, "not a model directory")
+    name, rows = read_rows(args.data)
+    if not rows:
+        raise DataError(name, None, "no rows")
+    if args.chunk_rows < 1:
+        raise DataError("--chunk-rows", None, f"must be at least 1; got {args.chunk_rows}")
+    needs_tokenizer = any(isinstance(r.values, dict) and "prompt" in r.values for r in rows)
+    tokenizer = load_tokenizer(args.model) if needs_tokenizer else None
+    requests = [to_request(r, tokenizer) for r in rows]
+    check_rows(rows, requests, args.model)
+    service = ReferenceService.from_pretrained(args.model, args.dtype, args.device,
+                                               max_tokens=args.max_tokens or DEFAULT_MAX_TOKENS,
+                                               cache_dir=args.cache_dir or default_cache_dir(), stats_file=args.stats)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    partial = args.out.with_name(args.out.name + ".partial")
+    with open(partial, "w", encoding="utf-8") as f, tqdm(total=len(rows), unit="rows", desc="reference log-probs",
+                                                         dynamic_ncols=True) as bar:
+        for start in range(0, len(rows), args.chunk_rows):
+            chunk = requests[start:start + args.chunk_rows]
+            for i, values in enumerate(service.score(chunk), start=start):
+                f.write(json.dumps({
+                    "index": rows[i].index, "token_logps": [v.tolist() for v in values],
+                    "logps": [float(v.sum()) for v in values], "tokens": [v.numel() for v in values],
+                }) + "\n")
+            bar.update(len(chunk))
+    os.replace(partial, args.out)
+    s = service.stats()
+    print(f"rows {len(rows)}: sequences {s['sequences']} ({s['cache_hits']} from the cache, "
+          f"{s['forward_sequences']} computed in {s['forward_passes']} forward passes, {s['tokens']} tokens, "
+          f"{s['seconds']:.1f} s); wrote {args.out}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return cmd_score(args)
+    except (DataError, ValueError) as err:
+        if args.verbose:
+            raise
+        print(f"dpocache: error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,459 @@
+"""The reference model as a service for online RL (GRPO, PPO, iterative DPO): token ids in,
+per-token fp32 reference log-probs out.
+
+``ReferenceService`` is a plain class: ``score(requests)`` takes requests
+``{"prompt_ids": [...], "completion_ids": [[...], ...]}`` (a GRPO group of G, a DPO pair, a
+single sequence) and returns, in request order, one ``(c,)`` fp32 CPU tensor per completion:
+``log p(token | prompt, completion tokens before it)``. The work:
+
+1. every (prompt, completion) is looked up in the look-aside cache (``cache_dir``, keyed by
+   content under the model's namespace: weights, config, dtype) and among the call's other
+   sequences; only what is new runs;
+2. completions of one prompt share a row of the group layout (``dpocache.groups``), so the
+   prompt runs once for the whole group; rows are length-grouped under ``max_tokens``;
+3. the output head runs on completion positions only, in chunks (``CompletionLogProbs``).
+
+``forward(input_ids, max_req_tokens, pad_id)`` is the same computation behind torchforge's
+reference endpoint: a ``(G, T)`` batch of left-padded prompts and right-padded responses in,
+``(G, T - max_req_tokens)`` response log-probs out. ``ReferencePool`` spreads ``score`` over
+Ray actors (``pip install 'dpocache[ray]'``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from .cache.build import DEFAULT_MAX_TOKENS, namespace_for_dir, namespace_for_module, peak_memory_bytes
+from .cache.build import reference_weights_dir
+from .cache.fingerprint import config_sha256
+from .cache.sequences import SequenceStore, sequence_key
+from .cache.store import Namespace
+from .distributed import split_by_weight
+from .groups import Group, budget_batches, collate_groups, collate_sequences, per_sequence, split_group
+from .logprobs import unwrap_causal_lm
+from .reference import ReferenceModel, dtype_name
+
+Request = dict  # {"prompt_ids": [int, ...], "completion_ids": [[int, ...], ...]}
+
+# Counters that add up over calls and over replicas (the others are derived or maxima).
+SUMMED = ("calls", "requests", "sequences", "cache_hits", "duplicates", "forward_passes", "forward_sequences",
+          "tokens", "sequence_tokens", "prompt_tokens_saved", "seconds", "score_seconds")
+
+
+class RequestError(ValueError):
+    """A bad request: names the request and, where it is one completion's fault, its index."""
+
+    def __init__(self, request: int, completion: int | None, reason: str):
+        self.request, self.completion, self.reason = request, completion, reason
+        where = f"request {request}" + (f", completion {completion}" if completion is not None else "")
+        super().__init__(f"{where}: {reason}")
+
+
+def _ids(value: Any, request: int, completion: int | None, what: str) -> tuple[int, ...]:
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise RequestError(request, completion, f"{what} must be a list of token ids (ints)")
+    if not value:
+        raise RequestError(request, completion, f"empty {what}")
+    return tuple(value)
+
+
+def check_request(index: int, request: Any, vocab_size: int, context: int | None) -> tuple[tuple[int, ...], list]:
+    """``(prompt ids, [completion ids, ...])`` of a valid request; else ``RequestError``."""
+    if not isinstance(request, dict) or "prompt_ids" not in request or "completion_ids" not in request:
+        raise RequestError(index, None, "expected {'prompt_ids': [...], 'completion_ids': [[...], ...]}")
+    prompt = _ids(request["prompt_ids"], index, None, "prompt")
+    completions = request["completion_ids"]
+    if isinstance(completions, torch.Tensor):
+        completions = completions.tolist()
+    if not isinstance(completions, (list, tuple)) or not completions:
+        raise RequestError(index, None, "completion_ids must be a non-empty list of token-id lists")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        bad = next(t for t in prompt if t < 0 or t >= vocab_size)
+        raise RequestError(index, None, f"prompt token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+    out = []
+    for k, c in enumerate(completions):
+        c = _ids(c, index, k, "completion")
+        if min(c) < 0 or max(c) >= vocab_size:
+            bad = next(t for t in c if t < 0 or t >= vocab_size)
+            raise RequestError(index, k, f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+        if context is not None and len(prompt) + len(c) > context:
+            raise RequestError(index, k, f"prompt + completion is {len(prompt) + len(c)} tokens, longer than the "
+                               f"model's context ({context})")
+        out.append(c)
+    return prompt, out
+
+
+def summed_stats(parts: Sequence[dict]) -> dict:
+    """Counters of several services (replicas) as one: sums, the largest peak, averages again."""
+    total = {k: sum(p.get(k, 0) for p in parts) for k in SUMMED}
+    total["peak_memory_bytes"] = max((p.get("peak_memory_bytes", 0) for p in parts), default=0)
+    return _derived(total)
+
+
+def _derived(s: dict) -> dict:
+    s["avg_sequence_length"] = s["sequence_tokens"] / s["forward_sequences"] if s["forward_sequences"] else 0.0
+    s["tokens_per_s"] = s["tokens"] / s["seconds"] if s["seconds"] else 0.0
+    return s
+
+
+@dataclass
+class _Work:
+    """One call's new sequences: the groups to run and where each value goes."""
+
+    groups: list[Group]
+    keys: dict[bytes, list[tuple[int, int]]]  # sequence key -> every (request, completion) that asked for it
+    group_keys: list[list[bytes]]  # the key of each completion of each group
+
+
+class ReferenceService:
+    """A frozen reference model behind ``score`` and ``forward``.
+
+    Args:
+        model: a causal LM (frozen here), or a ``ReferenceModel``.
+        dtype: float32, or bfloat16/float16 under autocast (``ReferenceModel``).
+        max_tokens: token slots per forward (rows x widest row).
+        cache_dir: where the look-aside cache lives (None: no cache).
+        namespace: the cache namespace; by default the model's weights and config by content.
+        stats_file: a JSONL file that gets ``stats()`` after every ``score`` call.
+    """
+
+    def __init__(self, model: nn.Module | ReferenceModel, dtype: torch.dtype = torch.float32,
+                 max_tokens: int = DEFAULT_MAX_TOKENS, cache_dir: str | Path | None = None, compile: bool = False,
+                 namespace: Namespace | None = None, stats_file: str | Path | None = None, layout: str = "shared"):
+        self.reference = model if isinstance(model, ReferenceModel) else ReferenceModel(model, dtype, compile,
+                                                                                        layout=layout)
+        config = unwrap_causal_lm(self.reference.model).config.get_text_config()
+        self.vocab_size = int(config.vocab_size)
+        self.context = getattr(config, "max_position_embeddings", None)
+        self.max_tokens = max_tokens
+        self.store = None
+        if cache_dir is not None:
+            namespace = namespace or namespace_for_module(unwrap_causal_lm(self.reference.model), self.reference.dtype)
+            self.store = SequenceStore(cache_dir, namespace)
+        self.stats_file = Path(stats_file) if stats_file else None
+        self._counts = dict.fromkeys(SUMMED, 0)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype = "auto",
+                        device: str | torch.device | None = None, max_tokens: int = DEFAULT_MAX_TOKENS,
+                        cache_dir: str | Path | None = None, compile: bool = False, **kwargs) -> "ReferenceService":
+        """A model directory (a PEFT adapter directory means its base: the initial policy)."""
+        weights = reference_weights_dir(path)
+        layout = kwargs.pop("layout", "shared")
+        reference = ReferenceModel.from_pretrained(weights, dtype, device, compile=compile, layout=layout)
+        namespace = namespace_for_dir(weights, reference.dtype, Path(cache_dir)) if cache_dir is not None else None
+        return cls(reference, max_tokens=max_tokens, cache_dir=cache_dir, namespace=namespace, **kwargs)
+
+    @classmethod
+    def from_peft_policy(cls, policy: nn.Module, dtype: torch.dtype = torch.float32, **kwargs) -> "ReferenceService":
+        """The policy's base weights, its adapter disabled during every forward. Its namespace is
+        that of the base weights alone (the adapter trains; the values do not depend on it)."""
+        reference = ReferenceModel.from_peft_policy(policy, dtype)
+        if kwargs.get("cache_dir") is not None and kwargs.get("namespace") is None:
+            kwargs["namespace"] = base_namespace(policy, dtype)
+        return cls(reference, **kwargs)
+
+    # ------------------------------------------------------------------------------ scoring
+
+    def score(self, requests: Sequence[Request]) -> list[list[torch.Tensor]]:
+        """Per request, one ``(c_k,)`` fp32 CPU tensor of per-token log-probs per completion."""
+        start = time.perf_counter()
+        checked = [check_request(i, r, self.vocab_size, self.context) for i, r in enumerate(requests)]
+        results: list[list[torch.Tensor | None]] = [[None] * len(c) for _, c in checked]
+        if self.store is not None:
+            self.store.refresh()
+        work = self._plan(checked, results)
+        try:
+            for group, values in self._run(work.groups):
+                for key, value in zip(work.group_keys[group], values):
+                    for r, k in work.keys[key]:
+                        results[r][k] = value
+                    if self.store is not None:
+                        self.store.put(key, value)
+        finally:
+            if self.store is not None:
+                # Before returning, and on an error or Ctrl-C: nothing computed is lost.
+                self.store.flush()
+        c = self._counts
+        c["calls"] += 1
+        c["requests"] += len(checked)
+        c["sequences"] += sum(len(comps) for _, comps in checked)
+        c["score_seconds"] += time.perf_counter() - start
+        self._log_stats()
+        return results  # type: ignore[return-value]
+
+    def _plan(self, checked: list, results: list) -> _Work:
+        """Fill ``results`` from the cache; group what is left by prompt (a prompt asked by
+        several requests runs once), each group within the token budget."""
+        keys: dict[bytes, list[tuple[int, int]]] = {}
+        by_prompt: dict[tuple[int, ...], tuple[int, list[bytes], list[tuple[int, ...]]]] = {}
+        for r, (prompt, completions) in enumerate(checked):
+            for k, comp in enumerate(completions):
+                key = sequence_key(prompt, comp)
+                if key in keys:
+                    keys[key].append((r, k))
+                    self._counts["duplicates"] += 1
+                    continue
+                cached = self.store.get(key) if self.store is not None else None
+                if cached is not None:
+                    results[r][k] = cached
+                    self._counts["cache_hits"] += 1
+                    continue
+                keys[key] = [(r, k)]
+                _, group_keys, comps = by_prompt.setdefault(prompt, (r, [], []))
+                group_keys.append(key)
+                comps.append(comp)
+        groups, group_keys = [], []
+        # The per-sequence fallback runs one row per sequence: groups of one, packed by length.
+        budget = self.max_tokens if self.reference.layout == "shared" else 0
+        for prompt, (r, gkeys, comps) in by_prompt.items():
+            for g in split_group(r, prompt, comps, range(len(comps)), budget):
+                groups.append(g)
+                group_keys.append([gkeys[i] for i in g.ids])
+        return _Work(groups, keys, group_keys)
+
+    def _run(self, groups: list[Group]):
+        """Yields ``(group index, [(c,) fp32 CPU log-probs of each of its completions])``,
+        batch after batch."""
+        c = self._counts
+        shared = self.reference.layout == "shared"
+        order = list(range(len(groups)))
+        if shared:
+            batches = budget_batches(order, self.max_tokens, width=lambda i: groups[i].unique_tokens)
+        else:
+            batches = budget_batches(order, self.max_tokens, width=lambda i: groups[i].padded_width,
+                                     rows=lambda i: len(groups[i].completions))
+        for batch in batches:
+            tokens, seconds = self.reference.tokens, self.reference.seconds
+            members = [groups[i] for i in batch]
+            if shared:
+                gb = collate_groups(members)
+                parts = iter(self.reference.shared_prompt_logprobs(gb).float().cpu().split(gb.counts))
+                c["prompt_tokens_saved"] += sum(len(g.prompt) * (len(g.completions) - 1) for g in members)
+            else:
+                sb = collate_sequences(members)
+                token_logps = self.reference.logprobs(sb.input_ids, sb.attention_mask, sb.completion_mask)  # (N, T)
+                parts = iter(per_sequence(token_logps.float().cpu(), sb))
+            c["forward_passes"] += 1
+            c["tokens"] += self.reference.tokens - tokens
+            c["seconds"] += self.reference.seconds - seconds
+            c["forward_sequences"] += sum(len(g.completions) for g in members)
+            c["sequence_tokens"] += sum(g.sequence_tokens for g in members)
+            for i, g in zip(batch, members):
+                yield i, [next(parts) for _ in g.completions]
+
+    # -------------------------------------------------------------------- torchforge's entry
+
+    def forward(self, input_ids: torch.Tensor, max_req_tokens: int, pad_id: int) -> torch.Tensor:
+        """torchforge's reference endpoint: ``(G, T)`` rows of a prompt left-padded to
+        ``max_req_tokens`` and a response right-padded → ``(G, T - max_req_tokens)`` fp32
+        response log-probs on ``input_ids``' device, 0 at padding (and in a row whose response
+        is all padding). Rows with the same prompt share one forward row."""
+        requests, rows = forward_requests(input_ids, max_req_tokens, pad_id)
+        return forward_output(_scored_rows(self.score, requests, rows), rows, input_ids, max_req_tokens)
+
+    # -------------------------------------------------------------------------------- stats
+
+    def stats(self) -> dict:
+        """torchforge-style counters since construction (or ``reset_stats``):
+
+        calls, requests, sequences (answered), cache_hits, duplicates (asked twice in a call),
+        forward_passes, forward_sequences and tokens (run through the model), sequence_tokens
+        (of those sequences as separate rows), prompt_tokens_saved (by sharing prompts),
+        seconds (in forward passes), score_seconds (whole calls), peak_memory_bytes,
+        avg_sequence_length, tokens_per_s."""
+        s = dict(self._counts)
+        s["peak_memory_bytes"] = peak_memory_bytes(self.reference.device)
+        return _derived(s)
+
+    def reset_stats(self) -> None:
+        self._counts = dict.fromkeys(SUMMED, 0)
+
+    def _log_stats(self) -> None:
+        if self.stats_file is None:
+            return
+        self.stats_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.stats_file, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"time": time.time(), "pid": os.getpid(), **self.stats()}) + "\n")
+
+
+def base_namespace(policy: nn.Module, dtype: torch.dtype) -> Namespace:
+    """The namespace of a PEFT policy's base weights: adapter tensors left out and PEFT's
+    ``base_layer`` renaming undone, so it equals that of the same weights without PEFT."""
+    base = unwrap_causal_lm(policy)
+    h = hashlib.sha256()
+    kept = ((n.replace(".base_layer", ""), t) for n, t in base.state_dict().items() if "lora_" not in n)
+    for name, tensor in sorted(kept, key=lambda item: item[0]):
+        t = tensor.detach().to("cpu").contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}\n".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return Namespace(h.hexdigest(), config_sha256(base.config.to_dict()), dtype_name(dtype),
+                     model=f"<in memory {type(base).__name__}, adapter off>")
+
+
+def forward_requests(input_ids: torch.Tensor, max_req_tokens: int, pad_id: int) -> tuple[list[Request], list]:
+    """torchforge's ``(G, T)`` batch as requests (rows with the same prompt in one request), and
+    per row ``(request, completion)`` or None for a row with no response token."""
+    if input_ids.dim() != 2 or not 0 < max_req_tokens < input_ids.shape[1]:
+        raise ValueError(f"input_ids must be (G, T) with 0 < max_req_tokens < T; got {tuple(input_ids.shape)} "
+                         f"and max_req_tokens={max_req_tokens}")
+    by_prompt: dict[tuple[int, ...], int] = {}
+    requests: list[Request] = []
+    rows: list[tuple[int, int] | None] = []
+    for row in input_ids.tolist():
+        prompt, response = row[:max_req_tokens], row[max_req_tokens:]
+        start = next((i for i, t in enumerate(prompt) if t != pad_id), len(prompt))  # left padding
+        end = len(response)
+        while end and response[end - 1] == pad_id:  # right padding
+            end -= 1
+        if end == 0:
+            rows.append(None)
+            continue
+        r = by_prompt.setdefault(tuple(prompt[start:]), len(requests))
+        if r == len(requests):
+            requests.append({"prompt_ids": prompt[start:], "completion_ids": []})
+        requests[r]["completion_ids"].append(response[:end])
+        rows.append((r, len(requests[r]["completion_ids"]) - 1))
+    return requests, rows
+
+
+def _scored_rows(score, requests: list[Request], rows: list) -> list[list[torch.Tensor]]:
+    """``score(requests)``, a bad request named by its row of the ``(G, T)`` batch."""
+    try:
+        return score(requests)
+    except RequestError as e:
+        row = rows.index((e.request, e.completion if e.completion is not None else 0))
+        raise ValueError(f"input_ids row {row}: {e.reason}") from None
+
+
+def forward_output(values: list[list[torch.Tensor]], rows: list, input_ids: torch.Tensor,
+                   max_req_tokens: int) -> torch.Tensor:
+    out = torch.zeros((input_ids.shape[0], input_ids.shape[1] - max_req_tokens), dtype=torch.float32)
+    for g, where in enumerate(rows):
+        if where is not None:
+            v = values[where[0]][where[1]]
+            out[g, :v.numel()] = v
+    return out.to(input_ids.device)
+
+
+# ------------------------------------------------------------------------------------- Ray
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ImportError("ReferencePool needs Ray: pip install 'dpocache[ray]'") from None
+    return ray
+
+
+class _Replica:
+    """One Ray actor: a ``ReferenceService`` of its own (one GPU where the cluster has them)."""
+
+    def __init__(self, path: str, service_kwargs: dict, exit_once: str | None = None):
+        self.service = ReferenceService.from_pretrained(path, **service_kwargs)
+        self.exit_once = exit_once
+
+    def ready(self) -> tuple[int, int, int | None]:
+        """(process id, vocabulary size, context length)."""
+        return os.getpid(), self.service.vocab_size, self.service.context
+
+    def score(self, requests: list[Request]) -> list[list[torch.Tensor]]:
+        if self.exit_once:
+            try:
+                os.remove(self.exit_once)  # succeeds once: tests kill a replica mid-call this way
+            except FileNotFoundError:
+                pass
+            else:
+                os._exit(1)
+        return self.service.score(requests)
+
+    def stats(self) -> dict:
+        return self.service.stats()
+
+
+def _request_tokens(request: Request) -> int:
+    """A request's cost for splitting: the tokens of its group row."""
+    try:
+        return len(request["prompt_ids"]) + sum(len(c) for c in request["completion_ids"])
+    except (TypeError, KeyError):
+        return 0  # a malformed request: its replica's check names it
+
+
+class ReferencePool:
+    """``num_replicas`` ``ReferenceService``s as Ray actors; ``score`` splits each call by tokens.
+
+    Connects to the running cluster when ``ray.init(...)`` was called first, else starts a
+    local one. Each replica takes one GPU if the cluster has one per replica, else one CPU. A
+    replica that dies is restarted by Ray (``max_restarts``) and its task re-run
+    (``max_task_retries``); if Ray gives up, the pool sends the share to another replica.
+    Either way every request is answered exactly once, in request order.
+    """
+
+    def __init__(self, path: str | Path, num_replicas: int = 2, max_restarts: int = 3, max_task_retries: int = 3,
+                 _exit_once: str | None = None, **service_kwargs):
+        ray = _import_ray()
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be at least 1; got {num_replicas}")
+        if not ray.is_initialized():
+            ray.init(include_dashboard=False, log_to_driver=False)
+        self._ray = ray
+        gpus = ray.cluster_resources().get("GPU", 0)
+        resources = {"num_gpus": 1} if gpus >= num_replicas else {"num_cpus": 1}
+        actor = ray.remote(_Replica).options(max_restarts=max_restarts, max_task_retries=max_task_retries, **resources)
+        self.replicas = [actor.remote(str(path), service_kwargs, _exit_once) for _ in range(num_replicas)]
+        _, self.vocab_size, self.context = ray.get([r.ready.remote() for r in self.replicas])[0]
+
+    def score(self, requests: Sequence[Request]) -> list[list[torch.Tensor]]:
+        """As ``ReferenceService.score``, over the replicas."""
+        ray = self._ray
+        for i, r in enumerate(requests):  # here, so that an error names the caller's request index
+            check_request(i, r, self.vocab_size, self.context)
+        n = len(self.replicas)
+        shares = [sorted(s) for s in split_by_weight(list(range(len(requests))), n, tiebreak=lambda i: i,
+                                                     weight=lambda i: _request_tokens(requests[i])) if s]
+        submit = lambda r, s: self.replicas[r].score.remote([requests[i] for i in shares[s]])  # noqa: E731
+        # ref -> (replica, share, tries); share s starts on replica s
+        pending = {submit(s, s): (s, s, 0) for s in range(len(shares))}
+        results: list = [None] * len(requests)
+        while pending:
+            (ref,), _ = ray.wait(list(pending), num_returns=1)
+            r, s, tries = pending.pop(ref)
+            try:
+                values = ray.get(ref)
+            except ray.exceptions.RayActorError:
+                # Ray's own restarts and task retries are spent: the share goes to the next replica.
+                if tries + 1 >= n:
+                    raise
+                pending[submit((r + 1) % n, s)] = ((r + 1) % n, s, tries + 1)
+                continue
+            for i, v in zip(shares[s], values):
+                results[i] = v
+        return results
+
+    def forward(self, input_ids: torch.Tensor, max_req_tokens: int, pad_id: int) -> torch.Tensor:
+        """As ``ReferenceService.forward``, over the replicas."""
+        requests, rows = forward_requests(input_ids, max_req_tokens, pad_id)
+        return forward_output(_scored_rows(self.score, requests, rows), rows, input_ids, max_req_tokens)
+
+    def stats(self) -> dict:
+        """Summed counters, with each replica's under ``replicas`` (a restarted replica's start
+        from zero)."""
+        parts = self._ray.get([r.stats.remote() for r in self.replicas])
+        return {**summed_stats(parts), "replicas": parts}
+
+    def shutdown(self) -> None:
+        for r in self.replicas:
+            self._ray.kill(r)
+        self.replicas = []

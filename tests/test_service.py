@@ -1,0 +1,364 @@
+"""Tests for dpocache.service and dpocache.groups: the reference service's per-token values equal
+a naive full forward of ``prompt + completion`` (the model's own logits, log-softmax, gather),
+for groups of 1, 2 and 8 completions of mixed lengths; ``forward`` equals ``score``; the
+look-aside cache answers a repeated sequence with no forward pass, and never across dtypes or
+weights; bad requests get one line naming the request and the completion."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from dpocache.cache import namespace_for_module
+from dpocache.groups import Group, collate_groups
+from dpocache.prefix import attention_mask
+from dpocache.service import ReferenceService, base_namespace
+from dpocache.tiny import build_model
+
+TOL = 1e-5
+
+
+def make_requests(n: int, g: int, seed: int = 0, vocab: int = 500, prompt=(3, 24), completion=(1, 18)) -> list[dict]:
+    """``n`` requests of ``g`` completions each, every length drawn at random."""
+    rng = random.Random(seed)
+    ids = lambda k: [rng.randrange(10, vocab) for _ in range(k)]  # noqa: E731
+    return [{"prompt_ids": ids(rng.randint(*prompt)),
+             "completion_ids": [ids(rng.randint(*completion)) for _ in range(g)]} for _ in range(n)]
+
+
+@torch.no_grad()
+def naive(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """``(c,)`` log-probs of ``completion`` after ``prompt`` from the model's own full forward."""
+    ids = torch.tensor([prompt + completion])
+    logits = model(input_ids=ids, use_cache=False).logits[0].float()  # (p + c, V)
+    logps = logits[len(prompt) - 1:-1].log_softmax(-1)  # (c, V): position t predicts token t + 1
+    return logps.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+
+
+def assert_matches_naive(model, requests, values) -> None:
+    assert len(values) == len(requests)
+    for req, per_completion in zip(requests, values):
+        assert len(per_completion) == len(req["completion_ids"])
+        for comp, got in zip(req["completion_ids"], per_completion):
+            assert got.dtype == torch.float32 and got.device.type == "cpu" and got.shape == (len(comp),)
+            assert (got - naive(model, req["prompt_ids"], comp)).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("g", [1, 2, 8])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
+def test_score_matches_naive_forward(tiny_models, arch, g):
+    model = tiny_models[arch]
+    requests = make_requests(5, g, seed=g)
+    # A small budget: several batches, rows of different widths (padding), groups split in two.
+    service = ReferenceService(model, max_tokens=96)
+    assert service.reference.layout == "shared"
+    values = service.score(requests)
+    assert_matches_naive(model, requests, values)
+    stats = service.stats()
+    assert stats["forward_passes"] > 1
+    assert stats["sequences"] == stats["forward_sequences"] == 5 * g
+
+
+def test_gemma2_sliding_window_on_positions(tokenizer):
+    """A window shorter than the sequences: within a group row the 8th completion sits far
+    from the prompt, but its window must be counted on its own sequence's positions."""
+    model = build_model("gemma2", tokenizer, sliding_window=6).eval()
+    requests = make_requests(3, 8, seed=5, prompt=(8, 16), completion=(5, 12))
+    assert_matches_naive(model, requests, ReferenceService(model).score(requests))
+
+
+def test_group_mask_keeps_completions_apart():
+    """Completion k sees the prompt and itself (causally), never another completion; padding
+    is seen by nothing."""
+    batch = collate_groups([Group(0, (5, 6, 7), ((1, 2), (3,), (4, 4, 4)), (0, 1, 2))])
+    assert batch.segments.tolist() == [[0, 0, 0, 1, 1, 2, 3, 3, 3]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 3, 4, 5]]
+    config = type("C", (), {"_attn_implementation": "sdpa"})()
+    mask = attention_mask(batch, config)[0, 0]  # (T, T)
+    assert mask[6].tolist() == [True, True, True, False, False, False, True, False, False]  # 3rd completion, 1st token
+    assert mask[5].tolist() == [True, True, True, False, False, True, False, False, False]  # 2nd completion
+    # Token j of a completion is predicted from the one before it in its own sequence.
+    assert batch.source.tolist() == [2, 3, 2, 2, 6, 7]
+    assert batch.labels.tolist() == [1, 2, 3, 4, 4, 4]
+
+
+def test_padded_fallback_matches_naive(tiny_models):
+    model = tiny_models["llama"]
+    requests = make_requests(4, 3, seed=11)
+    service = ReferenceService(model, layout="padded", max_tokens=80)
+    assert service.reference.layout == "padded"
+    assert_matches_naive(model, requests, service.score(requests))
+    assert service.stats()["prompt_tokens_saved"] == 0
+
+
+def test_prompt_runs_once_per_group(tiny_models):
+    model = tiny_models["qwen2"]
+    requests = make_requests(2, 8, seed=3)
+    service = ReferenceService(model)
+    service.score(requests)
+    s = service.stats()
+    prompts = sum(len(r["prompt_ids"]) for r in requests)
+    completions = sum(len(c) for r in requests for c in r["completion_ids"])
+    assert s["forward_passes"] == 1  # both groups in one batch under the default budget
+    assert s["tokens"] == prompts + completions
+    assert s["prompt_tokens_saved"] == 7 * prompts
+    assert s["sequence_tokens"] == 8 * prompts + completions
+    assert s["avg_sequence_length"] == pytest.approx(s["sequence_tokens"] / 16)
+
+
+def test_duplicates_run_once(tiny_models):
+    """A completion asked twice (same prompt) in one call runs once and answers both."""
+    model = tiny_models["llama"]
+    req = make_requests(1, 3, seed=4)[0]
+    req["completion_ids"].append(list(req["completion_ids"][0]))
+    service = ReferenceService(model)
+    values = service.score([req, {"prompt_ids": req["prompt_ids"], "completion_ids": [req["completion_ids"][1]]}])
+    assert service.stats()["forward_sequences"] == 3
+    assert service.stats()["duplicates"] == 2
+    assert torch.equal(values[0][0], values[0][3]) and torch.equal(values[0][1], values[1][0])
+    assert_matches_naive(model, [req], values[:1])
+
+
+def test_forward_equals_score(tiny_models):
+    """torchforge's entry: left-padded prompts, right-padded responses, 0 at padding."""
+    model = tiny_models["gemma2"]
+    pad, max_req, max_res = 0, 12, 10
+    requests = make_requests(2, 3, seed=8, prompt=(3, max_req), completion=(1, max_res))
+    rows = []
+    for r in requests:
+        for c in r["completion_ids"]:
+            p = r["prompt_ids"]
+            rows.append([pad] * (max_req - len(p)) + p + c + [pad] * (max_res - len(c)))
+    input_ids = torch.tensor(rows)  # (6, 22)
+    service = ReferenceService(model)
+    out = service.forward(input_ids, max_req, pad)
+    assert out.shape == (6, max_res) and out.dtype == torch.float32
+    values = service.score(requests)
+    expected = [v for per_request in values for v in per_request]
+    for row, v in zip(out, expected):
+        assert torch.allclose(row[:v.numel()], v, atol=TOL, rtol=0)
+        assert (row[v.numel():] == 0).all()
+    input_ids[4, max_req + 1] = 100_000  # a bad id is named by its row of the batch
+    with pytest.raises(ValueError, match=r"^input_ids row 4: token id 100000 is outside"):
+        service.forward(input_ids, max_req, pad)
+
+
+def test_cache_second_pass_runs_nothing(tiny_models, tmp_path):
+    model = tiny_models["llama"]
+    requests = make_requests(3, 4, seed=9)
+    first = ReferenceService(model, cache_dir=tmp_path)
+    v1 = first.score(requests)
+    assert first.stats()["forward_passes"] >= 1 and first.stats()["cache_hits"] == 0
+    v2 = first.score(requests)
+    s = first.stats()
+    assert s["cache_hits"] == 12 and s["forward_sequences"] == 12  # none re-run
+    assert all(torch.equal(a, b) for x, y in zip(v1, v2) for a, b in zip(x, y))
+    # A new service (a new process, a later run) reads the values from the disk.
+    again = ReferenceService(model, cache_dir=tmp_path)
+    v3 = again.score(requests)
+    assert again.stats()["forward_passes"] == 0 and again.stats()["cache_hits"] == 12
+    assert all(torch.equal(a, b) for x, y in zip(v1, v3) for a, b in zip(x, y))
+    # A new completion of a cached prompt: only it runs.
+    requests[0]["completion_ids"].append([11, 12, 13])
+    again.score(requests)
+    assert again.stats()["forward_sequences"] == 1
+
+
+def test_interrupted_call_keeps_what_it_computed(tiny_models, tmp_path):
+    """Ctrl-C in the second forward of a call: the first batch's values are on disk."""
+    model = tiny_models["llama"]
+    requests = make_requests(4, 2, seed=15)
+    service = ReferenceService(model, cache_dir=tmp_path, max_tokens=40)  # several batches
+    run, calls = service.reference.shared_prompt_logprobs, []
+
+    def interrupted(batch):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return run(batch)
+
+    service.reference.shared_prompt_logprobs = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        service.score(requests)
+    again = ReferenceService(model, cache_dir=tmp_path, max_tokens=40)
+    assert_matches_naive(model, requests, again.score(requests))
+    assert 0 < again.stats()["cache_hits"] < 8
+
+
+def test_corrupt_cache_shard_is_never_used(tiny_models, tmp_path):
+    """A shard whose bytes no longer match its name is reported and skipped: recomputed."""
+    model = tiny_models["llama"]
+    requests = make_requests(2, 2, seed=16)
+    first = ReferenceService(model, cache_dir=tmp_path)
+    first.score(requests)
+    (shard,) = first.store.dir.glob("seq-*.safetensors")
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # a value's last byte
+    shard.write_bytes(bytes(data))
+    again = ReferenceService(model, cache_dir=tmp_path)
+    assert_matches_naive(model, requests, again.score(requests))
+    assert again.stats()["cache_hits"] == 0 and len(again.store.corrupt) == 1
+
+
+def test_cache_never_hits_across_dtype_or_weights(tiny_models, tokenizer, tmp_path):
+    model = tiny_models["llama"]
+    requests = make_requests(2, 2, seed=10)
+    ReferenceService(model, cache_dir=tmp_path).score(requests)
+    bf16 = ReferenceService(model, dtype=torch.bfloat16, cache_dir=tmp_path)
+    bf16.score(requests)
+    assert bf16.stats()["cache_hits"] == 0 and bf16.stats()["forward_sequences"] == 4
+    other = ReferenceService(build_model("llama", tokenizer, seed=1).eval(), cache_dir=tmp_path)
+    other.score(requests)
+    assert other.stats()["cache_hits"] == 0 and other.stats()["forward_sequences"] == 4
+
+
+def test_from_pretrained_cache_and_stats_file(model_dir, tmp_path):
+    requests = make_requests(2, 3, seed=12)
+    stats_file = tmp_path / "stats.jsonl"
+    service = ReferenceService.from_pretrained(model_dir, dtype="float32", device="cpu", cache_dir=tmp_path / "c",
+                                               stats_file=stats_file)
+    service.score(requests)
+    again = ReferenceService.from_pretrained(model_dir, dtype="float32", device="cpu", cache_dir=tmp_path / "c")
+    again.score(requests)
+    assert again.stats()["forward_passes"] == 0 and again.stats()["cache_hits"] == 6
+    lines = [json.loads(x) for x in stats_file.read_text().splitlines()]
+    assert len(lines) == 1 and lines[0]["forward_sequences"] == 6 and lines[0]["calls"] == 1
+
+
+def test_peft_policy_adapter_off(tiny_models, tokenizer, tmp_path):
+    """The reference of a LoRA policy is its base: the adapter (non-zero here) does not change
+    the values, and the cache namespace is that of the base weights alone."""
+    from peft import LoraConfig, get_peft_model
+
+    base = build_model("llama", tokenizer, seed=0).eval()
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)  # a non-zero adapter
+    policy = get_peft_model(build_model("llama", tokenizer, seed=0), lora)
+    policy.train()
+    requests = make_requests(2, 2, seed=13)
+    service = ReferenceService.from_peft_policy(policy, cache_dir=tmp_path)
+    assert_matches_naive(base, requests, service.score(requests))
+    assert service.store.namespace.id == namespace_for_module(base, torch.float32).id
+    assert base_namespace(policy, torch.float32).id == service.store.namespace.id
+    assert policy.training  # left as it was
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda rs: rs[1].update(prompt_ids=[]), "request 1: empty prompt"),
+    (lambda rs: rs[0]["completion_ids"].__setitem__(2, []), "request 0, completion 2: empty completion"),
+    (lambda rs: rs[1]["completion_ids"][1].append(100_000), "request 1, completion 1: token id 100000 is outside"),
+    (lambda rs: rs[0]["prompt_ids"].append(-1), "request 0: prompt token id -1 is outside"),
+    (lambda rs: rs[1]["completion_ids"][0].extend([20] * 600), "request 1, completion 0: prompt + completion is"),
+    (lambda rs: rs[0].pop("completion_ids"), "request 0: expected"),
+])
+def test_bad_requests_get_one_line(tiny_models, mutate, message):
+    service = ReferenceService(tiny_models["llama"])
+    requests = make_requests(2, 3, seed=14)
+    mutate(requests)
+    with pytest.raises(ValueError) as err:
+        service.score(requests)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+    assert service.stats()["forward_passes"] == 0  # checked before anything runs
+
+
+# ------------------------------------------------------------------------------- dpocache score
+
+
+def _score_cli(args, capsys):
+    from dpocache.cli import main
+
+    code = main(["score", *map(str, args)])
+    return code, capsys.readouterr()
+
+
+def test_score_cli_text_ids_and_resume(model_dir, tokenizer, tmp_path, capsys):
+    """Text rows are tokenized as ``cache build`` does (BOS before a plain prompt, EOS after
+    each completion): the same ids given as ids score the same. A second run computes nothing."""
+    from dpocache.data import write_jsonl
+
+    prompt, completions = "sort: 3 1 2", [" 1 2 3", " 3 2 1", " 2"]
+    ids = {"prompt_ids": [tokenizer.bos_token_id] + tokenizer(prompt, add_special_tokens=False)["input_ids"],
+           "completion_ids": [tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                              for c in completions]}
+    messages = {"prompt": [{"role": "user", "content": "sort: 5 4"}],
+                "completions": [[{"role": "assistant", "content": "4 5"}], [{"role": "assistant", "content": "5"}]]}
+    data = write_jsonl([{"prompt": prompt, "completions": completions}, ids, messages], tmp_path / "rows.jsonl")
+    out, stats = tmp_path / "out" / "logps.jsonl", tmp_path / "stats.jsonl"
+    args = ["--model", model_dir, "--data", data, "--out", out, "--cache-dir", tmp_path / "cache",
+            "--dtype", "float32", "--device", "cpu", "--stats", stats]
+    code, _ = _score_cli(args, capsys)
+    assert code == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["index"] for r in rows] == [0, 1, 2]
+    assert rows[0]["token_logps"] == rows[1]["token_logps"]
+    assert rows[0]["tokens"] == [len(c) for c in ids["completion_ids"]]
+    assert rows[2]["tokens"][0] > 2  # the template's end-of-turn marker is part of the completion
+    expected = ReferenceService.from_pretrained(model_dir, dtype="float32", device="cpu").score([ids])[0]
+    for got, want in zip(rows[0]["token_logps"], expected):
+        assert max(abs(a - b) for a, b in zip(got, want.tolist())) < TOL
+    assert rows[0]["logps"][0] == pytest.approx(sum(rows[0]["token_logps"][0]), abs=1e-5)
+    first = out.read_text()
+    code, printed = _score_cli(args, capsys)
+    assert code == 0 and out.read_text() == first
+    runs = [json.loads(x) for x in stats.read_text().splitlines()]
+    assert runs[0]["forward_sequences"] == 5 and runs[0]["duplicates"] == 3  # rows 0 and 1 are the same ids
+    assert runs[-1]["forward_passes"] == 0 and runs[-1]["cache_hits"] == 8  # every sequence of the 3 rows
+    assert "0 computed" in printed.out
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"prompt_ids": [1, 2], "completion_ids": [[3], [4, 100_000]]},
+     "rows.jsonl:2: field 'completions[1]': token id 100000 is outside"),
+    ({"prompt_ids": [], "completion_ids": [[3]]}, "rows.jsonl:2: field 'prompt_ids': empty prompt"),
+    ({"prompt": "sort: 1", "completions": []}, "rows.jsonl:2: field 'completions': expected a non-empty list"),
+    ({"prompt": "sort: 1", "completions": [" 1", ""]}, "rows.jsonl:2: field 'completions[1]': expected a non-empty"),
+])
+def test_score_cli_bad_row_one_line(model_dir, tmp_path, capsys, row, message):
+    from dpocache.data import write_jsonl
+
+    data = write_jsonl([{"prompt_ids": [1, 2], "completion_ids": [[3]]}, row], tmp_path / "rows.jsonl")
+    code, printed = _score_cli(["--model", model_dir, "--data", data, "--out", tmp_path / "o.jsonl",
+                                "--cache-dir", tmp_path / "c", "--device", "cpu"], capsys)
+    assert code == 2
+    assert printed.err.count("\n") == 1 and message in printed.err and "Traceback" not in printed.err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_score_cli_missing_model_one_line(tmp_path, capsys):
+    from dpocache.data import write_jsonl
+
+    data = write_jsonl([{"prompt_ids": [1, 2], "completion_ids": [[3]]}], tmp_path / "rows.jsonl")
+    code, printed = _score_cli(["--model", tmp_path / "nope", "--data", data, "--out", tmp_path / "o.jsonl"], capsys)
+    assert code == 2 and printed.err.count("\n") == 1
+    assert "--model" in printed.err and "not a model directory" in printed.err
+
+
+@pytest.mark.slow
+def test_grpo_example_kl_starts_at_zero_and_rises(tmp_path):
+    """examples/grpo_kl.py: the policy starts as the reference (KL 0 within float rounding)
+    and moves away from it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "examples" / "grpo_kl.py"
+    args = ["--out", tmp_path, "--steps", 3, "--prompts", 2, "--max-new-tokens", 8]
+    done = subprocess.run([sys.executable, script, *map(str, args)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    kl = [float(line.split()[2]) for line in lines if line.split() and line.split()[0].isdigit()]  # step reward kl
+    assert len(kl) == 3 and kl[0] < 1e-5 and kl[2] > kl[0] and kl[2] > 1e-4
+    assert "cache hits" in lines[-1]
+
+
+def test_pool_without_ray_says_how_to_install(monkeypatch, model_dir):
+    """The package and the service work without Ray; the pool names the extra to install."""
+    import sys
+
+    from dpocache.service import ReferencePool
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'dpocache\[ray\]'"):
+        ReferencePool(model_dir, num_replicas=2)
