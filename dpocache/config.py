@@ -315,7 +315,7 @@ def _set(cfg: Config, dotted: str, value: Any, aliases: dict[str, str] | None = 
     dotted = {**ALIASES, **(aliases or {})}.get(key, key)
     types_ = field_types()
     if dotted not in types_:
-        raise ConfigError(f"unknown option '--{dotted}'; see --help for the fields")
+        raise ConfigError(f"unknown config field '{dotted}'; see --help for the fields")
     section, name = dotted.split(".", 1)
     setattr(getattr(cfg, section), name, _coerce(dotted, types_[dotted], value))
 
