@@ -24,8 +24,9 @@ OPTIONS = {
 CACHE_ALIASES = {"layout": "cache.layout"}
 USAGE = """usage: dpocache cache {command} [CONFIG.yaml] [--key value ...]
 
-{text}. Settings are those of `dpocache train` (the same YAML file, --section.field flags and
-defaults; --model is the reference model unless the file sets model.ref_model, --data the data).
+{text}.
+Settings are those of `dpocache train`: the same YAML file, --section.field flags and defaults
+(--model is the reference model unless model.ref_model is set; --data the data to cache).
 
 Example:
   dpocache cache {command} configs/lora-single-gpu.yaml --model ./sft --data prefs.jsonl

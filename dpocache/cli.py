@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                        ("verify", "check every shard's checksum and recompute a sample"),
                        ("export", "cached values of every row, in data order, as JSON lines")):
         c = csub.add_parser(name, help=f"{text} (see dpocache cache {name} --help)", add_help=False)
-        # Everything after the subcommand is ours to parse (dpocache.cache_cli), as for train.
+        # Everything after the subcommand is ours to parse (dpocache.cache_args), as for train.
         c.add_argument("rest", nargs=argparse.REMAINDER)
 
     from .train_cli import add_train_parsers
@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     if words in CONFIG_COMMANDS:
         argv = [*words, "--", *argv[len(words):]]
     args, extra = build_parser().parse_known_args(argv)
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
     prog = " ".join(["dpocache", *words])
     if extra and words not in CONFIG_COMMANDS and args.command != "demo":
         print(f"{prog}: error: unrecognized arguments: {' '.join(extra)}", file=sys.stderr)

@@ -178,8 +178,8 @@ def check_batch_fits(cfg: Config, data, world_size: int = 1) -> None:
     global_batch = cfg.train.batch_size * cfg.train.grad_accum * world_size
     if global_batch > len(data):
         raise ConfigError(f"{_flag_name('train.batch_size')} {cfg.train.batch_size} x grad_accum "
-                          f"{cfg.train.grad_accum} x {world_size} ranks = {global_batch} pairs per step, more than the "
-                          f"{len(data)} pairs of {cfg.data.train}")
+                          f"{cfg.train.grad_accum} x {world_size} ranks = {global_batch} pairs per step, more than "
+                          f"the {len(data)} pairs of {cfg.data.train}")
 
 
 def _get(cfg: Config, dotted: str) -> Any:

@@ -113,7 +113,8 @@ def test_cache_build_reads_the_yaml_and_the_old_flags(tmp_path, model_dir, pref_
 
 def test_build_then_train_with_one_config_reuses_every_pair(tmp_path, capsys, model_dir, pref_jsonl, pref_rows):
     config = tmp_path / "run.yaml"
-    config.write_text(f"model:\n  dtype: float32\n  device: cpu\ndata:\n  max_length: 24\ncache:\n  dir: {tmp_path / 'c'}\n"
+    config.write_text("model:\n  dtype: float32\n  device: cpu\ndata:\n  max_length: 24\n"
+                      f"cache:\n  dir: {tmp_path / 'c'}\n"
                       "train:\n  batch_size: 8\n  max_steps: 1\n  progress: false\n")
     assert cli.main(["cache", "build", str(config), "--model", str(model_dir), "--data", str(pref_jsonl)]) == 0
     out = capsys.readouterr().out
