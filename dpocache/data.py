@@ -210,7 +210,8 @@ def _read_json(path: Path) -> list[RawRow]:
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         column = e.start - (data.rfind(b"\n", 0, e.start) + 1)
-        raise DataError(f"{path}:{line}", None, f"not valid UTF-8 (byte 0x{data[e.start]:02x} at column {column + 1})")
+        raise DataError(f"{path}:{line}", None,
+                        f"not valid UTF-8 (byte 0x{data[e.start]:02x} at column {column + 1})") from None
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
@@ -226,15 +227,23 @@ def _read_json(path: Path) -> list[RawRow]:
 
 def _read_csv(path: Path) -> list[RawRow]:
     rows = []
+    # A long row is read whole, as from .jsonl (truncation is max_length's job), not refused by
+    # the csv module's 128 KiB field limit with a traceback.
+    limit = csv.field_size_limit(2**31 - 1)
     # surrogateescape: a byte that is not UTF-8 becomes a lone surrogate (U+DC80..U+DCFF), which
     # no UTF-8 text can hold, so the row that holds it is found and named below.
-    with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
-        reader = csv.DictReader(f)
-        for values in reader:
-            # line_num is the line the record ended on; with multi-line fields that is the
-            # most useful line to name.
-            location = f"{path}:{reader.line_num}"
-            rows.append(RawRow(len(rows), location, dict(values), _csv_bad_bytes(location, values)))
+    try:
+        with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
+            reader = csv.DictReader(f)
+            for values in reader:
+                # line_num is the line the record ended on; with multi-line fields that is the
+                # most useful line to name.
+                location = f"{path}:{reader.line_num}"
+                rows.append(RawRow(len(rows), location, dict(values), _csv_bad_bytes(location, values)))
+    except csv.Error as e:  # e.g. a NUL byte: the reader cannot go on, so the file is the error
+        raise DataError(f"{path}:{reader.line_num + 1}", None, f"unreadable CSV ({e})") from None
+    finally:
+        csv.field_size_limit(limit)
     return rows
 
 

@@ -109,3 +109,11 @@ def test_counts_of_truncated_and_identical_pairs(tokenizer, pref_rows):
     cut = _load(rows, tokenizer, max_length=limit)
     assert cut.truncated == sum(w > limit for w in widths) > 0
     assert [p.truncated for p in cut.pairs] == [w > limit for w in widths]
+
+
+def test_csv_row_longer_than_the_csv_field_limit_is_read_and_truncated(tmp_path, tokenizer):
+    """The csv module refuses fields over 128 KiB with a traceback; a .jsonl row of that size reads."""
+    path = tmp_path / "d.csv"
+    path.write_text("prompt,chosen,rejected\n" + "sort " * 40_000 + ", 1 2, 2 1\n")
+    data = _load(path, tokenizer, max_length=64)
+    assert (len(data), data.truncated) == (1, 1)
