@@ -69,11 +69,12 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     check_model_dirs(cfg)
     cfg.validate(required=("model.path", "data.train"))
     check_train_paths(cfg)
+    from .cache import default_cache_dir
     from .hub import HubError
     from .train import TrainingDiverged, train
 
     try:
-        with disk_errors(output_dir=cfg.train.output_dir, cache_dir=cfg.cache.dir):
+        with disk_errors(output_dir=cfg.train.output_dir, cache_dir=cfg.cache.dir or default_cache_dir()):
             info = train(cfg)
     except (TrainingDiverged, HubError) as err:
         print(f"dpocache train: error: {err}", file=sys.stderr)
