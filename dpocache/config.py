@@ -230,9 +230,10 @@ def _validate_choices(cfg: Config) -> None:
             raise ConfigError(f"{_flag_name(dotted)}: must be one of {', '.join(allowed)}; got {_get(cfg, dotted)!r}")
 
 
-# Fields that count something: at least 1 (the optional ones when set).
+# Fields that count something: at least 1 (the optional ones when set); intervals where 0 means "off".
 POSITIVE = ("train.batch_size", "train.grad_accum", "train.epochs", "train.logging_steps", "train.max_steps",
-            "train.eval_steps", "train.eval_batch_size", "train.save_steps", "cache.max_tokens", "cache.shard_size")
+            "train.eval_batch_size", "cache.max_tokens", "cache.shard_size")
+NON_NEGATIVE = ("train.eval_steps", "train.save_steps")
 
 
 def _validate_counts(cfg: Config) -> None:
@@ -240,6 +241,10 @@ def _validate_counts(cfg: Config) -> None:
         value = _get(cfg, dotted)
         if value is not None and value < 1:
             raise ConfigError(f"{_flag_name(dotted)}: must be >= 1, got {value}")
+    for dotted in NON_NEGATIVE:
+        value = _get(cfg, dotted)
+        if value is not None and value < 0:
+            raise ConfigError(f"{_flag_name(dotted)}: must be >= 0 (0: never), got {value}")
     if cfg.lora.r < 0:
         raise ConfigError(f"{_flag_name('lora.r')}: must be >= 0 (0: full fine-tuning), got {cfg.lora.r}")
     if not (math.isfinite(cfg.optim.lr) and cfg.optim.lr >= 0):
