@@ -231,9 +231,9 @@ def _validate_choices(cfg: Config) -> None:
 
 
 # Fields that count something: at least 1 (the optional ones when set); intervals where 0 means "off".
-POSITIVE = ("train.batch_size", "train.grad_accum", "train.epochs", "train.logging_steps", "train.max_steps",
-            "train.eval_batch_size", "cache.max_tokens", "cache.shard_size")
-NON_NEGATIVE = ("train.eval_steps", "train.save_steps")
+POSITIVE = ("train.batch_size", "train.grad_accum", "train.epochs", "train.logging_steps", "train.eval_batch_size",
+            "cache.max_tokens", "cache.shard_size")
+NON_NEGATIVE = ("train.eval_steps", "train.save_steps", "train.max_steps")  # max_steps 0: evaluate only
 
 
 def _validate_counts(cfg: Config) -> None:
