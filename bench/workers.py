@@ -145,7 +145,8 @@ def dpo_build(spec: dict) -> None:
 
     ReferenceModel.from_pretrained = classmethod(timed)
     argv = ["cache", "build", "--model", spec["model"], "--data", spec["data"], "--dtype", spec["dtype"],
-            "--device", "cpu", "--cache-dir", spec["cache_dir"], "--json", *spec.get("extra_args", [])]
+            "--device", "cpu", "--cache-dir", spec["cache_dir"], "--json", "--max-length", "none",  # as training's
+            *spec.get("extra_args", [])]
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         rc = cli.main(argv)

@@ -14,8 +14,8 @@ from .cache import CacheStore, default_cache_dir, export_rows, namespace_for_dir
 from .cache.build import DEFAULT_MAX_TOKENS, build_distributed, namespace_dirs, open_namespace_dir, reference_weights_dir
 from .data import PreferenceData, load_preference_data
 from .distributed import destroy, init_distributed
+from .preflight import UsageError, check_writable_dir, disk_errors, model_context
 from .reference import ReferenceModel, default_device, dtype_name, resolve_dtype
-
 
 def _human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -30,15 +30,20 @@ def load_tokenizer(model_path: str | Path):
 
     path = Path(model_path)
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError):
         # A PEFT adapter directory may hold no tokenizer; its base does.
-        return AutoTokenizer.from_pretrained(str(reference_weights_dir(path)))
+        tokenizer = AutoTokenizer.from_pretrained(str(reference_weights_dir(path)))
+    if len(tokenizer) == 0:  # transformers builds an empty one from a directory without a vocabulary
+        raise UsageError(f"--model {path}: the tokenizer there has an empty vocabulary")
+    return tokenizer
 
 
-def _load_data(args, tokenizer, verbose: bool = True) -> PreferenceData:
-    data = load_preference_data(args.data, tokenizer, args.max_length, args.max_prompt_length, args.skip_invalid,
-                                show_progress=verbose)
+def _load_data(args, tokenizer, verbose: bool = True, source: str | None = None) -> PreferenceData:
+    cfg = args.cfg
+    data = load_preference_data(source or args.data, tokenizer, args.max_length, args.max_prompt_length,
+                                args.skip_invalid, show_progress=verbose, columns=cfg.data.columns(),
+                                context=model_context(args.model))
     if data.skipped and verbose:
         print(f"skipped {len(data.skipped)} invalid rows:", file=sys.stderr)
         for s in data.skipped[:20]:
@@ -70,11 +75,14 @@ def cmd_build(args) -> int:
     (``build_distributed``); rank 0 prints the totals."""
     env = init_distributed(args.device)
     try:
-        tokenizer = load_tokenizer(args.model)
+        tokenizer = load_tokenizer(args.tokenizer)
         data = _load_data(args, tokenizer, verbose=env.is_main)
+        pairs = data.pairs
+        if args.eval_data:  # a config's eval set is cached too, as train would
+            pairs = pairs + _load_data(args, tokenizer, verbose=env.is_main, source=args.eval_data).pairs
         store, dtype = _open_store(args, env.device, open_now=False, verbose=env.is_main)
         summary = build_distributed(
-            store, data.pairs, _reference_loader(args, dtype, env.device), env, pad_id=tokenizer.pad_token_id or 0,
+            store, pairs, _reference_loader(args, dtype, env.device), env, pad_id=tokenizer.pad_token_id or 0,
             per_token=args.per_token, max_tokens=args.max_tokens or DEFAULT_MAX_TOKENS, shard_pairs=args.shard_size,
         )
         if env.is_main:
@@ -89,12 +97,14 @@ def _print_build_summary(args, s, store: CacheStore, dtype: torch.dtype, data: P
         print(f"corrupt shard {store.dir / bad}; not loaded", file=sys.stderr)
     ranks = f" on {s.world_size} ranks" if s.world_size > 1 else ""
     print(f"pairs {s.pairs} (unique {s.unique}): computed {s.computed}{ranks}, reused {s.reused}")
+    print(f"rows: {data.truncated} truncated to max_length={args.max_length}, {data.identical} with chosen == "
+          f"rejected, {len(data.skipped)} skipped")
     print(f"tokens {s.tokens} in {s.seconds:.1f} s ({s.tokens_per_s:.0f} tokens/s), peak memory {_human_bytes(s.peak_memory_bytes)}"
           + (" (largest rank)" if s.world_size > 1 else ""))
     print(f"cache {s.cache_dir} (dtype {dtype_name(dtype)}, {len(store)} pairs stored, {_human_bytes(store.size_bytes())})")
     if args.json:
         out = s.to_json()
-        out["skipped"] = len(data.skipped)
+        out.update(skipped=len(data.skipped), truncated=data.truncated, identical=data.identical)
         print(json.dumps(out))
 
 
@@ -119,7 +129,7 @@ def cmd_info(args) -> int:
 
 def cmd_verify(args) -> int:
     device = torch.device(args.device) if args.device else default_device()
-    tokenizer = load_tokenizer(args.model)
+    tokenizer = load_tokenizer(args.tokenizer)
     data = _load_data(args, tokenizer)
     store, dtype = _open_store(args, device)
     reference = ReferenceModel.from_pretrained(reference_weights_dir(args.model), dtype, device, layout=args.layout)
@@ -138,7 +148,7 @@ def cmd_verify(args) -> int:
 
 def cmd_export(args) -> int:
     device = torch.device(args.device) if args.device else default_device()
-    tokenizer = load_tokenizer(args.model)
+    tokenizer = load_tokenizer(args.tokenizer)
     data = _load_data(args, tokenizer)
     store, _ = _open_store(args, device)
     out: Path = args.out
@@ -151,15 +161,21 @@ def cmd_export(args) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``args``: from ``dpocache.cache_args.parse_args`` (the configuration, paths checked)."""
     import os
 
     if args.cache_command != "build" and int(os.environ.get("RANK", "0")) != 0:
         return 0  # only build shares its work across torchrun's ranks; the others run once, on rank 0
+    if args.cache_command == "build":
+        check_writable_dir(args.cache_dir or default_cache_dir(), "--cache-dir")
+    if args.cache_command == "export":
+        check_writable_dir(args.out.parent, "--out")
     commands = {"build": cmd_build, "info": cmd_info, "verify": cmd_verify, "export": cmd_export}
     from .cache import CacheError
 
     try:
-        return commands[args.cache_command](args)
+        with disk_errors(cache_dir=args.cache_dir or default_cache_dir()):
+            return commands[args.cache_command](args)
     except CacheError as err:  # a missing value, or a distributed build that left holes
         print(f"dpocache: error: {err}", file=sys.stderr)
         return 1

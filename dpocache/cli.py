@@ -1,10 +1,14 @@
 """The ``dpocache`` command.
 
-    dpocache cache build|info|verify|export ...
+    dpocache cache build|info|verify|export [CONFIG.yaml] [--key value ...]
     dpocache score --model M --data rows.jsonl --out logps.jsonl
     dpocache train [CONFIG.yaml] [--key value ...]
-    dpocache demo
+    dpocache demo [--output-dir DIR]
     dpocache plot OUTPUT_DIR
+
+``cache`` and ``train`` read one typed configuration (``dpocache.config``): the same YAML file,
+the same ``--section.field`` flags, the same defaults. ``-v`` (anywhere) logs more and shows
+the traceback of an error.
 
 Exit codes: 0 success, 1 a check failed (verify, corrupt shards), 2 bad input or usage.
 """
@@ -15,50 +19,48 @@ import argparse
 import logging
 import os
 import sys
-from pathlib import Path
+import traceback
 
 from .allocator import configure_cpu_allocator
+from .config import ConfigError
 from .data import DataError
+from .preflight import UsageError
 from .signals import Interrupted, ignore_stop_signals, stop_signals
 
+DESCRIPTION = ("dpocache computes the DPO reference log-probabilities of a preference data set once, keeps them in "
+               "a verified on-disk cache, and trains policies on them without running the reference model again.")
+EPILOG = ("Run `dpocache COMMAND --help` for a command's options, or `dpocache demo` for a complete run on a tiny "
+          "model built offline. Exit status: 0 success, 1 a check failed, 2 bad input or usage.")
 
-def _add_common_cache_args(p: argparse.ArgumentParser, needs_data: bool = True) -> None:
-    p.add_argument("--cache-dir", type=Path, default=None, help="cache root (default: $DPOCACHE_CACHE_DIR or ~/.cache/dpocache)")
-    if needs_data:
-        p.add_argument("--model", required=True, help="reference model directory (Hugging Face format; a PEFT adapter dir means its base)")
-        p.add_argument("--data", required=True, help="preference data: .jsonl/.json/.parquet/.csv or a datasets directory")
-        p.add_argument("--max-length", type=int, default=None, help="max tokens of prompt + completion (default: no truncation)")
-        p.add_argument("--max-prompt-length", type=int, default=None, help="tokens the prompt keeps at least when truncating (default: max-length/2)")
-        p.add_argument("--dtype", default="auto", help="auto (bf16 where the hardware has it), float32, bfloat16")
-        p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-        p.add_argument("--max-tokens", type=int, default=None, help="padded tokens per reference forward (default 4096; GPUs like more)")
-        p.add_argument("--layout", default="shared", choices=["shared", "padded"],
-                       help="shared: each prompt runs once for both completions (default); padded: two rows per pair")
-        p.add_argument("--skip-invalid", action="store_true", help="skip bad rows (reported) instead of failing")
+# Commands whose options are the configuration's fields: everything after them is parsed by
+# dpocache.config, not argparse (which would take an unknown flag's value for CONFIG.yaml).
+CONFIG_COMMANDS = {("train",), ("cache", "build"), ("cache", "verify"), ("cache", "export"), ("cache", "info")}
+
+# Mistakes the user can fix: one line, exit status 2.
+USER_ERRORS = (DataError, ConfigError, UsageError, FileNotFoundError, FileExistsError, NotADirectoryError)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Usage errors in one line (argparse prints the whole usage first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dpocache", description=__doc__.split("\n\n")[0])
-    parser.add_argument("-v", "--verbose", action="store_true")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = OneLineParser(prog="dpocache", description=DESCRIPTION, epilog=EPILOG)
+    parser.add_argument("-v", "--verbose", action="store_true", help="more logging, and the traceback of an error")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     cache = sub.add_parser("cache", help="build, inspect, verify or export the reference cache")
-    csub = cache.add_subparsers(dest="cache_command", required=True)
-    b = csub.add_parser("build", help="compute the reference log-probs the cache lacks")
-    _add_common_cache_args(b)
-    b.add_argument("--per-token", action="store_true", help="also store per-token log-probs")
-    b.add_argument("--shard-size", type=int, default=4096, help="pairs per shard (a shard is also flushed every 60 s)")
-    b.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
-    i = csub.add_parser("info", help="namespaces, their model and dtype, pair counts, size on disk")
-    _add_common_cache_args(i, needs_data=False)
-    v = csub.add_parser("verify", help="check every shard's checksum and recompute a sample")
-    _add_common_cache_args(v)
-    v.add_argument("--samples", type=int, default=32)
-    v.add_argument("--seed", type=int, default=0)
-    e = csub.add_parser("export", help="cached values of every row, in data order, as JSON lines")
-    _add_common_cache_args(e)
-    e.add_argument("--out", type=Path, required=True)
-    e.add_argument("--with-ids", action="store_true", help="include the token ids the values were computed on")
+    csub = cache.add_subparsers(dest="cache_command", required=True, metavar="SUBCOMMAND")
+    for name, text in (("build", "compute the reference log-probs the cache lacks"),
+                       ("info", "namespaces, their model and dtype, pair counts, size on disk"),
+                       ("verify", "check every shard's checksum and recompute a sample"),
+                       ("export", "cached values of every row, in data order, as JSON lines")):
+        c = csub.add_parser(name, help=f"{text} (see dpocache cache {name} --help)", add_help=False)
+        # Everything after the subcommand is ours to parse (dpocache.cache_args), as for train.
+        c.add_argument("rest", nargs=argparse.REMAINDER)
 
     from .train_cli import add_train_parsers
 
@@ -69,25 +71,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_name(argv: list[str]) -> tuple[str, ...]:
+    for words in CONFIG_COMMANDS:
+        if tuple(argv[:len(words)]) == words:
+            return words
+    return tuple(argv[:1])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["train"]:
-        # The config tree's flags are parsed by dpocache.config, not argparse (which would take
-        # the value of an unknown flag for the positional CONFIG).
-        argv = ["train", "--", *argv[1:]]
+    # -v is accepted anywhere: before the command, or among a command's own options.
+    verbose = any(a in ("-v", "--verbose") for a in argv)
+    argv = [a for a in argv if a not in ("-v", "--verbose")]
+    words = _command_name(argv)
+    if words in CONFIG_COMMANDS:
+        argv = [*words, "--", *argv[len(words):]]
     args, extra = build_parser().parse_known_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if extra and args.command != "train":
-        print(f"dpocache: error: unrecognized arguments: {' '.join(extra)}", file=sys.stderr)
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    prog = " ".join(["dpocache", *words])
+    if extra and words not in CONFIG_COMMANDS and args.command != "demo":
+        print(f"{prog}: error: unrecognized arguments: {' '.join(extra)}", file=sys.stderr)
         return 2
     configure_cpu_allocator()
     try:
         # SIGTERM/SIGINT while loading end here at once; builds and training stop at safe points.
         with stop_signals():
             if args.command == "cache":
+                from .cache_args import parse_args
+
+                parsed = parse_args(args.cache_command, args.rest)  # before the heavy imports of cache_cli
+                if parsed is None:
+                    return 0  # --help
                 from . import cache_cli
 
-                return cache_cli.run(args)
+                return cache_cli.run(parsed)
             if args.command == "score":
                 from . import score_cli
 
@@ -95,11 +113,11 @@ def main(argv: list[str] | None = None) -> int:
             from . import train_cli
 
             return train_cli.run(args, extra)
-    except DataError as err:
-        print(f"dpocache: error: {err}", file=sys.stderr)
-        return 2
-    except (FileNotFoundError, FileExistsError) as err:
-        print(f"dpocache: error: {err}", file=sys.stderr)
+    except USER_ERRORS as err:
+        if verbose:
+            traceback.print_exc()
+        message = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        print(f"{prog}: error: {message}", file=sys.stderr)
         return 2
     except Interrupted as stop:
         ignore_stop_signals()
@@ -108,4 +126,3 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0 or stop.received_here:
             print(f"dpocache{f' (rank {rank})' if rank else ''}: {stop}", file=sys.stderr)
         return stop.exit_code
-

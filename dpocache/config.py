@@ -8,11 +8,17 @@ command line as ``--section.field value``; the common ones also have short flags
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+# torch (and dpocache.losses, which needs it) is imported by validate() and help_text() only:
+# 1.5 s of imports that reading the options and checking the paths they name do not need.
 
 
 @dataclass
@@ -21,16 +27,16 @@ class ModelConfig:
     ref_model: str | None = None  # reference model directory (default: the initial policy)
     dtype: str = "auto"  # compute dtype: auto | float32 | bfloat16 (autocast over fp32 master weights)
     device: str | None = None  # cpu | cuda (default: cuda if available)
-    attn_implementation: str = "sdpa"
-    gradient_checkpointing: bool = False
+    attn_implementation: str = "sdpa"  # attention kernel passed to transformers (sdpa | eager | flash_attention_2)
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass (less memory, slower)
     compile: bool = False  # torch.compile the policy's log-prob forward
 
 
 @dataclass
 class LoraConfig:
     r: int = 0  # 0: full fine-tuning; > 0: LoRA rank (PEFT)
-    alpha: int = 16
-    dropout: float = 0.0
+    alpha: int = 16  # LoRA scaling numerator (scale = alpha / r)
+    dropout: float = 0.0  # LoRA dropout
     target_modules: str = "all-linear"  # comma-separated module names, or all-linear
 
 
@@ -41,16 +47,24 @@ class DataConfig:
     max_length: int | None = 1024  # tokens of prompt + completion (see dpocache.data for the rule)
     max_prompt_length: int | None = None  # tokens the prompt keeps at least when truncating
     skip_invalid: bool = False  # skip bad rows (reported) instead of failing
+    prompt_field: str = "prompt"  # the column holding the prompt (e.g. question)
+    chosen_field: str = "chosen"  # the column holding the preferred completion
+    rejected_field: str = "rejected"  # the column holding the dispreferred completion
+
+    def columns(self) -> tuple[str | None, str, str]:
+        """(prompt, chosen, rejected) column names; a prompt column ``none`` means implicit prompts."""
+        prompt = None if self.prompt_field.lower() in ("none", "null") else self.prompt_field
+        return prompt, self.chosen_field, self.rejected_field
 
 
 @dataclass
 class LossConfig:
     name: str = "sigmoid"  # a loss, or a weighted combination "sigmoid:1,sft:0.1"
-    beta: float = 0.1
+    beta: float = 0.1  # > 0: the KL strength (reward scale)
     label_smoothing: float | None = None  # cDPO / robust / exo epsilon (None: the loss's default)
     gamma: float | None = None  # SimPO target margin
     orpo_alpha: float | None = None  # ORPO lambda
-    discopop_tau: float | None = None
+    discopop_tau: float | None = None  # DiscoPOP temperature
     rpo_alpha: float | None = None  # RPO: adds alpha * NLL(chosen) to any loss
 
     def params(self) -> dict[str, float | None]:
@@ -59,26 +73,26 @@ class LossConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 5e-7
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
+    lr: float = 5e-7  # peak learning rate (AdamW)
+    weight_decay: float = 0.0  # AdamW weight decay (not on biases and norms)
+    adam_beta1: float = 0.9  # AdamW beta1
+    adam_beta2: float = 0.999  # AdamW beta2
+    adam_eps: float = 1e-8  # AdamW epsilon
     schedule: str = "linear"  # linear | cosine | constant, after warm-up
-    warmup_ratio: float = 0.1
+    warmup_ratio: float = 0.1  # fraction of the steps with a linear warm-up, in [0, 1]
     max_grad_norm: float = 1.0  # 0 disables clipping
 
 
 @dataclass
 class TrainLoopConfig:
-    output_dir: str = "runs/dpo"
+    output_dir: str = "runs/dpo"  # metrics.jsonl, run.json, checkpoints/ and final/
     batch_size: int = 8  # pairs per device per micro-batch
     layout: str = "shared"  # shared: prompt once per pair (dpocache.prefix; single process, dense models) | padded
-    grad_accum: int = 1
-    epochs: int = 1
+    grad_accum: int = 1  # micro-batches per optimizer step
+    epochs: int = 1  # passes over the training data
     max_steps: int | None = None  # optimizer steps; overrides epochs
-    seed: int = 42
-    logging_steps: int = 10
+    seed: int = 42  # data order and LoRA initialisation
+    logging_steps: int = 10  # optimizer steps per metrics.jsonl row
     eval_steps: int | None = None  # None: evaluate at the start and the end only
     eval_batch_size: int | None = None  # default: batch_size
     save_steps: int | None = None  # also save every N steps (None: by save_minutes and at the end)
@@ -86,9 +100,9 @@ class TrainLoopConfig:
     save_total_limit: int = 2  # checkpoints kept (the newest)
     resume: bool = False  # continue from the newest checkpoint in output_dir
     overwrite: bool = False  # start afresh in an output_dir that holds an earlier run
-    tensorboard: bool = False
+    tensorboard: bool = False  # also write TensorBoard events to output_dir
     push_to_hub: str | None = None  # a Hub repo id for the final checkpoint
-    progress: bool = True
+    progress: bool = True  # progress bars on stderr
 
 
 @dataclass
@@ -96,7 +110,7 @@ class CacheConfig:
     dir: str | None = None  # default: $DPOCACHE_CACHE_DIR or ~/.cache/dpocache
     max_tokens: int = 4096  # padded tokens per reference forward (measured best on CPU; raise on GPU)
     layout: str = "shared"  # reference pass: shared (each prompt once, dpocache.prefix) | padded (two rows per pair)
-    shard_size: int = 4096
+    shard_size: int = 4096  # pairs per cache shard (a shard is also flushed every 60 s)
 
 
 @dataclass
@@ -119,6 +133,21 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def validate(self, required: tuple[str, ...] = ()) -> "Config":
+        """Check every value that can be checked without loading a model or reading data, so
+        that a typo costs one line and no waiting. ``required``: dotted fields that must be set
+        (``("model.path", "data.train")`` for ``train``). Raises ``ConfigError`` naming the
+        field; returns ``self``."""
+        missing = [_flag_name(d) for d in required if _get(self, d) is None]
+        if missing:
+            raise ConfigError(f"missing {' and '.join(missing)}")
+        _validate_loss(self.loss)
+        _validate_data(self.data)
+        _validate_choices(self)
+        _validate_counts(self)
+        _validate_device(self.model.device)
+        return self
+
 
 # Short command-line flags for the fields users set most.
 ALIASES = {
@@ -130,11 +159,114 @@ ALIASES = {
     "grad_accum": "train.grad_accum", "epochs": "train.epochs", "max_steps": "train.max_steps", "seed": "train.seed",
     "logging_steps": "train.logging_steps", "eval_steps": "train.eval_steps", "save_steps": "train.save_steps",
     "resume": "train.resume", "push_to_hub": "train.push_to_hub", "cache_dir": "cache.dir", "fsdp": "distributed.fsdp",
+    "skip_invalid": "data.skip_invalid", "max_tokens": "cache.max_tokens", "shard_size": "cache.shard_size",
 }
+
+SCHEDULES = ("linear", "cosine", "constant")
+LAYOUTS = ("shared", "padded")
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 
 
 class ConfigError(ValueError):
     pass
+
+
+# ------------------------------------------------------------------------------- validation
+
+
+def check_batch_fits(cfg: Config, data, world_size: int = 1) -> None:
+    """One optimizer step's pairs must exist: checked after the data loads, before any model does."""
+    global_batch = cfg.train.batch_size * cfg.train.grad_accum * world_size
+    if global_batch > len(data):
+        raise ConfigError(f"{_flag_name('train.batch_size')} {cfg.train.batch_size} x grad_accum "
+                          f"{cfg.train.grad_accum} x {world_size} ranks = {global_batch} pairs per step, more than "
+                          f"the {len(data)} pairs of {cfg.data.train}")
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    section, name = dotted.split(".", 1)
+    return getattr(getattr(cfg, section), name)
+
+
+def _flag_name(dotted: str) -> str:
+    """``train.batch_size`` -> ``--batch-size (train.batch_size)``: the flag a user typed, and the field."""
+    alias = {v: k for k, v in ALIASES.items()}.get(dotted)
+    return f"--{alias.replace('_', '-')} ({dotted})" if alias else f"--{dotted}"
+
+
+def _validate_loss(loss: LossConfig) -> None:
+    from .losses import _check_values, parse_loss_spec  # _check_values: the checks preference_loss makes
+
+    if not loss.beta > 0:  # also catches NaN
+        raise ConfigError(f"{_flag_name('loss.beta')}: must be > 0, got {loss.beta}")
+    try:
+        _check_values(parse_loss_spec(loss.name, **loss.params()))
+    except ValueError as e:
+        raise ConfigError(f"{_flag_name('loss.name')} {loss.name!r}: {e}") from None
+
+
+def _validate_data(data: DataConfig) -> None:
+    for dotted, value in (("data.max_length", data.max_length), ("data.max_prompt_length", data.max_prompt_length)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{_flag_name(dotted)}: must be >= 1 (or none), got {value}")
+    both = data.max_length is not None and data.max_prompt_length is not None
+    if both and data.max_prompt_length >= data.max_length:
+        raise ConfigError(f"{_flag_name('data.max_prompt_length')} ({data.max_prompt_length}) must be below "
+                          f"{_flag_name('data.max_length')} ({data.max_length})")
+    names = {"data.prompt_field": data.prompt_field, "data.chosen_field": data.chosen_field,
+             "data.rejected_field": data.rejected_field}
+    for dotted, value in names.items():
+        if not value.strip():
+            raise ConfigError(f"{_flag_name(dotted)}: cannot be empty")
+    if len(set(names.values())) < len(names):
+        raise ConfigError(f"--data.prompt_field, --data.chosen_field and --data.rejected_field must name three "
+                          f"different columns, got {list(names.values())}")
+
+
+def _validate_choices(cfg: Config) -> None:
+    choices = {"model.dtype": DTYPE_NAMES, "optim.schedule": SCHEDULES, "train.layout": LAYOUTS,
+               "cache.layout": LAYOUTS}
+    for dotted, allowed in choices.items():
+        if _get(cfg, dotted) not in allowed:
+            raise ConfigError(f"{_flag_name(dotted)}: must be one of {', '.join(allowed)}; got {_get(cfg, dotted)!r}")
+
+
+# Fields that count something: at least 1 (the optional ones when set); intervals where 0 means "off".
+POSITIVE = ("train.batch_size", "train.grad_accum", "train.epochs", "train.logging_steps", "train.eval_batch_size",
+            "cache.max_tokens", "cache.shard_size")
+NON_NEGATIVE = ("train.eval_steps", "train.save_steps", "train.max_steps")  # max_steps 0: evaluate only
+
+
+def _validate_counts(cfg: Config) -> None:
+    for dotted in POSITIVE:
+        value = _get(cfg, dotted)
+        if value is not None and value < 1:
+            raise ConfigError(f"{_flag_name(dotted)}: must be >= 1, got {value}")
+    for dotted in NON_NEGATIVE:
+        value = _get(cfg, dotted)
+        if value is not None and value < 0:
+            raise ConfigError(f"{_flag_name(dotted)}: must be >= 0 (0: never), got {value}")
+    if cfg.lora.r < 0:
+        raise ConfigError(f"{_flag_name('lora.r')}: must be >= 0 (0: full fine-tuning), got {cfg.lora.r}")
+    if not (math.isfinite(cfg.optim.lr) and cfg.optim.lr >= 0):
+        raise ConfigError(f"{_flag_name('optim.lr')}: must be a finite number >= 0, got {cfg.optim.lr}")
+    if not 0 <= cfg.optim.warmup_ratio <= 1:
+        raise ConfigError(f"--optim.warmup_ratio: must be in [0, 1], got {cfg.optim.warmup_ratio}")
+
+
+def _validate_device(device: str | None) -> None:
+    if device is None:
+        return
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"{_flag_name('model.device')}: '{device}' is not a device (cpu, cuda, cuda:N)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{_flag_name('model.device')} {device}: no CUDA device is available; use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ConfigError(f"{_flag_name('model.device')} {device}: only {torch.cuda.device_count()} CUDA devices")
 
 
 def _sections() -> dict[str, type]:
@@ -184,11 +316,12 @@ def _coerce(dotted: str, annotation: Any, value: Any) -> Any:
         raise ConfigError(f"{dotted}: expected {getattr(base, '__name__', base)}, got {value!r}") from None
 
 
-def _set(cfg: Config, dotted: str, value: Any) -> None:
-    dotted = ALIASES.get(dotted.replace("-", "_"), dotted.replace("-", "_"))
+def _set(cfg: Config, dotted: str, value: Any, aliases: dict[str, str] | None = None) -> None:
+    key = dotted.replace("-", "_")
+    dotted = {**ALIASES, **(aliases or {})}.get(key, key)
     types_ = field_types()
     if dotted not in types_:
-        raise ConfigError(f"unknown config field '{dotted}'; see dpocache train --help")
+        raise ConfigError(f"unknown config field '{dotted}'; see --help for the fields")
     section, name = dotted.split(".", 1)
     setattr(getattr(cfg, section), name, _coerce(dotted, types_[dotted], value))
 
@@ -203,9 +336,9 @@ def apply_mapping(cfg: Config, mapping: dict, source: str) -> None:
             _set_from(cfg, key, value, source)
 
 
-def _set_from(cfg: Config, dotted: str, value: Any, source: str) -> None:
+def _set_from(cfg: Config, dotted: str, value: Any, source: str, aliases: dict[str, str] | None = None) -> None:
     try:
-        _set(cfg, dotted, value)
+        _set(cfg, dotted, value, aliases)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
 
@@ -245,26 +378,53 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
     return out
 
 
-def build_config(yaml_path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+def build_config(yaml_path: str | Path | None = None, overrides: list[str] | None = None,
+                 aliases: dict[str, str] | None = None) -> Config:
+    """Defaults < YAML < ``overrides`` (``--key value`` strings). ``aliases``: a command's own
+    short flags on top of ``ALIASES`` (``cache build --layout`` is ``cache.layout``)."""
     cfg = Config()
     if yaml_path is not None:
         apply_mapping(cfg, load_yaml(yaml_path), str(yaml_path))
     for key, value in parse_overrides(overrides or []):
-        _set_from(cfg, key, value, "command line")
+        _set_from(cfg, key, value, "command line", aliases)
     return cfg
 
 
-def help_text() -> str:
-    """Every field with its type and default, for ``dpocache train --help``."""
+def field_help() -> dict[str, str]:
+    """``{"section.field": description}``: each field's trailing comment in this file's source,
+    so the description lives next to the default it explains and cannot drift from it."""
+    out = {}
+    for section, cls in _sections().items():
+        try:
+            source = inspect.getsource(cls)
+        except (OSError, TypeError):  # no source shipped: descriptions are optional
+            continue
+        for match in re.finditer(r"^    (\w+): [^=\n]+=[^#\n]*#\s*(.+)$", source, re.MULTILINE):
+            out[f"{section}.{match.group(1)}"] = match.group(2).strip()
+    return out
+
+
+def help_text(sections: tuple[str, ...] | None = None) -> str:
+    """Every field (of ``sections``, default all) with its type, default and description, then
+    the loss names, for ``--help``."""
     defaults = Config().to_dict()
     reverse = {v: k for k, v in ALIASES.items()}
+    described = field_help()
     lines = []
     for dotted, annotation in field_types().items():
         section, name = dotted.split(".", 1)
+        if sections is not None and section not in sections:
+            continue
         alias = reverse.get(dotted)
         flag = f"--{dotted}" + (f" (--{alias.replace('_', '-')})" if alias else "")
         type_name = _type_name(annotation)
         lines.append(f"  {flag:<52} {type_name:<14} default: {defaults[section][name]!r}")
+        if dotted in described:
+            lines.append(f"      {described[dotted]}")
+    if sections is None or "loss" in sections:
+        from .losses import LOSSES
+
+        lines += ["", "Losses (--loss NAME, or a weighted sum such as sigmoid:1,sft:0.1):", "  " + ", ".join(LOSSES)]
     return "\n".join(lines)
 
 

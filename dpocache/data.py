@@ -10,7 +10,14 @@ Accepted row formats (those TRL documents):
 
 Sources: ``.jsonl``, ``.json`` (a list of objects, or ``{"data": [...]}``), ``.parquet``,
 ``.csv`` files, a directory written by ``datasets.Dataset.save_to_disk``, a
-``datasets.Dataset`` or a list of dicts.
+``datasets.Dataset`` or a list of dicts. Other column names are mapped with ``columns``
+(``--data.prompt_field question``); a row without the prompt column is read as an implicit-prompt
+row only when it has no other text column (a ``question`` column is more likely a prompt under
+another name than a column to ignore), or when the prompt column is ``none``.
+
+Every bad row, whatever is wrong with it (not UTF-8, malformed or too deeply nested JSON, a
+lone surrogate, a missing field, longer than the model's context), is a ``DataError`` naming the
+file, the line or row and the field; ``skip_invalid`` skips and lists such rows instead.
 
 Truncation rule (``max_length`` L, ``max_prompt_length`` P): a sequence is prompt + one
 completion, and both sequences of a pair must fit in L tokens.
@@ -34,13 +41,14 @@ import hashlib
 import json
 import struct
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from tqdm.auto import tqdm
 
 KEY_BYTES = 16
+STANDARD_COLUMNS = ("prompt", "chosen", "rejected")
 
 
 class DataError(ValueError):
@@ -61,6 +69,7 @@ class RawRow:
     index: int  # position among the source's rows, 0-based
     location: str  # "data.jsonl:17" (line) or "data.parquet:row 16"
     values: Any  # the parsed object; validated later
+    error: DataError | None = None  # a row that could not be read: raised (or skipped) at validation
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,7 @@ class TokenizedPair:
     chosen_ids: tuple[int, ...]
     rejected_ids: tuple[int, ...]
     key: bytes
+    truncated: bool = field(default=False, compare=False)  # cut to max_length (counted in summaries)
 
     @property
     def num_tokens(self) -> int:
@@ -108,6 +118,16 @@ class PreferenceData:
 
     def __len__(self) -> int:
         return len(self.pairs)
+
+    @property
+    def truncated(self) -> int:
+        """Pairs cut to ``max_length``."""
+        return sum(p.truncated for p in self.pairs)
+
+    @property
+    def identical(self) -> int:
+        """Pairs whose chosen and rejected completions are the same tokens: they teach nothing."""
+        return sum(p.chosen_ids == p.rejected_ids for p in self.pairs)
 
 
 def example_key(prompt_ids: Sequence[int], chosen_ids: Sequence[int], rejected_ids: Sequence[int]) -> bytes:
@@ -148,26 +168,56 @@ def _is_hf_dataset(obj: Any) -> bool:
     return type(obj).__module__.startswith("datasets.") and hasattr(obj, "column_names")
 
 
+def _decode_error(location: str, e: UnicodeDecodeError) -> DataError:
+    return DataError(location, None, f"not valid UTF-8 (byte 0x{e.object[e.start]:02x} at column {e.start + 1})")
+
+
+def _parse_json(location: str, text: str) -> Any:
+    """``json.loads``, its failures as a ``DataError`` naming ``location``."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(location, None, f"malformed JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise DataError(location, None, "JSON nested too deeply to read") from None
+
+
 def _read_jsonl(path: Path) -> list[RawRow]:
+    """One row per non-blank line. A line that is not UTF-8 or not JSON is a row with an
+    ``error``: the whole file is read, and ``skip_invalid`` can skip it like any bad row."""
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as f:  # bytes: a bad byte is one line's error, not the file's
+        for line_no, raw in enumerate(f, start=1):
             location = f"{path}:{line_no}"
             try:
-                values = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(location, None, f"malformed JSON ({e.msg} at column {e.colno})") from None
-            rows.append(RawRow(len(rows), location, values))
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                rows.append(RawRow(len(rows), location, None, _decode_error(location, e)))
+                continue
+            if not line.strip():
+                continue
+            try:
+                rows.append(RawRow(len(rows), location, _parse_json(location, line)))
+            except DataError as e:
+                rows.append(RawRow(len(rows), location, None, e))
     return rows
 
 
 def _read_json(path: Path) -> list[RawRow]:
+    data = path.read_bytes()
     try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1)
+        raise DataError(f"{path}:{line}", None,
+                        f"not valid UTF-8 (byte 0x{data[e.start]:02x} at column {column + 1})") from None
+    try:
+        obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise DataError(f"{path}:{e.lineno}", None, f"malformed JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise DataError(str(path), None, "JSON nested too deeply to read") from None
     if isinstance(obj, dict) and isinstance(obj.get("data"), list):
         obj = obj["data"]
     if not isinstance(obj, list):
@@ -177,13 +227,34 @@ def _read_json(path: Path) -> list[RawRow]:
 
 def _read_csv(path: Path) -> list[RawRow]:
     rows = []
-    with open(path, encoding="utf-8", newline="") as f:
-        reader = csv.DictReader(f)
-        for values in reader:
-            # line_num is the line the record ended on; with multi-line fields that is the
-            # most useful line to name.
-            rows.append(RawRow(len(rows), f"{path}:{reader.line_num}", dict(values)))
+    # A long row is read whole, as from .jsonl (truncation is max_length's job), not refused by
+    # the csv module's 128 KiB field limit with a traceback.
+    limit = csv.field_size_limit(2**31 - 1)
+    # surrogateescape: a byte that is not UTF-8 becomes a lone surrogate (U+DC80..U+DCFF), which
+    # no UTF-8 text can hold, so the row that holds it is found and named below.
+    try:
+        with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
+            reader = csv.DictReader(f)
+            for values in reader:
+                # line_num is the line the record ended on; with multi-line fields that is the
+                # most useful line to name.
+                location = f"{path}:{reader.line_num}"
+                rows.append(RawRow(len(rows), location, dict(values), _csv_bad_bytes(location, values)))
+    except csv.Error as e:  # e.g. a NUL byte: the reader cannot go on, so the file is the error
+        raise DataError(f"{path}:{reader.line_num + 1}", None, f"unreadable CSV ({e})") from None
+    finally:
+        csv.field_size_limit(limit)
     return rows
+
+
+def _csv_bad_bytes(location: str, values: dict) -> DataError | None:
+    for name, value in values.items():
+        for text in (name, value):
+            bad = next((c for c in text if "\udc80" <= c <= "\udcff"), None) if isinstance(text, str) else None
+            if bad is not None:
+                return DataError(location, name if text is value else None,
+                                 f"not valid UTF-8 (byte 0x{ord(bad) - 0xdc00:02x})")
+    return None
 
 
 def _read_parquet(path: Path) -> list[RawRow]:
@@ -228,6 +299,17 @@ def _check_messages(location: str, field_name: str, messages: list) -> None:
     for i, m in enumerate(messages):
         if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise DataError(location, f"{field_name}[{i}]", "each message needs string 'role' and 'content'")
+        _check_encodable(location, f"{field_name}[{i}]", m["role"] + m["content"])
+
+
+def _check_encodable(location: str, field_name: str, value: str) -> None:
+    """A lone surrogate (a JSON ``\\ud800`` escape without its pair) is a valid Python string
+    but no tokenizer can encode it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(location, field_name, f"a lone surrogate U+{ord(value[e.start]):04X} at character "
+                        f"{e.start + 1} (an unpaired \\u escape) is not text") from None
 
 
 def _check_text(location: str, field_name: str, value: Any) -> str:
@@ -237,6 +319,7 @@ def _check_text(location: str, field_name: str, value: Any) -> str:
         raise DataError(location, field_name, f"expected a string or a list of messages, got {type(value).__name__}")
     if not value.strip():
         raise DataError(location, field_name, "empty string")
+    _check_encodable(location, field_name, value)
     return value
 
 
@@ -273,6 +356,8 @@ def _split_implicit(location: str, chosen: Any, rejected: Any) -> tuple[Any, Any
 
 
 def _render(row: RawRow, tokenizer) -> _RenderedRow:
+    if row.error is not None:
+        raise row.error
     values = row.values
     loc = row.location
     if not isinstance(values, dict):
@@ -395,12 +480,13 @@ def _finish_pair(row: RawRow, prompt, chosen, rejected, max_length, max_prompt_l
     for name, ids in (("chosen", chosen), ("rejected", rejected)):
         if not ids:
             raise DataError(row.location, name, "tokenizes to no tokens")
+    cut = max_length is not None and len(prompt) + max(len(chosen), len(rejected)) > max_length
     prompt, chosen, rejected = truncate_pair(prompt, chosen, rejected, max_length, max_prompt_length)
     if not chosen or not rejected:
         raise DataError(row.location, "prompt", f"the prompt ({len(prompt)} tokens after truncation) leaves "
                         f"no room for a completion within max_length={max_length}")
     return TokenizedPair(row.index, tuple(prompt), tuple(chosen), tuple(rejected),
-                         example_key(prompt, chosen, rejected))
+                         example_key(prompt, chosen, rejected), truncated=cut)
 
 
 def load_preference_data(
@@ -410,15 +496,90 @@ def load_preference_data(
     max_prompt_length: int | None = None,
     skip_invalid: bool = False,
     show_progress: bool = True,
+    columns: tuple[str | None, str, str] = STANDARD_COLUMNS,
+    context: int | None = None,
 ) -> PreferenceData:
-    """Read, validate, render and tokenize a preference data set. See the module docstring."""
+    """Read, validate, render and tokenize a preference data set. See the module docstring.
+
+    ``columns``: the (prompt, chosen, rejected) column names; a prompt column of None reads every
+    row as implicit-prompt. ``context``: the model's context length; a pair longer than it (after
+    truncation) is a bad row."""
     name, rows = read_rows(source)
     if not rows:
         raise DataError(name, None, "no rows")
+    rows = map_columns(rows, columns)
     pairs, skipped = tokenize_rows(rows, tokenizer, max_length, max_prompt_length, skip_invalid, show_progress)
+    if context is not None:
+        pairs, skipped = _check_context(rows, pairs, skipped, context, max_length, skip_invalid)
     if not pairs:
         raise DataError(name, None, f"no valid rows ({len(skipped)} skipped; first: {skipped[0] if skipped else '-'})")
     return PreferenceData(name, pairs, skipped)
+
+
+def _check_context(rows: list[RawRow], pairs: list[TokenizedPair], skipped: list[SkippedRow], context: int,
+                   max_length: int | None, skip_invalid: bool) -> tuple[list[TokenizedPair], list[SkippedRow]]:
+    """Pairs whose longer sequence exceeds the model's context are bad rows: the model has no
+    positions for their tokens (and a 10 MB row would allocate terabytes)."""
+    kept = []
+    for pair in pairs:
+        n = len(pair.prompt_ids) + max(len(pair.chosen_ids), len(pair.rejected_ids))
+        if n <= context:
+            kept.append(pair)
+            continue
+        cut = f" after truncation to max_length={max_length}" if max_length is not None else ""
+        err = DataError(rows[pair.index].location, None, f"{n} tokens{cut}, longer than the model's context "
+                        f"({context}, max_position_embeddings in config.json); set --max-length {context} or less")
+        if not skip_invalid:
+            raise err
+        skipped.append(SkippedRow(err.location, err.field, err.reason))
+    return kept, skipped
+
+
+# --------------------------------------------------------------------------------------------
+# Column names
+
+
+def map_columns(rows: list[RawRow], columns: tuple[str | None, str, str] = STANDARD_COLUMNS) -> list[RawRow]:
+    """Rows with their (prompt, chosen, rejected) columns under the standard names; a row whose
+    columns do not fit gets an ``error`` naming the missing field and the flag that maps it."""
+    out = []
+    for row in rows:
+        if row.error is not None or not isinstance(row.values, dict):
+            out.append(row)  # reported as it is by validation
+            continue
+        try:
+            out.append(replace(row, values=_mapped(row, columns)))
+        except DataError as e:
+            out.append(replace(row, error=e))
+    return out
+
+
+def _text_columns(values: dict, exclude: tuple) -> list[str]:
+    return [k for k, v in values.items() if k not in exclude and ((isinstance(v, str) and v.strip()) or
+                                                                 (_is_messages(v) and v))]
+
+
+def _mapped(row: RawRow, columns: tuple[str | None, str, str]) -> dict:
+    prompt_field, chosen_field, rejected_field = columns
+    values = row.values
+    for name, std in ((chosen_field, "chosen"), (rejected_field, "rejected")):
+        if values.get(name) is None:
+            others = _text_columns(values, columns)
+            hint = f"; the row has {', '.join(map(repr, others))}: map one with --data.{std}_field NAME" \
+                if others else ""
+            raise DataError(row.location, name, "missing" + hint)
+    mapped = {"chosen": values[chosen_field], "rejected": values[rejected_field]}
+    if prompt_field is None or values.get(prompt_field) is not None:
+        if prompt_field is not None:
+            mapped["prompt"] = values[prompt_field]
+        return mapped
+    others = _text_columns(values, columns)
+    if others or prompt_field != "prompt":
+        # Reading such a row as implicit-prompt would drop its prompt without a word.
+        hint = (f"; the row has {', '.join(map(repr, others))}: give --data.prompt_field {others[0]}" if others
+                else "") + " (or --data.prompt_field none: chosen and rejected hold the prompt)"
+        raise DataError(row.location, prompt_field, "missing" + hint)
+    return mapped  # implicit prompt: the row holds only chosen and rejected
 
 
 def write_jsonl(rows: Iterable[dict], path: str | Path) -> Path:

@@ -30,7 +30,7 @@ from .batching import training_order
 from .cache import CacheStore, default_cache_dir, namespace_for_dir
 from .cache.build import build_distributed, reference_weights_dir
 from .checkpoint import checkpoint_dir, latest_checkpoint, load_model_weights, load_trainer_state, save_checkpoint
-from .config import Config
+from .config import Config, check_batch_fits
 from .data import PreferenceData, TokenizedPair, load_preference_data
 from .distributed import DistEnv, all_reduce_max, barrier, broadcast_object, destroy, init_distributed
 from .logprobs import CompletionLogProbs, autocast
@@ -38,6 +38,7 @@ from .losses import parse_loss_spec, preference_loss
 from .metrics import (MetricWindow, MetricsWriter, count_params, measured_peak_flops, model_shape,
                       train_flops_per_token)
 from .policy import build_optimizer, build_scheduler, load_policy, wrap_for_distributed
+from .preflight import model_context
 from .prefix import layout_logprobs, training_scorer
 from .reference import ReferenceModel, dtype_name, resolve_dtype
 from .signals import StopRequest, stop_signals
@@ -84,9 +85,8 @@ class Run:
 
 
 def setup(cfg: Config) -> Run:
+    cfg.validate(required=("model.path", "data.train"))  # every mistake a value can show, before any work
     env = init_distributed(cfg.model.device, cfg.distributed.backend)
-    if cfg.model.path is None or cfg.data.train is None:
-        raise ValueError("model.path (--model) and data.train (--data) are required")
     if cfg.distributed.fsdp and env.enabled and cfg.lora.r > 0:
         raise ValueError("distributed.fsdp with LoRA is not supported: LoRA trains few parameters, use DDP (no --fsdp)")
     out = Path(cfg.train.output_dir)
@@ -102,6 +102,7 @@ def setup(cfg: Config) -> Run:
     eval_data = _load_data(cfg, cfg.data.eval, tokenizer, env) if cfg.data.eval else None
     if eval_data is not None and len(eval_data) < env.world_size:
         raise ValueError(f"{cfg.data.eval}: {len(eval_data)} pairs, fewer than the {env.world_size} ranks that share it")
+    check_batch_fits(cfg, train_data, env.world_size)  # before any model loads
     spec = parse_loss_spec(cfg.loss.name, **cfg.loss.params())
     ref_train, ref_eval, ref_info = prepare_reference(cfg, env, dtype, spec, tokenizer, train_data, eval_data)
     fsdp = cfg.distributed.fsdp and env.enabled
@@ -144,7 +145,8 @@ def start_fresh(run: Run) -> None:
 
 def _load_data(cfg: Config, source: str, tokenizer, env: DistEnv) -> PreferenceData:
     data = load_preference_data(source, tokenizer, cfg.data.max_length, cfg.data.max_prompt_length,
-                                cfg.data.skip_invalid, show_progress=env.is_main and cfg.train.progress)
+                                cfg.data.skip_invalid, show_progress=env.is_main and cfg.train.progress,
+                                columns=cfg.data.columns(), context=model_context(cfg.model.path))
     if data.skipped and env.is_main:
         print(f"{source}: skipped {len(data.skipped)} invalid rows, first: {data.skipped[0]}", file=sys.stderr)
     return data
@@ -196,6 +198,7 @@ def _run_info(run: Run, ref_info: dict) -> dict:
                      "peft": peft_version, "python": platform.python_version()},
         "device": str(run.env.device), "world_size": run.env.world_size, "dtype": dtype_name(run.dtype),
         "data": {"train_pairs": len(run.train_data), "train_skipped": len(run.train_data.skipped),
+                 "train_truncated": run.train_data.truncated, "train_identical": run.train_data.identical,
                  "eval_pairs": len(run.eval_data) if run.eval_data else 0},
         "policy": {"parameters": count_params(run.policy), "trainable": count_params(run.policy, trainable_only=True)},
         "loss": str(run.spec), "total_steps": run.total_steps,

@@ -1,0 +1,194 @@
+"""Every mistake a user can make on the command line gets one line naming the flag, file, line
+or field, exit status 2 and no traceback (a traceback only with -v), before any model loads
+where the mistake can be seen then. Each case runs ``python -m dpocache`` as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dpocache.data import write_jsonl
+
+QUIET = {"OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+         "TRANSFORMERS_VERBOSITY": "error"}
+# Under a minute of retries against the Hugging Face Hub is what a wrong --model cost; the
+# checks now run before torch is imported. A bound on a hang, not a benchmark.
+MODEL_PATH_BOUND_S = 5
+
+
+def dpocache(*args, cwd: Path, timeout: float = 300, code: str | None = None) -> subprocess.CompletedProcess:
+    """``python -m dpocache ARGS`` (or ``python -c CODE ARGS``) in ``cwd``."""
+    head = ["-c", code] if code else ["-m", "dpocache"]
+    return subprocess.run([sys.executable, *head, *map(str, args)], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **QUIET})
+
+
+def one_line(proc: subprocess.CompletedProcess) -> str:
+    """The single stderr line of a failed run, after checking status 2 and no traceback."""
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, model_dir, pref_rows) -> Path:
+    """A directory holding: model/ (a tiny llama), data.jsonl, and the broken variants."""
+    root = tmp_path_factory.mktemp("errors")
+    shutil.copytree(model_dir, root / "model")
+    write_jsonl(pref_rows, root / "data.jsonl")
+    (root / "no-tokenizer").mkdir()
+    (root / "no-weights").mkdir()
+    for f in (root / "model").iterdir():
+        is_tokenizer = f.name.startswith("tokenizer") or f.name.endswith(".jinja")
+        if not is_tokenizer:
+            shutil.copy(f, root / "no-tokenizer" / f.name)
+        if not f.name.endswith(".safetensors"):
+            shutil.copy(f, root / "no-weights" / f.name)
+    write_jsonl([{"question": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"]} for r in pref_rows],
+                root / "question.jsonl")
+    good = json.dumps(pref_rows[0]).encode()
+    (root / "bytes.jsonl").write_bytes(good + b"\n" + b'{"prompt": "caf\xe9", "chosen": " a", "rejected": " b"}\n')
+    (root / "bytes.csv").write_bytes(b"prompt,chosen,rejected\nsort 3 1, 1 3, 3 1\nsort \xff 2, 2, 1\n")
+    (root / "surrogate.jsonl").write_text(json.dumps(pref_rows[0]) + "\n"
+                                          + '{"prompt": "x \\ud83d y", "chosen": " a", "rejected": " b"}\n')
+    (root / "deep.jsonl").write_text(json.dumps(pref_rows[0]) + "\n" + "[" * 200_000 + "]" * 200_000 + "\n")
+    (root / "malformed.jsonl").write_text(json.dumps(pref_rows[0]) + "\n" + '{"prompt": "x", "chosen": \n')
+    # Longer than the tiny llama's context (512 positions) and than any sane max_length.
+    (root / "long.jsonl").write_text(json.dumps(pref_rows[0]) + "\n"
+                                     + json.dumps({"prompt": "sort " * 600, "chosen": " 1", "rejected": " 2"}) + "\n")
+    (root / "a-file").write_text("not a directory\n")
+    return root
+
+
+TRAIN = ("train", "--model", "model", "--data", "data.jsonl", "--dtype", "float32", "--device", "cpu",
+         "--cache-dir", "cache", "--output-dir", "run")
+BUILD = ("cache", "build", "--model", "model", "--data", "data.jsonl", "--dtype", "float32", "--device", "cpu",
+         "--cache-dir", "cache")
+
+
+
+def with_data(args: tuple, data: str) -> tuple:
+    i = args.index("--data")
+    return (*args[:i + 1], data, *args[i + 2:])
+
+
+# name -> (arguments, what the line must contain)
+MODEL_PATH_CASES = {
+    "train: nonexistent model": (("train", "--model", "no/such/dir", "--data", "data.jsonl"),
+                                 ["--model no/such/dir", "no such directory"]),
+    "build: nonexistent model": (("cache", "build", "--model", "no/such/dir", "--data", "data.jsonl"),
+                                 ["--model no/such/dir", "no such directory"]),
+    "train: no weights": (("train", "--model", "no-weights", "--data", "data.jsonl"),
+                          ["--model no-weights", "weights"]),
+    "build: no weights": (("cache", "build", "--model", "no-weights", "--data", "data.jsonl"),
+                          ["no-weights", "weights"]),
+    "train: no tokenizer": (("train", "--model", "no-tokenizer", "--data", "data.jsonl"),
+                            ["--model no-tokenizer", "no tokenizer"]),
+    "verify: no tokenizer": (("cache", "verify", "--model", "no-tokenizer", "--data", "data.jsonl"),
+                             ["--model no-tokenizer", "no tokenizer"]),
+}
+
+CASES = {
+    "train without arguments": (("train",), ["--model", "--data"]),
+    "cache build without --data": (("cache", "build", "--model", "model"), ["--data"]),
+    "config file missing": (("train", "nope.yaml", "--model", "model"), ["nope.yaml"]),
+    "unknown flag": ((*TRAIN, "--bogus", "1"), ["bogus"]),
+    "unknown flag, cache build": ((*BUILD, "--bogus", "1"), ["bogus"]),
+    "unknown loss": ((*TRAIN, "--loss", "sigmoidd"), ["--loss", "sigmoidd", "known losses"]),
+    "malformed loss spec": ((*TRAIN, "--loss", "sigmoid:abc"), ["--loss", "abc"]),
+    "beta 0": ((*TRAIN, "--beta", "0"), ["--beta", "> 0"]),
+    "beta negative": ((*TRAIN, "--beta", "-0.1"), ["--beta", "> 0"]),
+    "schedule typo": ((*TRAIN, "--optim.schedule", "cosin"), ["optim.schedule", "cosin"]),
+    "batch size 0": ((*TRAIN, "--batch-size", "0"), ["--batch-size", ">= 1"]),
+    "batch larger than the data": ((*TRAIN, "--batch-size", "64"), ["--batch-size", "48 pairs", "data.jsonl"]),
+    "max_prompt_length >= max_length": ((*TRAIN, "--max-length", "32", "--max-prompt-length", "32"),
+                                        ["--max-prompt-length", "--max-length"]),
+    "max_prompt_length >= max_length, cache build": ((*BUILD, "--max-length", "32", "--max-prompt-length", "40"),
+                                                     ["--max-prompt-length", "--max-length"]),
+    "dtype typo": ((*TRAIN, "--dtype", "bf16"), ["--dtype", "bf16"]),
+    "dtype typo, cache build": ((*BUILD, "--dtype", "fp32"), ["--dtype", "fp32"]),
+    "output dir under a file": ((*TRAIN[:-1], "a-file/run"), ["--output-dir a-file/run"]),
+    "cache dir under a file": ((*BUILD[:-1], "a-file/cache"), ["--cache-dir a-file/cache"]),
+    "question column": (with_data(BUILD, "question.jsonl"),
+                        ["question.jsonl:1", "'prompt'", "--data.prompt_field question"]),
+    "non-UTF-8 byte in .jsonl": (with_data(BUILD, "bytes.jsonl"), ["bytes.jsonl:2", "UTF-8", "0xe9"]),
+    "non-UTF-8 byte in .csv": (with_data(BUILD, "bytes.csv"), ["bytes.csv:3", "UTF-8", "0xff"]),
+    "lone surrogate escape": (with_data(BUILD, "surrogate.jsonl"), ["surrogate.jsonl:2", "'prompt'", "surrogate"]),
+    "JSON nested 200,000 deep": (with_data(BUILD, "deep.jsonl"), ["deep.jsonl:2", "nested"]),
+    "malformed JSON": (with_data(TRAIN, "malformed.jsonl"), ["malformed.jsonl:2", "malformed JSON"]),
+    "row longer than the context": ((*with_data(BUILD, "long.jsonl"), "--max-length", "none"),
+                                    ["long.jsonl:2", "context (512"]),
+}
+
+
+@pytest.mark.parametrize("case", list(MODEL_PATH_CASES))
+def test_model_path_mistake_is_one_line_within_seconds(work, case):
+    args, fragments = MODEL_PATH_CASES[case]
+    line = one_line(dpocache(*args, cwd=work, timeout=MODEL_PATH_BOUND_S))
+    assert all(f in line for f in fragments), line
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_mistake_is_one_line_exit_2_no_traceback(work, case):
+    args, fragments = CASES[case]
+    line = one_line(dpocache(*args, cwd=work))
+    assert all(f in line for f in fragments), line
+    assert not (work / "cache").exists() or not list((work / "cache").glob("*/shard-*"))  # nothing was computed
+
+
+def test_device_cuda_without_cuda(work):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    line = one_line(dpocache(*TRAIN[:-4], "--device", "cuda", cwd=work))
+    assert "--device" in line and "cuda" in line, line
+
+
+def test_verbose_anywhere_shows_the_traceback(work):
+    """Today ``dpocache -v train --model X`` read X as the YAML file."""
+    for args in (("-v", "train", "--model", "no/such/dir"), ("train", "--model", "no/such/dir", "-v"),
+                 ("cache", "build", "--verbose", "--model", "no/such/dir")):
+        proc = dpocache(*args, cwd=work, timeout=MODEL_PATH_BOUND_S)
+        assert proc.returncode == 2
+        assert "Traceback" in proc.stderr and "--model no/such/dir" in proc.stderr.splitlines()[-1]
+
+
+FULL_DISK = """
+import errno, os, sys
+def fail(fd):
+    raise OSError(errno.{name}, os.strerror(errno.{name}))
+os.fsync = fail  # every durable write in dpocache ends in an fsync
+from dpocache.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("name", ["ENOSPC", "EROFS"])
+@pytest.mark.parametrize("command", ["build", "train"])
+def test_full_or_read_only_disk_is_one_line(work, tmp_path, command, name):
+    args = BUILD if command == "build" else (*TRAIN, "--max-steps", "1")
+    args = [str(tmp_path / a) if prev in ("--cache-dir", "--output-dir") else a for prev, a in zip(("",) + args, args)]
+    line = one_line(dpocache(*args, cwd=work, code=FULL_DISK.format(name=name)))
+    assert "cannot write to" in line and os.strerror(getattr(__import__("errno"), name)) in line, line
+    assert str(tmp_path / "cache") in line
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_read_only_output_dir(work, tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        line = one_line(dpocache(*TRAIN[:-1], ro / "run", cwd=work))
+    finally:
+        ro.chmod(0o755)
+    assert "--output-dir" in line
