@@ -75,21 +75,21 @@ def read_regular_file(path: str | Path, max_bytes: int) -> bytes:
     path = Path(path)
     st = os.lstat(path)
     if not stat.S_ISREG(st.st_mode):
-        raise UnsafeFileError(f"{_describe(st.st_mode)}, not a regular file; refused")
+        raise UnsafeFileError(f"{_describe(st.st_mode)}, not a regular file")
     if st.st_size > max_bytes:
-        raise UnsafeFileError(f"{st.st_size} bytes, more than the {max_bytes} a cache file may have; refused")
+        raise UnsafeFileError(f"{st.st_size} bytes, more than the {max_bytes} a cache file may have")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         if os.path.islink(path):  # replaced by a link between lstat and open (ELOOP)
-            raise UnsafeFileError("a symbolic link, not a regular file; refused") from e
+            raise UnsafeFileError("a symbolic link, not a regular file") from e
         raise
     with os.fdopen(fd, "rb") as f:
         now = os.fstat(f.fileno())
         if not stat.S_ISREG(now.st_mode) or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
-            raise UnsafeFileError("replaced while being opened; refused")
+            raise UnsafeFileError("replaced while being opened")
         if now.st_size > max_bytes:
-            raise UnsafeFileError(f"{now.st_size} bytes, more than the {max_bytes} a cache file may have; refused")
+            raise UnsafeFileError(f"{now.st_size} bytes, more than the {max_bytes} a cache file may have")
         return f.read(now.st_size)
 
 

@@ -150,7 +150,8 @@ class CacheStore:
         trips on them again) and the manifest is rewritten to list exactly the good shards,
         adopting those a killed build (or another rank) wrote but did not record. Only entries
         of this directory's own listing are ever renamed, never a name read from the manifest."""
-        self.shards, self.corrupt, self._index, self._seen, self._loaded, self._quarantine = [], [], {}, set(), set(), []
+        self.shards, self.corrupt, self._index = [], [], {}
+        self._seen, self._loaded, self._quarantine = set(), set(), []
         recorded, manifest_sound = self._read_manifest()
         on_disk = self._scan()
         for name in sorted(recorded.keys() - set(on_disk)):
@@ -195,7 +196,7 @@ class CacheStore:
             if SHARD_NAME.fullmatch(name):
                 names.append(name)
             elif name.endswith(".safetensors"):
-                self._refuse(name, "not a shard name (shard-<16 hex digits>.safetensors); not loaded")
+                self._refuse(name, "not a shard name (shard-<16 hex digits>.safetensors)")
         return names
 
     def _read_manifest(self) -> tuple[dict[str, dict], bool]:
@@ -222,10 +223,11 @@ class CacheStore:
         except UnsafeFileError as e:
             return self._refuse(name, str(e))
         except OSError as e:  # e.g. another user's file without read permission: not bad content
-            return self._refuse(name, f"unreadable ({e.strerror}); not loaded", quarantine=False)
+            return self._refuse(name, f"unreadable ({e.strerror})", quarantine=False)
         digest = hashlib.sha256(data).hexdigest()
         if expected_sha is not None and digest != expected_sha:
-            return self._refuse(name, f"checksum mismatch (sha256 {digest[:16]}…, manifest says {expected_sha[:16]}…)")
+            return self._refuse(name, f"checksum mismatch (sha256 {digest[:16]}…, "
+                                      f"manifest says {expected_sha[:16]}…)")
         if name != f"shard-{digest[:16]}.safetensors":
             return self._refuse(name, f"checksum mismatch (content sha256 {digest[:16]}… does not match its name)")
         problem, tensors = _parse_shard(data, self.dir.name)
@@ -371,9 +373,11 @@ def parse_manifest(raw: bytes, namespace_id: str) -> tuple[dict[str, dict], Name
     if problem:
         return {}, None, problem
     if manifest.get("namespace_id") != namespace_id:
-        return {}, None, f"records namespace {str(manifest.get('namespace_id'))[:40]!r}, not its directory's {namespace_id}"
+        recorded = str(manifest.get("namespace_id"))[:40]
+        return {}, None, f"records namespace {recorded!r}, not its directory's {namespace_id}"
     record = manifest.get("namespace")
-    problem = _fields_problem(record, _NAMESPACE_TYPES, "its namespace record", required=("weights_sha256", "config_sha256", "dtype"))
+    problem = _fields_problem(record, _NAMESPACE_TYPES, "its namespace record",
+                              required=("weights_sha256", "config_sha256", "dtype"))
     if problem:
         return {}, None, problem
     namespace = Namespace(**record)
@@ -420,7 +424,7 @@ def _parse_shard(data: bytes, namespace_id: str) -> tuple[str | None, dict[str, 
         return "truncated (no safetensors header)", {}
     header_bytes = int.from_bytes(data[:8], "little")
     if header_bytes > min(MAX_HEADER_BYTES, len(data) - 8):
-        return f"header of {header_bytes} bytes (at most {min(MAX_HEADER_BYTES, len(data) - 8)}); not loaded", {}
+        return f"header of {header_bytes} bytes (at most {min(MAX_HEADER_BYTES, len(data) - 8)})", {}
     try:
         metadata = json.loads(data[8:8 + header_bytes]).get("__metadata__") or {}
         tensors = load_safetensors(data)
@@ -428,13 +432,14 @@ def _parse_shard(data: bytes, namespace_id: str) -> tuple[str | None, dict[str, 
         return f"unreadable ({e})", {}
     recorded = metadata.get("namespace") if isinstance(metadata, dict) else None
     if recorded != namespace_id:
-        return f"foreign shard: written for namespace {str(recorded)[:40]}, not {namespace_id}; not loaded", {}
+        return (f"foreign shard: written for namespace {str(recorded)[:40]} (another model, config or dtype), "
+                f"not {namespace_id}"), {}
     problem = _shape_problem(tensors)
     if problem:
-        return f"{problem}; not loaded", {}
+        return problem, {}
     bad = _non_finite(tensors)
     if bad:
-        return f"holds {bad} non-finite values (NaN or inf); not loaded", {}
+        return f"holds {bad} non-finite values (NaN or inf)", {}
     return None, tensors
 
 
