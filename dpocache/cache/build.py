@@ -188,6 +188,7 @@ def _finite_only(batch: list[TokenizedPair], values: tuple) -> tuple[list[Tokeni
 
 
 def _non_finite_message(bad: list[TokenizedPair], scored: int, store: CacheStore) -> str:
+    bad = sorted(bad, key=lambda p: p.index)
     first = ", ".join(f"row {p.index} (key {p.key.hex()[:12]})" for p in bad[:5])
     return (f"the reference gave NaN or inf log-probs for {len(bad)} of {scored} pairs scored: {first}"
             f"{', ...' if len(bad) > 5 else ''}; none of them were stored in {store.dir} (the others were). Check the "
