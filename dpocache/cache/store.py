@@ -57,6 +57,7 @@ SHARD_NAME = re.compile(r"shard-[0-9a-f]{16}\.safetensors")  # the only file nam
 MAX_MANIFEST_BYTES = 256 << 20  # ~1.5M shard entries
 MAX_SHARD_BYTES = 64 << 30
 MAX_HEADER_BYTES = 1 << 20  # a shard's safetensors header is < 2 KiB: 7 tensors and 2 metadata fields
+_IGNORED = "; ignored (a build rewrites it from the shards)"
 FLOAT_TENSORS = ("chosen_logps", "rejected_logps", "chosen_token_logps", "rejected_token_logps")
 
 
@@ -208,12 +209,12 @@ class CacheStore:
         try:
             raw = read_regular_file(path, MAX_MANIFEST_BYTES)
         except OSError as e:  # UnsafeFileError included
-            problem = str(e) if isinstance(e, UnsafeFileError) else f"unreadable ({e.strerror})"
-            self._refuse(MANIFEST, f"{problem}; rebuilt from the shards", quarantine=isinstance(e, UnsafeFileError))
+            unsafe = isinstance(e, UnsafeFileError)
+            self._refuse(MANIFEST, f"{e if unsafe else f'unreadable ({e.strerror})'}{_IGNORED}", quarantine=unsafe)
             return {}, False
         entries, self.recorded_namespace, problem = parse_manifest(raw, self.dir.name)
         if problem:
-            self._refuse(MANIFEST, f"{problem}; rebuilt from the shards")
+            self._refuse(MANIFEST, problem + _IGNORED)
             return {}, False
         return entries, True
 
