@@ -32,6 +32,7 @@ from dpocache.cache.store import MANIFEST, parse_manifest
 from dpocache.cli import main
 from dpocache.data import load_preference_data
 from dpocache.reference import ReferenceModel
+from train_fixtures import flags, run_json
 
 HOSTILE_DEADLINE_S = 300  # only a regression (a hang) comes near it
 
@@ -279,6 +280,21 @@ def test_a_malformed_manifest_is_rebuilt_from_the_shards(tmp_path, cli, model_di
     entries, namespace, problem = parse_manifest((store.dir / MANIFEST).read_bytes(), store.dir.name)
     assert problem is None and namespace == store.namespace and set(entries) == {p.name for p in _shards(store.dir)}
     assert _store(cache, model_dir).corrupt == []
+
+
+def test_train_runs_on_a_cache_whose_manifest_is_malformed(tmp_path, cli, model_dir, pref_jsonl):
+    cache = tmp_path / "cache"
+
+    def train(out):
+        return cli("train", *flags(model_dir, pref_jsonl, tmp_path / out, cache, "--max-steps", "1"))
+
+    rc, _, err = train("first")
+    assert rc == 0, err
+    (manifest,) = cache.glob("*/manifest.json")
+    manifest.write_text("[]")
+    rc, _, err = train("second")
+    assert rc == 0 and "Traceback" not in err and "manifest.json" in err, err
+    assert run_json(tmp_path / "second")["reference"]["computed"] == 0
 
 
 # ------------------------------------------------------------------------------ NaN and inf
