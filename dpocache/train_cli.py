@@ -69,14 +69,14 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     check_model_dirs(cfg)
     cfg.validate(required=("model.path", "data.train"))
     check_train_paths(cfg)
-    from .cache import default_cache_dir
+    from .cache import CacheError, default_cache_dir
     from .hub import HubError
     from .train import TrainingDiverged, train
 
     try:
         with disk_errors(output_dir=cfg.train.output_dir, cache_dir=cfg.cache.dir or default_cache_dir()):
             info = train(cfg)
-    except (TrainingDiverged, HubError) as err:
+    except (TrainingDiverged, HubError, CacheError) as err:  # CacheError: e.g. NaN reference values refused
         print(f"dpocache train: error: {err}", file=sys.stderr)
         return 1
     if int(os.environ.get("RANK", "0")) != 0:
@@ -100,7 +100,7 @@ def check_model_dirs(cfg) -> None:
 
 def check_train_paths(cfg) -> None:
     """Every other path ``train`` reads or writes, before anything loads (``dpocache.preflight``)."""
-    from .cache import default_cache_dir
+    from .cache import CacheError, default_cache_dir
 
     check_data_path(cfg.data.train, "--data")
     check_data_path(cfg.data.eval, "--eval-data")

@@ -16,7 +16,7 @@ from dpocache.cache.fingerprint import FingerprintMemo, model_dir_fingerprint
 from dpocache.data import load_preference_data
 from dpocache.reference import ReferenceModel
 
-ALLOWED_SUFFIXES = (".json", ".safetensors", ".corrupt")
+ALLOWED_SUFFIXES = (".json", ".safetensors", ".corrupt", ".lock")  # .lock: the empty manifest lock file
 
 
 @pytest.fixture(scope="module")

@@ -172,7 +172,7 @@ def test_no_pickle_in_the_cache(tmp_path, build, pref_jsonl):
     files = [p for p in cache.rglob("*") if p.is_file()]
     assert len(files) >= 4
     for path in files:
-        assert path.name.endswith((".json", ".safetensors", ".corrupt")), path
+        assert path.name.endswith((".json", ".safetensors", ".corrupt", ".lock")), path
         head = path.read_bytes()[:4]
         assert not head.startswith(b"\x80") and head != b"PK\x03\x04", path  # pickle / torch.save zip
         if path.suffix == ".json":

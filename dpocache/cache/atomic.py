@@ -1,20 +1,34 @@
-"""Crash-safe file writes: temp file in the same directory, fsync, rename, fsync the directory.
+"""File access for the cache: crash-safe writes and reads that refuse anything but a regular file.
 
-A reader sees either the old file or the new one, never a torn one, whenever the process or
-the machine stops.
+Writes go to a temp file in the same directory, fsync, rename, fsync the directory: a reader
+sees either the old file or the new one, never a torn one, whenever the process or the machine
+stops. Files are created with mode 0666 less the process's umask, like any other file the user
+writes, so a cache shared through group or world permissions is readable by its other users
+(``tempfile.mkstemp`` would make every file 0600).
+
+Reads never follow a symbolic link, never block on a FIFO and never open a device: a cache
+directory is a place other people and programs can write to, and a link to ``/dev/zero`` or a
+FIFO named like a shard must cost one line of error, not all memory or a hang.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
-import tempfile
+import secrets
+import stat
 from pathlib import Path
+from typing import Iterator
+
+
+class UnsafeFileError(OSError):
+    """A file the cache refuses to read: not a regular file, or larger than allowed."""
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = _create_temp(path)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -32,6 +46,71 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def _create_temp(path: Path) -> tuple[int, Path]:
+    """A new, exclusive temp file next to ``path``, mode 0666 less the umask (the kernel applies it)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{path.parent}: could not create a temp file for {path.name}")
+
+
+def _describe(mode: int) -> str:
+    kinds = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
+def read_regular_file(path: str | Path, max_bytes: int) -> bytes:
+    """The whole content of ``path`` if it is a regular file of at most ``max_bytes`` bytes.
+
+    Raises ``UnsafeFileError`` (naming what the path is) for a symbolic link, FIFO, device,
+    socket or directory, or a file over the limit, without reading it; ``FileNotFoundError``
+    if it does not exist. ``lstat`` decides before anything is opened (opening a device can
+    have effects), and ``fstat`` of the descriptor opened with ``O_NOFOLLOW | O_NONBLOCK``
+    confirms that it is still the same file."""
+    path = Path(path)
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafeFileError(f"{_describe(st.st_mode)}, not a regular file")
+    if st.st_size > max_bytes:
+        raise UnsafeFileError(f"{st.st_size} bytes, more than the {max_bytes} a cache file may have")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        if os.path.islink(path):  # replaced by a link between lstat and open (ELOOP)
+            raise UnsafeFileError("a symbolic link, not a regular file") from e
+        raise
+    with os.fdopen(fd, "rb") as f:
+        now = os.fstat(f.fileno())
+        if not stat.S_ISREG(now.st_mode) or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            raise UnsafeFileError("replaced while being opened")
+        if now.st_size > max_bytes:
+            raise UnsafeFileError(f"{now.st_size} bytes, more than the {max_bytes} a cache file may have")
+        return f.read(now.st_size)
+
+
+@contextlib.contextmanager
+def locked(lock_path: str | Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``lock_path`` (created empty if absent) for the block.
+
+    ``flock`` excludes every other open of the file, in this process or another (Linux NFS
+    clients map it onto POSIX locks, so a shared cache directory on NFS is covered too)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(lock_path, flags, 0o666)
+    except PermissionError:
+        fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))  # another user's lock file
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def _fsync_dir(directory: Path) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY)
@@ -43,4 +122,3 @@ def _fsync_dir(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
-

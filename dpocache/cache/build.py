@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import random
 import resource
@@ -168,7 +169,7 @@ def score_missing(
     by_key = unique_pairs(pairs)
     todo = [by_key[k] for k in store.missing(by_key, per_token)]
     reference = load_reference() if todo else None
-    tokens = done = 0
+    tokens, computed, skipped, non_finite = 0, 0, 0, []
     if todo:
         writer = store.writer(shard_pairs, flush_seconds, update_manifest)
         bar = tqdm(total=len(todo), unit="pairs", desc="reference log-probs", disable=not show_progress, dynamic_ncols=True)
@@ -178,21 +179,34 @@ def score_missing(
                 for batch in reference_batches(reference, todo, max_tokens):
                     if stop:
                         break
-                    cs, rs, cn, rn, cpt, rpt = score_batch(reference, batch, pad_id)
-                    writer.add([p.key for p in batch], cs, rs, cn, rn, cpt if per_token else None,
-                               rpt if per_token else None)
-                    done += len(batch)
-                    tokens += sum(p.unique_tokens for p in batch)
+                    # A build running at once in this directory may have written these since: each
+                    # flush adopts its shards (CacheStore.write_manifest), so they are not computed twice.
+                    scored = [p for p in batch if not store.has(p.key, per_token)]
+                    skipped += len(batch) - len(scored)
+                    if scored:
+                        values = score_batch(reference, scored, pad_id)
+                        scored, values, bad = _finite_only(scored, values)
+                        non_finite += bad
+                        if scored:
+                            cs, rs, cn, rn, cpt, rpt = values
+                            writer.add([p.key for p in scored], cs, rs, cn, rn, cpt if per_token else None,
+                                       rpt if per_token else None)
+                        computed += len(scored) + len(bad)
+                        tokens += sum(p.unique_tokens for p in scored)
                     bar.update(len(batch))
                     bar.set_postfix(tok_s=f"{tokens / max(1e-9, time.perf_counter() - start):.0f}", refresh=False)
             finally:
                 # Whatever was computed before a signal or an error is kept.
                 writer.flush()
                 bar.close()
+    if non_finite:
+        raise CacheError(_non_finite_message(non_finite, computed, store))
     seconds = time.perf_counter() - start
     device = reference.device if reference is not None else None
     return BuildSummary(
-        pairs=len(pairs), unique=len(by_key), computed=done, reused=len(by_key) - len(todo), tokens=tokens,
+        # Pairs another build wrote while this one ran count as reused.
+        pairs=len(pairs), unique=len(by_key), computed=computed, reused=len(by_key) - len(todo) + skipped,
+        tokens=tokens,
         seconds=seconds, tokens_per_s=tokens / seconds if tokens else 0.0, peak_memory_bytes=peak_memory_bytes(device),
         cache_dir=str(store.dir), namespace=store.namespace.id,
         forward_passes=reference.forward_passes if reference is not None else 0,
@@ -205,6 +219,27 @@ def interrupted_message(summary: BuildSummary) -> str:
     missing = summary.unique - summary.reused
     return (f"{summary.computed} of the {missing} pairs the cache lacked were computed and saved in "
             f"{summary.cache_dir}; run the build again to compute the other {missing - summary.computed}")
+
+
+def _finite_only(batch: list[TokenizedPair], values: tuple) -> tuple[list[TokenizedPair], tuple, list[TokenizedPair]]:
+    """``(kept pairs, their values, pairs with a NaN or inf)`` of one scored batch: a
+    non-finite reference value is never stored (it would poison every later run)."""
+    cs, rs, cn, rn, cpt, rpt = values
+    ok = torch.isfinite(cs) & torch.isfinite(rs)  # (B,)
+    ok &= torch.tensor([bool(torch.isfinite(c).all() and torch.isfinite(r).all()) for c, r in zip(cpt, rpt)])
+    if bool(ok.all()):
+        return batch, values, []
+    keep = ok.nonzero().flatten().tolist()
+    kept = (cs[ok], rs[ok], cn[ok], rn[ok], [cpt[i] for i in keep], [rpt[i] for i in keep])
+    return [batch[i] for i in keep], kept, [p for p, good in zip(batch, ok.tolist()) if not good]
+
+
+def _non_finite_message(bad: list[TokenizedPair], scored: int, store: CacheStore) -> str:
+    bad = sorted(bad, key=lambda p: p.index)
+    first = ", ".join(f"row {p.index} (key {p.key.hex()[:12]})" for p in bad[:5])
+    return (f"the reference gave NaN or inf log-probs for {len(bad)} of {scored} pairs scored: {first}"
+            f"{', ...' if len(bad) > 5 else ''}; none of them were stored in {store.dir} (the others were). Check the "
+            "model's weights for NaN/inf, and try --dtype float32 if a half-precision forward overflows.")
 
 
 # ------------------------------------------------------------------------------- distributed
@@ -365,10 +400,15 @@ def verify(store: CacheStore, pairs: Sequence[TokenizedPair], reference: Referen
         stored = store.lookup([p.key for p in batch])
         for i, p in enumerate(batch):
             for side, new, old in (("chosen", cs[i], stored.chosen_logps[i]), ("rejected", rs[i], stored.rejected_logps[i])):
-                diff = abs(float(new) - float(old))
+                new, old = float(new), float(old)
+                # NaN compares false with everything: a NaN on either side is a mismatch, never "diff 0".
+                finite = math.isfinite(new) and math.isfinite(old)
+                diff = abs(new - old) if finite else math.inf
                 max_diff = max(max_diff, diff)
-                if diff > tolerance(store.namespace.dtype, float(old)):
-                    mismatches.append(f"row {p.index} key {p.key.hex()} {side}: stored {float(old):.6f}, recomputed {float(new):.6f}")
+                if diff > tolerance(store.namespace.dtype, old if finite else 0.0):
+                    note = "" if finite else " (not finite)"
+                    mismatches.append(f"row {p.index} key {p.key.hex()} {side}: stored {old:.6f}, "
+                                      f"recomputed {new:.6f}{note}")
     return VerifyReport(len(chosen), max_diff, mismatches, list(store.corrupt), missing)
 
 
@@ -399,15 +439,12 @@ def namespace_dirs(cache_dir: Path) -> list[Path]:
 
 
 def open_namespace_dir(ns_dir: Path) -> CacheStore:
-    """Open an existing namespace directory by reading its manifest's namespace record."""
-    manifest_path = ns_dir / "manifest.json"
-    record = {}
-    if manifest_path.exists():
-        try:
-            record = json.loads(manifest_path.read_text()).get("namespace", {})
-        except json.JSONDecodeError:
-            record = {}
-    ns = Namespace(**record) if record else Namespace("?", "?", "?", model="(manifest unreadable)")
-    store = CacheStore(ns_dir.parent, ns)
-    store.dir = ns_dir  # the directory name is authoritative even if the record is damaged
-    return store.open()
+    """Open an existing namespace directory, described by its manifest's namespace record when
+    that is sound (``CacheStore`` checks the manifest and every shard against the directory's
+    name, which is authoritative)."""
+    store = CacheStore(ns_dir.parent, Namespace("?", "?", "?", model="(no sound manifest)"))
+    store.dir = ns_dir
+    store.open()
+    if store.recorded_namespace is not None:
+        store.namespace = store.recorded_namespace
+    return store

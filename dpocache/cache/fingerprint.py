@@ -1,6 +1,10 @@
 """Fingerprints of what changes reference log-probs besides the data: the model's weights (by
-content) and its config. Weight-file hashes are memoised by (path, size, mtime) so that a cache
-hit re-hashes nothing; TRL re-hashes the full state dict on every start instead.
+content) and its config. Weight-file hashes are memoised by (path, size, mtime, ctime, inode) so
+that a cache hit re-hashes nothing; TRL re-hashes the full state dict on every start instead.
+The ctime and inode are in the memo's key because the mtime alone can be put back: a file edited
+in place whose mtime is restored (``touch -r``, ``cp -p``, ``tar``, normalised image timestamps)
+keeps its size and mtime, but every write and every ``utime`` sets the ctime to now, and a file
+replaced by another gets another inode.
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ from pathlib import Path
 
 import torch
 
-from .atomic import atomic_write_text
+from .atomic import atomic_write_text, read_regular_file
+
+MAX_MEMO_BYTES = 64 << 20
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
@@ -29,27 +35,31 @@ def file_sha256(path: Path) -> str:
 
 
 class FingerprintMemo:
-    """``{absolute path: {size, mtime_ns, sha256}}`` in one JSON file."""
+    """``{absolute path: {size, mtime_ns, ctime_ns, inode, sha256}}`` in one JSON file."""
 
     def __init__(self, memo_file: Path | None):
         self.path = memo_file
         self.entries: dict[str, dict] = {}
         if memo_file is not None and memo_file.exists():
             try:
-                self.entries = json.loads(memo_file.read_text())
-            except (OSError, json.JSONDecodeError):
-                self.entries = {}  # a damaged memo only costs a re-hash
+                self.entries = json.loads(read_regular_file(memo_file, MAX_MEMO_BYTES).decode("utf-8"))
+            except (OSError, ValueError, RecursionError):
+                self.entries = {}  # a damaged (or refused) memo only costs a re-hash
+            if not isinstance(self.entries, dict):
+                self.entries = {}
         self.hashed_bytes = 0  # bytes actually read this session (0 on a memo hit)
 
     def sha256(self, path: Path) -> str:
         st = path.stat()
         key = str(path.resolve())
+        stamp = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
         hit = self.entries.get(key)
-        if hit and hit["size"] == st.st_size and hit["mtime_ns"] == st.st_mtime_ns:
+        fresh = isinstance(hit, dict) and all(hit.get(k) == v for k, v in stamp.items())
+        if fresh and isinstance(hit.get("sha256"), str):
             return hit["sha256"]
         digest = file_sha256(path)
         self.hashed_bytes += st.st_size
-        self.entries[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+        self.entries[key] = {**stamp, "sha256": digest}
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(self.path, json.dumps(self.entries, indent=1, sort_keys=True))

@@ -9,9 +9,17 @@ Layout::
         shard-<sha256[:16]>.safetensors   one flushed batch of pairs
 
 A shard's name carries the start of its own SHA-256, so a shard written by a build that died
-before updating the manifest (or by another rank) is still verifiable, and is adopted on the
-next open. Every shard's checksum is checked before its values are used; one that fails is
-reported by name and never loaded.
+before updating the manifest (or by another rank or process) is still verifiable, and is adopted
+on the next open. Every shard is checked before its values are used: its checksum, the namespace
+recorded in its metadata (a shard copied from another model's directory holds that model's
+values), its shapes, and that every value is finite. One that fails is reported by name and
+never loaded; a build quarantines it (``*.corrupt``).
+
+The manifest only lists files; it is trusted for nothing. Only plain names of the shard pattern
+are honoured (never a path), a manifest of the wrong shape or namespace is ignored and rebuilt
+from the shards, and only regular files are read (no link, FIFO or device), with their sizes
+bounded before reading. Its updates are read-merge-write under a lock file (``manifest.lock``),
+so builds running at once in one directory lose no shard from it.
 
 Shard tensors (n pairs; per-token arrays only in per-token shards)::
 
@@ -28,6 +36,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,10 +48,17 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from ..data import KEY_BYTES
-from .atomic import atomic_write_bytes, atomic_write_text
+from .atomic import UnsafeFileError, atomic_write_bytes, atomic_write_text, locked, read_regular_file
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
+LOCK_FILE = "manifest.lock"
+SHARD_NAME = re.compile(r"shard-[0-9a-f]{16}\.safetensors")  # the only file names a manifest may give
+MAX_MANIFEST_BYTES = 256 << 20  # ~1.5M shard entries
+MAX_SHARD_BYTES = 64 << 30
+MAX_HEADER_BYTES = 1 << 20  # a shard's safetensors header is < 2 KiB: 7 tensors and 2 metadata fields
+_IGNORED = "; ignored (a build rewrites it from the shards)"
+FLOAT_TENSORS = ("chosen_logps", "rejected_logps", "chosen_token_logps", "rejected_token_logps")
 
 
 class CacheError(RuntimeError):
@@ -119,62 +136,108 @@ class CacheStore:
         self.dir = self.root / namespace.id
         self.shards: list[_Shard] = []
         self.corrupt: list[CorruptShard] = []
+        self.recorded_namespace: Namespace | None = None  # the manifest's record, when it is sound
         self._index: dict[bytes, tuple[int, int]] = {}  # key → (shard position, row)
+        self._seen: set[str] = set()  # directory entries already loaded or refused
+        self._loaded: set[str] = set()  # shard names whose values are in the index
+        self._quarantine: list[str] = []  # directory entries a repairing open renames *.corrupt
 
     # ---------------------------------------------------------------- opening and verifying
 
     def open(self, repair: bool = False) -> "CacheStore":
-        """Load every shard whose checksum holds; bad shards go to ``self.corrupt``, unloaded.
+        """Load every shard that passes its checks; bad shards go to ``self.corrupt``, unloaded.
 
         Read-only unless ``repair``: then bad shards are renamed ``*.corrupt`` (so no later run
         trips on them again) and the manifest is rewritten to list exactly the good shards,
-        adopting those a killed build (or another rank) wrote but did not record."""
+        adopting those a killed build (or another rank) wrote but did not record. Only entries
+        of this directory's own listing are ever renamed, never a name read from the manifest."""
         self.shards, self.corrupt, self._index = [], [], {}
-        recorded = {s["file"]: s for s in self._read_manifest().get("shards", [])}
-        on_disk = {p.name for p in self.dir.glob("shard-*.safetensors")} if self.dir.exists() else set()
-        for name in sorted(recorded.keys() - on_disk):
+        self._seen, self._loaded, self._quarantine = set(), set(), []
+        recorded, manifest_sound = self._read_manifest()
+        on_disk = self._scan()
+        for name in sorted(recorded.keys() - set(on_disk)):
             self.corrupt.append(CorruptShard(name, "listed in the manifest but missing on disk"))
-        for name in sorted(on_disk):
-            expected = recorded.get(name, {}).get("sha256")
-            self._load_shard(name, expected)
+        for name in on_disk:
+            self._load_shard(name, recorded.get(name, {}).get("sha256"))
         if repair:
             self.dir.mkdir(parents=True, exist_ok=True)
-            for bad in self.corrupt:
-                path = self.dir / bad.file
-                if path.exists():
+            for name in self._quarantine:
+                path = self.dir / name
+                if os.path.lexists(path):  # renames the entry itself, a link included, never its target
                     path.rename(path.with_name(path.name + ".corrupt"))
-            if set(recorded) != {s.info.file for s in self.shards}:
+            self._quarantine = []
+            if not manifest_sound or set(recorded) != {s.info.file for s in self.shards}:
                 self.write_manifest()
         return self
 
-    def _read_manifest(self) -> dict:
+    def refresh(self) -> int:
+        """Load the shards that appeared in the directory since ``open`` (written by another
+        process building into the same namespace); returns how many pairs that added."""
+        before = len(self._index)
+        if self.dir.is_dir():
+            for name in self._scan():
+                self._load_shard(name, None)
+        return len(self._index) - before
+
+    def _refuse(self, name: str, reason: str, quarantine: bool = True) -> None:
+        self.corrupt.append(CorruptShard(name, reason))
+        self._seen.add(name)
+        if quarantine:
+            self._quarantine.append(name)
+
+    def _scan(self) -> list[str]:
+        """Shard names in the directory not seen yet, sorted; a ``shard-*`` entry of any other
+        name is refused (quarantined by a repair)."""
+        if not self.dir.is_dir():
+            return []
+        names = []
+        for name in sorted(os.listdir(self.dir)):
+            if name in self._seen or not name.startswith("shard-") or name.endswith(".corrupt"):
+                continue
+            if SHARD_NAME.fullmatch(name):
+                names.append(name)
+            elif name.endswith(".safetensors"):
+                self._refuse(name, "not a shard name (shard-<16 hex digits>.safetensors)")
+        return names
+
+    def _read_manifest(self) -> tuple[dict[str, dict], bool]:
+        """``({file: entry}, sound)``. A manifest that is not sound is reported and ignored:
+        the shards carry their own checksums, so rebuilding it from them loses nothing."""
         path = self.dir / MANIFEST
-        if not path.exists():
-            return {}
+        if not os.path.lexists(path):
+            return {}, True
         try:
-            return json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            # The shards carry their own checksums, so a damaged manifest loses nothing.
-            self.corrupt.append(CorruptShard(MANIFEST, f"malformed JSON ({e.msg}); rebuilt from the shards"))
-            return {}
+            raw = read_regular_file(path, MAX_MANIFEST_BYTES)
+        except OSError as e:  # UnsafeFileError included
+            unsafe = isinstance(e, UnsafeFileError)
+            self._refuse(MANIFEST, f"{e if unsafe else f'unreadable ({e.strerror})'}{_IGNORED}", quarantine=unsafe)
+            return {}, False
+        entries, self.recorded_namespace, problem = parse_manifest(raw, self.dir.name)
+        if problem:
+            self._refuse(MANIFEST, problem + _IGNORED)
+            return {}, False
+        return entries, True
 
     def _load_shard(self, name: str, expected_sha: str | None) -> None:
-        data = (self.dir / name).read_bytes()
+        try:
+            data = read_regular_file(self.dir / name, MAX_SHARD_BYTES)
+        except UnsafeFileError as e:
+            return self._refuse(name, str(e))
+        except OSError as e:  # e.g. another user's file without read permission: not bad content
+            return self._refuse(name, f"unreadable ({e.strerror})", quarantine=False)
         digest = hashlib.sha256(data).hexdigest()
         if expected_sha is not None and digest != expected_sha:
-            self.corrupt.append(CorruptShard(name, f"checksum mismatch (sha256 {digest[:16]}…, manifest says {expected_sha[:16]}…)"))
-            return
-        if expected_sha is None and not name.startswith(f"shard-{digest[:16]}"):
-            self.corrupt.append(CorruptShard(name, f"checksum mismatch (content sha256 {digest[:16]}… does not match its name)"))
-            return
-        try:
-            tensors = load_safetensors(data)
-            n = tensors["keys"].shape[0]
-        except Exception as e:  # a shard that hashes right but does not parse: written by a bug
-            self.corrupt.append(CorruptShard(name, f"unreadable ({e})"))
-            return
+            return self._refuse(name, f"checksum mismatch (sha256 {digest[:16]}…, "
+                                      f"manifest says {expected_sha[:16]}…)")
+        if name != f"shard-{digest[:16]}.safetensors":
+            return self._refuse(name, f"checksum mismatch (content sha256 {digest[:16]}… does not match its name)")
+        problem, tensors = _parse_shard(data, self.dir.name)
+        if problem:
+            return self._refuse(name, problem)
+        self._seen.add(name)
+        self._loaded.add(name)
         per_token = "chosen_token_logps" in tensors
-        info = ShardInfo(name, digest, n, per_token, len(data))
+        info = ShardInfo(name, digest, tensors["keys"].shape[0], per_token, len(data))
         self._register(_Shard(info, tensors))
 
     def _register(self, shard: _Shard) -> None:
@@ -193,16 +256,22 @@ class CacheStore:
                 self._index[key] = (position, row)
 
     def write_manifest(self) -> None:
+        """Rewrite the manifest under the namespace's lock file, after adopting the shards
+        other processes have written since ``open``: read-merge-write, so two builds in one
+        directory cannot drop each other's shards from it."""
         ns = self.namespace
-        manifest = {
-            "schema": SCHEMA_VERSION,
-            "namespace_id": ns.id,
-            "namespace": asdict(ns),
-            "pairs": len(self._index),
-            "shards": [asdict(s.info) for s in self.shards],
-            "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
-        atomic_write_text(self.dir / MANIFEST, json.dumps(manifest, indent=1))
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with locked(self.dir / LOCK_FILE):
+            self.refresh()
+            manifest = {
+                "schema": SCHEMA_VERSION,
+                "namespace_id": ns.id,
+                "namespace": asdict(ns),
+                "pairs": len(self._index),
+                "shards": [asdict(s.info) for s in self.shards],
+                "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
+            atomic_write_text(self.dir / MANIFEST, json.dumps(manifest, indent=1))
 
     # ---------------------------------------------------------------- reading values
 
@@ -260,13 +329,19 @@ class CacheStore:
 
     def add_shard(self, tensors: dict[str, torch.Tensor], update_manifest: bool = True) -> ShardInfo:
         """Write one shard atomically, register it, and (by default) record it in the manifest."""
+        bad = _non_finite(tensors)
+        if bad:
+            raise CacheError(f"refusing to store {bad} non-finite reference values (NaN or inf)")
         self.dir.mkdir(parents=True, exist_ok=True)
         data = save_safetensors(tensors, metadata={"schema": str(SCHEMA_VERSION), "namespace": self.namespace.id})
         digest = hashlib.sha256(data).hexdigest()
         name = f"shard-{digest[:16]}.safetensors"
         atomic_write_bytes(self.dir / name, data)
         info = ShardInfo(name, digest, tensors["keys"].shape[0], "chosen_token_logps" in tensors, len(data))
-        self._register(_Shard(info, tensors))
+        if name not in self._loaded:  # the same bytes may be loaded already (another process wrote them first)
+            self._seen.add(name)
+            self._loaded.add(name)
+            self._register(_Shard(info, tensors))
         if update_manifest:
             self.write_manifest()
         return info
@@ -274,6 +349,119 @@ class CacheStore:
 
 def _offsets(counts: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros(1, dtype=torch.long), counts.long().cumsum(0)])
+
+
+def _non_finite(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(int((~torch.isfinite(tensors[k])).sum()) for k in FLOAT_TENSORS if k in tensors)
+
+
+_MANIFEST_FIELDS = {"schema", "namespace_id", "namespace", "pairs", "shards", "updated"}
+_NAMESPACE_TYPES = {"weights_sha256": str, "config_sha256": str, "dtype": str, "model": str, "schema": int}
+_ENTRY_TYPES = {"file": str, "sha256": str, "pairs": int, "per_token": bool, "bytes": int}
+
+
+def parse_manifest(raw: bytes, namespace_id: str) -> tuple[dict[str, dict], Namespace | None, str | None]:
+    """``({file: entry}, namespace record, problem)`` of a manifest's bytes, checked against the
+    id of the directory that holds it. On any problem (the one line says what) the entries are
+    empty: a manifest is either entirely as this version writes it or not used."""
+    try:
+        manifest = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return {}, None, f"not UTF-8 (byte {e.start})"
+    except (ValueError, RecursionError) as e:
+        return {}, None, f"malformed JSON ({getattr(e, 'msg', 'nested too deep')})"
+    problem = _fields_problem(manifest, {k: object for k in _MANIFEST_FIELDS}, "the manifest")
+    if problem:
+        return {}, None, problem
+    if manifest.get("namespace_id") != namespace_id:
+        recorded = str(manifest.get("namespace_id"))[:40]
+        return {}, None, f"records namespace {recorded!r}, not its directory's {namespace_id}"
+    record = manifest.get("namespace")
+    problem = _fields_problem(record, _NAMESPACE_TYPES, "its namespace record",
+                              required=("weights_sha256", "config_sha256", "dtype"))
+    if problem:
+        return {}, None, problem
+    namespace = Namespace(**record)
+    if namespace.id != namespace_id:
+        return {}, None, f"its namespace record hashes to {namespace.id}, not {namespace_id}"
+    shards = manifest.get("shards", [])
+    if not isinstance(shards, list):
+        return {}, None, f"'shards' is a {type(shards).__name__}, not a list"
+    entries: dict[str, dict] = {}
+    for i, entry in enumerate(shards):
+        problem = _fields_problem(entry, _ENTRY_TYPES, f"shard entry {i}", required=tuple(_ENTRY_TYPES))
+        if problem:
+            return {}, None, problem
+        name = entry["file"]
+        if not SHARD_NAME.fullmatch(name):
+            return {}, None, f"shard entry {i} names {name[:80]!r}, not a shard file name (never a path)"
+        if not re.fullmatch(r"[0-9a-f]{64}", entry["sha256"]) or name in entries:
+            return {}, None, f"shard entry {i} ({name}): bad sha256 or listed twice"
+        entries[name] = entry
+    return entries, namespace, None
+
+
+def _fields_problem(obj, types: dict[str, type], what: str, required: tuple[str, ...] = ()) -> str | None:
+    if not isinstance(obj, dict):
+        return f"{what} is a {type(obj).__name__}, not an object"
+    unknown = sorted(set(obj) - set(types))
+    if unknown:
+        return f"{what} has an unknown field {unknown[0][:40]!r}"
+    missing = [k for k in required if k not in obj]
+    if missing:
+        return f"{what} has no {missing[0]!r} field"
+    for k, v in obj.items():
+        # bool is an int to isinstance; a count of True is as wrong as a string.
+        if types[k] is not object and (not isinstance(v, types[k]) or (types[k] is int and isinstance(v, bool))):
+            return f"{what}: {k!r} is a {type(v).__name__}, not {types[k].__name__}"
+    return None
+
+
+def _parse_shard(data: bytes, namespace_id: str) -> tuple[str | None, dict[str, torch.Tensor]]:
+    """``(problem, tensors)`` of a shard's bytes: the header size is bounded before it is
+    parsed, the namespace in its metadata must be ``namespace_id``, and shapes and values must
+    be those ``ShardWriter`` writes."""
+    if len(data) < 8:
+        return "truncated (no safetensors header)", {}
+    header_bytes = int.from_bytes(data[:8], "little")
+    if header_bytes > min(MAX_HEADER_BYTES, len(data) - 8):
+        return f"header of {header_bytes} bytes (at most {min(MAX_HEADER_BYTES, len(data) - 8)})", {}
+    try:
+        metadata = json.loads(data[8:8 + header_bytes]).get("__metadata__") or {}
+        tensors = load_safetensors(data)
+    except Exception as e:  # a shard that hashes right but does not parse: written by a bug
+        return f"unreadable ({e})", {}
+    recorded = metadata.get("namespace") if isinstance(metadata, dict) else None
+    if recorded != namespace_id:
+        return (f"foreign shard: written for namespace {str(recorded)[:40]} (another model, config or dtype), "
+                f"not {namespace_id}"), {}
+    problem = _shape_problem(tensors)
+    if problem:
+        return problem, {}
+    bad = _non_finite(tensors)
+    if bad:
+        return f"holds {bad} non-finite values (NaN or inf)", {}
+    return None, tensors
+
+
+def _shape_problem(t: dict[str, torch.Tensor]) -> str | None:
+    keys = t.get("keys")
+    if keys is None or keys.dtype != torch.uint8 or keys.dim() != 2 or keys.shape[1] != KEY_BYTES:
+        return "no (n, 16) uint8 'keys' tensor"
+    n = keys.shape[0]
+    for name, dtype in (("chosen_logps", torch.float32), ("rejected_logps", torch.float32),
+                        ("chosen_tokens", torch.int32), ("rejected_tokens", torch.int32)):
+        if name not in t or t[name].dtype != dtype or tuple(t[name].shape) != (n,):
+            return f"'{name}' is not a ({n},) {dtype} tensor"
+        if dtype == torch.int32 and bool((t[name] < 0).any()):
+            return f"'{name}' holds negative counts"
+    if ("chosen_token_logps" in t) != ("rejected_token_logps" in t):
+        return "per-token values for one side only"
+    for side in ("chosen", "rejected"):
+        per_token = t.get(f"{side}_token_logps")
+        if per_token is not None and tuple(per_token.shape) != (int(t[f"{side}_tokens"].long().sum()),):
+            return f"'{side}_token_logps' does not hold one value per counted token"
+    return None
 
 
 @dataclass
