@@ -19,6 +19,7 @@ from typing import Any
 class ModelConfig:
     path: str | None = None  # policy: a Hugging Face model directory
     ref_model: str | None = None  # reference model directory (default: the initial policy)
+    reference: str = "initial"  # initial: an adapter dir's reference is base + adapter | base: the bare base
     dtype: str = "auto"  # compute dtype: auto | float32 | bfloat16 (autocast over fp32 master weights)
     device: str | None = None  # cpu | cuda (default: cuda if available)
     attn_implementation: str = "sdpa"
@@ -121,7 +122,7 @@ class Config:
 
 # Short command-line flags for the fields users set most.
 ALIASES = {
-    "model": "model.path", "ref_model": "model.ref_model", "dtype": "model.dtype", "device": "model.device",
+    "model": "model.path", "ref_model": "model.ref_model", "reference": "model.reference", "dtype": "model.dtype", "device": "model.device",
     "gradient_checkpointing": "model.gradient_checkpointing", "lora_r": "lora.r",
     "data": "data.train", "eval_data": "data.eval", "max_length": "data.max_length",
     "max_prompt_length": "data.max_prompt_length", "loss": "loss.name", "beta": "loss.beta",

@@ -59,12 +59,13 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     except ConfigError as err:
         print(f"dpocache train: error: {err}", file=sys.stderr)
         return 2
+    from .audit import ReferenceAuditFailed
     from .hub import HubError
     from .train import TrainingDiverged, train
 
     try:
         info = train(cfg)
-    except (TrainingDiverged, HubError) as err:
+    except (TrainingDiverged, ReferenceAuditFailed, HubError) as err:
         print(f"dpocache train: error: {err}", file=sys.stderr)
         return 1
     if int(os.environ.get("RANK", "0")) != 0:

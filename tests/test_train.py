@@ -209,11 +209,15 @@ def test_lora_reference_is_the_base_model(tmp_path, base_model, train_jsonl, mon
     assert torch.allclose(off_c, cached_c, atol=1e-4, rtol=0)
     assert torch.allclose(off_r, cached_r, atol=1e-4, rtol=0)
 
-    # Continuing from the adapter directory: its reference is still the base, served whole by
-    # the cache (no model load), and step 1 now shows the adapter's non-zero rewards.
+    assert info["reference"]["step0_audit"]["ok"]  # a fresh LoRA starts at the base: the audit applies
+
+    # Continuing from the adapter directory with --reference base: its reference is still the
+    # base, served whole by the cache (no model load), and step 1 shows the adapter's non-zero
+    # rewards (the default reference, base + adapter, is tested in test_reference_initial.py).
     _forbid_reference_load(monkeypatch)
     out2 = tmp_path / "continued"
-    run_training(*flags(base_model, train_jsonl, out2, cache, "--model", str(out / "final"), "--max-steps", "1"))
+    run_training(*flags(base_model, train_jsonl, out2, cache, "--model", str(out / "final"), "--max-steps", "1",
+                        "--reference", "base"))
     ref2 = run_json(out2)["reference"]
     assert ref2["namespace"] == info["reference"]["namespace"]
     assert ref2["computed"] == 0 and ref2["reused"] == TRAIN_PAIRS
