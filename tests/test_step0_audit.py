@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,11 +33,14 @@ def build_cache(model: Path, data: Path, cache: Path) -> CacheStore:
     return CacheStore(cache, namespace_for_dir(model, torch.float32, cache)).open()
 
 
-def shift_cached_values(store: CacheStore, pairs, shift: float) -> None:
-    """Replace the namespace's shards by one holding the same pairs with ``chosen_logps + shift``,
-    written through the store's own API (so its checksum and manifest are valid)."""
+def shift_cached_values(store: CacheStore, pairs, shift: float, only: set[bytes] | None = None) -> None:
+    """Replace the namespace's shards by one holding the same pairs with ``chosen_logps + shift``
+    (for the keys in ``only``, default all), written through the store's own API (so its
+    checksum and manifest are valid)."""
     keys = list(dict.fromkeys(p.key for p in pairs))
     values = store.lookup(keys)
+    if only is not None:
+        shift = torch.tensor([shift if k in only else 0.0 for k in keys])
     shutil.rmtree(store.dir)
     fresh = CacheStore(store.root, store.namespace)
     fresh.add_shard({
@@ -131,3 +137,43 @@ def test_no_audit_with_another_reference_or_after_step0(tmp_path, base_model, tr
     shutil.rmtree(out / "final")
     run_training(*flags(base_model, train_jsonl, out, tmp_path / "cache", "--max-steps", "2", "--resume"))
     assert "resumed at step 1" in run_json(out)["reference"]["step0_audit"]["skipped"]
+
+
+# ------------------------------------------------------------------------------ distributed
+
+
+def torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               CUDA_VISIBLE_DEVICES="")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+           "127.0.0.1", "--master-port", str(port), "-m", "dpocache", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                    reason="needs torch.distributed with gloo")
+def test_distributed_ranks_audit_their_own_batch_and_agree(tmp_path, base_model, train_jsonl, pairs):
+    """Under torchrun each rank audits its own first micro-batch; the results are gathered, so a
+    value wrong only in rank 0's batch stops both ranks with the same line. A clean FSDP run
+    records the drift over both ranks."""
+    from dpocache.batching import training_order
+
+    cache = tmp_path / "cache"
+    store = build_cache(base_model, train_jsonl, cache)
+    clean = torchrun("train", *flags(base_model, train_jsonl, tmp_path / "fsdp", cache, "--max-steps", "1", "--fsdp",
+                                     "--batch-size", "2"))
+    assert clean.returncode == 0, clean.stderr[-4000:]
+    audit = run_json(tmp_path / "fsdp")["reference"]["step0_audit"]
+    assert audit["ok"] and audit["ranks"] == 2 and audit["sequences"] == 8
+
+    rank0_first = pairs[training_order(len(pairs), 42, 0)[0]]  # rank 0's first pair at step 0 (seed 42)
+    shift_cached_values(store, pairs, SHIFT, only={rank0_first.key})
+    bad = torchrun("train", *flags(base_model, train_jsonl, tmp_path / "ddp", cache, "--max-steps", "1"))
+    assert bad.returncode != 0
+    lines = [line for line in bad.stderr.splitlines() if line.startswith("dpocache train: error: step-0 audit")]
+    assert len(lines) == 2 and lines[0] == lines[1], bad.stderr[-4000:]
+    assert f"row {rank0_first.index} chosen" in lines[0] and "1 of 16 sequences" in lines[0]
