@@ -61,7 +61,8 @@ class Drift:
         return abs(self.cached - self.policy) if math.isfinite(self.cached) else math.inf
 
     def __str__(self) -> str:
-        return f"row {self.row} {self.side}: cached {self.cached:.4f}, policy {self.policy:.4f} (drift {self.drift:.3g})"
+        return (f"row {self.row} {self.side}: cached {self.cached:.4f}, policy {self.policy:.4f} "
+                f"(drift {self.drift:.3g})")
 
 
 def compare(pairs: Sequence[TokenizedPair], policy_c: torch.Tensor, policy_r: torch.Tensor, cached_c: torch.Tensor,
@@ -79,7 +80,8 @@ def compare(pairs: Sequence[TokenizedPair], policy_c: torch.Tensor, policy_r: to
     bad = [i for i in order if ratio[i] > 1.0]
     return {
         "sequences": len(rows), "over": len(bad), "max_abs_drift": max((d.drift for d in rows), default=0.0),
-        "max_drift_over_tolerance": ratio[order[0]] if rows else 0.0, "worst": [(ratio[i], str(rows[i])) for i in bad[:WORST_SHOWN]],
+        "max_drift_over_tolerance": ratio[order[0]] if rows else 0.0,
+        "worst": [(ratio[i], str(rows[i])) for i in bad[:WORST_SHOWN]],
     }
 
 

@@ -22,9 +22,11 @@ from .data import DataError
 def _add_common_cache_args(p: argparse.ArgumentParser, needs_data: bool = True) -> None:
     p.add_argument("--cache-dir", type=Path, default=None, help="cache root (default: $DPOCACHE_CACHE_DIR or ~/.cache/dpocache)")
     if needs_data:
-        p.add_argument("--model", required=True, help="reference model directory (Hugging Face format, or a PEFT adapter dir)")
+        p.add_argument("--model", required=True,
+                       help="reference model directory (Hugging Face format, or a PEFT adapter dir)")
         p.add_argument("--reference", default="initial", choices=["initial", "base"],
-                       help="for a PEFT adapter dir: initial = base + adapter, as the policy starts (default); base = the bare base")
+                       help="for a PEFT adapter dir: initial = base + adapter, as the policy starts (default); "
+                            "base = the bare base")
         p.add_argument("--data", required=True, help="preference data: .jsonl/.json/.parquet/.csv or a datasets directory")
         p.add_argument("--max-length", type=int, default=None, help="max tokens of prompt + completion (default: no truncation)")
         p.add_argument("--max-prompt-length", type=int, default=None, help="tokens the prompt keeps at least when truncating (default: max-length/2)")

@@ -122,7 +122,8 @@ class Config:
 
 # Short command-line flags for the fields users set most.
 ALIASES = {
-    "model": "model.path", "ref_model": "model.ref_model", "reference": "model.reference", "dtype": "model.dtype", "device": "model.device",
+    "model": "model.path", "ref_model": "model.ref_model", "dtype": "model.dtype", "device": "model.device",
+    "reference": "model.reference",
     "gradient_checkpointing": "model.gradient_checkpointing", "lora_r": "lora.r",
     "data": "data.train", "eval_data": "data.eval", "max_length": "data.max_length",
     "max_prompt_length": "data.max_prompt_length", "loss": "loss.name", "beta": "loss.beta",

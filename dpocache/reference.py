@@ -112,7 +112,8 @@ class ReferenceModel:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device | None = None,
-                        compile: bool = False, layout: str = "shared", adapter: str | Path | None = None) -> "ReferenceModel":
+                        compile: bool = False, layout: str = "shared",
+                        adapter: str | Path | None = None) -> "ReferenceModel":
         """The model in ``path``; with ``adapter`` (a PEFT adapter directory whose base is
         ``path``), that adapter on top, unmerged: the same layers the policy loaded from the
         adapter directory runs, so at step 0 both compute the same numbers."""

@@ -179,7 +179,8 @@ def prepare_reference(cfg: Config, env: DistEnv, dtype: torch.dtype, spec, token
     train_vals = store.lookup([p.key for p in train_data.pairs])
     eval_vals = store.lookup([p.key for p in eval_data.pairs]) if eval_data else None
     info = {
-        "source": "cache", "cache_dir": str(store.dir), "namespace": store.namespace.id, "model": store.namespace.model,
+        "source": "cache", "cache_dir": str(store.dir), "namespace": store.namespace.id,
+        "model": store.namespace.model,
         "reference": cfg.model.reference,
         "dtype": dtype_name(dtype), "pairs": len(set(p.key for p in pairs)),
         "computed": summary.computed, "reused": summary.reused, "built_on_ranks": summary.world_size,
@@ -221,7 +222,8 @@ def audit_step0(run: Run, pairs: list[TokenizedPair], lp, ref_c: torch.Tensor, r
     if not ok:
         _write_run_json(run)
         ns_dir = run.info["reference"]["cache_dir"]
-        raise audit.ReferenceAuditFailed(audit.failure_message(result, ns_dir, _rebuild_command(run.cfg, ns_dir, dtype)))
+        rebuild = _rebuild_command(run.cfg, ns_dir, dtype)
+        raise audit.ReferenceAuditFailed(audit.failure_message(result, ns_dir, rebuild))
 
 
 def _rebuild_command(cfg: Config, ns_dir: str, dtype: str) -> str:
@@ -229,7 +231,8 @@ def _rebuild_command(cfg: Config, ns_dir: str, dtype: str) -> str:
     changed under the same mtime) and build it again."""
     cache_root = Path(ns_dir).parent
     parts = [f"rm -r {ns_dir} {default_memo_path(cache_root)} && dpocache cache build",
-             f"--model {cfg.model.ref_model or cfg.model.path}", f"--data {cfg.data.train}", f"--cache-dir {cache_root}",
+             f"--model {cfg.model.ref_model or cfg.model.path}", f"--data {cfg.data.train}",
+             f"--cache-dir {cache_root}",
              f"--dtype {dtype}",
              f"--layout {cfg.cache.layout}"]
     if cfg.data.max_length is not None:
@@ -238,8 +241,8 @@ def _rebuild_command(cfg: Config, ns_dir: str, dtype: str) -> str:
         parts.append(f"--max-prompt-length {cfg.data.max_prompt_length}")
     if cfg.model.reference != "initial":
         parts.append(f"--reference {cfg.model.reference}")
-    return " ".join(parts) + (" (and the same for --eval-data), or run this training again, which builds what is missing"
-                              if cfg.data.eval else " (or run this training again, which builds what is missing)")
+    again = "run this training again, which builds what is missing"
+    return " ".join(parts) + (f" (and the same for --eval-data), or {again}" if cfg.data.eval else f" (or {again})")
 
 
 def _run_info(run: Run, ref_info: dict) -> dict:
@@ -368,7 +371,8 @@ def train_step(run: Run, window: MetricWindow) -> None:
         pairs = [run.train_data.pairs[i] for i in idx]
         sync = micro == cfg.grad_accum - 1
         with _no_sync(run.scorer, sync):
-            losses, aux = batch_losses(run, pairs, run.ref_train, idx, window, check_cache=run.audit_step0 and micro == 0)
+            audit_now = run.audit_step0 and micro == 0
+            losses, aux = batch_losses(run, pairs, run.ref_train, idx, window, check_cache=audit_now)
             loss = losses.mean()
             if aux is not None:  # MoE: the model's own router loss, with its own coefficient, as TRL adds it
                 loss = loss + getattr(run.policy.config, "router_aux_loss_coef", 0.001) * aux

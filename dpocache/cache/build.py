@@ -91,7 +91,8 @@ def _adapter_fingerprint(adapter_dir: Path, memo: FingerprintMemo) -> tuple[str,
     return weights.hexdigest(), hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def namespace_for_dir(model_path: str | Path, dtype: torch.dtype, cache_dir: Path, reference: str = "initial") -> Namespace:
+def namespace_for_dir(model_path: str | Path, dtype: torch.dtype, cache_dir: Path,
+                      reference: str = "initial") -> Namespace:
     """The namespace of the reference ``model_path`` describes (``reference_source``): the base's
     weights and config, and with an adapter on, the adapter's weights and config too."""
     base, adapter = reference_source(model_path, reference)
