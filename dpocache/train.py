@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import __version__, audit, reference as reference_mod
+from . import __version__, audit, divergence, reference as reference_mod
 from .allocator import configure_cpu_allocator
 from .batching import training_order
 from .cache import CacheStore, default_cache_dir, namespace_for_dir
@@ -33,6 +33,7 @@ from .cache.fingerprint import default_memo_path
 from .checkpoint import latest_checkpoint, load_model_weights, load_trainer_state, save_checkpoint
 from .config import Config
 from .data import PreferenceData, TokenizedPair, load_preference_data
+from .divergence import ProgressMonitor
 from .distributed import DistEnv, all_reduce_max, barrier, broadcast_object, destroy, init_distributed
 from .logprobs import CompletionLogProbs, autocast
 from .losses import parse_loss_spec, preference_loss
@@ -77,6 +78,8 @@ class Run:
     info: dict = field(default_factory=dict)  # what run.json records
     step: int = 0
     audit_step0: bool = False  # compare the first micro-batch's log-probs with the cache (dpocache.audit)
+    monitor: ProgressMonitor | None = None  # gradient and weight norms after each step (dpocache.divergence)
+    last_batch: tuple | None = None  # (pairs, policy chosen, policy rejected, ref chosen, ref rejected), detached
 
 
 # ------------------------------------------------------------------------------------ setup
@@ -333,6 +336,7 @@ def batch_losses(run: Run, pairs: list[TokenizedPair], ref: ReferenceValues | No
     ref_r = ref.rejected[idx].to(run.env.device) if ref is not None else None
     if check_cache:
         audit_step0(run, pairs, lp, ref_c, ref_r)
+    run.last_batch = (pairs, lp.chosen_logps.detach(), lp.rejected_logps.detach(), ref_c, ref_r)  # for _check_finite
     losses, rc, rr = preference_loss(run.spec, lp.chosen_logps, lp.rejected_logps, ref_c, ref_r, lp.chosen_tokens,
                                      lp.rejected_tokens)
     window.add_mean(prefix + "loss", losses)
@@ -366,6 +370,9 @@ def train_step(run: Run, window: MetricWindow) -> None:
     """One optimizer step over ``grad_accum`` micro-batches."""
     cfg = run.cfg.train
     run.scorer.train()
+    params = [p for p in run.policy.parameters() if p.requires_grad]
+    if run.monitor is None:
+        run.monitor = ProgressMonitor(params)  # the norm of the weights the run starts (or resumes) from
     for micro in range(cfg.grad_accum):
         idx = step_indices(run, run.step, micro)
         pairs = [run.train_data.pairs[i] for i in idx]
@@ -380,7 +387,6 @@ def train_step(run: Run, window: MetricWindow) -> None:
             _check_finite(run, loss)
             loss.backward()
     max_norm = run.cfg.optim.max_grad_norm
-    params = [p for p in run.policy.parameters() if p.requires_grad]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor; the norm over every rank's shard
         grad_norm = grad_norm.full_tensor()
@@ -390,6 +396,10 @@ def train_step(run: Run, window: MetricWindow) -> None:
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.step += 1
+    reason = run.monitor.check(float(grad_norm))
+    if reason is not None:
+        raise TrainingDiverged(f"step {run.step}: {reason}. Stopped without saving; {_last_good(run)}. "
+                               "Try a lower --lr, or another --beta or loss.")
 
 
 def _no_sync(scorer, sync: bool):
@@ -401,13 +411,26 @@ def _no_sync(scorer, sync: bool):
 
 
 def _check_finite(run: Run, loss: torch.Tensor) -> None:
-    bad = torch.tensor([0.0 if torch.isfinite(loss) else 1.0], device=run.env.device)
-    if all_reduce_max(run.env, bad).item() > 0:
-        last = latest_checkpoint(run.out)
+    """Stop on a non-finite loss, naming where it came from (``dpocache.divergence``): every rank
+    reports its own batch's sources, reduced so that all ranks stop with the same words."""
+    finite = bool(torch.isfinite(loss))
+    pairs, *values = run.last_batch
+    flags = [0.0, 0.0, 0.0] if finite else divergence.nan_flags(*values)
+    reduced = all_reduce_max(run.env, torch.tensor([0.0 if finite else 1.0, *flags], device=run.env.device)).tolist()
+    if reduced[0] > 0:
+        rows = [] if finite else divergence.nan_rows(pairs, values)
+        where = divergence.describe_nan(reduced[1:], run.info["reference"].get("cache_dir"), rows)
+        cache_only = reduced[1 + divergence.CACHE] and not reduced[1 + divergence.POLICY]
+        advice = "" if cache_only else " Try a lower --lr or --beta."
         raise TrainingDiverged(
-            f"step {run.step + 1}: the loss is {float(loss.detach())} (not finite). Stopped without saving; the last good "
-            f"checkpoint is {last if last else 'none (no checkpoint was saved yet)'}. Try a lower --lr or --beta."
+            f"step {run.step + 1}: the loss is {float(loss.detach())} (not finite): {where}. Stopped without saving; "
+            f"{_last_good(run)}.{advice}"
         )
+
+
+def _last_good(run: Run) -> str:
+    last = latest_checkpoint(run.out)
+    return f"the last good checkpoint is {last if last else 'none (no checkpoint was saved yet)'}"
 
 
 # ------------------------------------------------------------------------------- evaluation
