@@ -5,7 +5,9 @@ The reference model never runs here. Before the first step every training (and e
 must have a cached reference value; what is missing is built by ``dpocache.cache`` (from
 ``model.ref_model`` if given, else the initial policy's weights), and the reference model is
 freed before the policy is loaded. ``run.json`` records where the values came from and that no
-reference forward pass ran during training.
+reference forward pass ran during training. When the policy starts from the reference's
+weights, its first micro-batch's log-probs are reference log-probs: they audit the cache
+(``dpocache.audit``). A run that diverges, with a NaN or without, stops (``dpocache.divergence``).
 """
 
 from __future__ import annotations
