@@ -17,7 +17,7 @@ from dpocache.cache_cli import load_tokenizer
 from dpocache.cli import main as cli_main
 from dpocache.data import KEY_BYTES, load_preference_data
 from train_fixtures import (  # noqa: F401  (fixtures are used by name; one_thread is autouse)
-    base_model, flags, one_thread, run_training, train_jsonl, train_records,
+    base_model, flags, one_thread, run_training, train_jsonl,
 )
 
 

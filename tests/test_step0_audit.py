@@ -107,6 +107,7 @@ def test_weight_edited_in_place_with_mtime_restored(tmp_path, base_model, train_
     try:
         run_training(*flags(model, train_jsonl, out, cache, "--max-steps", "1"))
     except ReferenceAuditFailed as err:
+        print(f"\ncaught at step 0: {err}")
         assert "step-0 audit" in str(err)
         assert not (out / "metrics.jsonl").exists() or not train_records(out)
     else:  # caught before step 0: the values were recomputed for the edited weights
