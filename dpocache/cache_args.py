@@ -95,6 +95,7 @@ def _namespace(cfg: Config, command: str, own: dict) -> argparse.Namespace:
     defaults = {k: d for k, (_, d, _) in OPTIONS[command].items()}
     return argparse.Namespace(
         cfg=cfg, cache_command=command, model=cfg.model.ref_model or cfg.model.path, tokenizer=cfg.model.path,
+        reference=cfg.model.reference,
         data=cfg.data.train, eval_data=cfg.data.eval, max_length=cfg.data.max_length,
         max_prompt_length=cfg.data.max_prompt_length, skip_invalid=cfg.data.skip_invalid,
         dtype=cfg.model.dtype, device=cfg.model.device, cache_dir=Path(cfg.cache.dir) if cfg.cache.dir else None,

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from .cache import CacheStore, default_cache_dir, export_rows, namespace_for_dir, verify
-from .cache.build import DEFAULT_MAX_TOKENS, build_distributed, namespace_dirs, open_namespace_dir, reference_weights_dir
+from .cache.build import (DEFAULT_MAX_TOKENS, build_distributed, namespace_dirs, open_namespace_dir, reference_source,
+                          reference_weights_dir)
 from .data import PreferenceData, load_preference_data
 from .distributed import destroy, init_distributed
 from .preflight import UsageError, check_writable_dir, disk_errors, model_context
@@ -58,7 +59,7 @@ def _open_store(args, device, open_now: bool = True, verbose: bool = True) -> tu
     if args.dtype == "auto" and verbose:
         print(f"dtype: {dtype_name(dtype)} (auto, chosen for {device.type})", file=sys.stderr)
     cache_dir = args.cache_dir or default_cache_dir()
-    store = CacheStore(cache_dir, namespace_for_dir(args.model, dtype, cache_dir))
+    store = CacheStore(cache_dir, namespace_for_dir(args.model, dtype, cache_dir, args.reference))
     if open_now:
         store.open()
         for bad in store.corrupt:
@@ -66,8 +67,14 @@ def _open_store(args, device, open_now: bool = True, verbose: bool = True) -> tu
     return store, dtype
 
 
+def _load_reference(args, dtype, device) -> ReferenceModel:
+    """``--model`` as the reference (``--reference``: an adapter directory with its adapter on, or its base)."""
+    base, adapter = reference_source(args.model, args.reference)
+    return ReferenceModel.from_pretrained(base, dtype, device, layout=args.layout, adapter=adapter)
+
+
 def _reference_loader(args, dtype, device):
-    return lambda: ReferenceModel.from_pretrained(reference_weights_dir(args.model), dtype, device, layout=args.layout)
+    return lambda: _load_reference(args, dtype, device)
 
 
 def cmd_build(args) -> int:
@@ -132,7 +139,7 @@ def cmd_verify(args) -> int:
     tokenizer = load_tokenizer(args.tokenizer)
     data = _load_data(args, tokenizer)
     store, dtype = _open_store(args, device)
-    reference = ReferenceModel.from_pretrained(reference_weights_dir(args.model), dtype, device, layout=args.layout)
+    reference = _load_reference(args, dtype, device)
     report = verify(store, data.pairs, reference, args.samples, args.seed, tokenizer.pad_token_id or 0,
                     args.max_tokens or DEFAULT_MAX_TOKENS)
     print(f"checked {report.checked} pairs: max |stored - recomputed| = {report.max_abs_diff:.3g}")

@@ -25,6 +25,7 @@ from typing import Any
 class ModelConfig:
     path: str | None = None  # policy: a Hugging Face model directory
     ref_model: str | None = None  # reference model directory (default: the initial policy)
+    reference: str = "initial"  # initial: an adapter dir's reference is base + adapter | base: the bare base
     dtype: str = "auto"  # compute dtype: auto | float32 | bfloat16 (autocast over fp32 master weights)
     device: str | None = None  # cpu | cuda (default: cuda if available)
     attn_implementation: str = "sdpa"  # attention kernel passed to transformers (sdpa | eager | flash_attention_2)
@@ -152,6 +153,7 @@ class Config:
 # Short command-line flags for the fields users set most.
 ALIASES = {
     "model": "model.path", "ref_model": "model.ref_model", "dtype": "model.dtype", "device": "model.device",
+    "reference": "model.reference",
     "gradient_checkpointing": "model.gradient_checkpointing", "lora_r": "lora.r",
     "data": "data.train", "eval_data": "data.eval", "max_length": "data.max_length",
     "max_prompt_length": "data.max_prompt_length", "loss": "loss.name", "beta": "loss.beta",
@@ -224,8 +226,8 @@ def _validate_data(data: DataConfig) -> None:
 
 
 def _validate_choices(cfg: Config) -> None:
-    choices = {"model.dtype": DTYPE_NAMES, "optim.schedule": SCHEDULES, "train.layout": LAYOUTS,
-               "cache.layout": LAYOUTS}
+    choices = {"model.dtype": DTYPE_NAMES, "model.reference": ("initial", "base"), "optim.schedule": SCHEDULES,
+               "train.layout": LAYOUTS, "cache.layout": LAYOUTS}
     for dotted, allowed in choices.items():
         if _get(cfg, dotted) not in allowed:
             raise ConfigError(f"{_flag_name(dotted)}: must be one of {', '.join(allowed)}; got {_get(cfg, dotted)!r}")

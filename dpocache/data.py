@@ -418,8 +418,27 @@ def truncate_pair(
     return prompt, chosen, rejected
 
 
-def _special_ids(tokenizer) -> tuple[int | None, int | None]:
-    return tokenizer.bos_token_id, tokenizer.eos_token_id
+def _special_prefix(tokenizer) -> list[int]:
+    """The special tokens the tokenizer itself puts before a text: its BOS for tokenizers that
+    add one (Llama, Mistral, Gemma), nothing for those that do not (GPT-2, Qwen), whatever
+    ``bos_token`` says. Found by encoding a probe with and without special tokens."""
+    probe = "a"
+    with_special = list(tokenizer(probe)["input_ids"])
+    plain = list(tokenizer(probe, add_special_tokens=False)["input_ids"])
+    for start in range(len(with_special) - len(plain) + 1):
+        if with_special[start:start + len(plain)] == plain:
+            return with_special[:start]
+    return []
+
+
+def _with_prefix(ids: list[int], prefix: list[int]) -> list[int]:
+    # A prompt whose text already starts with the BOS (written out as "<s>") keeps one.
+    return ids if not prefix or ids[:len(prefix)] == prefix else prefix + ids
+
+
+def _with_eos(ids: list[int], eos: int | None) -> list[int]:
+    # A completion whose text already ends with the EOS keeps one, as TRL does.
+    return ids if eos is None or (ids and ids[-1] == eos) else ids + [eos]
 
 
 def _tokenize_texts(tokenizer, texts: list[str], desc: str, show_progress: bool) -> list[list[int]]:
@@ -453,20 +472,22 @@ def tokenize_rows(
             if not skip_invalid:
                 raise
             skipped.append(SkippedRow(e.location, e.field, e.reason))
-    # Prompt and completions are tokenized separately, as TRL does, so that the boundary
-    # between them is exact; plain-text prompts get BOS, plain-text completions get EOS.
+    # Prompt and completions are tokenized separately, so that the boundary between them is
+    # exact (TRL 1.16 tokenizes prompt + completion together and splits where the ids diverge
+    # from the prompt's: the same ids unless tokens merge across the boundary; see README).
+    # Special tokens of plain text follow TRL: the prompt gets what the tokenizer itself adds
+    # in front (a BOS only for tokenizers that add one), each completion one EOS unless it
+    # already ends with it. A chat template brings its own.
     texts = [r.prompt for _, r in rendered] + [r.chosen for _, r in rendered] + [r.rejected for _, r in rendered]
     ids = _tokenize_texts(tokenizer, texts, "tokenizing", show_progress)
     n = len(rendered)
-    bos, eos = _special_ids(tokenizer)
+    prefix, eos = _special_prefix(tokenizer), tokenizer.eos_token_id
     pairs: list[TokenizedPair] = []
     for i, (row, r) in enumerate(rendered):
         prompt, chosen, rejected = ids[i], ids[n + i], ids[2 * n + i]
         if not r.templated:
-            if bos is not None and (not prompt or prompt[0] != bos):
-                prompt = [bos] + prompt
-            if eos is not None:
-                chosen, rejected = chosen + [eos], rejected + [eos]
+            prompt = _with_prefix(prompt, prefix)
+            chosen, rejected = _with_eos(chosen, eos), _with_eos(rejected, eos)
         try:
             pairs.append(_finish_pair(row, prompt, chosen, rejected, max_length, max_prompt_length))
         except DataError as e:

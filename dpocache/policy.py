@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from .cache.build import adapter_base_dir
 from .config import Config
 from .distributed import DistEnv
 from .reference import load_causal_lm
@@ -18,11 +18,10 @@ def load_policy(cfg: Config, device: torch.device) -> nn.Module:
     """fp32 master weights (autocast supplies bf16 compute). With ``lora.r > 0`` a fresh PEFT
     LoRA adapter is added; a PEFT adapter directory as ``model.path`` is loaded trainable."""
     path = Path(cfg.model.path)
-    adapter_config = path / "adapter_config.json"
-    if adapter_config.exists():
+    base = adapter_base_dir(path)  # the same base the reference of an adapter directory loads
+    if base is not None:
         from peft import PeftModel
 
-        base = json.loads(adapter_config.read_text())["base_model_name_or_path"]
         model = PeftModel.from_pretrained(load_causal_lm(base, device, cfg.model.attn_implementation), str(path), is_trainable=True)
     else:
         model = load_causal_lm(path, device, cfg.model.attn_implementation)

@@ -1,8 +1,8 @@
 """The reference model: frozen, inference only, with counters that prove when it ran.
 
-Either a model of its own (``from_pretrained``) or the policy itself with its LoRA adapter
-disabled (``from_peft_policy``): the DPO reference of a LoRA run is the base model, never the
-adapter-on model.
+Either a model of its own (``from_pretrained``: a model directory, optionally with a PEFT
+adapter on, frozen) or the policy itself with its LoRA adapter disabled (``from_peft_policy``:
+the reference of a fresh LoRA on a full model is that model, the adapter off).
 """
 
 from __future__ import annotations
@@ -112,11 +112,20 @@ class ReferenceModel:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device | None = None,
-                        compile: bool = False, layout: str = "shared") -> "ReferenceModel":
+                        compile: bool = False, layout: str = "shared",
+                        adapter: str | Path | None = None) -> "ReferenceModel":
+        """The model in ``path``; with ``adapter`` (a PEFT adapter directory whose base is
+        ``path``), that adapter on top, unmerged: the same layers the policy loaded from the
+        adapter directory runs, so at step 0 both compute the same numbers."""
         device = torch.device(device) if device is not None else default_device()
         if isinstance(dtype, str):
             dtype = resolve_dtype(dtype, device)
         model = load_causal_lm(path, device)
+        if adapter is not None:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, str(adapter), is_trainable=False).to(device)
+            disable_dropout(model)
         reference = cls(model, dtype, compile, layout=layout)
         if dtype == torch.bfloat16:
             # This model is ours and frozen: its fp32 weights are only ever used as bf16 values.

@@ -5,7 +5,9 @@ The reference model never runs here. Before the first step every training (and e
 must have a cached reference value; what is missing is built by ``dpocache.cache`` (from
 ``model.ref_model`` if given, else the initial policy's weights), and the reference model is
 freed before the policy is loaded. ``run.json`` records where the values came from and that no
-reference forward pass ran during training.
+reference forward pass ran during training. When the policy starts from the reference's
+weights, its first micro-batch's log-probs are reference log-probs: they audit the cache
+(``dpocache.audit``). A run that diverges, with a NaN or without, stops (``dpocache.divergence``).
 """
 
 from __future__ import annotations
@@ -24,14 +26,16 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import __version__, reference as reference_mod
+from . import __version__, audit, divergence, reference as reference_mod
 from .allocator import configure_cpu_allocator
 from .batching import training_order
 from .cache import CacheStore, default_cache_dir, namespace_for_dir
-from .cache.build import build_distributed, reference_weights_dir
+from .cache.build import adapter_base_dir, build_distributed, reference_source
+from .cache.fingerprint import default_memo_path
 from .checkpoint import checkpoint_dir, latest_checkpoint, load_model_weights, load_trainer_state, save_checkpoint
 from .config import Config, check_batch_fits
 from .data import PreferenceData, TokenizedPair, load_preference_data
+from .divergence import ProgressMonitor
 from .distributed import DistEnv, all_reduce_max, barrier, broadcast_object, destroy, init_distributed
 from .logprobs import CompletionLogProbs, autocast
 from .losses import parse_loss_spec, preference_loss
@@ -79,6 +83,9 @@ class Run:
     step: int = 0
     saved_step: int | None = None  # the step of the newest checkpoint (None: none yet)
     saved_at: float = 0.0  # _clock() at the newest checkpoint (or the start of the loop)
+    audit_step0: bool = False  # compare the first micro-batch's log-probs with the cache (dpocache.audit)
+    monitor: ProgressMonitor | None = None  # gradient and weight norms after each step (dpocache.divergence)
+    last_batch: tuple | None = None  # (pairs, policy chosen, policy rejected, ref chosen, ref rejected), detached
 
 
 # ------------------------------------------------------------------------------------ setup
@@ -125,6 +132,7 @@ def setup(cfg: Config) -> Run:
         resume(run)
     else:
         start_fresh(run)
+    run.audit_step0 = plan_audit(run)
     return run
 
 
@@ -158,13 +166,16 @@ def prepare_reference(cfg: Config, env: DistEnv, dtype: torch.dtype, spec, token
     the reference model. Returns (train values, eval values, report for run.json)."""
     if not spec.needs_reference:
         return None, None, {"source": "none (reference-free loss)", "forward_passes_during_training": 0}
-    ref_dir = reference_weights_dir(cfg.model.ref_model or cfg.model.path)
+    ref_path = cfg.model.ref_model or cfg.model.path
+    ref_dir, adapter = reference_source(ref_path, cfg.model.reference)
     cache_dir = Path(cfg.cache.dir) if cfg.cache.dir else default_cache_dir()
-    store = CacheStore(cache_dir, namespace_for_dir(ref_dir, dtype, cache_dir))
+    store = CacheStore(cache_dir, namespace_for_dir(ref_path, dtype, cache_dir, cfg.model.reference))
     pairs = train_data.pairs + (eval_data.pairs if eval_data else [])
+    load = lambda: ReferenceModel.from_pretrained(ref_dir, dtype, env.device, layout=cfg.cache.layout,  # noqa: E731
+                                                  adapter=adapter)
     # Every rank scores its token-balanced share of what is missing (one rank: all of it).
     summary = build_distributed(
-        store, pairs, lambda: ReferenceModel.from_pretrained(ref_dir, dtype, env.device, layout=cfg.cache.layout), env,
+        store, pairs, load, env,
         pad_id=tokenizer.pad_token_id or 0, max_tokens=cfg.cache.max_tokens, shard_pairs=cfg.cache.shard_size,
         show_progress=cfg.train.progress and env.is_main,
     )
@@ -178,12 +189,70 @@ def prepare_reference(cfg: Config, env: DistEnv, dtype: torch.dtype, spec, token
     train_vals = store.lookup([p.key for p in train_data.pairs])
     eval_vals = store.lookup([p.key for p in eval_data.pairs]) if eval_data else None
     info = {
-        "source": "cache", "cache_dir": str(store.dir), "namespace": store.namespace.id, "model": str(ref_dir),
+        "source": "cache", "cache_dir": str(store.dir), "namespace": store.namespace.id,
+        "model": store.namespace.model,
+        "reference": cfg.model.reference,
         "dtype": dtype_name(dtype), "pairs": len(set(p.key for p in pairs)),
         "computed": summary.computed, "reused": summary.reused, "built_on_ranks": summary.world_size,
     }
     return (ReferenceValues(train_vals.chosen_logps, train_vals.rejected_logps),
             ReferenceValues(eval_vals.chosen_logps, eval_vals.rejected_logps) if eval_vals else None, info)
+
+
+def plan_audit(run: Run) -> bool:
+    """Whether the first micro-batch audits the cache: only when the policy starts from the
+    reference's own weights (the same on every rank: it depends on the config and the step)."""
+    cfg, reason = run.cfg, None
+    ref_path = cfg.model.ref_model or cfg.model.path
+    if run.ref_train is None:
+        reason = "no cached reference (reference-free loss)"
+    elif run.step > 0:
+        reason = f"resumed at step {run.step}: the policy is no longer the reference"
+    elif Path(ref_path).resolve() != Path(cfg.model.path).resolve():
+        reason = "the reference (--ref-model) is another model than the policy"
+    elif cfg.model.reference == "base" and adapter_base_dir(cfg.model.path) is not None:
+        reason = "--reference base: the reference is the adapter's bare base, the policy starts with the adapter on"
+    if reason is not None:
+        run.info["reference"]["step0_audit"] = {"skipped": reason}
+    return reason is None
+
+
+def audit_step0(run: Run, pairs: list[TokenizedPair], lp, ref_c: torch.Tensor, ref_r: torch.Tensor) -> None:
+    """The first micro-batch's policy log-probs are reference log-probs: compare them with the
+    cached values (``dpocache.audit``), record the drift in run.json, stop if it is too large."""
+    dtype = dtype_name(run.dtype)
+    result = audit.gather(run.env, audit.compare(pairs, lp.chosen_logps, lp.rejected_logps, ref_c, ref_r, dtype))
+    ok = result["over"] == 0
+    run.info["reference"]["step0_audit"] = {
+        "ok": ok, "sequences": result["sequences"], "ranks": result["ranks"], "max_abs_drift": result["max_abs_drift"],
+        "max_drift_over_tolerance": result["max_drift_over_tolerance"], "tolerance": audit.tolerance_text(dtype),
+        **({"worst": result["worst"]} if not ok else {}),
+    }
+    run.audit_step0 = False
+    if not ok:
+        _write_run_json(run)
+        ns_dir = run.info["reference"]["cache_dir"]
+        rebuild = _rebuild_command(run.cfg, ns_dir, dtype)
+        raise audit.ReferenceAuditFailed(audit.failure_message(result, ns_dir, rebuild))
+
+
+def _rebuild_command(cfg: Config, ns_dir: str, dtype: str) -> str:
+    """Shell commands that drop the namespace (and the weight-hash memo, in case a weight file
+    changed under the same mtime) and build it again."""
+    cache_root = Path(ns_dir).parent
+    parts = [f"rm -r {ns_dir} {default_memo_path(cache_root)} && dpocache cache build",
+             f"--model {cfg.model.ref_model or cfg.model.path}", f"--data {cfg.data.train}",
+             f"--cache-dir {cache_root}",
+             f"--dtype {dtype}",
+             f"--layout {cfg.cache.layout}"]
+    if cfg.data.max_length is not None:
+        parts.append(f"--max-length {cfg.data.max_length}")
+    if cfg.data.max_prompt_length is not None:
+        parts.append(f"--max-prompt-length {cfg.data.max_prompt_length}")
+    if cfg.model.reference != "initial":
+        parts.append(f"--reference {cfg.model.reference}")
+    again = "run this training again, which builds what is missing"
+    return " ".join(parts) + (f" (and the same for --eval-data), or {again}" if cfg.data.eval else f" (or {again})")
 
 
 def _run_info(run: Run, ref_info: dict) -> dict:
@@ -266,13 +335,17 @@ def step_indices(run: Run, step: int, micro: int) -> list[int]:
 
 
 def batch_losses(run: Run, pairs: list[TokenizedPair], ref: ReferenceValues | None, idx: list[int], window: MetricWindow,
-                 prefix: str = ""):
+                 prefix: str = "", check_cache: bool = False):
     """Policy forward on ``pairs``; returns the loss per example ``(B,)`` and, for MoE
-    policies, the router load-balancing loss (a scalar, else None); records the metrics."""
+    policies, the router load-balancing loss (a scalar, else None); records the metrics.
+    ``check_cache``: first compare the policy's log-probs with the cached ones (``audit_step0``)."""
     with autocast(run.dtype, run.env.device):
         lp, tokens = layout_logprobs(run.scorer, pairs, run.tokenizer.pad_token_id or 0, run.env.device)
     ref_c = ref.chosen[idx].to(run.env.device) if ref is not None else None
     ref_r = ref.rejected[idx].to(run.env.device) if ref is not None else None
+    if check_cache:
+        audit_step0(run, pairs, lp, ref_c, ref_r)
+    run.last_batch = (pairs, lp.chosen_logps.detach(), lp.rejected_logps.detach(), ref_c, ref_r)  # for _check_finite
     losses, rc, rr = preference_loss(run.spec, lp.chosen_logps, lp.rejected_logps, ref_c, ref_r, lp.chosen_tokens,
                                      lp.rejected_tokens)
     window.add_mean(prefix + "loss", losses)
@@ -306,12 +379,16 @@ def train_step(run: Run, window: MetricWindow) -> None:
     """One optimizer step over ``grad_accum`` micro-batches."""
     cfg = run.cfg.train
     run.scorer.train()
+    params = [p for p in run.policy.parameters() if p.requires_grad]
+    if run.monitor is None:
+        run.monitor = ProgressMonitor(params)  # the norm of the weights the run starts (or resumes) from
     for micro in range(cfg.grad_accum):
         idx = step_indices(run, run.step, micro)
         pairs = [run.train_data.pairs[i] for i in idx]
         sync = micro == cfg.grad_accum - 1
         with _no_sync(run.scorer, sync):
-            losses, aux = batch_losses(run, pairs, run.ref_train, idx, window)
+            audit_now = run.audit_step0 and micro == 0
+            losses, aux = batch_losses(run, pairs, run.ref_train, idx, window, check_cache=audit_now)
             loss = losses.mean()
             if aux is not None:  # MoE: the model's own router loss, with its own coefficient, as TRL adds it
                 loss = loss + getattr(run.policy.config, "router_aux_loss_coef", 0.001) * aux
@@ -319,7 +396,6 @@ def train_step(run: Run, window: MetricWindow) -> None:
             _check_finite(run, loss)
             loss.backward()
     max_norm = run.cfg.optim.max_grad_norm
-    params = [p for p in run.policy.parameters() if p.requires_grad]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor; the norm over every rank's shard
         grad_norm = grad_norm.full_tensor()
@@ -329,6 +405,10 @@ def train_step(run: Run, window: MetricWindow) -> None:
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.step += 1
+    reason = run.monitor.check(float(grad_norm))
+    if reason is not None:
+        raise TrainingDiverged(f"step {run.step}: {reason}. Stopped without saving; {_last_good(run)}. "
+                               "Try a lower --lr, or another --beta or loss.")
 
 
 def _no_sync(scorer, sync: bool):
@@ -340,13 +420,26 @@ def _no_sync(scorer, sync: bool):
 
 
 def _check_finite(run: Run, loss: torch.Tensor) -> None:
-    bad = torch.tensor([0.0 if torch.isfinite(loss) else 1.0], device=run.env.device)
-    if all_reduce_max(run.env, bad).item() > 0:
-        last = latest_checkpoint(run.out)
+    """Stop on a non-finite loss, naming where it came from (``dpocache.divergence``): every rank
+    reports its own batch's sources, reduced so that all ranks stop with the same words."""
+    finite = bool(torch.isfinite(loss))
+    pairs, *values = run.last_batch
+    flags = [0.0, 0.0, 0.0] if finite else divergence.nan_flags(*values)
+    reduced = all_reduce_max(run.env, torch.tensor([0.0 if finite else 1.0, *flags], device=run.env.device)).tolist()
+    if reduced[0] > 0:
+        rows = [] if finite else divergence.nan_rows(pairs, values)
+        where = divergence.describe_nan(reduced[1:], run.info["reference"].get("cache_dir"), rows)
+        cache_only = reduced[1 + divergence.CACHE] and not reduced[1 + divergence.POLICY]
+        advice = "" if cache_only else " Try a lower --lr or --beta."
         raise TrainingDiverged(
-            f"step {run.step + 1}: the loss is {float(loss.detach())} (not finite). Stopped without saving; the last good "
-            f"checkpoint is {last if last else 'none (no checkpoint was saved yet)'}. Try a lower --lr or --beta."
+            f"step {run.step + 1}: the loss is {float(loss.detach())} (not finite): {where}. Stopped without saving; "
+            f"{_last_good(run)}.{advice}"
         )
+
+
+def _last_good(run: Run) -> str:
+    last = latest_checkpoint(run.out)
+    return f"the last good checkpoint is {last if last else 'none (no checkpoint was saved yet)'}"
 
 
 # ------------------------------------------------------------------------------- evaluation

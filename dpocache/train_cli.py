@@ -69,6 +69,7 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     check_model_dirs(cfg)
     cfg.validate(required=("model.path", "data.train"))
     check_train_paths(cfg)
+    from .audit import ReferenceAuditFailed
     from .cache import CacheError, default_cache_dir
     from .hub import HubError
     from .train import TrainingDiverged, train
@@ -76,7 +77,7 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     try:
         with disk_errors(output_dir=cfg.train.output_dir, cache_dir=cfg.cache.dir or default_cache_dir()):
             info = train(cfg)
-    except (TrainingDiverged, HubError, CacheError) as err:  # CacheError: e.g. NaN reference values refused
+    except (TrainingDiverged, ReferenceAuditFailed, HubError, CacheError) as err:  # CacheError: e.g. NaN reference values refused
         print(f"dpocache train: error: {err}", file=sys.stderr)
         return 1
     if int(os.environ.get("RANK", "0")) != 0:

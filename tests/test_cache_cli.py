@@ -95,8 +95,8 @@ def test_max_length_recomputes_exactly_the_truncated_pairs(tmp_path, build, toke
     def n_tokens(text):
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    # Lengths as the model sees them: BOS + prompt, completion + EOS.
-    widths = [1 + n_tokens(r["prompt"]) + 1 + max(n_tokens(r["chosen"]), n_tokens(r["rejected"])) for r in pref_rows]
+    # Lengths as the model sees them: prompt (the tiny tokenizer adds no BOS), completion + EOS.
+    widths = [n_tokens(r["prompt"]) + 1 + max(n_tokens(r["chosen"]), n_tokens(r["rejected"])) for r in pref_rows]
     max_length = sorted(widths)[len(widths) // 2]
     expected = sum(w > max_length for w in widths)
     assert 0 < expected < len(pref_rows)

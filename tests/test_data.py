@@ -62,14 +62,16 @@ def test_every_source_gives_the_same_keys(tmp_path, tokenizer, make_rows):
         assert _keys(_load(source, tokenizer)) == expected, name
 
 
-def test_standard_rows_get_bos_and_eos(tokenizer):
+def test_standard_rows_get_eos_and_the_tokenizers_own_bos(tokenizer):
     row = {"prompt": "sort the list", "chosen": " 1 2 3", "rejected": " 3 2 1"}
     pair = _load([row], tokenizer).pairs[0]
 
     def enc(text):
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    assert list(pair.prompt_ids) == [tokenizer.bos_token_id] + enc("sort the list")
+    # The tiny tokenizer adds no BOS by itself (as GPT-2's), so the prompt gets none (TRL's rule;
+    # test_tokenization.py covers a tokenizer that adds one).
+    assert list(pair.prompt_ids) == tokenizer("sort the list")["input_ids"] == enc("sort the list")
     assert list(pair.chosen_ids) == enc(" 1 2 3") + [tokenizer.eos_token_id]
     assert list(pair.rejected_ids) == enc(" 3 2 1") + [tokenizer.eos_token_id]
     assert pair.key == example_key(pair.prompt_ids, pair.chosen_ids, pair.rejected_ids)

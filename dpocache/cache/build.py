@@ -42,23 +42,71 @@ def default_cache_dir() -> Path:
     return Path(base) / "dpocache"
 
 
+REFERENCES = ("initial", "base")  # model.reference / --reference
+
+
+def adapter_base_dir(model_path: str | Path) -> Path | None:
+    """The base model directory of a PEFT adapter directory; None for a full model directory."""
+    adapter_config = Path(model_path) / "adapter_config.json"
+    if not adapter_config.exists():
+        return None
+    base = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
+    if not base or not Path(base).is_dir():
+        raise FileNotFoundError(f"{adapter_config}: base_model_name_or_path '{base}' is not a local directory")
+    return Path(base)
+
+
 def reference_weights_dir(model_path: str | Path) -> Path:
-    """The directory whose weights are the reference: for a PEFT adapter directory, its base
-    model (the reference of a LoRA policy is the base with the adapter off)."""
-    path = Path(model_path)
-    adapter_config = path / "adapter_config.json"
-    if adapter_config.exists():
-        base = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
-        if not base or not Path(base).is_dir():
-            raise FileNotFoundError(f"{adapter_config}: base_model_name_or_path '{base}' is not a local directory")
-        return Path(base)
-    return path
+    """The directory holding the full model weights: an adapter directory's base, else itself."""
+    return adapter_base_dir(model_path) or Path(model_path)
 
 
-def namespace_for_dir(model_path: str | Path, dtype: torch.dtype, cache_dir: Path) -> Namespace:
-    weights_dir = reference_weights_dir(model_path)
-    fp = model_dir_fingerprint(weights_dir, FingerprintMemo(default_memo_path(cache_dir)))
-    return Namespace(fp["weights_sha256"], fp["config_sha256"], dtype_name(dtype), model=str(weights_dir.resolve()))
+def reference_source(model_path: str | Path, reference: str = "initial") -> tuple[Path, Path | None]:
+    """(base weights directory, adapter directory or None) of the reference model.
+
+    ``initial``: the model ``model_path`` describes, as the policy starts from it (a PEFT
+    adapter directory is its base with that adapter on, frozen, as TRL's frozen copy of a
+    loaded adapter). ``base``: an adapter directory's bare base (the adapter off)."""
+    if reference not in REFERENCES:
+        raise ValueError(f"model.reference (--reference) must be one of {', '.join(REFERENCES)}; got '{reference}'")
+    base = adapter_base_dir(model_path)
+    if base is None:
+        return Path(model_path), None
+    return base, (Path(model_path) if reference == "initial" else None)
+
+
+# adapter_config.json fields that do not change the adapter's numbers (where the base was read
+# from is covered by the base's own fingerprint).
+_ADAPTER_CONFIG_IGNORED = {"base_model_name_or_path", "inference_mode", "revision", "peft_version"}
+
+
+def _adapter_fingerprint(adapter_dir: Path, memo: FingerprintMemo) -> tuple[str, str]:
+    """(weights, config) digests of a PEFT adapter directory's ``adapter_model.*`` files and
+    its ``adapter_config.json``."""
+    files = sorted(p for p in adapter_dir.iterdir() if p.is_file() and p.name.startswith("adapter_model."))
+    if not files:
+        raise FileNotFoundError(f"{adapter_dir}: no adapter weights (adapter_model.safetensors or adapter_model.bin)")
+    weights = hashlib.sha256()
+    for f in files:
+        weights.update(f.name.encode() + b"\0" + memo.sha256(f).encode() + b"\n")
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    kept = {k: v for k, v in config.items() if k not in _ADAPTER_CONFIG_IGNORED}
+    return weights.hexdigest(), hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def namespace_for_dir(model_path: str | Path, dtype: torch.dtype, cache_dir: Path,
+                      reference: str = "initial") -> Namespace:
+    """The namespace of the reference ``model_path`` describes (``reference_source``): the base's
+    weights and config, and with an adapter on, the adapter's weights and config too."""
+    base, adapter = reference_source(model_path, reference)
+    memo = FingerprintMemo(default_memo_path(cache_dir))
+    fp = model_dir_fingerprint(base, memo)
+    if adapter is None:
+        return Namespace(fp["weights_sha256"], fp["config_sha256"], dtype_name(dtype), model=str(base.resolve()))
+    adapter_weights, adapter_config = _adapter_fingerprint(adapter, memo)
+    weights = hashlib.sha256(f"{fp['weights_sha256']}+adapter:{adapter_weights}".encode()).hexdigest()
+    config = hashlib.sha256(f"{fp['config_sha256']}+adapter:{adapter_config}".encode()).hexdigest()
+    return Namespace(weights, config, dtype_name(dtype), model=f"{base.resolve()} + adapter {adapter.resolve()}")
 
 
 def namespace_for_module(model: torch.nn.Module, dtype: torch.dtype) -> Namespace:

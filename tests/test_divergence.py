@@ -1,0 +1,116 @@
+"""Divergence: a NaN loss names its source (the cache or the policy); runs that go wrong without
+a NaN (gradient exactly 0 for many steps, weights growing without bound) stop too."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from dpocache import divergence
+from dpocache import train as train_mod
+from dpocache.batching import training_order
+from dpocache.cache import CacheStore, namespace_for_dir
+from dpocache.cache_cli import load_tokenizer
+from dpocache.cli import main as cli_main
+from dpocache.data import KEY_BYTES, load_preference_data
+from train_fixtures import (  # noqa: F401  (fixtures are used by name; one_thread is autouse)
+    base_model, flags, one_thread, run_training, train_jsonl,
+)
+
+
+def test_monitor_counts_consecutive_zero_gradients():
+    w = torch.nn.Parameter(torch.ones(4))
+    monitor = divergence.ProgressMonitor([w], zero_grad_steps=3, weight_growth=10.0)
+    assert [monitor.check(g) for g in (0.0, 0.0, 1e-30, 0.0, 0.0)] == [None] * 5  # the streak restarts
+    assert "exactly 0 for 3 consecutive steps" in monitor.check(0.0)
+    grown = divergence.ProgressMonitor([w], weight_growth=10.0)
+    with torch.no_grad():
+        w.mul_(9.0)
+    assert grown.check(1.0) is None  # 9 times the start: within the limit
+    with torch.no_grad():
+        w.mul_(2.0)
+    assert "growing without bound" in grown.check(1.0)
+    with torch.no_grad():
+        w[0] = float("inf")
+    assert "growing without bound" in grown.check(1.0)
+
+
+def test_gradient_exactly_zero_for_many_steps_stops(tmp_path, base_model, train_jsonl, monkeypatch):
+    """A loss with no gradient (here: multiplied by 0) never produces a NaN; the run still stops."""
+    real = train_mod.preference_loss
+
+    def flat(*args, **kwargs):
+        losses, rc, rr = real(*args, **kwargs)
+        return losses * 0.0, rc, rr
+
+    monkeypatch.setattr(train_mod, "preference_loss", flat)
+    monkeypatch.setattr(divergence, "ZERO_GRAD_STEPS", 3)
+    out = tmp_path / "run"
+    with pytest.raises(train_mod.TrainingDiverged) as err:
+        run_training(*flags(base_model, train_jsonl, out, tmp_path / "cache", "--max-steps", "6"))
+    assert "step 3: the gradient norm has been exactly 0 for 3 consecutive steps" in str(err.value)
+    assert not (out / "final").exists()
+
+
+def test_weights_growing_without_bound_stop(tmp_path, base_model, train_jsonl, capsys):
+    """An update far too large (lr 1e3 with Adam moves every weight by about 1e3 at once) is
+    caught after the step that made it, before any NaN."""
+    argv = flags(base_model, train_jsonl, tmp_path / "run", tmp_path / "cache", "--max-steps", "3", "--lr", "1e3",
+                 "--optim.max_grad_norm", "0")
+    capsys.readouterr()
+    assert cli_main(["train", *argv]) == 1
+    err = capsys.readouterr().err
+    assert "step 1: the trainable weights' norm is" in err and "growing without bound" in err
+
+
+def _shard_with(store: CacheStore, keys: list[bytes], chosen: torch.Tensor) -> None:
+    values = store.lookup(keys)
+    shutil.rmtree(store.dir)
+    CacheStore(store.root, store.namespace).add_shard({
+        "keys": torch.frombuffer(bytearray(b"".join(keys)), dtype=torch.uint8).reshape(-1, KEY_BYTES),
+        "chosen_logps": chosen, "rejected_logps": values.rejected_logps,
+        "chosen_tokens": values.chosen_tokens, "rejected_tokens": values.rejected_tokens,
+    })
+
+
+def test_nan_from_the_cache_is_named(tmp_path, base_model, train_jsonl):
+    """A NaN cached value in step 2's batch (past the step-0 audit) is blamed on the cache."""
+    cache = tmp_path / "cache"
+    argv = ["cache", "build", "--model", str(base_model), "--data", str(train_jsonl), "--cache-dir", str(cache),
+            "--dtype", "float32", "--device", "cpu", "--max-length", "64"]
+    assert cli_main(argv) == 0
+    pairs = load_preference_data(train_jsonl, load_tokenizer(base_model), 64, show_progress=False).pairs
+    store = CacheStore(cache, namespace_for_dir(base_model, torch.float32, cache)).open()
+    target = pairs[training_order(len(pairs), 42, 0)[4]]  # the first pair of step 2 (batch 4, seed 42)
+    keys = [p.key for p in pairs]
+    chosen = store.lookup(keys).chosen_logps.clone()
+    chosen[keys.index(target.key)] = float("nan")
+    _shard_with(store, keys, chosen)
+    with pytest.raises(train_mod.TrainingDiverged) as err:
+        run_training(*flags(base_model, train_jsonl, tmp_path / "run", cache, "--max-steps", "3"))
+    message = str(err.value)
+    print("\n" + message)
+    assert message.startswith("step 2:") and "not finite" in message
+    assert f"the cached reference values are not finite (rows {target.index})" in message and str(store.dir) in message
+    assert "policy's log-probs are not finite" not in message
+
+
+def test_nan_from_the_policy_is_named(tmp_path, base_model, train_jsonl):
+    """A policy with a NaN weight against a clean reference: the NaN is the policy's."""
+    from safetensors.torch import load_file, save_file
+
+    policy = tmp_path / "policy"
+    shutil.copytree(base_model, policy)
+    weights = load_file(str(policy / "model.safetensors"))
+    name = next(k for k in weights if k.endswith("layers.0.mlp.down_proj.weight"))
+    weights[name][0, 0] = float("nan")
+    save_file(weights, str(policy / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(train_mod.TrainingDiverged) as err:
+        run_training(*flags(policy, train_jsonl, tmp_path / "run", tmp_path / "cache", "--max-steps", "2",
+                            "--ref-model", str(Path(base_model))))
+    message = str(err.value)
+    assert message.startswith("step 1:") and "the policy's log-probs are not finite" in message
+    assert "cached reference values are not finite" not in message

@@ -1,0 +1,84 @@
+"""Special tokens of plain-text pairs as users expect them, and as TRL 1.16's DPOTrainer makes
+them: one EOS per completion (none added to a completion that already ends with it), and a BOS
+only where the tokenizer itself adds one."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers.processors import TemplateProcessing
+
+from dpocache.data import load_preference_data
+from dpocache.tiny import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def plain_tok():
+    """The tiny byte-level BPE: it adds no special token by itself (as GPT-2's and Qwen's)."""
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def bos_tok():
+    """The same vocabulary with a post-processor that adds BOS in front (as Llama's)."""
+    tok = build_tokenizer()
+    tok.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.bos_token_id)])
+    assert tok("a")["input_ids"][0] == tok.bos_token_id
+    return tok
+
+
+def _pair(row: dict, tok):
+    return load_preference_data([row], tok, show_progress=False).pairs[0]
+
+
+def _enc(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_completion_ending_with_eos_gets_no_second_one(plain_tok):
+    eos = plain_tok.eos_token_id
+    pair = _pair({"prompt": "sort the list", "chosen": " 1 2 3</s>", "rejected": " 3 2 1"}, plain_tok)
+    assert list(pair.chosen_ids) == _enc(plain_tok, " 1 2 3") + [eos]
+    assert list(pair.rejected_ids) == _enc(plain_tok, " 3 2 1") + [eos]
+    assert pair.chosen_ids.count(eos) == 1
+
+
+def test_bos_only_where_the_tokenizer_adds_one(plain_tok, bos_tok):
+    row = {"prompt": "sort the list", "chosen": " 1 2 3", "rejected": " 3 2 1"}
+    assert list(_pair(row, plain_tok).prompt_ids) == _enc(plain_tok, "sort the list")
+    assert list(_pair(row, bos_tok).prompt_ids) == [bos_tok.bos_token_id] + _enc(bos_tok, "sort the list")
+    # A prompt that spells its BOS out keeps exactly one.
+    spelled = _pair(dict(row, prompt="<s>sort the list"), bos_tok)
+    assert list(spelled.prompt_ids) == [bos_tok.bos_token_id] + _enc(bos_tok, "sort the list")
+
+
+def _trl_ids(row: dict, tok) -> tuple[list[int], list[int], list[int]]:
+    """TRL 1.16's DPOTrainer on a plain-text row, written out independently: EOS text appended
+    to a completion that does not end with it, then prompt and prompt + completion tokenized
+    with the tokenizer's own special tokens and split where they diverge."""
+    eos = tok.eos_token
+    chosen = row["chosen"] if row["chosen"].endswith(eos) else row["chosen"] + eos
+    rejected = row["rejected"] if row["rejected"].endswith(eos) else row["rejected"] + eos
+    prompt_ids = tok(row["prompt"])["input_ids"]
+    with_chosen = tok(row["prompt"] + chosen)["input_ids"]
+    with_rejected = tok(row["prompt"] + rejected)["input_ids"]
+
+    def common(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    n = min(common(prompt_ids, with_chosen), common(prompt_ids, with_rejected))
+    return prompt_ids[:n], with_chosen[n:], with_rejected[n:]
+
+
+@pytest.mark.parametrize("which", ["plain_tok", "bos_tok"])
+def test_plain_text_ids_are_trls(which, request, make_rows):
+    tok = request.getfixturevalue(which)
+    rows = make_rows(24, seed=5)
+    for i in range(0, len(rows), 3):  # some completions already end with the EOS
+        rows[i]["chosen"] += tok.eos_token
+    pairs = load_preference_data(rows, tok, show_progress=False).pairs
+    for row, pair in zip(rows, pairs):
+        assert (list(pair.prompt_ids), list(pair.chosen_ids), list(pair.rejected_ids)) == _trl_ids(row, tok), row
