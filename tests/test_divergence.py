@@ -15,7 +15,7 @@ from dpocache.batching import training_order
 from dpocache.cache import CacheStore, namespace_for_dir
 from dpocache.cache_cli import load_tokenizer
 from dpocache.cli import main as cli_main
-from dpocache.data import KEY_BYTES, load_preference_data
+from dpocache.data import load_preference_data
 from train_fixtures import (  # noqa: F401  (fixtures are used by name; one_thread is autouse)
     base_model, flags, one_thread, run_training, train_jsonl,
 )
@@ -66,18 +66,11 @@ def test_weights_growing_without_bound_stop(tmp_path, base_model, train_jsonl, c
     assert "step 1: the trainable weights' norm is" in err and "growing without bound" in err
 
 
-def _shard_with(store: CacheStore, keys: list[bytes], chosen: torch.Tensor) -> None:
-    values = store.lookup(keys)
-    shutil.rmtree(store.dir)
-    CacheStore(store.root, store.namespace).add_shard({
-        "keys": torch.frombuffer(bytearray(b"".join(keys)), dtype=torch.uint8).reshape(-1, KEY_BYTES),
-        "chosen_logps": chosen, "rejected_logps": values.rejected_logps,
-        "chosen_tokens": values.chosen_tokens, "rejected_tokens": values.rejected_tokens,
-    })
+def test_nan_from_the_cache_is_named(tmp_path, base_model, train_jsonl, monkeypatch):
+    """A NaN cached value in step 2's batch (past the step-0 audit) is blamed on the cache.
 
-
-def test_nan_from_the_cache_is_named(tmp_path, base_model, train_jsonl):
-    """A NaN cached value in step 2's batch (past the step-0 audit) is blamed on the cache."""
+    The store refuses to write or load a non-finite value (tests/test_cache_integrity.py), so the
+    NaN is put into the values training received from it: the check is the last line of defence."""
     cache = tmp_path / "cache"
     argv = ["cache", "build", "--model", str(base_model), "--data", str(train_jsonl), "--cache-dir", str(cache),
             "--dtype", "float32", "--device", "cpu", "--max-length", "64"]
@@ -85,10 +78,14 @@ def test_nan_from_the_cache_is_named(tmp_path, base_model, train_jsonl):
     pairs = load_preference_data(train_jsonl, load_tokenizer(base_model), 64, show_progress=False).pairs
     store = CacheStore(cache, namespace_for_dir(base_model, torch.float32, cache)).open()
     target = pairs[training_order(len(pairs), 42, 0)[4]]  # the first pair of step 2 (batch 4, seed 42)
-    keys = [p.key for p in pairs]
-    chosen = store.lookup(keys).chosen_logps.clone()
-    chosen[keys.index(target.key)] = float("nan")
-    _shard_with(store, keys, chosen)
+    real = train_mod.prepare_reference
+
+    def poisoned(*args, **kwargs):
+        train_values, eval_values, info = real(*args, **kwargs)
+        train_values.chosen[target.index] = float("nan")
+        return train_values, eval_values, info
+
+    monkeypatch.setattr(train_mod, "prepare_reference", poisoned)
     with pytest.raises(train_mod.TrainingDiverged) as err:
         run_training(*flags(base_model, train_jsonl, tmp_path / "run", cache, "--max-steps", "3"))
     message = str(err.value)
