@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common_cache_args(e)
     e.add_argument("--out", type=Path, required=True)
     e.add_argument("--with-ids", action="store_true", help="include the token ids the values were computed on")
+    e.add_argument("--format", choices=("jsonl", "parquet", "datasets", "safetensors"), default=None,
+                   help="the input rows with TRL's ref_chosen_logps/ref_rejected_logps columns (jsonl, parquet, "
+                        "datasets), or index-aligned tensors (safetensors); default: dpocache's own JSON lines")
 
     from .train_cli import add_train_parsers
 

@@ -34,6 +34,7 @@ from .config import Config
 from .data import PreferenceData, TokenizedPair, load_preference_data
 from .distributed import DistEnv, all_reduce_max, barrier, broadcast_object, destroy, init_distributed
 from .logprobs import CompletionLogProbs, autocast
+from .ld_dpo import ld_policy, ld_reference
 from .losses import parse_loss_spec, preference_loss
 from .metrics import (MetricWindow, MetricsWriter, count_params, measured_peak_flops, model_shape,
                       train_flops_per_token)
@@ -100,6 +101,8 @@ def setup(cfg: Config) -> Run:
     if eval_data is not None and len(eval_data) < env.world_size:
         raise ValueError(f"{cfg.data.eval}: {len(eval_data)} pairs, fewer than the {env.world_size} ranks that share it")
     spec = parse_loss_spec(cfg.loss.name, **cfg.loss.params())
+    if cfg.loss.use_weighting:  # WPO needs sum_v p(v)^2 per token: the policy's head computes picked tokens only
+        raise ValueError("loss.use_weighting (WPO) is not supported by dpocache train yet; it is in dpocache.losses")
     ref_train, ref_eval, ref_info = prepare_reference(cfg, env, dtype, spec, tokenizer, train_data, eval_data)
     fsdp = cfg.distributed.fsdp and env.enabled
     # FSDP moves each unit to the device as it shards it: load on the CPU, never whole on a GPU.
@@ -161,7 +164,7 @@ def prepare_reference(cfg: Config, env: DistEnv, dtype: torch.dtype, spec, token
     summary = build_distributed(
         store, pairs, lambda: ReferenceModel.from_pretrained(ref_dir, dtype, env.device, layout=cfg.cache.layout), env,
         pad_id=tokenizer.pad_token_id or 0, max_tokens=cfg.cache.max_tokens, shard_pairs=cfg.cache.shard_size,
-        show_progress=cfg.train.progress and env.is_main,
+        show_progress=cfg.train.progress and env.is_main, per_token=cfg.loss.ld_alpha is not None,  # LD-DPO
     )
     if env.is_main:
         for bad in summary.corrupt_shards:
@@ -177,6 +180,11 @@ def prepare_reference(cfg: Config, env: DistEnv, dtype: torch.dtype, spec, token
         "dtype": dtype_name(dtype), "pairs": len(set(p.key for p in pairs)),
         "computed": summary.computed, "reused": summary.reused, "built_on_ranks": summary.world_size,
     }
+    if cfg.loss.ld_alpha is not None:  # LD-DPO: the sums are recombined from the cached per-token values
+        train_vals = ReferenceValues(*ld_reference(store, [p.key for p in train_data.pairs], cfg.loss.ld_alpha))
+        eval_vals = ReferenceValues(*ld_reference(store, [p.key for p in eval_data.pairs], cfg.loss.ld_alpha)) \
+            if eval_data else None
+        return train_vals, eval_vals, {**info, "ld_alpha": cfg.loss.ld_alpha}
     return (ReferenceValues(train_vals.chosen_logps, train_vals.rejected_logps),
             ReferenceValues(eval_vals.chosen_logps, eval_vals.rejected_logps) if eval_vals else None, info)
 
@@ -266,8 +274,9 @@ def batch_losses(run: Run, pairs: list[TokenizedPair], ref: ReferenceValues | No
         lp, tokens = layout_logprobs(run.scorer, pairs, run.tokenizer.pad_token_id or 0, run.env.device)
     ref_c = ref.chosen[idx].to(run.env.device) if ref is not None else None
     ref_r = ref.rejected[idx].to(run.env.device) if ref is not None else None
-    losses, rc, rr = preference_loss(run.spec, lp.chosen_logps, lp.rejected_logps, ref_c, ref_r, lp.chosen_tokens,
-                                     lp.rejected_tokens)
+    pc, pr = (lp.chosen_logps, lp.rejected_logps) if run.cfg.loss.ld_alpha is None else \
+        ld_policy(lp, pairs, run.cfg.loss.ld_alpha)  # LD-DPO
+    losses, rc, rr = preference_loss(run.spec, pc, pr, ref_c, ref_r, lp.chosen_tokens, lp.rejected_tokens)
     window.add_mean(prefix + "loss", losses)
     window.add_mean(prefix + "rewards/chosen", rc)
     window.add_mean(prefix + "rewards/rejected", rr)
