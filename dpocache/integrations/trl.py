@@ -89,7 +89,7 @@ class CachedDPOTrainer(DPOTrainer):
         self._ref_dir = _model_dir(ref_model if ref_model is not None else model)
         self._cache_device = torch.device(cache_device) if cache_device else default_device()
         self._cache_dtype = resolve_dtype(cache_dtype, self._cache_device)
-        self._cache_root = Path(cache_dir) if cache_dir else default_cache_dir()
+        self._cache_root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
         self._cache_max_tokens = cache_max_tokens
         self.cache_summaries: dict[str, Any] = {}  # dataset name -> dpocache BuildSummary
         args.precompute_ref_log_probs = True  # TRL then reads the columns and keeps no reference forward
