@@ -34,6 +34,7 @@ from .config import Config
 from .data import PreferenceData, TokenizedPair, load_preference_data
 from .distributed import DistEnv, all_reduce_max, barrier, broadcast_object, destroy, init_distributed
 from .logprobs import CompletionLogProbs, autocast
+from .hub_ids import resolve_model_path
 from .ld_dpo import ld_policy, ld_reference
 from .losses import parse_loss_spec, preference_loss
 from .metrics import (MetricWindow, MetricsWriter, count_params, measured_peak_flops, model_shape,
@@ -85,6 +86,7 @@ def setup(cfg: Config) -> Run:
     env = init_distributed(cfg.model.device, cfg.distributed.backend)
     if cfg.model.path is None or cfg.data.train is None:
         raise ValueError("model.path (--model) and data.train (--data) are required")
+    cfg.model.path, cfg.model.ref_model = resolve_model_path(cfg.model.path), resolve_model_path(cfg.model.ref_model)
     if cfg.distributed.fsdp and env.enabled and cfg.lora.r > 0:
         raise ValueError("distributed.fsdp with LoRA is not supported: LoRA trains few parameters, use DDP (no --fsdp)")
     out = Path(cfg.train.output_dir)
