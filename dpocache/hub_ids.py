@@ -67,8 +67,8 @@ def resolve(spec: str) -> ResolvedModel:
         commit = revision
     else:
         raise ModelNotCachedError(f"--model {spec}: no such directory, and revision '{revision}' of {repo_id} is "
-                                  f"not in the local Hugging Face cache ({repo_dir}); download it with `huggingface-cli download {repo_id} "
-                                  f"--revision {revision}`")
+                                  f"not in the local Hugging Face cache ({repo_dir}); download it with "
+                                  f"`huggingface-cli download {repo_id} --revision {revision}`")
     snapshot = repo_dir / "snapshots" / commit
     if not (snapshot / "config.json").is_file():
         raise ModelNotCachedError(f"--model {spec}: no such directory, and {repo_id} at {commit[:12]} is not in the "

@@ -19,6 +19,11 @@ so and why.
 
 Use :func:`preference_loss` (it validates, upcasts and combines); the functions in
 :data:`LOSSES` are the bare formulas. A new variant is a new function and one registry line.
+
+On top of any loss, under TRL 1.16 ``DPOConfig``'s names: ``f_divergence_type`` /
+``f_alpha_divergence_coef`` (f-DPO, :func:`f_divergence_scores`), ``use_weighting`` (WPO,
+:func:`wpo_weights`) and ``ld_alpha`` (LD-DPO, :func:`ld_pair_logps`, applied by the caller to
+the per-token values of policy and reference before the sums reach this module).
 """
 
 from __future__ import annotations

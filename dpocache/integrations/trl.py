@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from ..cache.build import DEFAULT_MAX_TOKENS, build_missing, default_cache_dir, namespace_for_dir, reference_weights_dir
+from ..cache.build import (DEFAULT_MAX_TOKENS, build_missing, default_cache_dir, namespace_for_dir,
+                           reference_weights_dir)
 from ..cache.store import CacheStore
 from ..data import TokenizedPair, example_key
 from ..reference import ReferenceModel, default_device, resolve_dtype
