@@ -8,9 +8,12 @@ import argparse
 from pathlib import Path
 
 from .config import Config, build_config, help_text, parse_overrides
+from .hub_ids import resolve_model_path
 from .preflight import UsageError, check_data_path, check_model_dir
 
 # Each command's own options, which are not configuration: name -> (type, default, help).
+# cache export's formats (dpocache.cache.export writes them); here so that checking a flag imports no torch.
+EXPORT_FORMATS = ("jsonl", "parquet", "datasets", "safetensors")
 OPTIONS = {
     "build": {"per_token": (bool, False, "also store per-token log-probs"),
               "json": (bool, False, "print the summary as one JSON object on the last line")},
@@ -18,7 +21,9 @@ OPTIONS = {
     "verify": {"samples": (int, 32, "pairs recomputed and compared with the cache"),
                "seed": (int, 0, "which pairs are sampled")},
     "export": {"out": (Path, None, "the JSON-lines file to write (required)"),
-               "with_ids": (bool, False, "include the token ids the values were computed on")},
+               "with_ids": (bool, False, "include the token ids the values were computed on"),
+               "format": (str, None, "the input rows plus ref_chosen_logps/ref_rejected_logps as "
+                                     f"{', '.join(EXPORT_FORMATS)} (default: the cache's own JSON lines)")},
 }
 # The short flags the cache commands had before they read the configuration, kept working.
 CACHE_ALIASES = {"layout": "cache.layout"}
@@ -64,6 +69,8 @@ def parse_args(command: str, rest: list[str]) -> argparse.Namespace | None:
         else:
             overrides.append(f"--{key}={value}")
     cfg = build_config(config, overrides, CACHE_ALIASES)
+    # A Hub id (org/name[@revision]) becomes its snapshot directory in the local Hugging Face cache.
+    cfg.model.path, cfg.model.ref_model = resolve_model_path(cfg.model.path), resolve_model_path(cfg.model.ref_model)
     if command != "info":
         # The paths first: they need no imports, and a wrong --model must not wait for torch.
         if cfg.model.path:
@@ -75,6 +82,8 @@ def parse_args(command: str, rest: list[str]) -> argparse.Namespace | None:
     cfg.validate(required=() if command == "info" else ("model.path", "data.train"))
     if command == "export" and own.get("out") is None:
         raise UsageError("--out FILE is required")
+    if command == "export" and own.get("format") not in (None, *EXPORT_FORMATS):
+        raise UsageError(f"--format must be one of {', '.join(EXPORT_FORMATS)}; got {own['format']!r}")
     return _namespace(cfg, command, own)
 
 

@@ -159,6 +159,11 @@ def cmd_export(args) -> int:
     data = _load_data(args, tokenizer)
     store, _ = _open_store(args, device)
     out: Path = args.out
+    if args.format is not None:
+        from .cache.export import export
+
+        print(f"wrote {export(args.format, out, args.data, store, data.pairs)} rows to {out} ({args.format})")
+        return 0
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", encoding="utf-8") as f:
         for row in export_rows(store, data.pairs, args.with_ids):

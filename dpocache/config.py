@@ -67,6 +67,10 @@ class LossConfig:
     orpo_alpha: float | None = None  # ORPO lambda
     discopop_tau: float | None = None  # DiscoPOP temperature
     rpo_alpha: float | None = None  # RPO: adds alpha * NLL(chosen) to any loss
+    ld_alpha: float | None = None  # LD-DPO: weight in [0, 1] of tokens past the shorter completion (TRL name)
+    use_weighting: bool = False  # WPO: weight each pair by the policy's aligned length-normalised probabilities
+    f_divergence_type: str = "reverse_kl"  # f-DPO: reverse_kl | forward_kl | js_divergence | alpha_divergence
+    f_alpha_divergence_coef: float = 0.5  # f-DPO alpha_divergence coefficient, as TRL defines it
 
     def params(self) -> dict[str, float | None]:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "name"}

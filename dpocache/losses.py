@@ -19,6 +19,11 @@ so and why.
 
 Use :func:`preference_loss` (it validates, upcasts and combines); the functions in
 :data:`LOSSES` are the bare formulas. A new variant is a new function and one registry line.
+
+On top of any loss, under TRL 1.16 ``DPOConfig``'s names: ``f_divergence_type`` /
+``f_alpha_divergence_coef`` (f-DPO, :func:`f_divergence_scores`), ``use_weighting`` (WPO,
+:func:`wpo_weights`) and ``ld_alpha`` (LD-DPO, :func:`ld_pair_logps`, applied by the caller to
+the per-token values of policy and reference before the sums reach this module).
 """
 
 from __future__ import annotations
@@ -33,12 +38,18 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
+    "F_DIVERGENCES",
     "LOSSES",
     "LossFn",
     "LossSpec",
     "needs_reference",
+    "f_divergence_scores",
+    "ld_pair_logps",
+    "ld_sequence_logps",
     "parse_loss_spec",
     "preference_loss",
+    "wpo_token_logps",
+    "wpo_weights",
 ]
 
 LossOutput = tuple[Tensor, Tensor, Tensor]
@@ -390,6 +401,113 @@ def sft_loss(pc, pr, rc, rr, ct, rt, *, beta: float) -> LossOutput:
 
 
 # ---------------------------------------------------------------------------------------------
+# Options that apply on top of a loss (TRL 1.x DPOConfig names): f-divergence, LD-DPO, WPO
+# ---------------------------------------------------------------------------------------------
+
+F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+
+# Losses built on the chosen-minus-rejected score difference, the only ones f-DPO generalises
+# (TRL 1.16's list). ``sft`` is in TRL's list because it ignores the scores; it reads the raw sums.
+_F_DIVERGENCE_LOSSES = frozenset({"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft"})
+
+# exp() argument cap of the alpha-divergence score in float32 (TRL's value): exp(80) ~ 5.5e34 is finite.
+_ALPHA_EXP_MAX = 80.0
+
+
+def f_divergence_scores(logratios: Tensor, f_divergence_type: str, f_alpha_divergence_coef: float) -> Tensor:
+    """f-DPO scores f'(u) of the policy/reference ratio u = exp(logratios), ``(B,)`` -> ``(B,)``.
+
+    f-DPO: Wang, Jiang, Yang, Liu, Chen (2023), arXiv:2309.16240: under an f-divergence
+    constraint the implicit reward is beta * f'(pi/pi_ref), so DPO's log-ratio difference
+    becomes f'(u_w) - f'(u_l) (the paper's f-DPO loss, with f'(u) from its list of divergences):
+
+    - ``reverse_kl``: f'(u) = log u + 1; the + 1 cancels in the difference, so the score is the
+      log-ratio (plain DPO).
+    - ``forward_kl``: f'(u) = 1 - 1/u = 1 - exp(-logratio).
+    - ``js_divergence``: f'(u) = log(2u / (1 + u)) = log 2 + logsigmoid(logratio).
+    - ``alpha_divergence``: the paper's f'(u) = (1 - u^-a)/a. TRL's ``f_alpha_divergence_coef``
+      c is written (u^(c-1) - 1)/(c - 1), which is the paper's formula at a = 1 - c: the two
+      coincide at the default 0.5 and differ in meaning elsewhere. This keeps TRL's name and
+      meaning so a TRL config carries over; c = 1 is the log u limit (reverse KL), as in TRL.
+      The exponent is capped at 80 before exp() as TRL does, so a large ratio gives a large
+      finite score, not inf.
+    """
+    if f_divergence_type == "reverse_kl":
+        return logratios
+    if f_divergence_type == "forward_kl":
+        return 1 - torch.exp(-logratios)
+    if f_divergence_type == "js_divergence":
+        return math.log(2) + F.logsigmoid(logratios)
+    if f_divergence_type == "alpha_divergence":
+        c = f_alpha_divergence_coef
+        if abs(c - 1.0) < 1e-6:
+            return logratios
+        return (torch.exp(((c - 1.0) * logratios).clamp(max=_ALPHA_EXP_MAX)) - 1.0) / (c - 1.0)
+    raise ValueError(f"f_divergence_type must be one of {', '.join(F_DIVERGENCES)}, got {f_divergence_type!r}")
+
+
+def ld_sequence_logps(token_logps: Tensor, mask: Tensor, shared_lens: Tensor, ld_alpha: float) -> Tensor:
+    """LD-DPO sequence log-prob: the first ``shared_len`` completion tokens count fully, the
+    rest ("verbose" tokens) are weighted by ``ld_alpha``.
+
+    LD-DPO: Liu, Yang, Huang, Li, Yu, Zhang, Liu, Xu (2024), arXiv:2409.06411, sec. 4: the
+    log-likelihood of a response is split at the length l_p of the shorter response of the pair
+    (its "public length") into log p(y[:l_p]) + alpha * log p(y[l_p:]). The same split is
+    applied to policy and reference (as TRL 1.16 does), so with ld_alpha = 1 this is the plain sum.
+
+    Args:
+        token_logps: per-token log-probs ``(B, T)``; positions outside ``mask`` are ignored.
+        mask: completion mask ``(B, T)``, 1 on completion tokens (left-aligned or not: the k-th
+            completion token is the k-th 1 of the row).
+        shared_lens: tokens that count fully per row, ``(B,)``.
+        ld_alpha: weight of the tokens beyond ``shared_lens``, in [0, 1].
+
+    Returns: ``(B,)``.
+    """
+    mask = mask.to(token_logps.dtype)
+    position = mask.cumsum(dim=1)  # k on the k-th completion token, (B, T)
+    shared = mask * (position <= shared_lens.unsqueeze(1)).to(token_logps.dtype)
+    tail = mask - shared
+    return (token_logps * shared).sum(dim=1) + ld_alpha * (token_logps * tail).sum(dim=1)
+
+
+def ld_pair_logps(chosen_logps: Tensor, chosen_mask: Tensor, rejected_logps: Tensor, rejected_mask: Tensor,
+                  ld_alpha: float) -> tuple[Tensor, Tensor]:
+    """LD-DPO sums of a batch of pairs: the public length of pair i is min(chosen tokens,
+    rejected tokens) of that pair (:func:`ld_sequence_logps`). Call it once for the policy and
+    once for the reference with the same masks; the results go to :func:`preference_loss`.
+
+    Args: per-token log-probs and completion masks, ``(B, Tc)`` and ``(B, Tr)``. Returns two ``(B,)``.
+    """
+    shared = torch.minimum(chosen_mask.sum(dim=1), rejected_mask.sum(dim=1))  # (B,)
+    return (ld_sequence_logps(chosen_logps, chosen_mask, shared, ld_alpha),
+            ld_sequence_logps(rejected_logps, rejected_mask, shared, ld_alpha))
+
+
+def wpo_token_logps(logits: Tensor, labels: Tensor) -> Tensor:
+    """WPO's aligned per-token log-prob log p(y_t) - log sum_v p(v)^2, ``(..., V)``, ``(...)`` -> ``(...)``.
+
+    WPO: Zhou, Agrawal, Zhang, Gui, Lu, Wen, Yang, Wang, Bian, Jiang, Mo (2024),
+    arXiv:2406.11827, eq. 2 with the "sampled alignment" of sec. 3.2: dividing each token's
+    probability by sum_v p(v)^2 (the probability of the token the policy would sample itself)
+    makes an on-policy response weigh ~1 whatever its entropy. Detached: the weights are not trained.
+    """
+    logp = F.log_softmax(logits.detach().float(), dim=-1)
+    return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(2 * logp, dim=-1)
+
+
+def wpo_weights(chosen_aligned: Tensor, rejected_aligned: Tensor, ct: Tensor, rt: Tensor) -> Tensor:
+    """WPO pair weight (arXiv:2406.11827, eq. 2): w = exp(mean aligned log-prob of chosen) *
+    exp(mean aligned log-prob of rejected), each ``(B,)`` (sums of :func:`wpo_token_logps`
+    over the completion), divided by the token counts ``ct``, ``rt``. ``(B,)``, detached.
+
+    Same formula as TRL 1.16's ``use_weighting`` (which cites the same eq. 2): the weight
+    multiplies each example's loss and carries no gradient.
+    """
+    return torch.exp(chosen_aligned.detach() / ct + rejected_aligned.detach() / rt)
+
+
+# ---------------------------------------------------------------------------------------------
 # Registry
 # ---------------------------------------------------------------------------------------------
 
@@ -446,7 +564,20 @@ LOSSES: Mapping[str, LossFn] = MappingProxyType(
 # He, Sukhbaatar, Weston (2024), arXiv:2404.19733, sec. 2 (the DPO+NLL loss): + alpha * the
 # length-normalised NLL of the chosen. The paper weights the DPO term instead; TRL 0.x (and
 # this) weight the NLL term, so rpo_alpha = 1/paper_alpha up to the overall scale.
-GLOBAL_DEFAULTS: Mapping[str, float | None] = MappingProxyType({"rpo_alpha": None})
+#
+# f_divergence_type / f_alpha_divergence_coef: f-DPO (:func:`f_divergence_scores`). ld_alpha: LD-DPO; the
+# caller combines per-token values with :func:`ld_pair_logps` before calling preference_loss
+# (this module sees sums only). use_weighting: WPO; the caller passes the aligned sums
+# (:func:`wpo_token_logps`). Defaults as TRL 1.16's DPOConfig.
+GLOBAL_DEFAULTS: Mapping[str, float | str | bool | None] = MappingProxyType(
+    {
+        "rpo_alpha": None,
+        "f_divergence_type": "reverse_kl",
+        "f_alpha_divergence_coef": 0.5,
+        "ld_alpha": None,
+        "use_weighting": False,
+    }
+)
 
 
 def _known_params() -> list[str]:
@@ -599,6 +730,31 @@ def _check_values(spec: LossSpec) -> None:
     rpo_alpha = spec.params.get("rpo_alpha", GLOBAL_DEFAULTS["rpo_alpha"])
     if rpo_alpha is not None and not (math.isfinite(rpo_alpha) and rpo_alpha >= 0):
         raise ValueError(f"rpo_alpha must be None or a finite number >= 0, got {rpo_alpha}")
+    _check_options(spec)
+
+
+def _option(spec: LossSpec, key: str):
+    return spec.params.get(key, GLOBAL_DEFAULTS[key])
+
+
+def _check_options(spec: LossSpec) -> None:
+    """f-DPO, LD-DPO and WPO values, with TRL 1.16's restrictions on which losses take them."""
+    names = [name for name, _ in spec.terms]
+    f_type = _option(spec, "f_divergence_type")
+    if f_type not in F_DIVERGENCES:
+        raise ValueError(f"f_divergence_type must be one of {', '.join(F_DIVERGENCES)}, got {f_type!r}")
+    if f_type != "reverse_kl" and not set(names) <= _F_DIVERGENCE_LOSSES:
+        raise ValueError(f"f_divergence_type={f_type!r} applies only to the losses "
+                         f"{', '.join(sorted(_F_DIVERGENCE_LOSSES))}; got {', '.join(names)}")
+    coef = _option(spec, "f_alpha_divergence_coef")
+    if not math.isfinite(coef):
+        raise ValueError(f"f_alpha_divergence_coef must be a finite number, got {coef}")
+    ld_alpha = _option(spec, "ld_alpha")
+    if ld_alpha is not None and not 0 <= ld_alpha <= 1:
+        raise ValueError(f"ld_alpha must be None or in [0, 1], got {ld_alpha}")
+    # The aot losses sort over the batch: entry i is a quantile, not pair i, so a per-pair weight has no target.
+    if _option(spec, "use_weighting") and set(names) & {"aot", "aot_unpaired"}:
+        raise ValueError("use_weighting (WPO) does not apply to aot or aot_unpaired: their losses are batch quantiles")
 
 
 def _prepare(spec: LossSpec, tensors: dict[str, Tensor | None]) -> list[Tensor | None]:
@@ -638,7 +794,10 @@ def preference_loss(
     ref_rejected: Tensor | None,
     chosen_tokens: Tensor,
     rejected_tokens: Tensor,
-    **params: float | None,
+    *,
+    chosen_wpo_logps: Tensor | None = None,
+    rejected_wpo_logps: Tensor | None = None,
+    **params: float | str | bool | None,
 ) -> LossOutput:
     """Per-example preference losses and detached rewards for one batch.
 
@@ -657,7 +816,12 @@ def preference_loss(
             every example's loss, RPO arXiv:2404.19733). Each loss reads the ones it declares
             in :data:`LOSSES`; an unset (or None) one takes that loss's default. Params known
             to the registry but read by no loss of the spec are accepted and ignored, so one
-            config can drive any loss.
+            config can drive any loss. On top of any loss: ``f_divergence_type`` and
+            ``f_alpha_divergence_coef`` (f-DPO), ``use_weighting`` (WPO, needs the two
+            ``*_wpo_logps``) and ``ld_alpha`` (LD-DPO: validated here, applied by the caller to
+            the policy and reference sums with :func:`ld_pair_logps`).
+        chosen_wpo_logps, rejected_wpo_logps: ``(B,)`` sums over the completion of
+            :func:`wpo_token_logps` of the policy; read only with ``use_weighting``.
 
     Returns:
         ``(losses, chosen_rewards, rejected_rewards)``, each ``(B,)`` in float32 (float64 if the
@@ -680,16 +844,40 @@ def preference_loss(
             "rejected_tokens": rejected_tokens,
         },
     )
-    pc, _, _, _, ct, _ = args
+    pc, _, _, _, ct, rt = args
+    scored = _f_divergence_args(spec, args)
     total, rewards = None, None
     for loss_name, weight in spec.terms:
         entry = LOSSES[loss_name]
         own = {k: v for k, v in spec.params.items() if k in entry.defaults}
-        losses, chosen_r, rejected_r = entry(*args, **own)
+        f_scored = scored is not None and loss_name != "sft"  # sft reads the raw chosen sum
+        losses, chosen_r, rejected_r = entry(*(scored if f_scored else args), **own)
+        if f_scored:  # rewards stay beta * log(pi/pi_ref), as TRL logs them under every divergence
+            chosen_r, rejected_r = _sum_rewards({**entry.defaults, **own}["beta"], *args[:4])
         total = weight * losses if total is None else total + weight * losses
         if rewards is None:  # rewards are those of the first loss of the spec
             rewards = (chosen_r, rejected_r)
+    if _option(spec, "use_weighting"):
+        if chosen_wpo_logps is None or rejected_wpo_logps is None:
+            raise ValueError("use_weighting (WPO) needs chosen_wpo_logps and rejected_wpo_logps, got None")
+        total = total * wpo_weights(chosen_wpo_logps.to(total.dtype), rejected_wpo_logps.to(total.dtype), ct, rt)
     rpo_alpha = spec.params.get("rpo_alpha", GLOBAL_DEFAULTS["rpo_alpha"])
     if rpo_alpha is not None:
         total = total + rpo_alpha * _nll(pc, ct)  # RPO's DPO+NLL loss
     return total, rewards[0], rewards[1]
+
+
+def _f_divergence_args(spec: LossSpec, args: list[Tensor | None]) -> list[Tensor | None] | None:
+    """The loss arguments with the log-ratios replaced by f-DPO scores, or None under reverse KL.
+
+    Passing (score_w, score_l, 0, 0) lets every loss function stay the formula on log-ratios:
+    each one's log-ratio is then the score, as in TRL's ``delta_score``; ``ipo`` and
+    ``sigmoid_norm`` divide the scores by the token counts, as TRL does.
+    """
+    f_type = _option(spec, "f_divergence_type")
+    if f_type == "reverse_kl":
+        return None
+    pc, pr, rc, rr, ct, rt = args
+    coef = _option(spec, "f_alpha_divergence_coef")
+    chosen, rejected = (f_divergence_scores(lr, f_type, coef) for lr in _logratios(pc, pr, rc, rr))
+    return [chosen, rejected, torch.zeros_like(chosen), torch.zeros_like(rejected), ct, rt]

@@ -33,11 +33,13 @@ from .cache import CacheStore, default_cache_dir, namespace_for_dir
 from .cache.build import adapter_base_dir, build_distributed, reference_source
 from .cache.fingerprint import default_memo_path
 from .checkpoint import checkpoint_dir, latest_checkpoint, load_model_weights, load_trainer_state, save_checkpoint
-from .config import Config, check_batch_fits
+from .config import Config, ConfigError, check_batch_fits
 from .data import PreferenceData, TokenizedPair, load_preference_data
 from .divergence import ProgressMonitor
 from .distributed import DistEnv, all_reduce_max, barrier, broadcast_object, destroy, init_distributed
 from .logprobs import CompletionLogProbs, autocast
+from .hub_ids import resolve_model_path
+from .ld_dpo import ld_policy, ld_reference
 from .losses import parse_loss_spec, preference_loss
 from .metrics import (MetricWindow, MetricsWriter, count_params, measured_peak_flops, model_shape,
                       train_flops_per_token)
@@ -94,6 +96,7 @@ class Run:
 def setup(cfg: Config) -> Run:
     cfg.validate(required=("model.path", "data.train"))  # every mistake a value can show, before any work
     env = init_distributed(cfg.model.device, cfg.distributed.backend)
+    cfg.model.path, cfg.model.ref_model = resolve_model_path(cfg.model.path), resolve_model_path(cfg.model.ref_model)
     if cfg.distributed.fsdp and env.enabled and cfg.lora.r > 0:
         raise ValueError("distributed.fsdp with LoRA is not supported: LoRA trains few parameters, use DDP (no --fsdp)")
     out = Path(cfg.train.output_dir)
@@ -111,6 +114,9 @@ def setup(cfg: Config) -> Run:
         raise ValueError(f"{cfg.data.eval}: {len(eval_data)} pairs, fewer than the {env.world_size} ranks that share it")
     check_batch_fits(cfg, train_data, env.world_size)  # before any model loads
     spec = parse_loss_spec(cfg.loss.name, **cfg.loss.params())
+    if cfg.loss.use_weighting:  # WPO needs sum_v p(v)^2 per token: the policy's head computes picked tokens only
+        raise ConfigError("--loss.use_weighting (WPO) is not supported by dpocache train yet (it needs the policy's "
+                          "full-vocabulary probabilities); dpocache.losses has it for other trainers")
     ref_train, ref_eval, ref_info = prepare_reference(cfg, env, dtype, spec, tokenizer, train_data, eval_data)
     fsdp = cfg.distributed.fsdp and env.enabled
     # FSDP moves each unit to the device as it shards it: load on the CPU, never whole on a GPU.
@@ -177,7 +183,7 @@ def prepare_reference(cfg: Config, env: DistEnv, dtype: torch.dtype, spec, token
     summary = build_distributed(
         store, pairs, load, env,
         pad_id=tokenizer.pad_token_id or 0, max_tokens=cfg.cache.max_tokens, shard_pairs=cfg.cache.shard_size,
-        show_progress=cfg.train.progress and env.is_main,
+        show_progress=cfg.train.progress and env.is_main, per_token=cfg.loss.ld_alpha is not None,  # LD-DPO
     )
     if env.is_main:
         for bad in summary.corrupt_shards:
@@ -195,6 +201,11 @@ def prepare_reference(cfg: Config, env: DistEnv, dtype: torch.dtype, spec, token
         "dtype": dtype_name(dtype), "pairs": len(set(p.key for p in pairs)),
         "computed": summary.computed, "reused": summary.reused, "built_on_ranks": summary.world_size,
     }
+    if cfg.loss.ld_alpha is not None:  # LD-DPO: the sums are recombined from the cached per-token values
+        train_vals = ReferenceValues(*ld_reference(store, [p.key for p in train_data.pairs], cfg.loss.ld_alpha))
+        eval_vals = ReferenceValues(*ld_reference(store, [p.key for p in eval_data.pairs], cfg.loss.ld_alpha)) \
+            if eval_data else None
+        return train_vals, eval_vals, {**info, "ld_alpha": cfg.loss.ld_alpha}
     return (ReferenceValues(train_vals.chosen_logps, train_vals.rejected_logps),
             ReferenceValues(eval_vals.chosen_logps, eval_vals.rejected_logps) if eval_vals else None, info)
 
@@ -217,11 +228,14 @@ def plan_audit(run: Run) -> bool:
     return reason is None
 
 
-def audit_step0(run: Run, pairs: list[TokenizedPair], lp, ref_c: torch.Tensor, ref_r: torch.Tensor) -> None:
-    """The first micro-batch's policy log-probs are reference log-probs: compare them with the
-    cached values (``dpocache.audit``), record the drift in run.json, stop if it is too large."""
+def audit_step0(run: Run, pairs: list[TokenizedPair], policy_c: torch.Tensor, policy_r: torch.Tensor,
+                ref_c: torch.Tensor, ref_r: torch.Tensor) -> None:
+    """The first micro-batch's policy log-probs ``(B,)`` are reference log-probs: compare them with
+    the cached values ``(B,)`` (``dpocache.audit``), record the drift in run.json, stop if it is
+    too large. Both sides are the loss's inputs (LD-DPO's weighted sums when ``ld_alpha`` is set:
+    the same weighting of the same per-token values)."""
     dtype = dtype_name(run.dtype)
-    result = audit.gather(run.env, audit.compare(pairs, lp.chosen_logps, lp.rejected_logps, ref_c, ref_r, dtype))
+    result = audit.gather(run.env, audit.compare(pairs, policy_c, policy_r, ref_c, ref_r, dtype))
     ok = result["over"] == 0
     run.info["reference"]["step0_audit"] = {
         "ok": ok, "sequences": result["sequences"], "ranks": result["ranks"], "max_abs_drift": result["max_abs_drift"],
@@ -343,11 +357,12 @@ def batch_losses(run: Run, pairs: list[TokenizedPair], ref: ReferenceValues | No
         lp, tokens = layout_logprobs(run.scorer, pairs, run.tokenizer.pad_token_id or 0, run.env.device)
     ref_c = ref.chosen[idx].to(run.env.device) if ref is not None else None
     ref_r = ref.rejected[idx].to(run.env.device) if ref is not None else None
+    pc, pr = (lp.chosen_logps, lp.rejected_logps) if run.cfg.loss.ld_alpha is None else \
+        ld_policy(lp, pairs, run.cfg.loss.ld_alpha)  # LD-DPO
     if check_cache:
-        audit_step0(run, pairs, lp, ref_c, ref_r)
-    run.last_batch = (pairs, lp.chosen_logps.detach(), lp.rejected_logps.detach(), ref_c, ref_r)  # for _check_finite
-    losses, rc, rr = preference_loss(run.spec, lp.chosen_logps, lp.rejected_logps, ref_c, ref_r, lp.chosen_tokens,
-                                     lp.rejected_tokens)
+        audit_step0(run, pairs, pc, pr, ref_c, ref_r)
+    run.last_batch = (pairs, pc.detach(), pr.detach(), ref_c, ref_r)  # for _check_finite
+    losses, rc, rr = preference_loss(run.spec, pc, pr, ref_c, ref_r, lp.chosen_tokens, lp.rejected_tokens)
     window.add_mean(prefix + "loss", losses)
     window.add_mean(prefix + "rewards/chosen", rc)
     window.add_mean(prefix + "rewards/rejected", rr)

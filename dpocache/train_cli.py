@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from .hub_ids import resolve_model_path
 from .preflight import UsageError, check_data_path, check_model_dir, check_writable_dir, disk_errors
 
 TRAIN_USAGE = """usage: dpocache train [CONFIG.yaml] [--key value ...]
@@ -64,6 +65,8 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     if config is not None and not Path(config).is_file():
         raise UsageError(f"{config}: no such config file (the first argument, if any, is a YAML file)")
     cfg = build_config(config, rest)
+    # A Hub id (org/name[@revision]) becomes its snapshot directory in the local Hugging Face cache.
+    cfg.model.path, cfg.model.ref_model = resolve_model_path(cfg.model.path), resolve_model_path(cfg.model.ref_model)
     # The model directories first: checking them needs no imports, and a wrong --model must
     # not wait for torch (which validate imports), let alone for a model to load.
     check_model_dirs(cfg)

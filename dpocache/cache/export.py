@@ -1,0 +1,91 @@
+"""``dpocache cache export --format``: the cached reference values in the files other trainers read.
+
+- ``jsonl``, ``parquet``, ``datasets`` (a ``save_to_disk`` directory): the input's rows, in input
+  order, with TRL's precomputed-reference columns ``ref_chosen_logps`` and ``ref_rejected_logps``
+  added beside them (TRL's ``DPOTrainer`` reads those columns when ``precompute_ref_log_probs``
+  is set, so it runs no reference forward).
+- ``safetensors``: index-aligned ``chosen_logps`` / ``rejected_logps`` ``(N,)`` float32 tensors
+  (what open-instruct caches with ``torch.save``, without pickle), plus ``index``, the source row
+  of each entry, so rows skipped as invalid cannot shift the alignment unnoticed.
+
+Values are the summed completion log-probs of the cache, exactly as stored (float32).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..cache_args import EXPORT_FORMATS as FORMATS
+from ..data import TokenizedPair, read_rows
+from .store import CacheStore
+
+
+# TRL 1.x DPOTrainer's precomputed-reference column names.
+REF_CHOSEN, REF_REJECTED = "ref_chosen_logps", "ref_rejected_logps"
+
+
+def rows_with_reference(source: Any, store: CacheStore, pairs: Sequence[TokenizedPair]) -> list[dict]:
+    """The source rows of ``pairs`` (in input order) with the two reference columns added.
+
+    Raises ``MissingReferenceError`` (a ``CacheError``) when a pair has no cached value.
+    """
+    values = store.lookup([p.key for p in pairs])
+    _, raw = read_rows(source)
+    out = []
+    for i, p in enumerate(pairs):
+        row = raw[p.index].values
+        row = dict(row) if isinstance(row, Mapping) else {"row": row}
+        row[REF_CHOSEN] = float(values.chosen_logps[i])
+        row[REF_REJECTED] = float(values.rejected_logps[i])
+        out.append(row)
+    return out
+
+
+def _write_jsonl(rows: list[dict], out: Path) -> None:
+    with open(out, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def _write_dataset(rows: list[dict], out: Path, fmt: str) -> None:
+    from datasets import Dataset
+
+    dataset = Dataset.from_list(rows)
+    if fmt == "parquet":
+        dataset.to_parquet(str(out))
+    else:
+        dataset.save_to_disk(str(out))
+
+
+def _write_safetensors(store: CacheStore, pairs: Sequence[TokenizedPair], out: Path) -> None:
+    from safetensors.torch import save_file
+
+    values = store.lookup([p.key for p in pairs])
+    tensors = {
+        "chosen_logps": values.chosen_logps.float().contiguous(),  # (N,)
+        "rejected_logps": values.rejected_logps.float().contiguous(),  # (N,)
+        "index": torch.tensor([p.index for p in pairs], dtype=torch.int64),  # (N,) source row of entry i
+    }
+    save_file(tensors, str(out), metadata={"format": "dpocache-reference", "namespace": store.namespace.id})
+
+
+def export(fmt: str, out: str | Path, source: Any, store: CacheStore, pairs: Sequence[TokenizedPair]) -> int:
+    """Write the export of ``pairs`` (from ``source``) in ``fmt`` to ``out``; returns the rows written."""
+    if fmt not in FORMATS:
+        raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "safetensors":
+        _write_safetensors(store, pairs, out)
+        return len(pairs)
+    rows = rows_with_reference(source, store, pairs)
+    if fmt == "jsonl":
+        _write_jsonl(rows, out)
+    else:
+        _write_dataset(rows, out, fmt)
+    return len(rows)

@@ -1,0 +1,1 @@
+"""Adapters that put dpocache's reference cache inside other trainers (optional dependencies)."""

@@ -1,0 +1,87 @@
+"""``dpocache.integrations.trl.CachedDPOTrainer`` against TRL 1.16's own DPOTrainer on a tiny
+model (fp32, CPU). Skipped when TRL is not installed (``pip install 'dpocache[trl]'``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from dpocache import reference as reference_mod  # noqa: E402
+from train_fixtures import one_thread  # noqa: E402,F401
+
+ROWS = 12
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, model_dir, pref_rows):
+    from datasets import Dataset
+
+    return model_dir, Dataset.from_list(pref_rows[:ROWS]), tmp_path_factory.mktemp("trl")
+
+
+def _args(out, **extra):
+    from trl import DPOConfig
+
+    return DPOConfig(output_dir=str(out), per_device_train_batch_size=4, max_steps=1, logging_steps=1,
+                     report_to="none", use_cpu=True, max_length=24, learning_rate=1e-6, save_strategy="no",
+                     bf16=False, fp16=False, seed=0, disable_tqdm=True, **extra)
+
+
+def _trainer(cls, model_dir, dataset, out, **kwargs):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return cls(model=model, args=_args(out, precompute_ref_log_probs=True), train_dataset=dataset,
+               processing_class=AutoTokenizer.from_pretrained(model_dir), **kwargs)
+
+
+def test_reference_values_equal_trls_precompute(setup):
+    from trl import DPOTrainer
+
+    from dpocache.integrations.trl import CachedDPOTrainer
+
+    model_dir, dataset, root = setup
+    theirs = _trainer(DPOTrainer, model_dir, dataset, root / "trl").train_dataset
+    ours = _trainer(CachedDPOTrainer, model_dir, dataset, root / "ours", cache_dir=root / "cache").train_dataset
+    assert any(len(p) + len(c) > 24 for p, c in zip(ours["prompt_ids"], ours["chosen_ids"]))  # truncation applies
+    for col in ("ref_chosen_logps", "ref_rejected_logps"):
+        torch.testing.assert_close(torch.tensor(ours[col]), torch.tensor(theirs[col]), rtol=0, atol=1e-4)
+
+
+def test_step0_loss_is_log2_and_second_construction_runs_no_reference(setup, monkeypatch):
+    from dpocache.integrations.trl import CachedDPOTrainer
+
+    model_dir, dataset, root = setup
+    first = _trainer(CachedDPOTrainer, model_dir, dataset, root / "first", cache_dir=root / "cache2")
+    kept = len(first.train_dataset)  # TRL drops rows whose prompt alone fills max_length
+    assert 0 < kept <= ROWS and first.cache_summaries["train"].computed == kept
+    first.train()
+    loss = next(r["loss"] for r in first.state.log_history if "loss" in r)
+    assert loss == pytest.approx(math.log(2), abs=1e-4)  # policy = reference at step 0
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the reference model was loaded although the cache is complete")
+
+    monkeypatch.setattr(reference_mod.ReferenceModel, "from_pretrained", refuse)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    shuffled = dataset.shuffle(seed=3)
+    second = CachedDPOTrainer(model=model, args=_args(root / "second", precompute_ref_log_probs=True),
+                              train_dataset=shuffled, processing_class=AutoTokenizer.from_pretrained(model_dir),
+                              cache_dir=root / "cache2")
+    assert calls == [] and second.cache_summaries["train"].computed == 0
+    assert second.cache_summaries["train"].reused == kept
+
+
+def test_other_trl_versions_fail_clearly():
+    from dpocache.integrations.trl import check_trl_version
+
+    with pytest.raises(RuntimeError, match="supports TRL 1.16.x; found TRL 0.19.1"):
+        check_trl_version("0.19.1")
