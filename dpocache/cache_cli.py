@@ -15,6 +15,7 @@ from .cache.build import DEFAULT_MAX_TOKENS, build_distributed, namespace_dirs, 
 from .data import PreferenceData, load_preference_data
 from .distributed import destroy, init_distributed
 from .reference import ReferenceModel, default_device, dtype_name, resolve_dtype
+from .sharded import reference_loader
 
 
 def _human_bytes(n: float) -> str:
@@ -61,10 +62,6 @@ def _open_store(args, device, open_now: bool = True, verbose: bool = True) -> tu
     return store, dtype
 
 
-def _reference_loader(args, dtype, device):
-    return lambda: ReferenceModel.from_pretrained(reference_weights_dir(args.model), dtype, device, layout=args.layout)
-
-
 def cmd_build(args) -> int:
     """Under torchrun every rank scores its token-balanced share of the missing pairs
     (``build_distributed``); rank 0 prints the totals."""
@@ -73,9 +70,11 @@ def cmd_build(args) -> int:
         tokenizer = load_tokenizer(args.model)
         data = _load_data(args, tokenizer, verbose=env.is_main)
         store, dtype = _open_store(args, env.device, open_now=False, verbose=env.is_main)
+        load = reference_loader(reference_weights_dir(args.model), dtype, env, args.layout, sharded=args.fsdp)
         summary = build_distributed(
-            store, data.pairs, _reference_loader(args, dtype, env.device), env, pad_id=tokenizer.pad_token_id or 0,
+            store, data.pairs, load, env, pad_id=tokenizer.pad_token_id or 0,
             per_token=args.per_token, max_tokens=args.max_tokens or DEFAULT_MAX_TOKENS, shard_pairs=args.shard_size,
+            sharded=args.fsdp,
         )
         if env.is_main:
             _print_build_summary(args, summary, store, dtype, data)

@@ -44,11 +44,26 @@ def decoder_layers(policy: nn.Module) -> list[nn.Module]:
     return list(max(lists, key=len)) if lists else []
 
 
-def shard_policy(scorer: nn.Module, policy: nn.Module, env: DistEnv, reshard_after_forward: bool = True) -> nn.Module:
-    """Shard ``policy`` (inside ``scorer``, a ``CompletionLogProbs``) over every rank.
+def mixed_precision(dtype: torch.dtype | None):
+    """FSDP2's policy for compute in ``dtype``: parameters all-gathered in ``dtype`` (so each
+    layer's matrices are cast once per gather, not on every use), gradients reduced in fp32
+    and applied to the fp32 sharded master weights (the optimizer state stays fp32). None for
+    fp32 (or no dtype): nothing to cast."""
+    if dtype is None or dtype == torch.float32:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def shard_policy(scorer: nn.Module, policy: nn.Module, env: DistEnv, reshard_after_forward: bool = True,
+                 compute_dtype: torch.dtype | None = None) -> nn.Module:
+    """Shard ``policy`` (inside ``scorer``, a ``CompletionLogProbs``) over every rank, with
+    ``mixed_precision(compute_dtype)``.
 
     The model may sit on the CPU: ``fully_shard`` moves each unit to ``env.device`` as it
-    shards it, so a GPU never holds more than one full layer during set-up.
+    shards it, so a GPU never holds more than one full layer during set-up. It may also sit on
+    the meta device (``dpocache.loading.load_for_sharding`` fills the shards afterwards).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -57,9 +72,11 @@ def shard_policy(scorer: nn.Module, policy: nn.Module, env: DistEnv, reshard_aft
     layers = decoder_layers(policy)
     if not layers:
         raise ValueError(f"{type(unwrap_causal_lm(policy)).__name__}: found no decoder layers to shard")
+    mp = mixed_precision(compute_dtype)
+    kwargs = {"mp_policy": mp} if mp is not None else {}
     for layer in layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(scorer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, **kwargs)
+    fully_shard(scorer, mesh=mesh, reshard_after_forward=reshard_after_forward, **kwargs)
     return scorer
 
 

@@ -37,9 +37,10 @@ from .logprobs import CompletionLogProbs, autocast
 from .losses import parse_loss_spec, preference_loss
 from .metrics import (MetricWindow, MetricsWriter, count_params, measured_peak_flops, model_shape,
                       train_flops_per_token)
-from .policy import build_optimizer, build_scheduler, load_policy, wrap_for_distributed
+from .policy import build_optimizer, build_scheduler, load_policy, load_sharded_policy, wrap_for_distributed
 from .prefix import layout_logprobs, training_scorer
 from .reference import ReferenceModel, dtype_name, resolve_dtype
+from .sharded import reference_loader
 
 
 class TrainingDiverged(RuntimeError):
@@ -102,9 +103,11 @@ def setup(cfg: Config) -> Run:
     spec = parse_loss_spec(cfg.loss.name, **cfg.loss.params())
     ref_train, ref_eval, ref_info = prepare_reference(cfg, env, dtype, spec, tokenizer, train_data, eval_data)
     fsdp = cfg.distributed.fsdp and env.enabled
-    # FSDP moves each unit to the device as it shards it: load on the CPU, never whole on a GPU.
-    policy = load_policy(cfg, torch.device("cpu") if fsdp else env.device)
-    scorer = wrap_for_distributed(CompletionLogProbs(policy), policy, cfg, env)
+    if fsdp:  # created on the meta device, filled shard by shard: never whole in every process
+        policy, scorer = load_sharded_policy(cfg, env, dtype)
+    else:
+        policy = load_policy(cfg, env.device)
+        scorer = wrap_for_distributed(CompletionLogProbs(policy), policy, cfg, env)
     scorer = training_scorer(scorer, cfg.train.layout)  # shared-prompt layout where supported (dpocache.prefix)
     global_batch = cfg.train.batch_size * cfg.train.grad_accum * env.world_size
     steps_per_epoch = len(train_data) // global_batch
@@ -159,9 +162,9 @@ def prepare_reference(cfg: Config, env: DistEnv, dtype: torch.dtype, spec, token
     pairs = train_data.pairs + (eval_data.pairs if eval_data else [])
     # Every rank scores its token-balanced share of what is missing (one rank: all of it).
     summary = build_distributed(
-        store, pairs, lambda: ReferenceModel.from_pretrained(ref_dir, dtype, env.device, layout=cfg.cache.layout), env,
+        store, pairs, reference_loader(ref_dir, dtype, env, cfg.cache.layout, sharded=cfg.distributed.fsdp), env,
         pad_id=tokenizer.pad_token_id or 0, max_tokens=cfg.cache.max_tokens, shard_pairs=cfg.cache.shard_size,
-        show_progress=cfg.train.progress and env.is_main,
+        show_progress=cfg.train.progress and env.is_main, sharded=cfg.distributed.fsdp,
     )
     if env.is_main:
         for bad in summary.corrupt_shards:

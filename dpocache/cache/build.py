@@ -193,6 +193,7 @@ def build_distributed(
     shard_pairs: int = 4096,
     flush_seconds: float = 60.0,
     show_progress: bool = True,
+    sharded: bool = False,
 ) -> BuildSummary:
     """``build_missing`` over every rank of ``env`` (a world of one is exactly ``build_missing``
     with the store opened and bad shards quarantined first).
@@ -206,6 +207,9 @@ def build_distributed(
     store, which adopts every rank's shards, writes the manifest once, and checks that every
     pair has a value. On return rank 0's ``store`` holds every pair; other ranks must
     ``store.open()`` to see the new shards. The summary holds totals over ranks.
+
+    ``sharded``: ``load_reference`` returns a ``dpocache.sharded.ShardedReference`` (its
+    weights sharded over the ranks), loaded on every rank and drained (``build_share_sharded``).
     """
     start = time.perf_counter()
     if env.is_main:
@@ -222,9 +226,17 @@ def build_distributed(
     mine = split_by_tokens([by_key[k] for k in todo_keys], env.world_size)[env.rank]
     local, error = None, None
     try:
-        local = build_missing(store, mine, load_reference, pad_id=pad_id, per_token=per_token, max_tokens=max_tokens,
-                              shard_pairs=shard_pairs, flush_seconds=flush_seconds,
-                              show_progress=show_progress and env.is_main, update_manifest=not env.enabled)
+        def build_share(load):
+            return build_missing(store, mine, load, pad_id=pad_id, per_token=per_token, max_tokens=max_tokens,
+                                 shard_pairs=shard_pairs, flush_seconds=flush_seconds,
+                                 show_progress=show_progress and env.is_main, update_manifest=not env.enabled)
+
+        if sharded and env.enabled:
+            from ..sharded import build_share_sharded
+
+            local = build_share_sharded(build_share, load_reference, bool(todo_keys), pad_id)
+        else:
+            local = build_share(load_reference)
     except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks learn of it
         error = e
     # Also the synchronisation point: every rank's shards are flushed and renamed into place.
