@@ -11,17 +11,21 @@ it. Norms, biases of norms and buffers (rotary frequencies) stay fp32 as well. L
 ``dpocache.bf16_matmul`` routes through the fp32 GEMM (CPUs without AMX) keep their fp32
 storage: that route multiplies bf16-rounded fp32 values and needs them in fp32.
 
-Loading for sharding (``load_for_sharding``): every rank builds the model on the meta device
-(no memory), rank 0 alone reads the safetensors files, and after ``fully_shard`` each tensor
-is broadcast from rank 0 and each rank keeps its own shard
-(``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``, as torchtune and
-torchtitan do). Host memory then holds one full copy (rank 0's, read from the files) plus one
-shard per process, not one copy per process.
+Loading for sharding (``load_for_sharding``): every rank builds the model with its parameters
+on the meta device (no memory; buffers such as rotary frequencies are computed from the
+config), shards it with ``fully_shard``, and fills the shards unit by unit: rank 0 reads one
+decoder layer's tensors (or the root's) from the safetensors files, each tensor is broadcast
+and every rank keeps its own shard (``set_model_state_dict(full_state_dict=True,
+broadcast_from_rank0=True)``, as torchtune and torchtitan do). So host memory holds one shard
+per process plus one layer in flight, never a whole model per process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -84,67 +88,149 @@ def routes_bf16_through_fp32(device: torch.device | str) -> bool:
 # ------------------------------------------------------------------------ loading for sharding
 
 
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Parameters created inside go to the meta device as they are registered (before any
+    initialisation runs on them); buffers stay real. Buffers the state dict leaves out (rotary
+    frequencies) are computed at construction from the config, so this gives every rank their
+    values without reading or sending anything (what accelerate's ``init_empty_weights`` does)."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
 def meta_model(path: str | Path, attn_implementation: str | None = "sdpa") -> nn.Module:
-    """The model of ``path``'s config with every tensor on the meta device (no memory, no
-    initialisation)."""
+    """The model of ``path``'s config with its parameters on the meta device (no memory, no
+    initialisation) and its buffers computed."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(path))
     kwargs = {"dtype": torch.float32}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    with torch.device("meta"):
+    with _parameters_on_meta():
         try:
-            return AutoModelForCausalLM.from_config(config, **kwargs)
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
         except (ValueError, ImportError):  # no SDPA kernel: the architecture's default, as load_causal_lm
             kwargs.pop("attn_implementation", None)
-            return AutoModelForCausalLM.from_config(config, **kwargs)
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
+    from .reference import disable_dropout
+
+    disable_dropout(model)
+    return model
 
 
-def _non_persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Buffers the state dict leaves out (rotary frequencies): computed at construction, so a
-    meta model has none of their values."""
-    persistent = set(model.state_dict())
-    return {name: b for name, b in model.named_buffers() if name not in persistent}
+def _weight_files(path: Path) -> list[Path]:
+    single = path / "model.safetensors"
+    if single.exists():
+        return [single]
+    index = path / "model.safetensors.index.json"
+    if not index.exists():
+        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    return [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
 
 
-def _set_buffers(model: nn.Module, buffers: dict[str, torch.Tensor], device: torch.device) -> None:
-    for name, value in buffers.items():
-        owner, _, leaf = name.rpartition(".")
-        model.get_submodule(owner)._buffers[leaf] = value.to(device)
+def _unit_of(key: str) -> str:
+    """The decoder layer a weight belongs to (``model.layers.3``), else ``""`` (the root's)."""
+    match = re.match(r"(.*\.layers\.\d+)\.", key)
+    return match.group(1) if match else ""
+
+
+def _file_units(path: Path) -> tuple[dict[str, list[tuple[Path, str]]], set[str]]:
+    """Rank 0: every weight of the checkpoint grouped by FSDP unit, and the set of names."""
+    from safetensors import safe_open
+
+    units: dict[str, list[tuple[Path, str]]] = {}
+    for file in _weight_files(path):
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():
+                units.setdefault(_unit_of(key), []).append((file, key))
+    return units, {k for entries in units.values() for _, k in entries}
+
+
+def _read_unit(entries: list[tuple[Path, str]], dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
+    """Rank 0: one unit's tensors from the files, each in the dtype the model stores it in."""
+    from safetensors import safe_open
+
+    out = {}
+    for file, key in entries:
+        with safe_open(str(file), "pt") as f:
+            out[key] = f.get_tensor(key).to(dtypes[key])
+    return out
+
+
+def _check_names(path: Path, model: nn.Module, in_files: set[str]) -> str | None:
+    from .fsdp import tied_aliases
+
+    expected = set(model.state_dict()) - set(tied_aliases(model))
+    missing, unexpected = sorted(expected - in_files), sorted(in_files - set(model.state_dict()))
+    if missing or unexpected:
+        return f"{path}: weights do not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})"
+    return None
+
+
+def _ties(model: nn.Module) -> dict[str, str]:
+    """``{alias: name}`` of each parameter that appears under a second name (tied weights)."""
+    first: dict[int, str] = {}
+    ties = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            ties[name] = first[id(p)]
+        first.setdefault(id(p), name)
+    return ties
 
 
 def load_for_sharding(path: str | Path, env: DistEnv, prepare, shard, attn_implementation: str | None = "sdpa"):
     """Build the model of ``path`` on the meta device on every rank, ``prepare(model)`` it
-    (dtypes, dropout, checkpointing), ``shard(model)`` it (returns the FSDP2 root), then fill
-    the shards from rank 0's copy of the weights. A collective. Returns ``(model, root)``.
+    (dtypes, checkpointing), ``shard(model)`` it (returns the FSDP2 root), then fill the shards
+    unit by unit from the safetensors files. A collective. Returns ``(model, root)``.
 
-    Rank 0 loads the checkpoint as ``reference.load_causal_lm`` does (so key renames and tied
-    weights are transformers' own) and prepares it the same way; only its state dict is kept,
-    each tensor is broadcast and every rank keeps its shard of it. The other ranks never hold
-    more than one tensor of the full model at a time.
+    Rank 0 reads one FSDP unit (a decoder layer, or the root's embeddings, norm and head) at a
+    time and each of its tensors is broadcast, every rank keeping its own shard
+    (``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``). So no process
+    ever holds more than one unit of the full model besides its shards.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    from .checkpoint import check_loaded_keys
     from .distributed import broadcast_object
-    from .fsdp import tied_aliases
-    from .reference import load_causal_lm
 
-    state, buffers = {}, None
-    if env.is_main:
-        full = load_causal_lm(path, "cpu", attn_implementation)
-        prepare(full)
-        aliases = set(tied_aliases(full))  # saved once, re-tied by the meta model's own config
-        state = {k: v for k, v in full.state_dict().items() if k not in aliases}
-        buffers = _non_persistent_buffers(full)
-        del full
-    buffers = broadcast_object(env, buffers)
+    path = Path(path)
     model = meta_model(path, attn_implementation)
     prepare(model)
+    units, problem = None, None
+    if env.is_main:
+        units, in_files = _file_units(path)
+        problem = _check_names(path, model, in_files)
+    problem = broadcast_object(env, problem)
+    if problem:
+        raise ValueError(problem)
+    names = broadcast_object(env, sorted(units) if env.is_main else None)
+    dtypes = {k: v.dtype for k, v in model.state_dict().items()}
+    ties = _ties(model)
     root = shard(model)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
-    result = set_model_state_dict(model, state, options=options)
-    check_loaded_keys(Path(path), result.missing_keys, result.unexpected_keys)
-    _set_buffers(model, buffers, env.device)
+    with warnings.catch_warnings():
+        # torch's own device lookup for the broadcast warns about its deprecation on gloo.
+        warnings.filterwarnings("ignore", message=".*_get_pg_default_device.*|.*Multiple backends are registered.*")
+        for name in names:
+            state = _read_unit(units[name], dtypes) if env.is_main else {}
+            set_model_state_dict(model, state, options=options)
+            del state
+    # Loading assigns a new parameter under each name it loads: point the tied names (lm_head
+    # = embeddings, saved once) at it again, before FSDP's first forward looks at them.
+    for alias, source in ties.items():
+        owner, _, leaf = alias.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, model.get_parameter(source))
+    left = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if left:
+        raise RuntimeError(f"{path}: parameters not loaded: {left[:5]}")
     return model, root

@@ -54,7 +54,7 @@ def load_sharded_policy(cfg: Config, env: DistEnv, dtype: torch.dtype) -> tuple[
     from .fsdp import shard_policy
     from .loading import load_for_sharding
     from .logprobs import CompletionLogProbs
-    from .sharded import probe_sharded
+    from .sharded import probe_sharded, report_shards
 
     if (Path(cfg.model.path) / "adapter_config.json").exists():
         raise ValueError(f"{cfg.model.path}: distributed.fsdp trains full weights; a PEFT adapter directory "
@@ -67,6 +67,7 @@ def load_sharded_policy(cfg: Config, env: DistEnv, dtype: torch.dtype) -> tuple[
     policy, scorer = load_for_sharding(cfg.model.path, env, lambda m: _prepare_policy(m, cfg), shard,
                                        cfg.model.attn_implementation)
     probe_sharded(scorer, env, dtype)
+    report_shards("policy", policy, env)
     return policy, scorer
 
 

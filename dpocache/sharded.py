@@ -16,6 +16,7 @@ every rank.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -133,7 +134,16 @@ def load_sharded_reference(path: str | Path, dtype: torch.dtype, env: DistEnv, l
 
         bf16_matmul.install(model)  # after loading: it skips a model whose weights are on meta
     probe_sharded(scorer, env, dtype)
+    report_shards("reference", model, env)
     return ShardedReference(model, scorer, env, dtype, layout)
+
+
+def report_shards(what: str, model, env: DistEnv) -> None:
+    """One line on rank 0: the model is sharded, and this rank's share of its weights."""
+    if env.is_main:
+        mib = sum(p.to_local().numel() * p.element_size() for p in model.parameters()) / 2**20
+        print(f"{what}: FSDP2-sharded over {env.world_size} processes, {mib:.1f} MiB of weights in rank 0",
+              file=sys.stderr)
 
 
 def build_share_sharded(build_share, load_reference, todo: bool, pad_id: int):

@@ -365,7 +365,9 @@ def test_fsdp_train_shards_its_reference_build_and_matches_one_process(assets, s
     out = assets["root"] / "fsdp-fresh"
     args = train_args(assets, out, 4, None, "--fsdp", "--gradient-checkpointing", "true")
     args[args.index("--cache-dir") + 1] = str(assets["root"] / "fsdp-cache")
-    torchrun("train", *args)
+    proc = torchrun("train", *args)
+    assert "reference: FSDP2-sharded over 2 processes" in proc.stderr
+    assert "policy: FSDP2-sharded over 2 processes" in proc.stderr
     got, want = losses(out), losses(single_run)
     assert sorted(got) == [1, 2, 3, 4]
     for step in (1, 2, 3, 4):

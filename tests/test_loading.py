@@ -86,3 +86,54 @@ def test_the_namespace_does_not_depend_on_the_storage(saved, tmp_path, monkeypat
     ReferenceModel.from_pretrained(saved["llama"], "bfloat16", "cpu")  # reads the same directory
     assert namespace_for_dir(saved["llama"], torch.bfloat16, tmp_path).id == ns.id
     assert CacheStore(tmp_path, ns).namespace.dtype == "bfloat16"
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """A gloo process group of one process (FSDP2 needs a group, even of one)."""
+    import torch.distributed as dist
+
+    from dpocache.distributed import DistEnv
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield DistEnv(rank=0, world_size=1, device=torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_meta_loaded_policy_has_fp32_masters_bf16_gathers_and_per_layer_checkpointing(saved, world_of_one,
+                                                                                        monkeypatch):
+    """``train --fsdp``'s policy (dpocache.policy.load_sharded_policy): created on the meta
+    device and filled from the files (the weights are the checkpoint's), fp32 sharded master
+    weights and gradients, layers gathered in bf16 for compute (FSDP2 MixedPrecisionPolicy),
+    activation checkpointing per decoder layer."""
+    from torch.distributed.tensor import DTensor
+
+    from dpocache.config import Config
+    from dpocache.fsdp import decoder_layers
+    from dpocache.policy import load_sharded_policy
+
+    monkeypatch.setenv("DPOCACHE_BF16_MATMUL", "native")
+    cfg = Config()
+    cfg.model.path, cfg.model.gradient_checkpointing = str(saved["llama"]), True
+    policy, scorer = load_sharded_policy(cfg, world_of_one, torch.bfloat16)
+    full = load_causal_lm(saved["llama"])
+    for (name, p), (name_full, q) in zip(policy.named_parameters(), full.named_parameters(), strict=True):
+        assert name == name_full and isinstance(p, DTensor) and p.dtype == torch.float32 and p.requires_grad
+        assert torch.equal(p.full_tensor(), q), name
+    assert all(layer.gradient_checkpointing for layer in decoder_layers(policy))
+
+    seen = []
+    proj = decoder_layers(policy)[0].self_attn.q_proj
+    proj.register_forward_pre_hook(lambda module, args: seen.append(module.weight.dtype))
+    ids = torch.randint(3, 400, (2, 12))
+    mask = torch.zeros_like(ids)
+    mask[:, 6:] = 1
+    logps = scorer(ids, torch.ones_like(ids), mask)  # (2, 12)
+    logps.sum().backward()
+    assert torch.bfloat16 in seen  # gathered in bf16 (a second time when the checkpoint recomputes)
+    assert torch.isfinite(logps).all() and logps[:, 7:].lt(0).all()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in policy.parameters())
