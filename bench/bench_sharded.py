@@ -67,7 +67,8 @@ def _run(kind: str, argv: list[str], nproc: int, out: Path) -> list[dict]:
                CUDA_VISIBLE_DEVICES="")
     me = [str(Path(__file__).resolve()), "--worker", kind, "--out", str(out), "--"]
     cmd = ([sys.executable, *me] if nproc == 1 else
-           [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", "29517", *me])
+           [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", "29517",
+            *me])
     proc = subprocess.run(cmd + argv, env=env, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd + argv)}\n{proc.stderr[-4000:]}")
@@ -87,16 +88,19 @@ def main() -> None:
     inputs = build_inputs(CONFIG, CONFIG.pairs)
     info = json.loads((inputs / "info.json").read_text())
     model, data, work = inputs / "model", inputs / "data.jsonl", BENCH_DIR / "work" / "sharded"
-    common = ["--model", str(model), "--data", str(data), "--dtype", "float32", "--device", "cpu", "--max-length", "128"]
+    common = ["--model", str(model), "--data", str(data), "--dtype", "float32", "--device", "cpu",
+              "--max-length", "128"]
     runs: dict[str, list] = {"unsharded_build": [], "sharded_build": [], "fsdp_train_startup": []}
     for rep in range(args.reps):
-        for name, kind, nproc, extra in (("unsharded_build", "build", 1, []), ("sharded_build", "build", 2, ["--fsdp"])):
+        builds = (("unsharded_build", "build", 1, []), ("sharded_build", "build", 2, ["--fsdp"]))
+        for name, kind, nproc, extra in builds:
             cache = work / f"cache-{name}"
             shutil.rmtree(cache, ignore_errors=True)
             runs[name].append(_run(kind, ["cache", "build", *common, "--cache-dir", str(cache), *extra], nproc,
                                    work / name))
         train_argv = [*common, "--cache-dir", str(work / "cache-sharded_build"), "--fsdp", "--batch-size", "2",
-                      "--output-dir", str(work / "train-out"), "--train.overwrite", "true", "--train.progress", "false"]
+                      "--output-dir", str(work / "train-out"), "--train.overwrite", "true",
+                      "--train.progress", "false"]
         runs["fsdp_train_startup"].append(_run("train", train_argv, 2, work / "train"))
         print(f"rep {rep + 1}: " + json.dumps({k: v[-1] for k, v in runs.items()}), flush=True)
 

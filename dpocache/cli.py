@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--per-token", action="store_true", help="also store per-token log-probs")
     b.add_argument("--shard-size", type=int, default=4096, help="pairs per shard (a shard is also flushed every 60 s)")
     b.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
-    b.add_argument("--fsdp", action="store_true", help="under torchrun: shard the reference over the processes (FSDP2)")
+    b.add_argument("--fsdp", action="store_true",
+                   help="under torchrun: shard the reference over the processes (FSDP2)")
     i = csub.add_parser("info", help="namespaces, their model and dtype, pair counts, size on disk")
     _add_common_cache_args(i, needs_data=False)
     v = csub.add_parser("verify", help="check every shard's checksum and recompute a sample")

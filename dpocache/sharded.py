@@ -16,6 +16,7 @@ every rank.
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -157,9 +158,14 @@ def build_share_sharded(build_share, load_reference, todo: bool, pad_id: int):
         return build_share(lambda: reference)
     finally:
         reference.drain(pad_id)
+        # Free the shards and FSDP's state now, while the process group they use still exists
+        # (collected at interpreter exit, after it is destroyed, they can abort the process).
+        del reference
+        gc.collect()
 
 
-def reference_loader(path: str | Path, dtype: torch.dtype, env: DistEnv, layout: str = "shared", sharded: bool = False):
+def reference_loader(path: str | Path, dtype: torch.dtype, env: DistEnv, layout: str = "shared",
+                     sharded: bool = False):
     """What ``build_distributed`` calls to load the reference: sharded over ``env``'s ranks
     (``sharded`` and a world of several), else whole in every process."""
     if sharded and env.enabled:
