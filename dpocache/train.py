@@ -39,7 +39,7 @@ from .metrics import (MetricWindow, MetricsWriter, count_params, measured_peak_f
                       train_flops_per_token)
 from .policy import build_optimizer, build_scheduler, load_policy, load_sharded_policy, wrap_for_distributed
 from .prefix import layout_logprobs, training_scorer
-from .reference import ReferenceModel, dtype_name, resolve_dtype
+from .reference import dtype_name, resolve_dtype
 from .sharded import reference_loader
 
 
