@@ -17,6 +17,8 @@ from .data import PreferenceData, load_preference_data
 from .distributed import destroy, init_distributed
 from .preflight import UsageError, check_writable_dir, disk_errors, model_context
 from .reference import ReferenceModel, default_device, dtype_name, resolve_dtype
+from .sharded import reference_loader
+
 
 def _human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -68,13 +70,10 @@ def _open_store(args, device, open_now: bool = True, verbose: bool = True) -> tu
 
 
 def _load_reference(args, dtype, device) -> ReferenceModel:
-    """``--model`` as the reference (``--reference``: an adapter directory with its adapter on, or its base)."""
+    """``--model`` as the reference, whole in this process (``--reference``: an adapter directory
+    with its adapter on, or its base)."""
     base, adapter = reference_source(args.model, args.reference)
     return ReferenceModel.from_pretrained(base, dtype, device, layout=args.layout, adapter=adapter)
-
-
-def _reference_loader(args, dtype, device):
-    return lambda: _load_reference(args, dtype, device)
 
 
 def cmd_build(args) -> int:
@@ -88,9 +87,12 @@ def cmd_build(args) -> int:
         if args.eval_data:  # a config's eval set is cached too, as train would
             pairs = pairs + _load_data(args, tokenizer, verbose=env.is_main, source=args.eval_data).pairs
         store, dtype = _open_store(args, env.device, open_now=False, verbose=env.is_main)
+        base, adapter = reference_source(args.model, args.reference)
+        load = reference_loader(base, dtype, env, args.layout, sharded=args.fsdp, adapter=adapter)
         summary = build_distributed(
-            store, pairs, _reference_loader(args, dtype, env.device), env, pad_id=tokenizer.pad_token_id or 0,
+            store, pairs, load, env, pad_id=tokenizer.pad_token_id or 0,
             per_token=args.per_token, max_tokens=args.max_tokens or DEFAULT_MAX_TOKENS, shard_pairs=args.shard_size,
+            sharded=args.fsdp,
         )
         if env.is_main:
             _print_build_summary(args, summary, store, dtype, data)

@@ -44,11 +44,26 @@ def decoder_layers(policy: nn.Module) -> list[nn.Module]:
     return list(max(lists, key=len)) if lists else []
 
 
-def shard_policy(scorer: nn.Module, policy: nn.Module, env: DistEnv, reshard_after_forward: bool = True) -> nn.Module:
-    """Shard ``policy`` (inside ``scorer``, a ``CompletionLogProbs``) over every rank.
+def mixed_precision(dtype: torch.dtype | None):
+    """FSDP2's policy for compute in ``dtype``: parameters all-gathered in ``dtype`` (so each
+    layer's matrices are cast once per gather, not on every use), gradients reduced in fp32
+    and applied to the fp32 sharded master weights (the optimizer state stays fp32). None for
+    fp32 (or no dtype): nothing to cast."""
+    if dtype is None or dtype == torch.float32:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def shard_policy(scorer: nn.Module, policy: nn.Module, env: DistEnv, reshard_after_forward: bool = True,
+                 compute_dtype: torch.dtype | None = None) -> nn.Module:
+    """Shard ``policy`` (inside ``scorer``, a ``CompletionLogProbs``) over every rank, with
+    ``mixed_precision(compute_dtype)``.
 
     The model may sit on the CPU: ``fully_shard`` moves each unit to ``env.device`` as it
-    shards it, so a GPU never holds more than one full layer during set-up.
+    shards it, so a GPU never holds more than one full layer during set-up. It may also sit on
+    the meta device (``dpocache.loading.load_for_sharding`` fills the shards afterwards).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -57,10 +72,35 @@ def shard_policy(scorer: nn.Module, policy: nn.Module, env: DistEnv, reshard_aft
     layers = decoder_layers(policy)
     if not layers:
         raise ValueError(f"{type(unwrap_causal_lm(policy)).__name__}: found no decoder layers to shard")
+    mp = mixed_precision(compute_dtype)
+    kwargs = {"mp_policy": mp} if mp is not None else {}
     for layer in layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(scorer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, **kwargs)
+    fully_shard(scorer, mesh=mesh, reshard_after_forward=reshard_after_forward, **kwargs)
+    if env.device.type == "cpu":
+        trim_after_each(layers)
     return scorer
+
+
+def trim_after_each(layers: list[nn.Module]) -> None:
+    """On the CPU, hand the memory of each layer's gathered parameters back to the system
+    once it is resharded (``malloc_trim``). glibc keeps freed blocks below its mmap threshold
+    (32 MiB with ``dpocache.allocator``'s settings) in per-thread heaps it rarely trims, and
+    the gathered layers' blocks were measured to pile up to a whole model's worth over one
+    forward. The hook runs after FSDP's own (registered first), which reshards."""
+    import ctypes
+
+    try:
+        malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+
+    def trim(module, args, out) -> None:  # returns None: the layer's output is left as it is
+        malloc_trim(0)
+
+    for layer in layers:
+        layer.register_forward_hook(trim)
 
 
 # ------------------------------------------------------------------------------ checkpoints

@@ -11,7 +11,7 @@ from torch import nn
 from .cache.build import adapter_base_dir
 from .config import Config
 from .distributed import DistEnv
-from .reference import load_causal_lm
+from .reference import disable_dropout, load_causal_lm
 
 
 def load_policy(cfg: Config, device: torch.device) -> nn.Module:
@@ -34,6 +34,40 @@ def load_policy(cfg: Config, device: torch.device) -> nn.Module:
             model.enable_input_require_grads()
     model.config.use_cache = False
     return model.to(device)
+
+
+def _prepare_policy(model: nn.Module, cfg: Config) -> None:
+    """What ``load_policy`` does to a full-weight model after loading: no dropout, per-layer
+    activation checkpointing if asked, no KV cache."""
+    disable_dropout(model)
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+
+
+def load_sharded_policy(cfg: Config, env: DistEnv, dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
+    """``train --fsdp``'s policy, created on the meta device on every rank and filled shard by
+    shard from rank 0's copy (``dpocache.loading.load_for_sharding``), sharded with FSDP2 in
+    ``dtype``'s mixed precision. A collective. Returns ``(policy, scorer)``: the causal LM and
+    the ``CompletionLogProbs`` that is FSDP's root."""
+    from .fsdp import shard_policy
+    from .loading import load_for_sharding
+    from .logprobs import CompletionLogProbs
+    from .sharded import probe_sharded, report_shards
+
+    if (Path(cfg.model.path) / "adapter_config.json").exists():
+        raise ValueError(f"{cfg.model.path}: distributed.fsdp trains full weights; a PEFT adapter directory "
+                         "is a LoRA run (use DDP: no --fsdp)")
+
+    def shard(model):
+        scorer = CompletionLogProbs(model, probe=False)  # probed below, once its shards are filled
+        return shard_policy(scorer, model, env, compute_dtype=dtype)
+
+    policy, scorer = load_for_sharding(cfg.model.path, env, lambda m: _prepare_policy(m, cfg), shard,
+                                       cfg.model.attn_implementation)
+    probe_sharded(scorer, env, dtype)
+    report_shards("policy", policy, env)
+    return policy, scorer
 
 
 def add_lora(model: nn.Module, cfg: Config) -> nn.Module:

@@ -17,6 +17,7 @@ from torch import nn
 
 from . import bf16_matmul
 from .bf16_matmul import cpu_has_amx_bf16
+from .loading import store_frozen_matrices_
 from .logprobs import CompletionLogProbs, autocast
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ class ReferenceModel:
     """Frozen log-prob scorer. ``logprobs`` runs under ``inference_mode`` and counts its work."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype = torch.float32, compile: bool = False,
-                 adapter_disabled: bool = False, layout: str = "shared"):
+                 adapter_disabled: bool = False, layout: str = "shared", scorer: CompletionLogProbs | None = None):
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got '{layout}'")
         self.model = model
@@ -100,7 +101,7 @@ class ReferenceModel:
         if not adapter_disabled:
             model.eval()
             model.requires_grad_(False)
-        self._scorer = CompletionLogProbs(model)
+        self._scorer = scorer if scorer is not None else CompletionLogProbs(model)  # given: sharded (dpocache.sharded)
         if not self._scorer.fast_path:
             self.layout = "padded"  # an unknown head: the model's own forward, on the padded layout
         # Optional torch.compile, for both layouts (measured no faster on a 2-core CPU: bench/README.md).
@@ -130,6 +131,8 @@ class ReferenceModel:
         if dtype == torch.bfloat16:
             # This model is ours and frozen: its fp32 weights are only ever used as bf16 values.
             bf16_matmul.round_frozen_weights_(model)
+        # ... so store its matrices in the compute dtype where no fp32 route needs them (dpocache.loading).
+        store_frozen_matrices_(model, dtype)
         return reference
 
     @classmethod

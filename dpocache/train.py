@@ -43,10 +43,11 @@ from .ld_dpo import ld_policy, ld_reference
 from .losses import parse_loss_spec, preference_loss
 from .metrics import (MetricWindow, MetricsWriter, count_params, measured_peak_flops, model_shape,
                       train_flops_per_token)
-from .policy import build_optimizer, build_scheduler, load_policy, wrap_for_distributed
+from .policy import build_optimizer, build_scheduler, load_policy, load_sharded_policy, wrap_for_distributed
 from .preflight import model_context
 from .prefix import layout_logprobs, training_scorer
-from .reference import ReferenceModel, dtype_name, resolve_dtype
+from .reference import dtype_name, resolve_dtype
+from .sharded import reference_loader
 from .signals import StopRequest, stop_signals
 
 
@@ -119,9 +120,11 @@ def setup(cfg: Config) -> Run:
                           "full-vocabulary probabilities); dpocache.losses has it for other trainers")
     ref_train, ref_eval, ref_info = prepare_reference(cfg, env, dtype, spec, tokenizer, train_data, eval_data)
     fsdp = cfg.distributed.fsdp and env.enabled
-    # FSDP moves each unit to the device as it shards it: load on the CPU, never whole on a GPU.
-    policy = load_policy(cfg, torch.device("cpu") if fsdp else env.device)
-    scorer = wrap_for_distributed(CompletionLogProbs(policy), policy, cfg, env)
+    if fsdp:  # created on the meta device, filled shard by shard: never whole in every process
+        policy, scorer = load_sharded_policy(cfg, env, dtype)
+    else:
+        policy = load_policy(cfg, env.device)
+        scorer = wrap_for_distributed(CompletionLogProbs(policy), policy, cfg, env)
     scorer = training_scorer(scorer, cfg.train.layout)  # shared-prompt layout where supported (dpocache.prefix)
     global_batch = cfg.train.batch_size * cfg.train.grad_accum * env.world_size
     steps_per_epoch = len(train_data) // global_batch
@@ -177,13 +180,13 @@ def prepare_reference(cfg: Config, env: DistEnv, dtype: torch.dtype, spec, token
     cache_dir = Path(cfg.cache.dir) if cfg.cache.dir else default_cache_dir()
     store = CacheStore(cache_dir, namespace_for_dir(ref_path, dtype, cache_dir, cfg.model.reference))
     pairs = train_data.pairs + (eval_data.pairs if eval_data else [])
-    load = lambda: ReferenceModel.from_pretrained(ref_dir, dtype, env.device, layout=cfg.cache.layout,  # noqa: E731
-                                                  adapter=adapter)
+    load = reference_loader(ref_dir, dtype, env, cfg.cache.layout, sharded=cfg.distributed.fsdp, adapter=adapter)
     # Every rank scores its token-balanced share of what is missing (one rank: all of it).
     summary = build_distributed(
         store, pairs, load, env,
         pad_id=tokenizer.pad_token_id or 0, max_tokens=cfg.cache.max_tokens, shard_pairs=cfg.cache.shard_size,
         show_progress=cfg.train.progress and env.is_main, per_token=cfg.loss.ld_alpha is not None,  # LD-DPO
+        sharded=cfg.distributed.fsdp,
     )
     if env.is_main:
         for bad in summary.corrupt_shards:

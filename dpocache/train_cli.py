@@ -104,7 +104,7 @@ def check_model_dirs(cfg) -> None:
 
 def check_train_paths(cfg) -> None:
     """Every other path ``train`` reads or writes, before anything loads (``dpocache.preflight``)."""
-    from .cache import CacheError, default_cache_dir
+    from .cache import default_cache_dir
 
     check_data_path(cfg.data.train, "--data")
     check_data_path(cfg.data.eval, "--eval-data")

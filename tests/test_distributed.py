@@ -365,3 +365,83 @@ def test_sigterm_to_one_rank_of_training_checkpoints_and_resumes_exactly(assets,
     for step in (1, 2, 3, 4):
         assert_close_records(got[step], want[step])
     assert [r["step"] for r in read_metrics(stopped)] == [0, 1, 2, 3, 4, 4]
+
+
+# ------------------------------------------------------------------------------ sharded reference (FSDP2)
+
+
+def _pairs(assets, model: Path, max_length: int = 64):
+    from dpocache.cache_cli import load_tokenizer
+    from dpocache.data import load_preference_data
+
+    return load_preference_data(str(assets["pairs37"]), load_tokenizer(model), max_length=max_length,
+                                show_progress=False).pairs
+
+
+def test_sharded_build_on_two_ranks_matches_one_process_in_fp32(assets, tmp_path):
+    """``cache build --fsdp``: the reference's weights sharded over 2 processes, each scoring
+    its own share; the values are the single process's (sums and per-token values)."""
+    from dpocache.cache import CacheStore, namespace_for_dir
+
+    model = assets["model"]
+    common = ["--model", str(model), "--data", str(assets["pairs37"]), "--dtype", "float32", "--device", "cpu",
+              "--max-length", "64", "--per-token"]
+    assert in_process("cache", "build", *common, "--cache-dir", str(tmp_path / "one")) == 0
+    proc = torchrun("cache", "build", *common, "--cache-dir", str(tmp_path / "sharded"), "--fsdp", "--json")
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (summary["computed"], summary["world_size"]) == (37, 2)
+    pairs = _pairs(assets, model)
+    got, want = ([CacheStore(tmp_path / d, namespace_for_dir(model, torch.float32, tmp_path / d)).open()
+                  for d in ("sharded", "one")])
+    a, b = got.lookup([p.key for p in pairs]), want.lookup([p.key for p in pairs])
+    for side in ("chosen_logps", "rejected_logps"):
+        assert torch.allclose(getattr(a, side), getattr(b, side), atol=TOL, rtol=0), side
+    for p in pairs:
+        for x, y in zip(got.token_logps(p.key), want.token_logps(p.key), strict=True):
+            assert torch.allclose(x, y, atol=TOL, rtol=0)
+
+
+def test_sharded_build_on_four_ranks_equals_the_unsharded_shares_in_bf16(assets, tmp_path, monkeypatch):
+    """bf16 with the native kernels (matrices stored in bf16, so each FSDP unit mixes bf16 and
+    fp32 parameters), a tied head, the padded layout, and shares of different batch counts (the
+    ranks that finish first run padding forwards). Equal, bit for bit, to the unsharded reference
+    run over the same shares in the same batches."""
+    from dpocache.cache import CacheStore, build_missing, namespace_for_dir
+    from dpocache.cache.build import reference_batches
+    from dpocache.reference import ReferenceModel
+
+    monkeypatch.setenv("DPOCACHE_BF16_MATMUL", "native")  # torchrun's processes inherit it
+    model, bf16 = assets["tied"], torch.bfloat16
+    pairs = _pairs(assets, model)
+    reference = ReferenceModel.from_pretrained(model, "bfloat16", "cpu", layout="padded")
+    shares = split_by_tokens(pairs, 4)
+    assert len({len(reference_batches(reference, share, 120)) for share in shares}) > 1  # unequal batch counts
+    unsharded = CacheStore(tmp_path / "u", namespace_for_dir(model, bf16, tmp_path / "u")).open()
+    for share in shares:
+        build_missing(unsharded, share, lambda: reference, max_tokens=120, show_progress=False)
+
+    torchrun("cache", "build", "--model", str(model), "--data", str(assets["pairs37"]), "--dtype", "bfloat16",
+             "--device", "cpu", "--max-length", "64", "--layout", "padded", "--max-tokens", "120",
+             "--cache-dir", str(tmp_path / "s"), "--fsdp", nproc=4)
+    sharded = CacheStore(tmp_path / "s", namespace_for_dir(model, bf16, tmp_path / "s")).open()
+    assert sharded.namespace.id == unsharded.namespace.id  # bf16 storage leaves the namespace alone
+    a, b = sharded.lookup([p.key for p in pairs]), unsharded.lookup([p.key for p in pairs])
+    assert torch.equal(a.chosen_logps, b.chosen_logps) and torch.equal(a.rejected_logps, b.rejected_logps)
+
+
+def test_fsdp_train_shards_its_reference_build_and_matches_one_process(assets, single_run):
+    """``train --fsdp`` from scratch with an empty cache: the reference pass is sharded, the
+    policy is created on the meta device and filled from rank 0 (per-layer activation
+    checkpointing on); the losses are those of the one-process run."""
+    out = assets["root"] / "fsdp-fresh"
+    args = train_args(assets, out, 4, None, "--fsdp", "--gradient-checkpointing", "true")
+    args[args.index("--cache-dir") + 1] = str(assets["root"] / "fsdp-cache")
+    proc = torchrun("train", *args)
+    assert "reference: FSDP2-sharded over 2 processes" in proc.stderr
+    assert "policy: FSDP2-sharded over 2 processes" in proc.stderr
+    got, want = losses(out), losses(single_run)
+    assert sorted(got) == [1, 2, 3, 4]
+    for step in (1, 2, 3, 4):
+        assert_close_records(got[step], want[step])
+    ref = json.loads((out / "run.json").read_text())["reference"]
+    assert ref["computed"] == 75 and ref["built_on_ranks"] == 2 and ref["forward_passes_during_training"] == 0

@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from ..batching import PairBatch, collate_pairs, pair_logprobs, token_budget_batches
+from ..batching import PairBatch, collate_pairs, token_budget_batches
 from ..data import TokenizedPair
 from ..distributed import DistEnv, barrier, broadcast_object, reduce_counts, same_on_all_ranks, split_by_weight
 from ..reference import ReferenceModel, dtype_name
@@ -322,6 +322,7 @@ def build_distributed(
     shard_pairs: int = 4096,
     flush_seconds: float = 60.0,
     show_progress: bool = True,
+    sharded: bool = False,
 ) -> BuildSummary:
     """``build_missing`` over every rank of ``env`` (a world of one is exactly ``build_missing``
     with the store opened and bad shards quarantined first).
@@ -339,18 +340,21 @@ def build_distributed(
     SIGTERM or SIGINT on any rank ends that rank's scoring after the batch in flight; once the
     others are done (or stopped too), every rank's shards are in the manifest and every rank
     raises ``signals.Interrupted``.
+
+    ``sharded``: ``load_reference`` returns a ``dpocache.sharded.ShardedReference`` (its
+    weights sharded over the ranks), loaded on every rank and drained (``build_share_sharded``).
     """
     # Every rank stops at the same place: a stop signal (torchrun forwards SIGTERM to every
     # worker; a scheduler may signal one) only ends a rank's scoring loop, and the ranks agree
     # on it in the reduction below, so none waits forever in a collective another left.
     with stop_signals() as stop, stop.deferred() if env.enabled else contextlib.nullcontext():
-        return _build_shares(store, pairs, load_reference, env, stop, pad_id=pad_id, per_token=per_token,
+        return _build_shares(store, pairs, load_reference, env, stop, sharded, pad_id=pad_id, per_token=per_token,
                              max_tokens=max_tokens, shard_pairs=shard_pairs, flush_seconds=flush_seconds,
                              show_progress=show_progress)
 
 
 def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_reference: Callable[[], ReferenceModel],
-                  env: DistEnv, stop: StopRequest, **kwargs) -> BuildSummary:
+                  env: DistEnv, stop: StopRequest, sharded: bool, **kwargs) -> BuildSummary:
     start = time.perf_counter()
     if env.is_main:
         store.open(repair=True)
@@ -367,7 +371,15 @@ def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_refere
     kwargs["show_progress"] = kwargs["show_progress"] and env.is_main
     local, error = None, None
     try:
-        local = score_missing(store, mine, load_reference, stop, update_manifest=not env.enabled, **kwargs)
+        def build_share(load):
+            return score_missing(store, mine, load, stop, update_manifest=not env.enabled, **kwargs)
+
+        if sharded and env.enabled:
+            from ..sharded import build_share_sharded
+
+            local = build_share_sharded(build_share, load_reference, bool(todo_keys), kwargs["pad_id"])
+        else:
+            local = build_share(load_reference)
     except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks learn of it
         error = e
     # Also the synchronisation point: every rank's shards are flushed and renamed into place.

@@ -1,0 +1,236 @@
+"""How models get into memory: a frozen reference stored in its compute dtype, and models
+created on the meta device and filled shard by shard under ``torchrun`` (never whole in every
+process).
+
+Storage dtype of a frozen bf16 reference (``store_frozen_matrices_``): under bf16 autocast
+every matrix product casts its fp32 weight to bf16 on each call, so storing the matrix weights
+(``nn.Linear`` and GPT-2's ``Conv1D``) in bf16 once gives the same values bit for bit and
+halves their memory. Embeddings stay fp32: an embedding lookup is not an autocast op, so an
+fp32 table keeps the residual stream in fp32, and a bf16 one would change every number after
+it. Norms, biases of norms and buffers (rotary frequencies) stay fp32 as well. Layers that
+``dpocache.bf16_matmul`` routes through the fp32 GEMM (CPUs without AMX) keep their fp32
+storage: that route multiplies bf16-rounded fp32 values and needs them in fp32.
+
+Loading for sharding (``load_for_sharding``): every rank builds the model with its parameters
+on the meta device (no memory; buffers such as rotary frequencies are computed from the
+config), shards it with ``fully_shard``, and fills the shards unit by unit: rank 0 reads one
+decoder layer's tensors (or the root's) from the safetensors files, each tensor is broadcast
+and every rank keeps its own shard (``set_model_state_dict(full_state_dict=True,
+broadcast_from_rank0=True)``, as torchtune and torchtitan do). So host memory holds one shard
+per process plus one layer in flight, never a whole model per process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .distributed import DistEnv
+
+
+# ------------------------------------------------------------------ frozen reference storage
+
+
+def _matrix_layers(model: nn.Module) -> list[nn.Module]:
+    """``nn.Linear`` and transformers' ``Conv1D`` (GPT-2) layers: exactly the modules whose
+    forward is a matrix product that bf16 autocast computes in bf16."""
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover - transformers always has it
+        Conv1D = ()
+    return [m for m in model.modules() if type(m) is nn.Linear or (Conv1D and isinstance(m, Conv1D))]
+
+
+@torch.no_grad()
+def store_frozen_matrices_(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Store the matrix weights (and their biases) of a frozen model used only under ``dtype``
+    autocast in ``dtype``, in place; returns how many layers changed.
+
+    Left in fp32: a weight tied to an embedding (an embedding lookup is not autocast, so its
+    fp32 values reach the residual stream), every non-matrix parameter, and the layers
+    ``dpocache.bf16_matmul`` switched to the fp32 GEMM (they need fp32 storage).
+    """
+    from .bf16_matmul import _INSTALLED
+
+    if dtype == torch.float32:
+        return 0
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    count = 0
+    for layer in _matrix_layers(model):
+        if getattr(layer, _INSTALLED, False) or id(layer.weight) in embeddings:
+            continue
+        for name, p in list(layer.named_parameters(recurse=False)):
+            if p.dtype == torch.float32:
+                setattr(layer, name, nn.Parameter(p.to(dtype), requires_grad=False))
+        count += 1
+    return count
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters, each shared tensor counted once."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def routes_bf16_through_fp32(device: torch.device | str) -> bool:
+    """Whether bf16 linear layers on ``device`` take ``dpocache.bf16_matmul``'s fp32-GEMM
+    route (CPUs without AMX tiles, unless ``$DPOCACHE_BF16_MATMUL`` says otherwise)."""
+    from .bf16_matmul import resolve_mode
+
+    return torch.device(device).type == "cpu" and resolve_mode() == "fp32-gemm"
+
+
+# ------------------------------------------------------------------------ loading for sharding
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Parameters created inside go to the meta device as they are registered (before any
+    initialisation runs on them); buffers stay real. Buffers the state dict leaves out (rotary
+    frequencies) are computed at construction from the config, so this gives every rank their
+    values without reading or sending anything (what accelerate's ``init_empty_weights`` does)."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def meta_model(path: str | Path, attn_implementation: str | None = "sdpa") -> nn.Module:
+    """The model of ``path``'s config with its parameters on the meta device (no memory, no
+    initialisation) and its buffers computed."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(path))
+    kwargs = {"dtype": torch.float32}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    with _parameters_on_meta():
+        try:
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
+        except (ValueError, ImportError):  # no SDPA kernel: the architecture's default, as load_causal_lm
+            kwargs.pop("attn_implementation", None)
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
+    from .reference import disable_dropout
+
+    disable_dropout(model)
+    return model
+
+
+def _weight_files(path: Path) -> list[Path]:
+    single = path / "model.safetensors"
+    if single.exists():
+        return [single]
+    index = path / "model.safetensors.index.json"
+    if not index.exists():
+        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    return [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+
+
+def _unit_of(key: str) -> str:
+    """The decoder layer a weight belongs to (``model.layers.3``), else ``""`` (the root's)."""
+    match = re.match(r"(.*\.layers\.\d+)\.", key)
+    return match.group(1) if match else ""
+
+
+def _file_units(path: Path) -> tuple[dict[str, list[tuple[Path, str]]], set[str]]:
+    """Rank 0: every weight of the checkpoint grouped by FSDP unit, and the set of names."""
+    from safetensors import safe_open
+
+    units: dict[str, list[tuple[Path, str]]] = {}
+    for file in _weight_files(path):
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():
+                units.setdefault(_unit_of(key), []).append((file, key))
+    return units, {k for entries in units.values() for _, k in entries}
+
+
+def _read_unit(entries: list[tuple[Path, str]], dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
+    """Rank 0: one unit's tensors from the files, each in the dtype the model stores it in."""
+    from safetensors import safe_open
+
+    out = {}
+    for file, key in entries:
+        with safe_open(str(file), "pt") as f:
+            out[key] = f.get_tensor(key).to(dtypes[key])
+    return out
+
+
+def _check_names(path: Path, model: nn.Module, in_files: set[str]) -> str | None:
+    from .fsdp import tied_aliases
+
+    expected = set(model.state_dict()) - set(tied_aliases(model))
+    missing, unexpected = sorted(expected - in_files), sorted(in_files - set(model.state_dict()))
+    if missing or unexpected:
+        return f"{path}: weights do not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})"
+    return None
+
+
+def _ties(model: nn.Module) -> dict[str, str]:
+    """``{alias: name}`` of each parameter that appears under a second name (tied weights)."""
+    first: dict[int, str] = {}
+    ties = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            ties[name] = first[id(p)]
+        first.setdefault(id(p), name)
+    return ties
+
+
+def load_for_sharding(path: str | Path, env: DistEnv, prepare, shard, attn_implementation: str | None = "sdpa"):
+    """Build the model of ``path`` on the meta device on every rank, ``prepare(model)`` it
+    (dtypes, checkpointing), ``shard(model)`` it (returns the FSDP2 root), then fill the shards
+    unit by unit from the safetensors files. A collective. Returns ``(model, root)``.
+
+    Rank 0 reads one FSDP unit (a decoder layer, or the root's embeddings, norm and head) at a
+    time and each of its tensors is broadcast, every rank keeping its own shard
+    (``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``). So no process
+    ever holds more than one unit of the full model besides its shards.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from .distributed import broadcast_object
+
+    path = Path(path)
+    model = meta_model(path, attn_implementation)
+    prepare(model)
+    units, problem = None, None
+    if env.is_main:
+        units, in_files = _file_units(path)
+        problem = _check_names(path, model, in_files)
+    problem = broadcast_object(env, problem)
+    if problem:
+        raise ValueError(problem)
+    names = broadcast_object(env, sorted(units) if env.is_main else None)
+    dtypes = {k: v.dtype for k, v in model.state_dict().items()}
+    ties = _ties(model)
+    root = shard(model)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    with warnings.catch_warnings():
+        # torch's own device lookup for the broadcast warns about its deprecation on gloo.
+        warnings.filterwarnings("ignore", message=".*_get_pg_default_device.*|.*Multiple backends are registered.*")
+        for name in names:
+            state = _read_unit(units[name], dtypes) if env.is_main else {}
+            set_model_state_dict(model, state, options=options)
+            del state
+    # Loading assigns a new parameter under each name it loads: point the tied names (lm_head
+    # = embeddings, saved once) at it again, before FSDP's first forward looks at them.
+    for alias, source in ties.items():
+        owner, _, leaf = alias.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, model.get_parameter(source))
+    left = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if left:
+        raise RuntimeError(f"{path}: parameters not loaded: {left[:5]}")
+    return model, root

@@ -1,0 +1,178 @@
+"""The frozen reference sharded with FSDP2 over the ``torchrun`` processes (``cache build
+--fsdp``, and the build ``train --fsdp`` runs for missing values).
+
+Each process holds ``1 / world`` of the weights; every decoder layer is all-gathered just
+before it runs and freed after it, as in ``dpocache.fsdp`` (``CompletionLogProbs`` is the
+root, which owns the embeddings, the final norm and the head). Each process still scores its
+own token-balanced share of the pairs (``cache.build.build_distributed``).
+
+An FSDP2 forward is a collective: every rank must run the same number of forwards, with the
+same all-gathers in the same order. Shares differ in their number of batches (and a rank may
+have none), so before each forward a rank says whether it has a real batch (an all-reduce of
+one flag), and a rank whose share is done keeps answering with dummy forwards of one tiny pair
+(``drain``) until no rank has work left. Every round is then one all-reduce and one forward on
+every rank.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+from pathlib import Path
+
+import torch
+
+from .data import TokenizedPair
+from .distributed import DistEnv, reduce_counts
+from .loading import load_for_sharding, routes_bf16_through_fp32, store_frozen_matrices_
+from .logprobs import CompletionLogProbs, autocast
+from .preflight import UsageError
+from .reference import ReferenceModel, disable_dropout
+
+# One tiny pair for the padding forwards: a prompt token and one token per completion.
+_DUMMY_PAIR = TokenizedPair(index=-1, prompt_ids=(1, 1), chosen_ids=(1,), rejected_ids=(1,), key=b"\0" * 16)
+
+
+class ShardedReference(ReferenceModel):
+    """A ``ReferenceModel`` whose weights are FSDP2 shards; call ``drain`` on every rank when
+    its own share is done."""
+
+    def __init__(self, model, scorer: CompletionLogProbs, env: DistEnv, dtype: torch.dtype, layout: str):
+        self.env = env
+        super().__init__(model, dtype, layout=layout, scorer=scorer)
+        if self.layout == "shared":
+            # The shared layout calls the body and the head, not the root's forward: gather the
+            # root's own parameters (embeddings, final norm, head) around it.
+            run_shared = self._run_shared
+
+            def gathered(scorer, batch):
+                scorer.unshard()
+                try:
+                    return run_shared(scorer, batch)
+                finally:
+                    scorer.reshard()
+
+            self._run_shared = gathered
+        self.padding_passes = 0
+        self._padding = False
+
+    def _call(self, fn, tokens: int) -> torch.Tensor:
+        if not self._padding:
+            self._round(working=True)
+        return super()._call(fn, tokens)
+
+    def _round(self, working: bool) -> bool:
+        """One round's flag: whether any rank has a real batch in this round."""
+        (busy,) = reduce_counts(self.env, [1.0 if working else 0.0])
+        return busy > 0
+
+    def drain(self, pad_id: int = 0) -> None:
+        """Padding forwards until every rank's share is done (a collective; call it on every
+        rank once its own batches are scored, also after an error)."""
+        from .cache.build import score_batch
+
+        while self._round(working=False):
+            self._padding = True  # this round's flag is already sent
+            try:
+                score_batch(self, [_DUMMY_PAIR], pad_id)
+            finally:
+                self._padding = False
+            self.forward_passes -= 1  # not a pass over the data
+            self.padding_passes += 1
+
+
+def shard_reference(scorer: CompletionLogProbs, env: DistEnv) -> None:
+    """``fully_shard`` every decoder layer and the root (``dpocache.fsdp.shard_policy``), with
+    the root's parameters freed after each forward too (FSDP2 keeps a root's gathered for the
+    backward, and a reference has none)."""
+    from .fsdp import shard_policy
+
+    shard_policy(scorer, scorer.model, env)
+    scorer.set_reshard_after_forward(True, recurse=False)
+
+
+def probe_sharded(scorer: CompletionLogProbs, env: DistEnv, dtype: torch.dtype) -> None:
+    """The fast-path probe of ``CompletionLogProbs`` on a sharded model (a collective).
+
+    A first forward through the root makes ``scorer`` FSDP's root (the first module to run
+    forward becomes it); the probe then calls the model's own forward, with the root's
+    parameters gathered around it and each layer gathering its own."""
+    ids = torch.ones((1, 4), dtype=torch.long, device=env.device)
+    mask = torch.zeros_like(ids)
+    mask[:, 2:] = 1
+    # Under the compute dtype's autocast: matrices stored in bf16 take no fp32 input.
+    with torch.no_grad(), autocast(dtype, env.device):
+        scorer(ids, torch.ones_like(ids), mask)
+        scorer.unshard()
+        try:
+            scorer.fast_path = scorer._probe_fast_path()
+        finally:
+            scorer.reshard()
+
+
+def load_sharded_reference(path: str | Path, dtype: torch.dtype, env: DistEnv, layout: str = "shared",
+                           attn_implementation: str | None = "sdpa") -> ShardedReference:
+    """The reference of ``path`` sharded over ``env``'s ranks (a collective: every rank calls
+    it). Values are those of ``ReferenceModel.from_pretrained``: bf16 matrices stored in bf16
+    where the native bf16 kernels run, the fp32-GEMM route on CPUs without AMX."""
+    routed = dtype == torch.bfloat16 and routes_bf16_through_fp32(env.device)
+    storage = None if routed else dtype
+
+    def prepare(model):
+        disable_dropout(model)
+        model.eval()
+        model.requires_grad_(False)
+        if storage is not None:
+            store_frozen_matrices_(model, storage)
+
+    def shard(model):
+        scorer = CompletionLogProbs(model, probe=False)  # probed below, once sharded
+        shard_reference(scorer, env)
+        return scorer
+
+    model, scorer = load_for_sharding(path, env, prepare, shard, attn_implementation)
+    if routed:
+        from . import bf16_matmul
+
+        bf16_matmul.install(model)  # after loading: it skips a model whose weights are on meta
+    probe_sharded(scorer, env, dtype)
+    report_shards("reference", model, env)
+    return ShardedReference(model, scorer, env, dtype, layout)
+
+
+def report_shards(what: str, model, env: DistEnv) -> None:
+    """One line on rank 0: the model is sharded, and this rank's share of its weights."""
+    if env.is_main:
+        mib = sum(p.to_local().numel() * p.element_size() for p in model.parameters()) / 2**20
+        print(f"{what}: FSDP2-sharded over {env.world_size} processes, {mib:.1f} MiB of weights in rank 0",
+              file=sys.stderr)
+
+
+def build_share_sharded(build_share, load_reference, todo: bool, pad_id: int):
+    """Run ``build_share(load)`` (``cache.build.build_missing`` on this rank's share) with a
+    sharded reference: loaded on every rank whenever any pair is missing (loading is a
+    collective, even for a rank with an empty share), then drained."""
+    if not todo:
+        return build_share(load_reference)
+    reference = load_reference()
+    try:
+        return build_share(lambda: reference)
+    finally:
+        reference.drain(pad_id)
+        # Free the shards and FSDP's state now, while the process group they use still exists
+        # (collected at interpreter exit, after it is destroyed, they can abort the process).
+        reference = None  # noqa: F841 - the last reference to it (the closure above holds this cell)
+        gc.collect()
+
+
+def reference_loader(path: str | Path, dtype: torch.dtype, env: DistEnv, layout: str = "shared",
+                     sharded: bool = False, adapter: str | Path | None = None):
+    """What ``build_distributed`` calls to load the reference: sharded over ``env``'s ranks
+    (``sharded`` and a world of several), else whole in every process; ``adapter``: a PEFT
+    adapter directory applied on top of ``path`` (the initial policy of an adapter run)."""
+    if sharded and env.enabled:
+        if adapter is not None:
+            raise UsageError(f"--fsdp: a sharded reference with a PEFT adapter ({adapter}) is not supported; build "
+                             "without --fsdp (the adapter's base is loaded whole) or with --reference base")
+        return lambda: load_sharded_reference(path, dtype, env, layout)
+    return lambda: ReferenceModel.from_pretrained(path, dtype, env.device, layout=layout, adapter=adapter)

@@ -1,0 +1,139 @@
+"""A frozen bf16 reference stored in bf16 (dpocache.loading): the same values, bit for bit, as
+the fp32-stored reference under bf16 autocast, in about half the parameter memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dpocache.cache import CacheStore, namespace_for_dir
+from dpocache.cache.build import reference_batches, score_batch
+from dpocache.cache_cli import load_tokenizer
+from dpocache.data import load_preference_data
+from dpocache.loading import parameter_bytes
+from dpocache.reference import ReferenceModel, load_causal_lm
+from dpocache.tiny import save_tiny_model
+
+MODELS = {
+    "llama": ("llama", {}),
+    # Tied embeddings: lm_head is the embedding table, which must stay fp32.
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "gpt2": ("gpt2", {}),  # tied, and its matrices are Conv1D, not nn.Linear
+}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("loading")
+    return {name: save_tiny_model(root / name, arch, seed=3, **kw) for name, (arch, kw) in MODELS.items()}
+
+
+def _all_values(reference: ReferenceModel, pairs, pad_id: int) -> list[torch.Tensor]:
+    out = []
+    for batch in reference_batches(reference, pairs, max_tokens=512):
+        cs, rs, _, _, cpt, rpt = score_batch(reference, batch, pad_id)
+        out += [cs, rs, *cpt, *rpt]
+    return out
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("layout", ["shared", "padded"])
+def test_bf16_stored_reference_is_bit_identical_and_half_the_bytes(saved, name, layout, pref_jsonl, monkeypatch):
+    # The native bf16 kernels (CUDA, AMX CPUs): where the fp32-GEMM route is not taken.
+    monkeypatch.setenv("DPOCACHE_BF16_MATMUL", "native")
+    model_dir = saved[name]
+    tokenizer = load_tokenizer(model_dir)
+    pairs = load_preference_data(str(pref_jsonl), tokenizer, max_length=96, show_progress=False).pairs[:24]
+    pad = tokenizer.pad_token_id or 0
+
+    stored = ReferenceModel.from_pretrained(model_dir, "bfloat16", "cpu", layout=layout)
+    # Today's reference, independently: fp32 storage, bf16 by autocast alone.
+    fp32_stored = ReferenceModel(load_causal_lm(model_dir), torch.bfloat16, layout=layout)
+    assert stored.layout == fp32_stored.layout == layout
+    got, want = _all_values(stored, pairs, pad), _all_values(fp32_stored, pairs, pad)
+    assert len(got) == len(want) > 24
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+    lm = stored.model
+    dtypes = {p.dtype for p in lm.parameters()}
+    assert dtypes == {torch.bfloat16, torch.float32}
+    for module in lm.modules():
+        if isinstance(module, nn.Embedding) or "Norm" in type(module).__name__:
+            assert all(p.dtype == torch.float32 for p in module.parameters(recurse=False)), type(module).__name__
+    head = lm.get_output_embeddings().weight
+    tied = head is lm.get_input_embeddings().weight
+    assert tied == (name != "llama") and head.dtype == (torch.float32 if tied else torch.bfloat16)
+    # Every matrix is half its fp32 size: the bytes drop by 2 per matrix element.
+    before, after = parameter_bytes(fp32_stored.model), parameter_bytes(lm)
+    matrices = sum(p.numel() for p in lm.parameters() if p.dtype == torch.bfloat16)
+    assert after == before - 2 * matrices
+    assert after < 0.7 * before  # tiny models: the embedding table is a large share of them
+
+
+def test_fp32_gemm_route_keeps_fp32_storage_and_float32_is_untouched(saved, monkeypatch):
+    monkeypatch.setenv("DPOCACHE_BF16_MATMUL", "fp32-gemm")
+    routed = ReferenceModel.from_pretrained(saved["llama"], "bfloat16", "cpu")
+    assert {p.dtype for p in routed.model.parameters()} == {torch.float32}
+    monkeypatch.setenv("DPOCACHE_BF16_MATMUL", "native")
+    plain = ReferenceModel.from_pretrained(saved["llama"], "float32", "cpu")
+    assert {p.dtype for p in plain.model.parameters()} == {torch.float32}
+
+
+def test_the_namespace_does_not_depend_on_the_storage(saved, tmp_path, monkeypatch):
+    monkeypatch.setenv("DPOCACHE_BF16_MATMUL", "native")
+    ns = namespace_for_dir(saved["llama"], torch.bfloat16, tmp_path)
+    ReferenceModel.from_pretrained(saved["llama"], "bfloat16", "cpu")  # reads the same directory
+    assert namespace_for_dir(saved["llama"], torch.bfloat16, tmp_path).id == ns.id
+    assert CacheStore(tmp_path, ns).namespace.dtype == "bfloat16"
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """A gloo process group of one process (FSDP2 needs a group, even of one)."""
+    import torch.distributed as dist
+
+    from dpocache.distributed import DistEnv
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield DistEnv(rank=0, world_size=1, device=torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_meta_loaded_policy_has_fp32_masters_bf16_gathers_and_per_layer_checkpointing(saved, world_of_one,
+                                                                                        monkeypatch):
+    """``train --fsdp``'s policy (dpocache.policy.load_sharded_policy): created on the meta
+    device and filled from the files (the weights are the checkpoint's), fp32 sharded master
+    weights and gradients, layers gathered in bf16 for compute (FSDP2 MixedPrecisionPolicy),
+    activation checkpointing per decoder layer."""
+    from torch.distributed.tensor import DTensor
+
+    from dpocache.config import Config
+    from dpocache.fsdp import decoder_layers
+    from dpocache.policy import load_sharded_policy
+
+    monkeypatch.setenv("DPOCACHE_BF16_MATMUL", "native")
+    cfg = Config()
+    cfg.model.path, cfg.model.gradient_checkpointing = str(saved["llama"]), True
+    policy, scorer = load_sharded_policy(cfg, world_of_one, torch.bfloat16)
+    full = load_causal_lm(saved["llama"])
+    for (name, p), (name_full, q) in zip(policy.named_parameters(), full.named_parameters(), strict=True):
+        assert name == name_full and isinstance(p, DTensor) and p.dtype == torch.float32 and p.requires_grad
+        assert torch.equal(p.full_tensor(), q), name
+    assert all(layer.gradient_checkpointing for layer in decoder_layers(policy))
+
+    seen = []
+    proj = decoder_layers(policy)[0].self_attn.q_proj
+    proj.register_forward_pre_hook(lambda module, args: seen.append(module.weight.dtype))
+    ids = torch.randint(3, 400, (2, 12))
+    mask = torch.zeros_like(ids)
+    mask[:, 6:] = 1
+    logps = scorer(ids, torch.ones_like(ids), mask)  # (2, 12)
+    logps.sum().backward()
+    assert torch.bfloat16 in seen  # gathered in bf16 (a second time when the checkpoint recomputes)
+    assert torch.isfinite(logps).all() and logps[:, 7:].lt(0).all()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in policy.parameters())
