@@ -138,3 +138,14 @@ def test_whole_model_log_probs_match_native_bf16(tiny_models, monkeypatch):
     fp32, native, emulated = sums["native", torch.float32], sums["native", torch.bfloat16], sums["fp32-gemm", torch.bfloat16]
     assert not torch.equal(emulated, fp32)
     assert (emulated - native).abs().max() <= (native - fp32).abs().max() + 1e-3
+
+
+def test_peak_flops_of_bf16_under_the_fp32_gemm_route_is_the_fp32_gemms(monkeypatch):
+    """MFU's denominator is the kernel the products run: under the fp32-GEMM route that is the
+    fp32 GEMM (a native bf16 product of 2048 rows took a minute on an AVX2-only CPU)."""
+    from dpocache import metrics
+
+    monkeypatch.setattr(metrics, "_PEAK_CACHE", {})
+    monkeypatch.setenv("DPOCACHE_BF16_MATMUL", "fp32-gemm")
+    peak = metrics.measured_peak_flops(torch.device("cpu"), torch.bfloat16, size=512, seconds=0.05)
+    assert list(metrics._PEAK_CACHE) == [("cpu", "torch.float32")] and peak > 0
