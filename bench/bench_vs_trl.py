@@ -56,8 +56,8 @@ def run_worker(mode: str, spec: dict, scratch: Path, log: Path) -> dict:
     with open(log, "a") as f:
         f.write(f"\n=== {mode} {json.dumps(spec)}\n")
         f.flush()
-        proc = subprocess.Popen([sys.executable, str(WORKERS), mode, str(spec_path)], stdout=f, stderr=subprocess.STDOUT,
-                                env=env)
+        proc = subprocess.Popen([sys.executable, str(WORKERS), mode, str(spec_path)],
+                                stdout=f, stderr=subprocess.STDOUT, env=env)
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - t0
@@ -128,7 +128,8 @@ def bench_config(args, config_name: str, dtype: str, log: Path) -> dict:
         hf_cache = scratch / "hf-datasets"  # TRL's precompute cache: fresh per repetition, hit by its training run
         cache_dir = scratch / "dpocache"
         common = {"model": model, "data": data, "dtype": dtype, "batch_size": args.batch_size}
-        trl_env = {"env": {"HF_DATASETS_CACHE": str(hf_cache)}, "trl_precompute_batch_size": args.trl_precompute_batch_size,
+        trl_env = {"env": {"HF_DATASETS_CACHE": str(hf_cache)},
+                   "trl_precompute_batch_size": args.trl_precompute_batch_size,
                    "trl_gradient_checkpointing": args.trl_gradient_checkpointing,
                    "trl_ref_values": str(scratch / "trl-ref-values.json")}
         r: dict = {}
@@ -137,14 +138,17 @@ def bench_config(args, config_name: str, dtype: str, log: Path) -> dict:
             if args.startup_only:
                 break
             if side == "trl" and not args.skip_trl:
-                r["trl_precompute"] = run_worker("trl-precompute", {**common, **trl_env, "workdir": str(scratch / "trl-pre")}, scratch, log)
+                r["trl_precompute"] = run_worker("trl-precompute", {**common, **trl_env,
+                                                                    "workdir": str(scratch / "trl-pre")}, scratch, log)
             elif side == "dpo":
-                r["dpo_build"] = run_worker("dpo-build", {**common, "cache_dir": str(cache_dir), "extra_args": args.build_args}, scratch, log)
+                r["dpo_build"] = run_worker("dpo-build", {**common, "cache_dir": str(cache_dir),
+                                                          "extra_args": args.build_args}, scratch, log)
         if args.startup_only:
             # One cache for every repetition (built by the first): only the start-up is measured.
             cache_dir = inputs / "dpocache-cache"
             if rep == 0:
-                r["dpo_build"] = run_worker("dpo-build", {**common, "cache_dir": str(cache_dir), "extra_args": args.build_args}, scratch, log)
+                r["dpo_build"] = run_worker("dpo-build", {**common, "cache_dir": str(cache_dir),
+                                                          "extra_args": args.build_args}, scratch, log)
             if not args.skip_trl:
                 r["trl_hash"] = run_worker("trl-hash", common, scratch, log)
         if args.train_steps > 0 and not args.startup_only:
@@ -153,11 +157,15 @@ def bench_config(args, config_name: str, dtype: str, log: Path) -> dict:
                     r["trl_train"] = run_worker("trl-train", {**common, **trl_env, "steps": args.train_steps,
                                                               "workdir": str(scratch / "trl-train")}, scratch, log)
                 elif side == "dpo":
-                    r["dpo_train"] = run_worker("dpo-train", {**common, "cache_dir": str(cache_dir), "steps": args.train_steps,
-                                                              "workdir": str(scratch / "dpo-train"), "extra_args": args.train_args}, scratch, log)
-        r["dpo_startup"] = run_worker("dpo-startup", {**common, "cache_dir": str(cache_dir), "workdir": str(scratch / "dpo-startup"),
+                    r["dpo_train"] = run_worker("dpo-train", {**common, "cache_dir": str(cache_dir),
+                                                              "steps": args.train_steps,
+                                                              "workdir": str(scratch / "dpo-train"),
+                                                              "extra_args": args.train_args}, scratch, log)
+        r["dpo_startup"] = run_worker("dpo-startup", {**common, "cache_dir": str(cache_dir),
+                                                      "workdir": str(scratch / "dpo-startup"),
                                                       "extra_args": args.train_args}, scratch, log)
-        r["dpo_build_hit"] = run_worker("dpo-build", {**common, "cache_dir": str(cache_dir), "extra_args": args.build_args}, scratch, log)
+        r["dpo_build_hit"] = run_worker("dpo-build", {**common, "cache_dir": str(cache_dir),
+                                                      "extra_args": args.build_args}, scratch, log)
         r["loadavg"] = os.getloadavg()
         reps.append(r)
         print(f"  rep {rep + 1}/{args.reps} done (load average {r['loadavg'][0]:.1f})", flush=True)
@@ -173,21 +181,27 @@ def summarise(res: dict, peaks: dict, batch: int) -> list[tuple[str, float | Non
     tp_trl, tp_dpo = median(get("trl_precompute", "tokens_per_s")), median(get("dpo_build", "tokens_per_s"))
     rows.append(("cache tokens/s (prompt once)", tp_trl, tp_dpo, "x"))
     if tp_trl is not None:
-        rows.append(("  TRL tokens/s (prompt twice, TRL's count)", median(get("trl_precompute", "tokens_per_s_prompt_twice")), None, ""))
+        rows.append(("  TRL tokens/s (prompt twice, TRL's count)",
+                     median(get("trl_precompute", "tokens_per_s_prompt_twice")), None, ""))
     rows.append(("cache peak RSS (MiB)", _mib(median(get("trl_precompute", "peak_rss_bytes"))),
                  _mib(median(get("dpo_build", "peak_rss_bytes"))), "x"))
     if any("trl_train" in r or "dpo_train" in r for r in reps):
-        rows.append(("train pairs/s", median([train_pairs_per_s(r["trl_train"], batch) for r in reps if "trl_train" in r]),
+        rows.append(("train pairs/s",
+                     median([train_pairs_per_s(r["trl_train"], batch) for r in reps if "trl_train" in r]),
                      median([train_pairs_per_s(r["dpo_train"], batch) for r in reps if "dpo_train" in r]), "x"))
         rows.append(("train peak RSS (MiB)", _mib(median(get("trl_train", "peak_rss_bytes"))),
                      _mib(median(get("dpo_train", "peak_rss_bytes"))), "x"))
-        rows.append(("train start-up on cache hit, beyond model load (s)", median(get("trl_train", "startup_beyond_load_s")),
+        rows.append(("train start-up on cache hit, beyond model load (s)",
+                     median(get("trl_train", "startup_beyond_load_s")),
                      median(get("dpo_train", "startup_beyond_load_s")), "x"))
-    rows.append(("dpocache start-up to first step, beyond model load (s)", None, median(get("dpo_startup", "startup_beyond_load_s")), ""))
+    rows.append(("dpocache start-up to first step, beyond model load (s)", None,
+                 median(get("dpo_startup", "startup_beyond_load_s")), ""))
     rows.append(("  of which interpreter start and imports (s)", None, median(get("dpo_startup", "imports_s")), ""))
-    rows.append(("  beyond model load and imports (s)", None, median(get("dpo_startup", "startup_beyond_load_and_imports_s")), ""))
+    rows.append(("  beyond model load and imports (s)", None,
+                 median(get("dpo_startup", "startup_beyond_load_and_imports_s")), ""))
     rows.append(("dpocache model load (s)", None, median(get("dpo_startup", "model_load_s")), ""))
-    rows.append(("`dpocache cache build` on a complete cache, whole command (s)", None, median(get("dpo_build_hit", "wall_s")), ""))
+    rows.append(("`dpocache cache build` on a complete cache, whole command (s)", None,
+                 median(get("dpo_build_hit", "wall_s")), ""))
     if any("trl_precompute" in r or "trl_hash" in r for r in reps):
         rows.append(("TRL state-dict hash on each start (s)",
                      median(get("trl_precompute", "hash_module_s") + get("trl_hash", "hash_module_s")), None, ""))
@@ -226,14 +240,16 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--pairs", type=int, default=None, help="pairs in the data set (default: the configuration's)")
     p.add_argument("--batch-size", type=int, default=8, help="training batch (pairs), both sides; TRL's default")
-    p.add_argument("--train-steps", type=int, default=4, help="training steps per run (the first is not timed); 0 skips training")
+    p.add_argument("--train-steps", type=int, default=4,
+                   help="training steps per run (the first is not timed); 0 skips training")
     p.add_argument("--trl-precompute-batch-size", type=int, default=None,
                    help="TRL's precompute_ref_batch_size (default: TRL's, the training batch size)")
     p.add_argument("--trl-gradient-checkpointing", action="store_true",
                    help="TRL's own default; off by default here, as dpocache's, so both train the same way")
     p.add_argument("--skip-trl", action="store_true", help="dpocache only (no TRL runs)")
     p.add_argument("--startup-only", action="store_true", help="only the cache build and the cache-hit start-up")
-    p.add_argument("--build-args", nargs=argparse.REMAINDER, default=[], help="extra `dpocache cache build` flags (last)")
+    p.add_argument("--build-args", nargs=argparse.REMAINDER, default=[],
+                   help="extra `dpocache cache build` flags (last)")
     p.add_argument("--train-args", default="", help="extra `dpocache train` flags, one string")
     p.add_argument("--scratch", default=None, help="where per-run directories go (default: the system temp dir)")
     p.add_argument("--keep-scratch", action="store_true")
@@ -244,8 +260,9 @@ def main(argv=None) -> int:
         for path in args.summarise:
             res = json.loads(Path(path).read_text())
             rows = summarise(res, res["peaks"], res["args"]["batch_size"])
-            print_table(f"{res['config']}, {res['dtype']}, {res['pairs']} pairs, batch {res['args']['batch_size']}, medians of "
-                        f"{len(res['reps'])} (load average {statistics.median(r['loadavg'][0] for r in res['reps']):.1f})", rows)
+            print_table(f"{res['config']}, {res['dtype']}, {res['pairs']} pairs, "
+                        f"batch {res['args']['batch_size']}, medians of {len(res['reps'])} "
+                        f"(load average {statistics.median(r['loadavg'][0] for r in res['reps']):.1f})", rows)
             print()
         return 0
     args.train_args = args.train_args.split()

@@ -72,14 +72,16 @@ def _trl_trainer(spec: dict, callbacks=()):
             # TRL's own values from the precompute run, read back as its cache hit would
             # (its datasets cache did not hit across processes in our runs: see bench/README.md).
             values = json.loads(Path(saved).read_text())
-            out = dataset.add_column("ref_chosen_logps", values["chosen"]).add_column("ref_rejected_logps", values["rejected"])
+            out = (dataset.add_column("ref_chosen_logps", values["chosen"])
+                   .add_column("ref_rejected_logps", values["rejected"]))
             timings["precompute_injected_s"] = time.perf_counter() - t
             return out
         out = original_precompute(self, dataset, name, batch_size)
         timings["precompute_s"] = time.perf_counter() - t
         timings["precompute_batch_size"] = batch_size
         if saved:
-            Path(saved).write_text(json.dumps({"chosen": list(out["ref_chosen_logps"]), "rejected": list(out["ref_rejected_logps"])}))
+            Path(saved).write_text(json.dumps({"chosen": list(out["ref_chosen_logps"]),
+                                               "rejected": list(out["ref_rejected_logps"])}))
         return out
 
     DPOTrainer._precompute_ref_logps = timed_precompute
@@ -209,7 +211,8 @@ def _dpo_train(spec: dict, stop_at_first_step: bool) -> dict:
     return {"side": "dpocache", "model_load_s": marks["load_s"], "step_s": steps,
             "imports_s": imports_done - spec["spawned_at"],
             "startup_beyond_load_and_imports_s": first - imports_done - marks["load_s"],
-            "startup_s": first - spec["spawned_at"], "startup_beyond_load_s": first - spec["spawned_at"] - marks["load_s"]}
+            "startup_s": first - spec["spawned_at"],
+            "startup_beyond_load_s": first - spec["spawned_at"] - marks["load_s"]}
 
 
 def dpo_train(spec: dict) -> None:
@@ -235,8 +238,8 @@ def trl_hash(spec: dict) -> None:
     _write(spec, {"side": "trl", "model_load_s": load, "hash_module_s": time.perf_counter() - t})
 
 
-MODES = {"trl-hash": trl_hash, "trl-precompute": trl_precompute, "trl-train": trl_train, "dpo-build": dpo_build, "dpo-train": dpo_train,
-         "dpo-startup": dpo_startup}
+MODES = {"trl-hash": trl_hash, "trl-precompute": trl_precompute, "trl-train": trl_train, "dpo-build": dpo_build,
+         "dpo-train": dpo_train, "dpo-startup": dpo_startup}
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

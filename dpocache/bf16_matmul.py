@@ -98,7 +98,8 @@ class _LinearBf16ViaFp32(torch.autograd.Function):
 
 
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if x.device.type == "cpu" and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16:
+    if (x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+            and torch.get_autocast_dtype("cpu") == torch.bfloat16):
         with torch.autocast("cpu", enabled=False):
             return _LinearBf16ViaFp32.apply(x, self.weight, self.bias)
     return nn.Linear.forward(self, x)

@@ -108,9 +108,11 @@ def _print_build_summary(args, s, store: CacheStore, dtype: torch.dtype, data: P
     print(f"pairs {s.pairs} (unique {s.unique}): computed {s.computed}{ranks}, reused {s.reused}")
     print(f"rows: {data.truncated} truncated to max_length={args.max_length}, {data.identical} with chosen == "
           f"rejected, {len(data.skipped)} skipped")
-    print(f"tokens {s.tokens} in {s.seconds:.1f} s ({s.tokens_per_s:.0f} tokens/s), peak memory {_human_bytes(s.peak_memory_bytes)}"
+    print(f"tokens {s.tokens} in {s.seconds:.1f} s ({s.tokens_per_s:.0f} tokens/s), "
+          f"peak memory {_human_bytes(s.peak_memory_bytes)}"
           + (" (largest rank)" if s.world_size > 1 else ""))
-    print(f"cache {s.cache_dir} (dtype {dtype_name(dtype)}, {len(store)} pairs stored, {_human_bytes(store.size_bytes())})")
+    print(f"cache {s.cache_dir} (dtype {dtype_name(dtype)}, {len(store)} pairs stored, "
+          f"{_human_bytes(store.size_bytes())})")
     if args.json:
         out = s.to_json()
         out.update(skipped=len(data.skipped), truncated=data.truncated, identical=data.identical)

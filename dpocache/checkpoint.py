@@ -64,7 +64,8 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torc
     return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
 
 
-def save_checkpoint(output_dir: Path, step: int, model, tokenizer, optimizer, scheduler, extra: dict, keep: int) -> Path:
+def save_checkpoint(output_dir: Path, step: int, model, tokenizer, optimizer, scheduler, extra: dict,
+                    keep: int) -> Path:
     """Write checkpoint ``step`` atomically and keep only the newest ``keep``."""
     final = checkpoint_dir(output_dir, step)
     tmp = final.with_name(final.name + ".tmp")
@@ -134,7 +135,8 @@ def read_full_weights(ckpt: Path) -> dict[str, torch.Tensor]:
         return load_file(str(single))
     index = ckpt / "model.safetensors.index.json"
     if not index.exists():
-        raise FileNotFoundError(f"{ckpt}: no model.safetensors, model.safetensors.index.json or adapter_model.safetensors")
+        raise FileNotFoundError(f"{ckpt}: no model.safetensors, model.safetensors.index.json "
+                                "or adapter_model.safetensors")
     state: dict[str, torch.Tensor] = {}
     for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
         state.update(load_file(str(ckpt / shard)))

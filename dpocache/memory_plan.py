@@ -167,8 +167,8 @@ class PlanRow:
 def plan(shape: ModelShape, device_counts=(1, 8, 16), device_gib: float = 80.0, tokens: int = 4096,
          usable: float = 0.9) -> list[PlanRow]:
     """Rows for the reference pass (today's fp32 unsharded load, bf16 unsharded, bf16 sharded)
-    and FSDP2 training (today's fp32 gathers, bf16 gathers) on each device count. ``usable`` leaves room for the CUDA context,
-    allocator fragmentation and communication buffers."""
+    and FSDP2 training (today's fp32 gathers, bf16 gathers) on each device count. ``usable`` leaves room
+    for the CUDA context, allocator fragmentation and communication buffers."""
     rows = []
     for n in device_counts:
         jobs = {

@@ -47,7 +47,8 @@ class MetricWindow:
             return {}
         packed = torch.tensor([[self.sums[n], self.weights[n]] for n in names], dtype=torch.float64)  # (K, 2)
         packed = all_reduce_sum(env, packed.to(env.device)).cpu()
-        return {n: (s if n in self.totals else s / w if w else float("nan")) for n, (s, w) in zip(names, packed.tolist())}
+        return {n: (s if n in self.totals else s / w if w else float("nan"))
+                for n, (s, w) in zip(names, packed.tolist())}
 
     def clear(self) -> None:
         self.sums.clear()

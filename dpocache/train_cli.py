@@ -80,7 +80,8 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     try:
         with disk_errors(output_dir=cfg.train.output_dir, cache_dir=cfg.cache.dir or default_cache_dir()):
             info = train(cfg)
-    except (TrainingDiverged, ReferenceAuditFailed, HubError, CacheError) as err:  # CacheError: e.g. NaN reference values refused
+    except (TrainingDiverged, ReferenceAuditFailed, HubError,
+            CacheError) as err:  # CacheError: e.g. NaN reference values refused
         print(f"dpocache train: error: {err}", file=sys.stderr)
         return 1
     if int(os.environ.get("RANK", "0")) != 0:

@@ -24,7 +24,8 @@ WORDS = (
 ).split()
 
 
-def make_rows(n: int, seed: int = 0, min_prompt: int = 3, max_prompt: int = 24, max_completion: int = 18) -> list[dict]:
+def make_rows(n: int, seed: int = 0, min_prompt: int = 3, max_prompt: int = 24,
+              max_completion: int = 18) -> list[dict]:
     """``n`` standard-format rows of varied lengths; every row is distinct (its number is in
     the prompt), so every row has its own key."""
     rng = random.Random(seed)

@@ -135,7 +135,8 @@ def test_whole_model_log_probs_match_native_bf16(tiny_models, monkeypatch):
         scorer = CompletionLogProbs(copy.deepcopy(base))
         with torch.inference_mode(), torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
             sums[mode, dtype] = scorer(ids, attn, comp).sum(-1)  # (N,)
-    fp32, native, emulated = sums["native", torch.float32], sums["native", torch.bfloat16], sums["fp32-gemm", torch.bfloat16]
+    fp32, native, emulated = (sums["native", torch.float32], sums["native", torch.bfloat16],
+                              sums["fp32-gemm", torch.bfloat16])
     assert not torch.equal(emulated, fp32)
     assert (emulated - native).abs().max() <= (native - fp32).abs().max() + 1e-3
 

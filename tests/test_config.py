@@ -59,7 +59,8 @@ train.epochs: 3      # a dotted key at the top level
 
 
 def test_yaml_nested_and_flat_spellings_are_equivalent(tmp_path):
-    nested = build_config(_yaml(tmp_path, "optim: {lr: 3.0e-6}\nloss: {name: ipo, beta: 0.5}\ntrain: {grad_accum: 4}\n"))
+    nested = build_config(_yaml(tmp_path, "optim: {lr: 3.0e-6}\nloss: {name: ipo, beta: 0.5}\n"
+                                          "train: {grad_accum: 4}\n"))
     flat = build_config(_yaml(tmp_path, "lr: 3.0e-6\nloss: ipo\nbeta: 0.5\ngrad_accum: 4\n"))
     cli = build_config(None, ["--lr", "3e-6", "--loss", "ipo", "--beta", "0.5", "--grad-accum", "4"])
     assert nested.to_dict() == flat.to_dict() == cli.to_dict()

@@ -199,7 +199,8 @@ def test_dpo_norm_hand_worked():
     _close(cr, [2.0 * (PC[i] / CT[i] - RC[i] / CT[i]) for i in range(2)])
     _close(rr, [2.0 * (PR[i] / RT[i] - RR[i] / RT[i]) for i in range(2)])
     ls = 0.1
-    _close(_run("dpo_norm", beta=2.0, label_smoothing=ls)[0], [-(1 - ls) * logsig(2 * x) - ls * logsig(-2 * x) for x in h])
+    _close(_run("dpo_norm", beta=2.0, label_smoothing=ls)[0],
+           [-(1 - ls) * logsig(2 * x) - ls * logsig(-2 * x) for x in h])
 
 
 def test_simpo_hand_worked():
@@ -372,7 +373,8 @@ def test_reference_free_loss_ignores_a_given_reference():
 def test_combination_is_weighted_sum_with_first_loss_rewards():
     sig_l, sig_cr, sig_rr = _run("sigmoid")
     sft_l, _, _ = _run("sft")
-    for spec in ("sigmoid:1,sft:0.5", " sigmoid : 1.0 , sft : 0.5 ", ["sigmoid", "sft"], [("sigmoid", 1), ("sft", 0.5)]):
+    for spec in ("sigmoid:1,sft:0.5", " sigmoid : 1.0 , sft : 0.5 ", ["sigmoid", "sft"],
+                 [("sigmoid", 1), ("sft", 0.5)]):
         weights = [1.0, 0.5] if spec == ["sigmoid", "sft"] else None
         spec_obj = parse_loss_spec(spec, weights) if weights else spec
         losses, cr, rr = preference_loss(spec_obj, *_batch())
@@ -400,7 +402,8 @@ def test_rpo_alpha_adds_the_nll():
     _close(losses, [base[0].item() + 0.5 * 10 / 5, base[1].item() + 0.5 * 20 / 8])
     # to any loss, including combinations
     base = _run("ipo:2,sft:1")[0]
-    torch.testing.assert_close(_run("ipo:2,sft:1", rpo_alpha=1.0)[0], base + torch.tensor([2.0, 2.5], dtype=base.dtype))
+    torch.testing.assert_close(_run("ipo:2,sft:1", rpo_alpha=1.0)[0],
+                               base + torch.tensor([2.0, 2.5], dtype=base.dtype))
 
 
 def test_parse_loss_spec_forms():

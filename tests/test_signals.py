@@ -25,8 +25,8 @@ from dpocache.data import write_jsonl
 from dpocache.metrics import MetricsWriter, read_metrics
 from dpocache.signals import Interrupted, stop_signals
 from train_fixtures import (  # noqa: F401  (fixtures are used by name; one_thread is autouse)
-    base_model, eval_jsonl, flags, load_tensors, max_abs_diff, one_thread, records, run_json, run_training, train_jsonl,
-    train_records,
+    base_model, eval_jsonl, flags, load_tensors, max_abs_diff, one_thread, records, run_json, run_training,
+    train_jsonl, train_records,
 )
 
 # The process signals itself once the cache build's progress bar passes SIGNAL_AT_FRACTION of
@@ -208,7 +208,8 @@ def test_default_settings_sigterm_saves_a_checkpoint_and_resume_continues_exactl
     steps = ("--eval-data", str(eval_jsonl), "--max-steps", "6")
     whole, stopped = tmp_path / "whole", tmp_path / "stopped"
     run_training(*flags(base_model, train_jsonl, whole, tmp_path / "cache", *steps))
-    proc = signalled(SIGNAL_AFTER_STEP, ["train", *flags(base_model, train_jsonl, stopped, tmp_path / "cache", *steps)],
+    proc = signalled(SIGNAL_AFTER_STEP,
+                     ["train", *flags(base_model, train_jsonl, stopped, tmp_path / "cache", *steps)],
                      SIGNAL_AFTER_STEP="3")
     line = assert_one_line_stop(proc, "SIGTERM")
     assert "step 3 of 6" in line and "--resume" in line

@@ -50,7 +50,8 @@ def _rows_file(tmp_path_factory, name: str, n: int, seed: int) -> Path:
     from dpocache.data import write_jsonl
     from dpocache.demo import sorting_pairs
 
-    return _once(name, lambda: write_jsonl(sorting_pairs(n, seed), tmp_path_factory.mktemp("train-data") / f"{name}.jsonl"))
+    return _once(name, lambda: write_jsonl(sorting_pairs(n, seed),
+                                           tmp_path_factory.mktemp("train-data") / f"{name}.jsonl"))
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,8 @@
 """The persistent, content-addressed reference cache (see DESIGN.md, "The reference cache")."""
 
-from .build import BuildSummary, build_missing, default_cache_dir, export_rows, namespace_for_dir, namespace_for_module, verify
+from .build import (
+    BuildSummary, build_missing, default_cache_dir, export_rows, namespace_for_dir, namespace_for_module, verify,
+)
 from .store import CachedValues, CacheError, CacheStore, CorruptShard, MissingReferenceError, Namespace
 
 __all__ = [

@@ -111,7 +111,8 @@ def namespace_for_dir(model_path: str | Path, dtype: torch.dtype, cache_dir: Pat
 
 def namespace_for_module(model: torch.nn.Module, dtype: torch.dtype) -> Namespace:
     fp = module_fingerprint(model)
-    return Namespace(fp["weights_sha256"], fp["config_sha256"], dtype_name(dtype), model=f"<in memory {type(model).__name__}>")
+    return Namespace(fp["weights_sha256"], fp["config_sha256"], dtype_name(dtype),
+                     model=f"<in memory {type(model).__name__}>")
 
 
 def peak_memory_bytes(device: torch.device | None = None) -> int:
@@ -165,7 +166,8 @@ def score_batch(reference: ReferenceModel, batch: Sequence[TokenizedPair], pad_i
     return sums[:b], sums[b:], counts[:b], counts[b:], per_token[:b], per_token[b:]
 
 
-def reference_batches(reference: ReferenceModel, pairs: Sequence[TokenizedPair], max_tokens: int) -> list[list[TokenizedPair]]:
+def reference_batches(reference: ReferenceModel, pairs: Sequence[TokenizedPair],
+                      max_tokens: int) -> list[list[TokenizedPair]]:
     """Length-grouped batches under ``max_tokens`` padded slots, for the reference's layout."""
     return token_budget_batches(pairs, max_tokens, layout=getattr(reference, "layout", "padded"))
 
@@ -220,7 +222,8 @@ def score_missing(
     tokens, computed, skipped, non_finite = 0, 0, 0, []
     if todo:
         writer = store.writer(shard_pairs, flush_seconds, update_manifest)
-        bar = tqdm(total=len(todo), unit="pairs", desc="reference log-probs", disable=not show_progress, dynamic_ncols=True)
+        bar = tqdm(total=len(todo), unit="pairs", desc="reference log-probs", disable=not show_progress,
+                   dynamic_ncols=True)
         # A signal only sets ``stop`` here: a batch is scored and added whole, never half.
         with stop.deferred():
             try:
@@ -403,8 +406,8 @@ def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_refere
     summary = BuildSummary(
         pairs=len(pairs), unique=len(by_key), computed=int(computed), reused=len(by_key) - len(todo_keys),
         tokens=int(tokens), seconds=seconds, tokens_per_s=tokens / seconds if tokens else 0.0,
-        peak_memory_bytes=int(peak), cache_dir=str(store.dir), namespace=store.namespace.id, forward_passes=int(passes),
-        corrupt_shards=corrupt, world_size=env.world_size, interrupted=int(signum),
+        peak_memory_bytes=int(peak), cache_dir=str(store.dir), namespace=store.namespace.id,
+        forward_passes=int(passes), corrupt_shards=corrupt, world_size=env.world_size, interrupted=int(signum),
     )
     if signum:
         raise stop.interrupted(interrupted_message(summary), signum=int(signum))
@@ -459,7 +462,8 @@ def verify(store: CacheStore, pairs: Sequence[TokenizedPair], reference: Referen
         cs, rs, *_ = score_batch(reference, batch, pad_id)
         stored = store.lookup([p.key for p in batch])
         for i, p in enumerate(batch):
-            for side, new, old in (("chosen", cs[i], stored.chosen_logps[i]), ("rejected", rs[i], stored.rejected_logps[i])):
+            for side, new, old in (("chosen", cs[i], stored.chosen_logps[i]),
+                                   ("rejected", rs[i], stored.rejected_logps[i])):
                 new, old = float(new), float(old)
                 # NaN compares false with everything: a NaN on either side is a mismatch, never "diff 0".
                 finite = math.isfinite(new) and math.isfinite(old)
@@ -495,7 +499,8 @@ def export_rows(store: CacheStore, pairs: Sequence[TokenizedPair], with_ids: boo
 def namespace_dirs(cache_dir: Path) -> list[Path]:
     if not cache_dir.exists():
         return []
-    return sorted(p for p in cache_dir.iterdir() if p.is_dir() and ((p / "manifest.json").exists() or any(p.glob("shard-*"))))
+    return sorted(p for p in cache_dir.iterdir()
+                  if p.is_dir() and ((p / "manifest.json").exists() or any(p.glob("shard-*"))))
 
 
 def open_namespace_dir(ns_dir: Path) -> CacheStore:

@@ -87,7 +87,8 @@ class Namespace:
 
     @property
     def id(self) -> str:
-        hashed = {"weights": self.weights_sha256, "config": self.config_sha256, "dtype": self.dtype, "schema": self.schema}
+        hashed = {"weights": self.weights_sha256, "config": self.config_sha256, "dtype": self.dtype,
+                  "schema": self.schema}
         return hashlib.sha256(json.dumps(hashed, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -300,7 +301,8 @@ class CacheStore:
         missing = sum(1 for k in keys if k not in self._index)
         if missing:
             raise MissingReferenceError(missing, len(keys), self.dir)
-        cols: dict[str, list] = {name: [] for name in ("chosen_logps", "rejected_logps", "chosen_tokens", "rejected_tokens")}
+        cols: dict[str, list] = {name: []
+                                 for name in ("chosen_logps", "rejected_logps", "chosen_tokens", "rejected_tokens")}
         for k in keys:
             pos, row = self._index[k]
             t = self.shards[pos].tensors
@@ -324,7 +326,8 @@ class CacheStore:
 
     # ---------------------------------------------------------------- writing
 
-    def writer(self, shard_pairs: int = 4096, flush_seconds: float = 60.0, update_manifest: bool = True) -> "ShardWriter":
+    def writer(self, shard_pairs: int = 4096, flush_seconds: float = 60.0,
+               update_manifest: bool = True) -> "ShardWriter":
         return ShardWriter(self, shard_pairs, flush_seconds, update_manifest)
 
     def add_shard(self, tensors: dict[str, torch.Tensor], update_manifest: bool = True) -> ShardInfo:
