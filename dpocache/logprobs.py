@@ -1,5 +1,5 @@
 """Per-token log-probabilities of completion tokens: the one function the cache build, training
-and evaluation all use (DESIGN.md convention 3), so the cached reference value is exactly what
+and evaluation all use (docs/ARCHITECTURE.md), so the cached reference value is exactly what
 the policy computes at step 0.
 
 Memory: a causal LM's forward returns logits ``(N, T, V)``; with V = 128k and fp32 that is the
@@ -298,14 +298,6 @@ class CompletionLogProbs(nn.Module):
             )
             return False
         return True
-
-    def forward_fast_only(self, input_ids, attention_mask, completion_mask) -> torch.Tensor:
-        """The fast path regardless of the probe's verdict (tests compare it with the naive path)."""
-        saved, self.fast_path = self.fast_path, True
-        try:
-            return self.forward(input_ids, attention_mask, completion_mask)
-        finally:
-            self.fast_path = saved
 
 
 def autocast(dtype: torch.dtype, device: torch.device | str):

@@ -17,8 +17,12 @@ prompts four times as long about 3/5.
 
 Supported where the model's body accepts a custom 4D mask and ``position_ids`` with the
 ``sdpa`` or ``eager`` attention (Llama, Qwen2, Mistral, Gemma 2, GPT-2 and most decoder-only
-models of transformers >= 4.53); elsewhere ``shared_prompt_supported`` is False and callers use
-the padded layout.
+models of transformers >= 4.53); ``dpocache.layouts.select_layout`` decides, for the cache
+build and training alike, and names the reason when the padded layout runs instead.
+
+The computation goes through ``CompletionLogProbs.forward`` (its gathered mode: a custom mask,
+position ids and the flat positions to score), so a DDP- or FSDP2-wrapped scorer runs its hooks
+(gradient reduction, parameter all-gather) in this layout as in the padded one.
 """
 
 from __future__ import annotations

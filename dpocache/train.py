@@ -383,8 +383,6 @@ def batch_losses(run: Run, pairs: list[TokenizedPair], ref: ReferenceValues | No
     return losses, aux
 
 
-
-
 def _has_nll(run: Run) -> bool:
     names = {n for n, _ in run.spec.terms}
     return bool(names & {"sft", "orpo"}) or run.spec.params.get("rpo_alpha") is not None
