@@ -82,7 +82,7 @@ class Run:
     total_steps: int
     steps_per_epoch: int
     writer: MetricsWriter
-    layout: LayoutChoice = LayoutChoice("padded", "padded", "unknown")  # the layout the scorer runs (dpocache.layouts)
+    layout: LayoutChoice  # the layout the scorer runs (dpocache.layouts)
     info: dict = field(default_factory=dict)  # what run.json records
     step: int = 0
     saved_step: int | None = None  # the step of the newest checkpoint (None: none yet)
@@ -134,7 +134,7 @@ def setup(cfg: Config) -> Run:
     scheduler = build_scheduler(cfg, optimizer, total)
     writer = MetricsWriter(out, cfg.train.tensorboard, enabled=env.is_main)
     run = Run(cfg, env, out, dtype, tokenizer, train_data, eval_data, ref_train, ref_eval, spec, policy, scorer,
-              optimizer, scheduler, total, steps_per_epoch, writer, layout=layout)
+              optimizer, scheduler, total, steps_per_epoch, writer, layout)
     run.info = _run_info(run, ref_info)
     if cfg.train.resume:
         resume(run)
@@ -356,7 +356,8 @@ def batch_losses(run: Run, pairs: list[TokenizedPair], ref: ReferenceValues | No
     policies, the router load-balancing loss (a scalar, else None); records the metrics.
     ``check_cache``: first compare the policy's log-probs with the cached ones (``audit_step0``)."""
     with autocast(run.dtype, run.env.device):
-        lp, tokens = layout_logprobs(run.scorer, run.layout.used, pairs, run.tokenizer.pad_token_id or 0, run.env.device)
+        pad_id = run.tokenizer.pad_token_id or 0
+        lp, tokens = layout_logprobs(run.scorer, run.layout.used, pairs, pad_id, run.env.device)
     ref_c = ref.chosen[idx].to(run.env.device) if ref is not None else None
     ref_r = ref.rejected[idx].to(run.env.device) if ref is not None else None
     pc, pr = (lp.chosen_logps, lp.rejected_logps) if run.cfg.loss.ld_alpha is None else \
