@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .layouts import LAYOUTS
+
 # torch (and dpocache.losses, which needs it) is imported by validate() and help_text() only:
 # 1.5 s of imports that reading the options and checking the paths they name do not need.
 
@@ -92,7 +94,7 @@ class OptimConfig:
 class TrainLoopConfig:
     output_dir: str = "runs/dpo"  # metrics.jsonl, run.json, checkpoints/ and final/
     batch_size: int = 8  # pairs per device per micro-batch
-    layout: str = "shared"  # shared: prompt once per pair (dpocache.prefix; single process, dense models) | padded
+    layout: str = "auto"  # auto (shared where supported) | shared: prompt once per pair | padded (dpocache.layouts)
     grad_accum: int = 1  # micro-batches per optimizer step
     epochs: int = 1  # passes over the training data
     max_steps: int | None = None  # optimizer steps; overrides epochs
@@ -114,7 +116,7 @@ class TrainLoopConfig:
 class CacheConfig:
     dir: str | None = None  # default: $DPOCACHE_CACHE_DIR or ~/.cache/dpocache
     max_tokens: int = 4096  # padded tokens per reference forward (measured best on CPU; raise on GPU)
-    layout: str = "shared"  # reference pass: shared (each prompt once, dpocache.prefix) | padded (two rows per pair)
+    layout: str = "auto"  # reference pass: auto | shared (each prompt once) | padded (two rows) (dpocache.layouts)
     shard_size: int = 4096  # pairs per cache shard (a shard is also flushed every 60 s)
 
 
@@ -169,7 +171,6 @@ ALIASES = {
 }
 
 SCHEDULES = ("linear", "cosine", "constant")
-LAYOUTS = ("shared", "padded")
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 
 

@@ -1,5 +1,5 @@
 """Per-token log-probabilities of completion tokens: the one function the cache build, training
-and evaluation all use (DESIGN.md convention 3), so the cached reference value is exactly what
+and evaluation all use (docs/ARCHITECTURE.md), so the cached reference value is exactly what
 the policy computes at step 0.
 
 Memory: a causal LM's forward returns logits ``(N, T, V)``; with V = 128k and fp32 that is the
@@ -113,10 +113,16 @@ class CompletionLogProbs(nn.Module):
     def _causal_lm(self) -> nn.Module:
         return unwrap_causal_lm(self.model)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
-        """Per-token log-probs of completion tokens.
+    def forward(self, input_ids: torch.Tensor, attention_mask, completion_mask: torch.Tensor | None = None, *,
+                position_ids: torch.Tensor | None = None, source: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-token log-probs of completion tokens, in the padded layout or (with ``source``) in
+        a layout that brings its own mask and positions (``dpocache.prefix``).
 
-        Args:
+        Both go through this one ``forward`` so that DDP's and FSDP2's hooks (gradient
+        reduction, parameter all-gather) run whichever layout a training run uses.
+
+        Args (padded layout):
             input_ids: ``(N, T)`` token ids, right-padded.
             attention_mask: ``(N, T)`` 1 on real tokens, 0 on padding.
             completion_mask: ``(N, T)`` 1 on completion tokens (those scored), 0 on prompt and
@@ -124,7 +130,18 @@ class CompletionLogProbs(nn.Module):
         Returns:
             ``(N, T)`` float32: ``log p(token_t | tokens_<t)`` where ``completion_mask`` is 1,
             0 elsewhere.
+
+        Args (gathered layout, ``source`` given):
+            input_ids: ``(B, T)`` token ids.
+            attention_mask: the body's custom mask, ``(B, 1, T, T)`` or ``{layer type: mask}``.
+            position_ids: ``(B, T)``.
+            source: ``(M,)`` flat index ``b * T + t`` of the position that predicts each scored token.
+            labels: ``(M,)`` the scored token ids.
+        Returns:
+            ``(M,)`` float32 log-probs of the scored tokens.
         """
+        if source is not None:
+            return self.gathered_logps(input_ids, attention_mask, position_ids, source, labels)
         target = completion_mask[:, 1:].bool()  # (N, T-1): position t predicts token t+1
         labels = input_ids[:, 1:][target]  # (M,)
         if self.fast_path:
@@ -140,6 +157,17 @@ class CompletionLogProbs(nn.Module):
         out = torch.zeros(target.shape, dtype=torch.float32, device=input_ids.device)  # (N, T-1)
         out = out.masked_scatter(target, logps)
         return F.pad(out, (1, 0))  # (N, T)
+
+    def gathered_logps(self, input_ids: torch.Tensor, attention_mask, position_ids: torch.Tensor, source: torch.Tensor,
+                       labels: torch.Tensor) -> torch.Tensor:
+        """``(M,)`` fp32 log-probs: the body on ``(B, T)`` rows with a custom mask and position
+        ids, the hidden states at the flat positions ``source`` through the chunked head. Needs
+        the fast path (a reproduced head) and no router loss (``dpocache.layouts``)."""
+        body = self._causal_lm().get_decoder()
+        out = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        hidden = out[0]  # (B, T, H), final norm applied
+        picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, source)  # (M, H)
+        return self._head_logps(picked, labels)  # (M,)
 
     def _body(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         lm = self._causal_lm()
@@ -270,14 +298,6 @@ class CompletionLogProbs(nn.Module):
             )
             return False
         return True
-
-    def forward_fast_only(self, input_ids, attention_mask, completion_mask) -> torch.Tensor:
-        """The fast path regardless of the probe's verdict (tests compare it with the naive path)."""
-        saved, self.fast_path = self.fast_path, True
-        try:
-            return self.forward(input_ids, attention_mask, completion_mask)
-        finally:
-            self.fast_path = saved
 
 
 def autocast(dtype: torch.dtype, device: torch.device | str):

@@ -17,8 +17,12 @@ prompts four times as long about 3/5.
 
 Supported where the model's body accepts a custom 4D mask and ``position_ids`` with the
 ``sdpa`` or ``eager`` attention (Llama, Qwen2, Mistral, Gemma 2, GPT-2 and most decoder-only
-models of transformers >= 4.53); elsewhere ``shared_prompt_supported`` is False and callers use
-the padded layout.
+models of transformers >= 4.53); ``dpocache.layouts.select_layout`` decides, for the cache
+build and training alike, and names the reason when the padded layout runs instead.
+
+The computation goes through ``CompletionLogProbs.forward`` (its gathered mode: a custom mask,
+position ids and the flat positions to score), so a DDP- or FSDP2-wrapped scorer runs its hooks
+(gradient reduction, parameter all-gather) in this layout as in the padded one.
 """
 
 from __future__ import annotations
@@ -29,11 +33,12 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from .batching import collate_pairs, pair_logprobs
 from .data import TokenizedPair
-from .logprobs import CompletionLogProbs, unwrap_causal_lm
+from .layouts import BLOCK_MASK_ATTENTION, LayoutChoice, select_layout
+from .logprobs import CompletionLogProbs, PairLogProbs, unwrap_causal_lm
 
 PROMPT, CHOSEN, REJECTED, PAD = 0, 1, 2, -1
-_ATTENTION = ("sdpa", "eager")
 
 
 @dataclass
@@ -109,7 +114,7 @@ def collate_shared(pairs: Sequence[TokenizedPair], pad_id: int = 0) -> SharedPro
 def shared_prompt_supported(model: nn.Module) -> bool:
     """True when the model's attention takes the custom mask this layout needs."""
     config = unwrap_causal_lm(model).config
-    return getattr(config, "_attn_implementation", None) in _ATTENTION
+    return getattr(config, "_attn_implementation", None) in BLOCK_MASK_ATTENTION
 
 
 def attention_mask(batch: SharedPromptBatch, config, dtype: torch.dtype = torch.float32):
@@ -144,16 +149,13 @@ def attention_mask(batch: SharedPromptBatch, config, dtype: torch.dtype = torch.
 # ------------------------------------------------------------------------------- log-probs
 
 
-def shared_prompt_logps(lp: CompletionLogProbs, batch: SharedPromptBatch) -> torch.Tensor:
-    """``(M,)`` fp32 log-probs of the scored tokens of ``batch``, through ``lp``'s body and its
-    chunked, completion-only output head (the same code the padded layout runs)."""
-    lm = lp._causal_lm()
-    body = lm.get_decoder()
-    mask = attention_mask(batch, lm.config)
-    out = body(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids, use_cache=False)
-    hidden = out[0]  # (B, T, H), final norm applied
-    picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.source)  # (M, H)
-    return lp._head_logps(picked, batch.labels)  # (M,)
+def shared_prompt_logps(lp: nn.Module, batch: SharedPromptBatch) -> torch.Tensor:
+    """``(M,)`` fp32 log-probs of the scored tokens of ``batch``, through ``lp``'s own
+    ``forward`` (a ``CompletionLogProbs``, possibly DDP/FSDP2-wrapped, so their hooks run): its
+    body with the block mask, then its chunked, completion-only output head (the same code the
+    padded layout runs)."""
+    mask = attention_mask(batch, scorer_core(lp).config)
+    return lp(batch.input_ids, mask, position_ids=batch.position_ids, source=batch.source, labels=batch.labels)
 
 
 def sequence_sums(logps: torch.Tensor, batch: SharedPromptBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,53 +189,26 @@ def score_batch_shared(reference, pairs: Sequence[TokenizedPair], pad_id: int = 
 # -------------------------------------------------------------------------------- training
 
 
-class SharedPromptScorer(nn.Module):
-    """The policy's forward in the shared-prompt layout, as one ``nn.Module`` call (so a
-    wrapper sees every parameter use in one forward, as with ``CompletionLogProbs``)."""
-
-    def __init__(self, lp: CompletionLogProbs):
-        super().__init__()
-        self.lp = lp
-
-    @property
-    def aux_loss(self):
-        return None  # only used for dense models (see ``shared_training_supported``)
-
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, segments: torch.Tensor, source: torch.Tensor,
-                labels: torch.Tensor) -> torch.Tensor:
-        """``(B, T)`` layout tensors and ``(M,)`` scored positions → ``(M,)`` fp32 log-probs."""
-        batch = SharedPromptBatch(input_ids, position_ids, segments, source, labels, source, source, source)
-        return shared_prompt_logps(self.lp, batch)
+def scorer_core(scorer: nn.Module) -> CompletionLogProbs:
+    """The ``CompletionLogProbs`` inside a DDP wrapper (FSDP2 shards it in place: itself)."""
+    return scorer.module if isinstance(getattr(scorer, "module", None), CompletionLogProbs) else scorer
 
 
-def shared_training_supported(lp: nn.Module) -> bool:
-    """A plain ``CompletionLogProbs`` (not DDP/FSDP-wrapped) on its fast path, over a dense
-    model whose attention takes the block mask. MoE models (router loss) and distributed
-    wrappers keep the padded layout."""
-    # The exact type: FSDP2's fully_shard swaps the class for a subclass whose hooks run on
-    # ``forward``, which this layout's scorer does not call.
-    return (type(lp) is CompletionLogProbs and lp.fast_path and getattr(lp, "_router", None) is None
-            and shared_prompt_supported(lp.model))
+def training_layout(scorer: nn.Module, requested: str) -> LayoutChoice:
+    """The layout a training run's ``scorer`` (``CompletionLogProbs``, possibly DDP/FSDP2-wrapped)
+    runs for ``requested``: ``dpocache.layouts.select_layout``'s rule, with the router loss of a
+    mixture-of-experts model kept (padded)."""
+    core = scorer_core(scorer)
+    return select_layout(requested, core.config, fast_path=core.fast_path, router_loss=core._router is not None)
 
 
-def training_scorer(scorer: nn.Module, layout: str) -> nn.Module:
-    """``scorer`` itself (padded layout) or a ``SharedPromptScorer`` over it."""
-    if layout not in ("shared", "padded"):
-        raise ValueError(f"train.layout must be shared or padded; got '{layout}'")
-    if layout == "shared" and shared_training_supported(scorer):
-        return SharedPromptScorer(scorer)
-    return scorer
-
-
-def layout_logprobs(scorer: nn.Module, pairs: Sequence[TokenizedPair], pad_id: int, device):
-    """Policy log-probs of ``pairs`` in ``scorer``'s layout: (``PairLogProbs``, real tokens run)."""
-    from .batching import collate_pairs, pair_logprobs
-    from .logprobs import PairLogProbs
-
-    if isinstance(scorer, SharedPromptScorer):
+def layout_logprobs(scorer: nn.Module, layout: str, pairs: Sequence[TokenizedPair], pad_id: int, device):
+    """Policy log-probs of ``pairs`` in ``layout`` (``padded`` or ``shared``), through
+    ``scorer``'s forward: (``PairLogProbs``, real tokens run)."""
+    if layout == "shared":
         batch = collate_shared(pairs, pad_id).to(device)
-        logps = scorer(batch.input_ids, batch.position_ids, batch.segments, batch.source, batch.labels)  # (M,)
+        logps = shared_prompt_logps(scorer, batch)  # (M,)
         chosen, rejected = sequence_sums(logps, batch)
         return PairLogProbs(chosen, rejected, batch.chosen_tokens, batch.rejected_tokens, logps), batch.num_tokens
-    batch = collate_pairs(pairs, pad_id).to(device)
-    return pair_logprobs(scorer, batch), int(batch.attention_mask.sum())
+    padded = collate_pairs(pairs, pad_id).to(device)
+    return pair_logprobs(scorer, padded), int(padded.attention_mask.sum())

@@ -17,8 +17,10 @@ from torch import nn
 
 from . import bf16_matmul
 from .bf16_matmul import cpu_has_amx_bf16
+from .layouts import LAYOUTS, select_layout
 from .loading import store_frozen_matrices_
 from .logprobs import CompletionLogProbs, autocast
+from .prefix import shared_prompt_logps
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +28,6 @@ log = logging.getLogger(__name__)
 # before its first step and after its last to prove it made none.
 FORWARD_PASSES = 0
 
-LAYOUTS = ("shared", "padded")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -85,16 +86,10 @@ class ReferenceModel:
     """Frozen log-prob scorer. ``logprobs`` runs under ``inference_mode`` and counts its work."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype = torch.float32, compile: bool = False,
-                 adapter_disabled: bool = False, layout: str = "shared", scorer: CompletionLogProbs | None = None):
+                 adapter_disabled: bool = False, layout: str = "auto", scorer: CompletionLogProbs | None = None):
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got '{layout}'")
         self.model = model
-        # How pairs are laid out for the forward (dpocache.prefix): "shared" runs each prompt
-        # once for both completions; "padded" runs prompt + chosen and prompt + rejected rows.
-        # Models whose attention takes no custom mask fall back to "padded".
-        from .prefix import shared_prompt_logps, shared_prompt_supported
-
-        self.layout = layout if layout == "padded" or shared_prompt_supported(model) else "padded"
         self.dtype = dtype
         self.device = next(model.parameters()).device
         self.adapter_disabled = adapter_disabled
@@ -102,8 +97,11 @@ class ReferenceModel:
             model.eval()
             model.requires_grad_(False)
         self._scorer = scorer if scorer is not None else CompletionLogProbs(model)  # given: sharded (dpocache.sharded)
-        if not self._scorer.fast_path:
-            self.layout = "padded"  # an unknown head: the model's own forward, on the padded layout
+        # How pairs are laid out for the forward (dpocache.layouts): "shared" runs each prompt
+        # once for both completions; "padded" runs prompt + chosen and prompt + rejected rows.
+        # Models whose attention takes no custom mask, or whose head is unknown, run "padded".
+        self.layout_choice = select_layout(layout, self._scorer.config, fast_path=self._scorer.fast_path)
+        self.layout = self.layout_choice.used
         # Optional torch.compile, for both layouts (measured no faster on a 2-core CPU: bench/README.md).
         self._run = torch.compile(self._scorer, dynamic=True) if compile else self._scorer
         self._run_shared = torch.compile(shared_prompt_logps, dynamic=True) if compile else shared_prompt_logps
@@ -113,7 +111,7 @@ class ReferenceModel:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device | None = None,
-                        compile: bool = False, layout: str = "shared",
+                        compile: bool = False, layout: str = "auto",
                         adapter: str | Path | None = None) -> "ReferenceModel":
         """The model in ``path``; with ``adapter`` (a PEFT adapter directory whose base is
         ``path``), that adapter on top, unmerged: the same layers the policy loaded from the

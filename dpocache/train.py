@@ -39,13 +39,14 @@ from .divergence import ProgressMonitor
 from .distributed import DistEnv, all_reduce_max, barrier, broadcast_object, destroy, init_distributed
 from .logprobs import CompletionLogProbs, autocast
 from .hub_ids import resolve_model_path
+from .layouts import LayoutChoice
 from .ld_dpo import ld_policy, ld_reference
 from .losses import parse_loss_spec, preference_loss
 from .metrics import (MetricWindow, MetricsWriter, count_params, measured_peak_flops, model_shape,
                       train_flops_per_token)
 from .policy import build_optimizer, build_scheduler, load_policy, load_sharded_policy, wrap_for_distributed
 from .preflight import model_context
-from .prefix import layout_logprobs, training_scorer
+from .prefix import layout_logprobs, scorer_core, training_layout
 from .reference import dtype_name, resolve_dtype
 from .sharded import reference_loader
 from .signals import StopRequest, stop_signals
@@ -82,6 +83,7 @@ class Run:
     total_steps: int
     steps_per_epoch: int
     writer: MetricsWriter
+    layout: LayoutChoice  # the layout the scorer runs (dpocache.layouts)
     info: dict = field(default_factory=dict)  # what run.json records
     step: int = 0
     saved_step: int | None = None  # the step of the newest checkpoint (None: none yet)
@@ -125,7 +127,7 @@ def setup(cfg: Config) -> Run:
     else:
         policy = load_policy(cfg, env.device)
         scorer = wrap_for_distributed(CompletionLogProbs(policy), policy, cfg, env)
-    scorer = training_scorer(scorer, cfg.train.layout)  # shared-prompt layout where supported (dpocache.prefix)
+    layout = training_layout(scorer, cfg.train.layout)  # dpocache.layouts: shared where supported, else padded
     global_batch = cfg.train.batch_size * cfg.train.grad_accum * env.world_size
     steps_per_epoch = len(train_data) // global_batch
     if steps_per_epoch == 0:
@@ -135,7 +137,7 @@ def setup(cfg: Config) -> Run:
     scheduler = build_scheduler(cfg, optimizer, total)
     writer = MetricsWriter(out, cfg.train.tensorboard, enabled=env.is_main)
     run = Run(cfg, env, out, dtype, tokenizer, train_data, eval_data, ref_train, ref_eval, spec, policy, scorer,
-              optimizer, scheduler, total, steps_per_epoch, writer)
+              optimizer, scheduler, total, steps_per_epoch, writer, layout)
     run.info = _run_info(run, ref_info)
     if cfg.train.resume:
         resume(run)
@@ -287,7 +289,7 @@ def _run_info(run: Run, ref_info: dict) -> dict:
                  "train_truncated": run.train_data.truncated, "train_identical": run.train_data.identical,
                  "eval_pairs": len(run.eval_data) if run.eval_data else 0},
         "policy": {"parameters": count_params(run.policy), "trainable": count_params(run.policy, trainable_only=True)},
-        "loss": str(run.spec), "total_steps": run.total_steps,
+        "loss": str(run.spec), "total_steps": run.total_steps, "layout": run.layout.to_json(),
         "reference": ref_info,
         # Counted, not asserted: every ReferenceModel forward in this process increments it.
         "_ref_passes_at_start": reference_mod.FORWARD_PASSES,
@@ -357,7 +359,8 @@ def batch_losses(run: Run, pairs: list[TokenizedPair], ref: ReferenceValues | No
     policies, the router load-balancing loss (a scalar, else None); records the metrics.
     ``check_cache``: first compare the policy's log-probs with the cached ones (``audit_step0``)."""
     with autocast(run.dtype, run.env.device):
-        lp, tokens = layout_logprobs(run.scorer, pairs, run.tokenizer.pad_token_id or 0, run.env.device)
+        pad_id = run.tokenizer.pad_token_id or 0
+        lp, tokens = layout_logprobs(run.scorer, run.layout.used, pairs, pad_id, run.env.device)
     ref_c = ref.chosen[idx].to(run.env.device) if ref is not None else None
     ref_r = ref.rejected[idx].to(run.env.device) if ref is not None else None
     pc, pr = (lp.chosen_logps, lp.rejected_logps) if run.cfg.loss.ld_alpha is None else \
@@ -378,14 +381,10 @@ def batch_losses(run: Run, pairs: list[TokenizedPair], ref: ReferenceValues | No
     if _has_nll(run):
         window.add_mean(prefix + "sft_loss", -(lp.chosen_logps.detach() / lp.chosen_tokens.clamp(min=1)))
     window.add_total(prefix + "tokens", float(tokens))
-    aux = _scorer_core(run.scorer).aux_loss
+    aux = scorer_core(run.scorer).aux_loss
     if aux is not None:
         window.add(prefix + "aux_loss", float(aux.detach()), 1.0)
     return losses, aux
-
-
-def _scorer_core(scorer: torch.nn.Module) -> CompletionLogProbs:
-    return scorer.module if isinstance(getattr(scorer, "module", None), CompletionLogProbs) else scorer
 
 
 def _has_nll(run: Run) -> bool:

@@ -31,6 +31,7 @@ pytestmark = [
 ]
 
 TOL = 1e-5
+SHARED_RAN = {"requested": "auto", "used": "shared", "attention": "sdpa", "reason": None}
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -175,6 +176,7 @@ def test_distributed_build_equals_single_process_and_caches_each_pair_once(asset
     assert proc.stdout.count('"computed"') == 1  # rank 0 alone prints
     assert (summary["pairs"], summary["unique"], summary["computed"], summary["reused"]) == (37, 37, 27, 10)
     assert summary["world_size"] == 2 and summary["tokens"] > 0
+    assert summary["layout"] == SHARED_RAN  # the reference pass's layout, named in the summary
 
     ns_dir = orphan_store.dir
     manifest = json.loads((ns_dir / "manifest.json").read_text())
@@ -228,6 +230,8 @@ def test_two_ranks_match_one_process_with_the_global_batch(assets, ddp_run, sing
     assert [r["step"] for r in read_metrics(out)] == [0, 1, 2, 3, 4, 4]
     info = json.loads((out / "run.json").read_text())
     assert info["world_size"] == 2
+    # The shared-prompt layout ran under DDP (its forward is the wrapped module's: hooks fire).
+    assert info["layout"] == SHARED_RAN == json.loads((single_run / "run.json").read_text())["layout"]
     ref = info["reference"]
     assert ref["computed"] == 75 and ref["built_on_ranks"] == 2 and ref["forward_passes_during_training"] == 0
     assert json.loads((single_run / "run.json").read_text())["reference"]["computed"] == 0
@@ -281,11 +285,12 @@ def test_fsdp2_on_cpu_resumes_a_single_process_run_with_tied_embeddings(assets, 
             assert torch.allclose(a[k].float(), b[k].float(), atol=tol, rtol=0), (name, k)
     final = AutoModelForCausalLM.from_pretrained(str(sharded / "final"))
     assert final.lm_head.weight.data_ptr() == final.model.embed_tokens.weight.data_ptr()  # still tied
-    assert json.loads((sharded / "run.json").read_text())["config"]["distributed"]["fsdp"] is True
+    info = json.loads((sharded / "run.json").read_text())
+    assert info["config"]["distributed"]["fsdp"] is True and info["layout"] == SHARED_RAN
 
 
-def test_lora_with_ddp_matches_one_process(assets, ddp_run):
-    lora = ("--lora-r", "4", "--max-steps", "2", "--save-steps", "0")
+def test_lora_with_ddp_matches_one_process_in_the_padded_layout(assets, ddp_run):
+    lora = ("--lora-r", "4", "--max-steps", "2", "--save-steps", "0", "--train.layout", "padded")
     multi, single = assets["root"] / "lora-ddp", assets["root"] / "lora-single"
     torchrun("train", *train_args(assets, multi, 4, None, *lora))
     train_in_process(train_args(assets, single, 8, None, *lora))
@@ -294,6 +299,8 @@ def test_lora_with_ddp_matches_one_process(assets, ddp_run):
     for step in (1, 2):
         assert_close_records(got[step], want[step])
     assert (multi / "final" / "adapter_model.safetensors").exists()
+    assert json.loads((multi / "run.json").read_text())["layout"] == {
+        "requested": "padded", "used": "padded", "attention": "sdpa", "reason": None}
 
 
 # ------------------------------------------------------------------------------ stop signals

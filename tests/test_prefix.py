@@ -137,11 +137,13 @@ def test_score_batch_dispatches_on_layout(tiny_models, pairs, tokenizer):
 
 
 def test_unsupported_attention_falls_back_to_padded(tokenizer, monkeypatch):
-    import dpocache.prefix
+    import dpocache.layouts
 
     model = build_model("llama", tokenizer).eval()
-    monkeypatch.setattr(dpocache.prefix, "_ATTENTION", ("eager",))  # as if sdpa took no custom mask
-    assert ReferenceModel(model, layout="shared").layout == "padded"
+    monkeypatch.setattr(dpocache.layouts, "BLOCK_MASK_ATTENTION", ("eager",))  # as if sdpa took no custom mask
+    reference = ReferenceModel(model, layout="shared")
+    assert reference.layout == "padded" and "sdpa" in reference.layout_choice.reason
+    assert ReferenceModel(model).layout_choice.to_json()["requested"] == "auto"
     with pytest.raises(ValueError):
         ReferenceModel(model, layout="packed")
 
@@ -150,19 +152,19 @@ def test_unsupported_attention_falls_back_to_padded(tokenizer, monkeypatch):
 def test_training_layout_same_values_and_gradients(tokenizer, pairs, arch):
     """The shared-prompt training forward gives the padded layout's sums and gradients: the
     prompt's gradient is the sum of what its two sequences send it."""
-    from dpocache.prefix import SharedPromptScorer, layout_logprobs, training_scorer
+    from dpocache.prefix import layout_logprobs, training_layout
 
     from dpocache.reference import disable_dropout
 
     model = build_model(arch, tokenizer).train()
     disable_dropout(model)  # as training does; GPT-2's dropout would make the two passes differ
     lp = CompletionLogProbs(model)
-    shared = training_scorer(lp, "shared")
-    assert isinstance(shared, SharedPromptScorer) and training_scorer(lp, "padded") is lp
+    assert training_layout(lp, "auto").used == training_layout(lp, "shared").used == "shared"
+    assert training_layout(lp, "padded").used == "padded"
     grads, sums = {}, {}
-    for name, scorer in (("padded", lp), ("shared", shared)):
+    for name in ("padded", "shared"):
         model.zero_grad()
-        out, tokens = layout_logprobs(scorer, pairs, tokenizer.pad_token_id, "cpu")
+        out, tokens = layout_logprobs(lp, name, pairs, tokenizer.pad_token_id, "cpu")
         (out.chosen_logps.sum() - 0.5 * out.rejected_logps.sum()).backward()
         grads[name] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
         sums[name] = (out.chosen_logps.detach(), out.rejected_logps.detach(), out.chosen_tokens, tokens)
@@ -173,16 +175,35 @@ def test_training_layout_same_values_and_gradients(tokenizer, pairs, arch):
     torch.testing.assert_close(grads["shared"], grads["padded"], rtol=1e-4, atol=1e-5)
 
 
-def test_training_layout_keeps_wrapped_scorers(tiny_models):
-    """A DDP/FSDP-wrapped scorer (not a plain CompletionLogProbs) keeps the padded layout."""
-    from dpocache.prefix import training_scorer
+def test_shared_layout_runs_through_the_wrapped_modules_forward(tiny_models, pairs, tokenizer):
+    """DDP reduces gradients and FSDP2 gathers parameters in hooks around ``forward``: the
+    shared layout must call the (wrapped) scorer itself, once per micro-batch, and a wrapped
+    or sharded scorer keeps the shared layout."""
+    from dpocache.prefix import layout_logprobs, training_layout
 
-    wrapper = torch.nn.Module()
-    wrapper.module = CompletionLogProbs(tiny_models["llama"])
-    assert training_scorer(wrapper, "shared") is wrapper
-    fsdp_like = type("FSDPCompletionLogProbs", (CompletionLogProbs,), {})  # what fully_shard makes of the class
+    lp = CompletionLogProbs(tiny_models["llama"])
+    calls = []
+    hook = lp.register_forward_pre_hook(lambda module, args: calls.append(len(args)))
+    try:
+        with torch.no_grad():
+            layout_logprobs(lp, "shared", pairs, tokenizer.pad_token_id, "cpu")
+    finally:
+        hook.remove()
+    assert calls == [2]  # input ids and the block mask; positions and scored tokens by keyword
+
+    wrapper = torch.nn.Module()  # as DistributedDataParallel holds it
+    wrapper.module = lp
+    assert training_layout(wrapper, "auto").used == "shared"
     sharded = CompletionLogProbs(tiny_models["llama"])
-    sharded.__class__ = fsdp_like
-    assert training_scorer(sharded, "shared") is sharded
+    sharded.__class__ = type("FSDPCompletionLogProbs", (CompletionLogProbs,), {})  # what fully_shard makes of it
+    assert training_layout(sharded, "shared").used == "shared"
     with pytest.raises(ValueError):
-        training_scorer(wrapper, "packed")
+        training_layout(wrapper, "packed")
+
+
+def test_moe_training_keeps_the_padded_layout_and_says_why(tiny_models):
+    from dpocache.prefix import training_layout
+
+    arch = next(a for a in ARCHITECTURES if CompletionLogProbs(tiny_models[a], probe=False)._router is not None)
+    choice = training_layout(CompletionLogProbs(tiny_models[arch]), "auto")
+    assert (choice.requested, choice.used) == ("auto", "padded") and "load-balancing" in choice.reason

@@ -49,7 +49,7 @@ def dpo_run(tmp_path_factory, base_model, train_jsonl, eval_jsonl):
 
 def test_step0_rewards_are_zero_fp32(dpo_run):
     """The first step's forward runs at the initial weights, which are the reference: the cached
-    values must be exactly what the policy computes (DESIGN.md convention 3), so rewards and
+    values must be exactly what the policy computes (docs/ARCHITECTURE.md), so rewards and
     margins are 0 up to fp32 rounding from the different batch shapes."""
     first = train_records(dpo_run)[0]
     assert first["step"] == 1

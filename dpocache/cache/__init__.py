@@ -1,4 +1,4 @@
-"""The persistent, content-addressed reference cache (see DESIGN.md, "The reference cache")."""
+"""The persistent, content-addressed reference cache (see docs/ARCHITECTURE.md and ``store``)."""
 
 from .build import (
     BuildSummary, build_missing, default_cache_dir, export_rows, namespace_for_dir, namespace_for_module, verify,

@@ -137,6 +137,9 @@ class BuildSummary:
     corrupt_shards: list[str] = field(default_factory=list)
     world_size: int = 1  # processes that shared the work (the counts above are their totals)
     interrupted: int = 0  # the signal that stopped the build (0: it ran to the end)
+    # The reference pass's layout (dpocache.layouts.LayoutChoice.to_json: requested, used,
+    # attention, reason); None when no pass ran (every pair was cached).
+    layout: dict | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -262,7 +265,18 @@ def score_missing(
         cache_dir=str(store.dir), namespace=store.namespace.id,
         forward_passes=reference.forward_passes if reference is not None else 0,
         corrupt_shards=[str(c) for c in store.corrupt], interrupted=stop.signum or 0,
+        layout=reference.layout_choice.to_json() if reference is not None else None,
     )
+
+
+def _any_rank_layout(env: DistEnv, layout: dict | None) -> dict | None:
+    """The layout of a rank whose reference pass ran (every rank applies the same rule to the
+    same model); a collective: every rank calls it."""
+    if not env.enabled:
+        return layout
+    gathered = [None] * env.world_size
+    torch.distributed.all_gather_object(gathered, layout)
+    return next((x for x in gathered if x is not None), None)
 
 
 def interrupted_message(summary: BuildSummary) -> str:
@@ -406,8 +420,9 @@ def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_refere
     summary = BuildSummary(
         pairs=len(pairs), unique=len(by_key), computed=int(computed), reused=len(by_key) - len(todo_keys),
         tokens=int(tokens), seconds=seconds, tokens_per_s=tokens / seconds if tokens else 0.0,
-        peak_memory_bytes=int(peak), cache_dir=str(store.dir), namespace=store.namespace.id,
-        forward_passes=int(passes), corrupt_shards=corrupt, world_size=env.world_size, interrupted=int(signum),
+        peak_memory_bytes=int(peak), cache_dir=str(store.dir), namespace=store.namespace.id, forward_passes=int(passes),
+        corrupt_shards=corrupt, world_size=env.world_size, interrupted=int(signum),
+        layout=_any_rank_layout(env, local.layout if local else None),
     )
     if signum:
         raise stop.interrupted(interrupted_message(summary), signum=int(signum))

@@ -489,7 +489,6 @@ class ShardWriter:
         self.update_manifest = update_manifest
         self._pending = _Pending()
         self._last_flush = time.monotonic()
-        self.written: list[ShardInfo] = []
 
     def add(self, keys: Sequence[bytes], chosen_logps: torch.Tensor, rejected_logps: torch.Tensor,
             chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor,
@@ -523,6 +522,6 @@ class ShardWriter:
                     raise CacheError("per-token values given for some pairs of a shard but not all")
                 tensors["chosen_token_logps"] = torch.cat(p.chosen_token_logps)
                 tensors["rejected_token_logps"] = torch.cat(p.rejected_token_logps)
-            self.written.append(self.store.add_shard(tensors, self.update_manifest))
+            self.store.add_shard(tensors, self.update_manifest)
         self._pending = _Pending()
         self._last_flush = time.monotonic()

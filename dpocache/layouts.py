@@ -1,0 +1,58 @@
+"""Which layout runs: one rule for the reference pass (cache build) and for training, in one
+process, under DDP and under FSDP2.
+
+Layouts (how pairs become model inputs):
+
+- ``padded`` (``dpocache.batching``): two right-padded rows per pair, ``prompt + chosen`` and
+  ``prompt + rejected``; runs on every model.
+- ``shared`` (``dpocache.prefix``): one row ``prompt + chosen + rejected`` per pair with a
+  block mask and position ids restarting per completion; each prompt runs once.
+
+``auto`` (the default) is ``shared`` wherever it runs, else ``padded``. The shared layout needs
+an attention that takes a custom 4D mask (``sdpa`` or ``eager``), the fast path's reproduced
+output head (``CompletionLogProbs.fast_path``) and, in training, no router loss: a
+mixture-of-experts model's load-balancing loss is computed from the padded layout's 2D mask.
+A fallback is never silent: ``LayoutChoice.reason`` says why, and ``run.json`` and the cache
+build's JSON summary carry the choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+LAYOUTS = ("auto", "padded", "shared")
+BLOCK_MASK_ATTENTION = ("sdpa", "eager")  # attentions that take the shared layout's custom mask
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    """The layout asked for, the one that runs, the model's attention, and why they differ."""
+
+    requested: str
+    used: str  # "padded" or "shared"
+    attention: str  # the model's attention implementation (config._attn_implementation)
+    reason: str | None = None  # why ``used`` is not what ``requested`` asked for (None: no fallback)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def select_layout(requested: str, config, fast_path: bool = True, router_loss: bool = False) -> LayoutChoice:
+    """The layout that runs for ``requested`` (``auto``, ``padded`` or ``shared``) on a model
+    with ``config``; ``fast_path``: the chunked head reproduces the model's (else its own
+    forward runs, on padded rows); ``router_loss``: training needs a MoE load-balancing loss."""
+    if requested not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got '{requested}'")
+    attention = str(getattr(config, "_attn_implementation", None) or "unknown")
+    if requested == "padded":
+        return LayoutChoice(requested, "padded", attention)
+    reason = None
+    if attention not in BLOCK_MASK_ATTENTION:
+        reason = f"attention '{attention}' takes no custom 4D mask (the shared layout needs sdpa or eager)"
+    elif not fast_path:
+        reason = "the model's output head is not reproduced by the chunked head; its own forward runs on padded rows"
+    elif router_loss:
+        reason = "mixture-of-experts: the router's load-balancing loss is computed on the padded layout"
+    if reason is not None:
+        return LayoutChoice(requested, "padded", attention, reason)
+    return LayoutChoice(requested, "shared", attention)

@@ -1,0 +1,60 @@
+"""Tests for dpocache.layouts: one selection rule for the cache build and training, and the
+``layout`` object that ``run.json`` and the cache build's JSON summary carry."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from dpocache.cli import main
+from dpocache.config import Config
+from dpocache.layouts import LAYOUTS, LayoutChoice, select_layout
+
+
+def _config(attention: str) -> SimpleNamespace:
+    return SimpleNamespace(_attn_implementation=attention)
+
+
+@pytest.mark.parametrize("requested, attention, fast_path, router_loss, used, reason", [
+    ("auto", "sdpa", True, False, "shared", None),
+    ("shared", "eager", True, False, "shared", None),
+    ("padded", "sdpa", True, False, "padded", None),
+    ("padded", "flash_attention_2", False, True, "padded", None),  # asked for: no fallback to explain
+    ("auto", "flash_attention_2", True, False, "padded", "custom 4D mask"),
+    ("shared", "flex_attention", True, False, "padded", "custom 4D mask"),
+    ("auto", "sdpa", False, False, "padded", "output head"),
+    ("auto", "sdpa", True, True, "padded", "load-balancing"),
+])
+def test_select_layout(requested, attention, fast_path, router_loss, used, reason):
+    choice = select_layout(requested, _config(attention), fast_path=fast_path, router_loss=router_loss)
+    assert (choice.requested, choice.used, choice.attention) == (requested, used, attention)
+    assert (choice.reason is None) if reason is None else (reason in choice.reason)
+    assert choice.to_json() == {"requested": requested, "used": used, "attention": attention, "reason": choice.reason}
+
+
+def test_unknown_layout_is_refused():
+    with pytest.raises(ValueError, match="auto, padded, shared"):
+        select_layout("packed", _config("sdpa"))
+
+
+def test_auto_is_the_default_and_a_valid_choice():
+    cfg = Config()
+    assert cfg.train.layout == cfg.cache.layout == "auto" and set(LAYOUTS) == {"auto", "padded", "shared"}
+
+
+def test_cache_build_summary_names_the_layout(tmp_path, model_dir, pref_jsonl, capsys):
+    """The JSON summary says which layout the reference pass ran, and says so as None when no
+    pass ran (every pair cached)."""
+    args = ["cache", "build", "--model", str(model_dir), "--data", str(pref_jsonl), "--cache-dir", str(tmp_path),
+            "--dtype", "float32", "--device", "cpu", "--json"]
+    summaries = []
+    for extra in ((), ("--layout", "padded")):
+        assert main([*args, *extra]) == 0
+        summaries.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert summaries[0]["layout"] == LayoutChoice("auto", "shared", "sdpa").to_json()
+    assert summaries[0]["computed"] > 0 and summaries[1]["computed"] == 0 and summaries[1]["layout"] is None
+    assert main([*args, "--cache-dir", str(tmp_path / "padded"), "--layout", "padded"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["layout"] == {
+        "requested": "padded", "used": "padded", "attention": "sdpa", "reason": None}
