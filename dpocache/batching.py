@@ -29,7 +29,8 @@ class PairBatch:
         return self.input_ids.shape[0] // 2
 
     def to(self, device) -> "PairBatch":
-        return PairBatch(*(t.to(device, non_blocking=True) for t in (self.input_ids, self.attention_mask, self.completion_mask)))
+        return PairBatch(*(t.to(device, non_blocking=True)
+                           for t in (self.input_ids, self.attention_mask, self.completion_mask)))
 
 
 def collate_pairs(pairs: Sequence[TokenizedPair], pad_id: int = 0) -> PairBatch:

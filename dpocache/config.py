@@ -437,5 +437,6 @@ def help_text(sections: tuple[str, ...] | None = None) -> str:
 
 def _type_name(annotation: Any) -> str:
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        return " | ".join(getattr(a, "__name__", str(a)).replace("NoneType", "None") for a in typing.get_args(annotation))
+        return " | ".join(getattr(a, "__name__", str(a)).replace("NoneType", "None")
+                          for a in typing.get_args(annotation))
     return getattr(annotation, "__name__", str(annotation))

@@ -174,7 +174,8 @@ class CompletionLogProbs(nn.Module):
         if self._router is None:
             out = lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
             return out[0]  # last_hidden_state (N, T, H), final norm applied
-        out = lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_router_logits=True)
+        out = lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                               output_router_logits=True)
         # The model's own load-balancing loss (Switch Transformer, Fedus et al. 2021, eq. 4), from
         # the module that defines the architecture, so it is exactly what its forward computes.
         balance = getattr(sys.modules[type(lm).__module__], "load_balancing_loss_func", None)

@@ -22,7 +22,8 @@ def load_policy(cfg: Config, device: torch.device) -> nn.Module:
     if base is not None:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(load_causal_lm(base, device, cfg.model.attn_implementation), str(path), is_trainable=True)
+        model = PeftModel.from_pretrained(load_causal_lm(base, device, cfg.model.attn_implementation), str(path),
+                                          is_trainable=True)
     else:
         model = load_causal_lm(path, device, cfg.model.attn_implementation)
         if cfg.lora.r > 0:
@@ -110,7 +111,8 @@ def lr_multiplier(step: int, total: int, warmup: int, schedule: str) -> float:
 def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int):
     warmup = int(round(cfg.optim.warmup_ratio * total_steps))
     lr_multiplier(0, total_steps, warmup, cfg.optim.schedule)  # validate the schedule name now
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, total_steps, warmup, cfg.optim.schedule))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer,
+                                             lambda s: lr_multiplier(s, total_steps, warmup, cfg.optim.schedule))
 
 
 def wrap_for_distributed(scorer: nn.Module, policy: nn.Module, cfg: Config, env: DistEnv) -> nn.Module:

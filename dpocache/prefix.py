@@ -85,7 +85,8 @@ def collate_shared(pairs: Sequence[TokenizedPair], pad_id: int = 0) -> SharedPro
         p, c, r = len(pair.prompt_ids), len(pair.chosen_ids), len(pair.rejected_ids)
         if p == 0:
             raise ValueError(f"pair {pair.index}: an empty prompt cannot score its first completion token")
-        input_ids[row, :p + c + r] = torch.tensor(pair.prompt_ids + pair.chosen_ids + pair.rejected_ids, dtype=torch.long)
+        input_ids[row, :p + c + r] = torch.tensor(pair.prompt_ids + pair.chosen_ids + pair.rejected_ids,
+                                                  dtype=torch.long)
         position_ids[row, :p + c] = torch.arange(p + c)
         position_ids[row, p + c:p + c + r] = torch.arange(p, p + r)
         segments[row, :p] = PROMPT

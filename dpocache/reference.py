@@ -64,7 +64,8 @@ def disable_dropout(model: nn.Module) -> None:
             module.p = 0.0
 
 
-def load_causal_lm(path: str | Path, device: torch.device | str = "cpu", attn_implementation: str | None = "sdpa") -> nn.Module:
+def load_causal_lm(path: str | Path, device: torch.device | str = "cpu",
+                   attn_implementation: str | None = "sdpa") -> nn.Module:
     """Load a causal LM in fp32 (the master weights; lower precision is applied by autocast,
     so the reference and the training forward compute the same numbers)."""
     from transformers import AutoModelForCausalLM
@@ -110,7 +111,8 @@ class ReferenceModel:
         self.seconds = 0.0
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device | None = None,
+    def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype = "float32",
+                        device: str | torch.device | None = None,
                         compile: bool = False, layout: str = "auto",
                         adapter: str | Path | None = None) -> "ReferenceModel":
         """The model in ``path``; with ``adapter`` (a PEFT adapter directory whose base is
@@ -143,7 +145,8 @@ class ReferenceModel:
     def _adapter_context(self):
         return self.model.disable_adapter() if self.adapter_disabled else contextlib.nullcontext()
 
-    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 completion_mask: torch.Tensor) -> torch.Tensor:
         """``(N, T)`` inputs → ``(N, T)`` fp32 per-token log-probs, 0 at prompt and padding."""
         return self._call(lambda: self._run(input_ids.to(self.device), attention_mask.to(self.device),
                                             completion_mask.to(self.device)), int(attention_mask.sum()))

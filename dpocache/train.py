@@ -101,7 +101,8 @@ def setup(cfg: Config) -> Run:
     env = init_distributed(cfg.model.device, cfg.distributed.backend)
     cfg.model.path, cfg.model.ref_model = resolve_model_path(cfg.model.path), resolve_model_path(cfg.model.ref_model)
     if cfg.distributed.fsdp and env.enabled and cfg.lora.r > 0:
-        raise ValueError("distributed.fsdp with LoRA is not supported: LoRA trains few parameters, use DDP (no --fsdp)")
+        raise ValueError("distributed.fsdp with LoRA is not supported: "
+                         "LoRA trains few parameters, use DDP (no --fsdp)")
     out = Path(cfg.train.output_dir)
     if env.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -114,7 +115,8 @@ def setup(cfg: Config) -> Run:
     train_data = _load_data(cfg, cfg.data.train, tokenizer, env)
     eval_data = _load_data(cfg, cfg.data.eval, tokenizer, env) if cfg.data.eval else None
     if eval_data is not None and len(eval_data) < env.world_size:
-        raise ValueError(f"{cfg.data.eval}: {len(eval_data)} pairs, fewer than the {env.world_size} ranks that share it")
+        raise ValueError(f"{cfg.data.eval}: {len(eval_data)} pairs, "
+                         f"fewer than the {env.world_size} ranks that share it")
     check_batch_fits(cfg, train_data, env.world_size)  # before any model loads
     spec = parse_loss_spec(cfg.loss.name, **cfg.loss.params())
     if cfg.loss.use_weighting:  # WPO needs sum_v p(v)^2 per token: the policy's head computes picked tokens only
@@ -353,8 +355,8 @@ def step_indices(run: Run, step: int, micro: int) -> list[int]:
     return order[start:start + cfg.batch_size]
 
 
-def batch_losses(run: Run, pairs: list[TokenizedPair], ref: ReferenceValues | None, idx: list[int], window: MetricWindow,
-                 prefix: str = "", check_cache: bool = False):
+def batch_losses(run: Run, pairs: list[TokenizedPair], ref: ReferenceValues | None, idx: list[int],
+                 window: MetricWindow, prefix: str = "", check_cache: bool = False):
     """Policy forward on ``pairs``; returns the loss per example ``(B,)`` and, for MoE
     policies, the router load-balancing loss (a scalar, else None); records the metrics.
     ``check_cache``: first compare the policy's log-probs with the cached ones (``audit_step0``)."""

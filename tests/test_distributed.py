@@ -50,7 +50,8 @@ def torchrun(*args: str, nproc: int = 2, timeout: float = 300) -> subprocess.Com
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "dpocache", *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, (f"{' '.join(cmd)}\nexit {proc.returncode}\n"
+                                  f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
 
 
@@ -160,7 +161,8 @@ def test_distributed_build_equals_single_process_and_caches_each_pair_once(asset
     from dpocache.reference import ReferenceModel
 
     model, data = assets["model"], assets["pairs37"]
-    common = ["--model", str(model), "--data", str(data), "--dtype", "float32", "--device", "cpu", "--max-length", "64"]
+    common = ["--model", str(model), "--data", str(data), "--dtype", "float32", "--device", "cpu",
+              "--max-length", "64"]
     single, multi = tmp_path / "single", tmp_path / "multi"
     assert in_process("cache", "build", *common, "--cache-dir", str(single)) == 0
 
@@ -332,8 +334,8 @@ def test_sigterm_to_one_rank_of_a_build_keeps_every_pair_computed(assets, tmp_pa
     from test_signals import SIGNAL_AT_PROGRESS
 
     cache, report = tmp_path / "cache", tmp_path / "seen"
-    common = ["--model", str(assets["model"]), "--data", str(assets["pairs37"]), "--dtype", "float32", "--device", "cpu",
-              "--max-tokens", "1", "--cache-dir", str(cache)]
+    common = ["--model", str(assets["model"]), "--data", str(assets["pairs37"]), "--dtype", "float32",
+              "--device", "cpu", "--max-tokens", "1", "--cache-dir", str(cache)]
     proc = torchrun_signalled(SIGNAL_AT_PROGRESS, tmp_path, "cache", "build", *common, SIGNAL_RANK="1",
                               SIGNAL_AT_FRACTION="0.3", SIGNAL_NAME="SIGTERM", SIGNAL_REPORT=str(report))
     lines = proc.stderr.splitlines()

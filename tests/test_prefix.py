@@ -34,7 +34,8 @@ def padded_values(model, pairs, pad_id):
     """Per-pair per-token chosen and rejected log-probs from the padded layout."""
     batch = collate_pairs(pairs, pad_id)
     with torch.no_grad():
-        token_logps = CompletionLogProbs(model)(batch.input_ids, batch.attention_mask, batch.completion_mask)  # (2B, T)
+        token_logps = CompletionLogProbs(model)(batch.input_ids, batch.attention_mask,
+                                                batch.completion_mask)  # (2B, T)
     mask = batch.completion_mask.bool()
     rows = [token_logps[i][mask[i]] for i in range(token_logps.shape[0])]
     b = len(pairs)
@@ -69,7 +70,8 @@ def test_rejected_does_not_see_chosen(tiny_models, pairs, tokenizer):
     """Changing the chosen tokens leaves every rejected log-prob as it was (the block mask)."""
     model = tiny_models["llama"]
     (_, sr), _ = shared_values(model, pairs, tokenizer.pad_token_id)
-    altered = [type(p)(p.index, p.prompt_ids, tuple((t + 1) % 300 + 10 for t in p.chosen_ids), p.rejected_ids, p.key) for p in pairs]
+    altered = [type(p)(p.index, p.prompt_ids, tuple((t + 1) % 300 + 10 for t in p.chosen_ids), p.rejected_ids, p.key)
+               for p in pairs]
     (sc2, sr2), _ = shared_values(model, altered, tokenizer.pad_token_id)
     assert _max_diff(sr, sr2) < TOL
 

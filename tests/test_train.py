@@ -121,8 +121,9 @@ def test_plot_writes_a_png(dpo_run, capsys):
 
 def test_complete_cache_loads_no_reference_model(tmp_path, base_model, train_jsonl, monkeypatch, capsys):
     cache = tmp_path / "cache"
-    assert cli_main(["cache", "build", "--model", str(base_model), "--data", str(train_jsonl), "--cache-dir", str(cache),
-                     "--max-length", "64", "--dtype", "float32", "--device", "cpu", "--json"]) == 0
+    assert cli_main(["cache", "build", "--model", str(base_model), "--data", str(train_jsonl),
+                     "--cache-dir", str(cache), "--max-length", "64", "--dtype", "float32", "--device", "cpu",
+                     "--json"]) == 0
     built = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert built["computed"] == built["unique"] == TRAIN_PAIRS
 
@@ -240,7 +241,8 @@ def _train_two_steps(tmp_path, base_model, train_jsonl, cache, *extra):
     recs = train_records(out)
     assert [r["step"] for r in recs] == [1, 2]
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in recs)
-    diff = max_abs_diff(load_tensors(out / "final" / "model.safetensors"), load_tensors(base_model / "model.safetensors"))
+    diff = max_abs_diff(load_tensors(out / "final" / "model.safetensors"),
+                        load_tensors(base_model / "model.safetensors"))
     assert diff > 0, "the weights did not change"
     return out, recs
 
@@ -265,7 +267,8 @@ def test_every_loss_trains(name, tmp_path, base_model, train_jsonl, shared_cache
 
 
 def test_combined_loss_and_rpo(tmp_path, base_model, train_jsonl, shared_cache):
-    out, recs = _train_two_steps(tmp_path / "combo", base_model, train_jsonl, shared_cache, "--loss", "sigmoid:1,sft:0.5")
+    out, recs = _train_two_steps(tmp_path / "combo", base_model, train_jsonl, shared_cache,
+                                 "--loss", "sigmoid:1,sft:0.5")
     assert run_json(out)["loss"] == "sigmoid:1,sft:0.5"
     first = recs[0]
     assert "sft_loss" in first
@@ -376,7 +379,8 @@ def test_push_to_hub_fails_clearly_and_keeps_the_checkpoint(tmp_path, base_model
     """No Hub here (or no token): the run still writes everything, then exits 1 naming the repo
     and where the checkpoint is."""
     out = tmp_path / "run"
-    args = flags(base_model, train_jsonl, out, shared_cache, "--max-steps", "1", "--push-to-hub", "someone/dpocache-test")
+    args = flags(base_model, train_jsonl, out, shared_cache, "--max-steps", "1",
+                 "--push-to-hub", "someone/dpocache-test")
     assert cli_main(["train", *args]) == 1
     err = capsys.readouterr().err
     assert "someone/dpocache-test" in err and str(out / "final") in err

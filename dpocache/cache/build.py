@@ -420,7 +420,8 @@ def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_refere
     summary = BuildSummary(
         pairs=len(pairs), unique=len(by_key), computed=int(computed), reused=len(by_key) - len(todo_keys),
         tokens=int(tokens), seconds=seconds, tokens_per_s=tokens / seconds if tokens else 0.0,
-        peak_memory_bytes=int(peak), cache_dir=str(store.dir), namespace=store.namespace.id, forward_passes=int(passes),
+        peak_memory_bytes=int(peak), cache_dir=str(store.dir), namespace=store.namespace.id,
+        forward_passes=int(passes),
         corrupt_shards=corrupt, world_size=env.world_size, interrupted=int(signum),
         layout=_any_rank_layout(env, local.layout if local else None),
     )
