@@ -27,7 +27,8 @@ from .data import DataError, RawRow, read_rows
 
 def add_score_parser(sub) -> None:
     s = sub.add_parser("score", help="per-token reference log-probs of prompts and their completions (JSONL out)")
-    s.add_argument("--model", required=True, help="reference model directory (a PEFT adapter dir means its base)")
+    s.add_argument("--model", required=True,
+                   help="reference model directory (for a PEFT adapter dir: base + adapter, the initial policy)")
     s.add_argument("--data", required=True, help="rows: prompt + completions (text or messages) or prompt_ids + "
                    "completion_ids; .jsonl/.json/.parquet/.csv")
     s.add_argument("--out", type=Path, required=True, help="output JSONL, one line per row, in data order")

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from .cache.build import DEFAULT_MAX_TOKENS, namespace_for_dir, namespace_for_module, peak_memory_bytes
-from .cache.build import reference_weights_dir
+from .cache.build import reference_source
 from .cache.fingerprint import config_sha256
 from .cache.sequences import SequenceStore, sequence_key
 from .cache.store import Namespace
@@ -147,13 +147,16 @@ class ReferenceService:
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype = "auto",
                         device: str | torch.device | None = None, max_tokens: int = DEFAULT_MAX_TOKENS,
-                        cache_dir: str | Path | None = None, compile: bool = False, **kwargs) -> "ReferenceService":
-        """A model directory (a PEFT adapter directory means its base: the initial policy)."""
-        weights = reference_weights_dir(path)
+                        cache_dir: str | Path | None = None, compile: bool = False, reference: str = "initial",
+                        **kwargs) -> "ReferenceService":
+        """A model directory. For a PEFT adapter directory the reference is the initial policy,
+        base + that adapter (``reference="base"``: the bare base), as in ``dpocache train``."""
+        base, adapter = reference_source(path, reference)
         layout = kwargs.pop("layout", "shared")
-        reference = ReferenceModel.from_pretrained(weights, dtype, device, compile=compile, layout=layout)
-        namespace = namespace_for_dir(weights, reference.dtype, Path(cache_dir)) if cache_dir is not None else None
-        return cls(reference, max_tokens=max_tokens, cache_dir=cache_dir, namespace=namespace, **kwargs)
+        model = ReferenceModel.from_pretrained(base, dtype, device, compile=compile, layout=layout, adapter=adapter)
+        namespace = (namespace_for_dir(path, model.dtype, Path(cache_dir), reference) if cache_dir is not None
+                     else None)
+        return cls(model, max_tokens=max_tokens, cache_dir=cache_dir, namespace=namespace, **kwargs)
 
     @classmethod
     def from_peft_policy(cls, policy: nn.Module, dtype: torch.dtype = torch.float32, **kwargs) -> "ReferenceService":

@@ -96,3 +96,34 @@ def test_cache_cli_reference_flag(tmp_path, base_model, adapter_dir, train_jsonl
     capsys.readouterr()
     assert cli_main(["cache", "verify", "--model", str(adapter_dir), "--samples", "4", *common]) == 0
     assert "OK" in capsys.readouterr().out
+
+
+def _naive_completion_logps(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """``(C,)`` log-probs of ``completion`` after ``prompt`` from the model's own full logits."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()  # (C, V)
+    return logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+
+
+def test_reference_service_of_an_adapter_dir_is_the_initial_policy(base_model, adapter_dir):
+    """ReferenceService.from_pretrained follows the same rule as train and cache build: an
+    adapter directory's reference is base + adapter; ``reference="base"`` the bare base."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from dpocache.service import ReferenceService
+
+    request = {"prompt_ids": [5, 17, 42, 9], "completion_ids": [[33, 8, 71], [12, 64]]}
+    base = AutoModelForCausalLM.from_pretrained(str(base_model), dtype=torch.float32).eval()
+    initial = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base_model), dtype=torch.float32),
+                                        str(adapter_dir)).eval()
+    for reference, model in (("initial", initial), ("base", base)):
+        service = ReferenceService.from_pretrained(adapter_dir, dtype="float32", device="cpu", reference=reference)
+        (got,) = service.score([request])
+        for completion, values in zip(request["completion_ids"], got):
+            expected = _naive_completion_logps(model, request["prompt_ids"], completion)
+            assert torch.allclose(values, expected, atol=1e-5), (reference, values, expected)
+    # The two references differ: the adapter changes the values.
+    assert not torch.allclose(_naive_completion_logps(initial, [5, 17, 42, 9], [33, 8, 71]),
+                              _naive_completion_logps(base, [5, 17, 42, 9], [33, 8, 71]), atol=1e-3)
