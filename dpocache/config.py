@@ -107,7 +107,8 @@ class TrainLoopConfig:
     save_total_limit: int = 2  # checkpoints kept (the newest)
     resume: bool = False  # continue from the newest checkpoint in output_dir
     overwrite: bool = False  # start afresh in an output_dir that holds an earlier run
-    tensorboard: bool = False  # also write TensorBoard events to output_dir
+    report_to: str = "none"  # trackers beside metrics.jsonl: none | tensorboard | wandb (or "tensorboard,wandb")
+    tensorboard: bool = False  # also write TensorBoard events to output_dir (same as --report-to tensorboard)
     push_to_hub: str | None = None  # a Hub repo id for the final checkpoint
     progress: bool = True  # progress bars on stderr
 
@@ -168,9 +169,11 @@ ALIASES = {
     "logging_steps": "train.logging_steps", "eval_steps": "train.eval_steps", "save_steps": "train.save_steps",
     "resume": "train.resume", "push_to_hub": "train.push_to_hub", "cache_dir": "cache.dir", "fsdp": "distributed.fsdp",
     "skip_invalid": "data.skip_invalid", "max_tokens": "cache.max_tokens", "shard_size": "cache.shard_size",
+    "report_to": "train.report_to",
 }
 
 SCHEDULES = ("linear", "cosine", "constant")
+TRACKERS = ("none", "tensorboard", "wandb")
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -236,6 +239,10 @@ def _validate_choices(cfg: Config) -> None:
     for dotted, allowed in choices.items():
         if _get(cfg, dotted) not in allowed:
             raise ConfigError(f"{_flag_name(dotted)}: must be one of {', '.join(allowed)}; got {_get(cfg, dotted)!r}")
+    for name in cfg.train.report_to.split(","):
+        if name.strip() not in TRACKERS:
+            raise ConfigError(f"{_flag_name('train.report_to')}: must be one of {', '.join(TRACKERS)} (or several, "
+                              f"comma-separated); got {name.strip()!r}")
 
 
 # Fields that count something: at least 1 (the optional ones when set); intervals where 0 means "off".

@@ -8,6 +8,11 @@ Accepted row formats (those TRL documents):
 - implicit prompt: only ``chosen`` and ``rejected``, as full strings or conversations; their
   longest common prefix is the prompt
 
+A conversational row may also carry, as TRL 1.16 reads them, a ``tools`` column (a list of
+JSON-schema function descriptions, or that list as a JSON string) and a ``chat_template_kwargs``
+column (an object, e.g. ``{"enable_thinking": false}``); both are passed to the tokenizer's
+``apply_chat_template`` for that row only. Plain-text rows have no template to pass them to.
+
 Sources: ``.jsonl``, ``.json`` (a list of objects, or ``{"data": [...]}``), ``.parquet``,
 ``.csv`` files, a directory written by ``datasets.Dataset.save_to_disk``, a
 ``datasets.Dataset`` or a list of dicts. Other column names are mapped with ``columns``
@@ -49,6 +54,7 @@ from tqdm.auto import tqdm
 
 KEY_BYTES = 16
 STANDARD_COLUMNS = ("prompt", "chosen", "rejected")
+TEMPLATE_COLUMNS = ("tools", "chat_template_kwargs")  # per-row chat-template inputs, kept by map_columns
 
 
 class DataError(ValueError):
@@ -355,6 +361,41 @@ def _split_implicit(location: str, chosen: Any, rejected: Any) -> tuple[Any, Any
     return chosen[:n], chosen[n:], rejected[n:]
 
 
+# Arguments dpocache itself gives apply_chat_template: a row cannot override them.
+_RESERVED_TEMPLATE_KWARGS = ("conversation", "tools", "tokenize", "add_generation_prompt", "continue_final_message",
+                             "return_dict", "return_tensors")
+
+
+def _parse_json_field(loc: str, field_name: str, text: str) -> Any:
+    try:
+        return _parse_json(loc, text)
+    except DataError as e:
+        raise DataError(loc, field_name, e.reason) from None
+
+
+def _template_inputs(loc: str, values: dict) -> dict:
+    """The row's extra ``apply_chat_template`` arguments: its ``tools`` and ``chat_template_kwargs``."""
+    kwargs = values.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    elif isinstance(kwargs, str):  # a CSV cell, or a column stored as text
+        kwargs = _parse_json_field(loc, "chat_template_kwargs", kwargs)
+    if not isinstance(kwargs, dict):
+        raise DataError(loc, "chat_template_kwargs", f"expected an object, got {type(kwargs).__name__}")
+    reserved = [k for k in kwargs if k in _RESERVED_TEMPLATE_KWARGS]
+    if reserved:
+        raise DataError(loc, "chat_template_kwargs", f"'{reserved[0]}' is set by dpocache, not per row")
+    kwargs = dict(kwargs)
+    tools = values.get("tools")
+    if isinstance(tools, str):
+        tools = _parse_json_field(loc, "tools", tools) if tools.strip() else None
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise DataError(loc, "tools", f"expected a list of tool descriptions, got {type(tools).__name__}")
+        kwargs["tools"] = tools
+    return kwargs
+
+
 def _render(row: RawRow, tokenizer) -> _RenderedRow:
     if row.error is not None:
         raise row.error
@@ -370,7 +411,7 @@ def _render(row: RawRow, tokenizer) -> _RenderedRow:
         prompt, chosen, rejected = _split_implicit(loc, chosen, rejected)
     kinds = {name: _is_messages(v) for name, v in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected))}
     if all(kinds.values()):
-        return _render_conversation(loc, prompt, chosen, rejected, tokenizer)
+        return _render_conversation(loc, prompt, chosen, rejected, tokenizer, _template_inputs(loc, values))
     if any(kinds.values()):
         odd = [n for n, is_msgs in kinds.items() if not is_msgs]
         raise DataError(loc, odd[0], "mixes messages and plain text: give all fields as messages or all as strings")
@@ -380,15 +421,18 @@ def _render(row: RawRow, tokenizer) -> _RenderedRow:
     )
 
 
-def _render_conversation(loc: str, prompt: list, chosen: list, rejected: list, tokenizer) -> _RenderedRow:
+def _render_conversation(loc: str, prompt: list, chosen: list, rejected: list, tokenizer,
+                         template_kwargs: dict | None = None) -> _RenderedRow:
+    """``template_kwargs``: the row's ``tools`` and ``chat_template_kwargs`` (see ``_template_inputs``)."""
+    template_kwargs = template_kwargs or {}
     for name, msgs in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
         _check_messages(loc, name, msgs)
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(loc, "prompt", "conversational row but the tokenizer has no chat template")
-    prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **template_kwargs)
     completions = []
     for name, msgs in (("chosen", chosen), ("rejected", rejected)):
-        full = tokenizer.apply_chat_template(prompt + msgs, tokenize=False)
+        full = tokenizer.apply_chat_template(prompt + msgs, tokenize=False, **template_kwargs)
         if not full.startswith(prompt_text):
             raise DataError(loc, name, "the chat template does not render the prompt as a prefix of the conversation")
         completions.append(full[len(prompt_text):])
@@ -576,6 +620,7 @@ def map_columns(rows: list[RawRow], columns: tuple[str | None, str, str] = STAND
 
 
 def _text_columns(values: dict, exclude: tuple) -> list[str]:
+    exclude = tuple(exclude) + TEMPLATE_COLUMNS
     return [k for k, v in values.items() if k not in exclude and ((isinstance(v, str) and v.strip()) or
                                                                  (_is_messages(v) and v))]
 
@@ -590,6 +635,7 @@ def _mapped(row: RawRow, columns: tuple[str | None, str, str]) -> dict:
                 if others else ""
             raise DataError(row.location, name, "missing" + hint)
     mapped = {"chosen": values[chosen_field], "rejected": values[rejected_field]}
+    mapped.update({k: values[k] for k in TEMPLATE_COLUMNS if values.get(k) is not None})
     if prompt_field is None or values.get(prompt_field) is not None:
         if prompt_field is not None:
             mapped["prompt"] = values[prompt_field]

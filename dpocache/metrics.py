@@ -1,9 +1,11 @@
-"""Metric reduction, the JSONL/TensorBoard writers, FLOPs and MFU."""
+"""Metric reduction, the JSONL writer and its trackers (TensorBoard, W&B), FLOPs and MFU."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
+import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -13,6 +15,7 @@ import torch
 from . import bf16_matmul
 
 from .cache.atomic import atomic_write_text
+from .config import ConfigError
 from .distributed import DistEnv, all_reduce_sum
 
 
@@ -56,20 +59,51 @@ class MetricWindow:
         self.totals.clear()
 
 
-class MetricsWriter:
-    """``metrics.jsonl`` (one object per line), and TensorBoard events if asked and installed."""
+# tracker -> (the module it needs, the dpocache extra that installs it)
+TRACKER_LIBRARIES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
 
-    def __init__(self, output_dir: Path, tensorboard: bool = False, enabled: bool = True):
+
+def trackers(report_to: str = "none", tensorboard: bool = False) -> tuple[str, ...]:
+    """The trackers asked for: ``report_to``'s names (comma-separated; ``none`` for none), plus
+    TensorBoard for the older ``train.tensorboard`` switch."""
+    names = [n.strip() for n in report_to.split(",") if n.strip() not in ("", "none")]
+    if tensorboard and "tensorboard" not in names:
+        names.append("tensorboard")
+    return tuple(dict.fromkeys(names))
+
+
+def import_tracker(name: str):
+    """The library of tracker ``name``, imported only now (both are optional extras); a missing
+    one is a ``ConfigError`` of one line, raised before any work when ``setup`` calls this."""
+    module, extra = TRACKER_LIBRARIES[name]
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ConfigError(f"--report-to {name}: the '{module}' library is not installed "
+                          f"(pip install 'dpocache[{extra}]')") from None
+
+
+class MetricsWriter:
+    """``metrics.jsonl`` (one object per line), and the numbers of each row to the trackers asked
+    for: TensorBoard events under ``output_dir/tensorboard``, a W&B run (``WANDB_MODE=offline``
+    writes it under ``output_dir/wandb`` with no network; ``WANDB_PROJECT`` names the project)."""
+
+    def __init__(self, output_dir: Path, tensorboard: bool = False, enabled: bool = True, report_to: str = "none",
+                 config: dict | None = None):
         self.enabled = enabled
         self.path = output_dir / "metrics.jsonl"
         self._tb = None
-        if enabled and tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+        self._wandb = None
+        names = trackers(report_to, tensorboard) if enabled else ()
+        if "tensorboard" in names:
+            import_tracker("tensorboard")
+            from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(output_dir / "tensorboard"))
-            except ImportError:
-                print("tensorboard is not installed; writing metrics.jsonl only")
+            self._tb = SummaryWriter(str(output_dir / "tensorboard"))
+        if "wandb" in names:
+            wandb = import_tracker("wandb")
+            self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "dpocache"), name=output_dir.name,
+                                     dir=str(output_dir), config=config)
 
     def rewind(self, step: int) -> None:
         """Drop the rows a run resumed at ``step`` logs again, so the history has each once:
@@ -93,15 +127,20 @@ class MetricsWriter:
             return
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+        scalars = {k: v for k, v in record.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
         if self._tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, record["step"])
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, record["step"])
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=record["step"])
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
 
 def read_metrics(output_dir: str | Path) -> list[dict]:

@@ -42,8 +42,8 @@ from .hub_ids import resolve_model_path
 from .layouts import LayoutChoice
 from .ld_dpo import ld_policy, ld_reference
 from .losses import parse_loss_spec, preference_loss
-from .metrics import (MetricWindow, MetricsWriter, count_params, measured_peak_flops, model_shape,
-                      train_flops_per_token)
+from .metrics import (MetricWindow, MetricsWriter, count_params, import_tracker, measured_peak_flops, model_shape,
+                      trackers, train_flops_per_token)
 from .policy import build_optimizer, build_scheduler, load_policy, load_sharded_policy, wrap_for_distributed
 from .preflight import model_context
 from .prefix import layout_logprobs, scorer_core, training_layout
@@ -98,6 +98,8 @@ class Run:
 
 def setup(cfg: Config) -> Run:
     cfg.validate(required=("model.path", "data.train"))  # every mistake a value can show, before any work
+    for name in trackers(cfg.train.report_to, cfg.train.tensorboard):
+        import_tracker(name)  # a missing tracker library: one line now, not after the reference pass
     env = init_distributed(cfg.model.device, cfg.distributed.backend)
     cfg.model.path, cfg.model.ref_model = resolve_model_path(cfg.model.path), resolve_model_path(cfg.model.ref_model)
     if cfg.distributed.fsdp and env.enabled and cfg.lora.r > 0:
@@ -137,7 +139,8 @@ def setup(cfg: Config) -> Run:
     total = cfg.train.max_steps if cfg.train.max_steps is not None else cfg.train.epochs * steps_per_epoch
     optimizer = build_optimizer(cfg, policy)
     scheduler = build_scheduler(cfg, optimizer, total)
-    writer = MetricsWriter(out, cfg.train.tensorboard, enabled=env.is_main)
+    writer = MetricsWriter(out, cfg.train.tensorboard, enabled=env.is_main, report_to=cfg.train.report_to,
+                           config=cfg.to_dict())
     run = Run(cfg, env, out, dtype, tokenizer, train_data, eval_data, ref_train, ref_eval, spec, policy, scorer,
               optimizer, scheduler, total, steps_per_epoch, writer, layout)
     run.info = _run_info(run, ref_info)

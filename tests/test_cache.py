@@ -3,6 +3,7 @@ store (shards, manifest, checksums), incremental builds and per-token values."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -103,6 +104,47 @@ def test_fingerprint_memo_rehashes_nothing_on_a_hit(tmp_path, model_dir):
     os.utime(copy / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     fourth = FingerprintMemo(memo_file)
     assert model_dir_fingerprint(copy, fourth) == fp and fourth.hashed_bytes == st.st_size
+
+
+def _hub_snapshot(model_dir, hf_cache, lfs_names=True):
+    """``model_dir`` laid out as ``huggingface_hub`` stores a download: blobs named by the SHA-256
+    of an LFS file (the weights) and by the git SHA-1 of any other file, linked from a snapshot."""
+    repo = hf_cache / "hub" / "models--org--tiny"
+    snapshot = repo / "snapshots" / ("c" * 40)
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in sorted(model_dir.iterdir()):
+        data = f.read_bytes()
+        lfs = f.name.endswith(".safetensors") and lfs_names
+        blob = hashlib.sha256(data).hexdigest() if lfs else hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+        (repo / "blobs" / blob).write_bytes(data)
+        os.symlink(os.path.join("..", "..", "blobs", blob), snapshot / f.name)
+    return snapshot
+
+
+def test_hub_snapshot_weights_fingerprint_from_blob_names(tmp_path, model_dir):
+    hashed = FingerprintMemo(None)
+    expected = model_dir_fingerprint(model_dir, hashed)  # by content: every weight byte read
+    assert hashed.hashed_bytes > 0
+
+    snapshot = _hub_snapshot(model_dir, tmp_path / "hf")
+    memo = FingerprintMemo(None)
+    assert model_dir_fingerprint(snapshot, memo) == expected
+    assert memo.hashed_bytes == 0  # the digests came from the blob names
+
+    # A blob not named by a SHA-256 (a plain git file's SHA-1) is hashed, to the same value.
+    sha1_named = _hub_snapshot(model_dir, tmp_path / "hf-sha1", lfs_names=False)
+    memo = FingerprintMemo(None)
+    assert model_dir_fingerprint(sha1_named, memo) == expected and memo.hashed_bytes == hashed.hashed_bytes
+    # A link to a file named by 64 hex digits outside a hub cache's blobs/ is hashed too.
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    for f in model_dir.iterdir():
+        target = tmp_path / (hashlib.sha256(f.name.encode()).hexdigest())  # a name that is not the content's hash
+        target.write_bytes(f.read_bytes())
+        os.symlink(target, loose / f.name)
+    memo = FingerprintMemo(None)
+    assert model_dir_fingerprint(loose, memo) == expected and memo.hashed_bytes == hashed.hashed_bytes
 
 
 # ------------------------------------------------------------------------------------ builds

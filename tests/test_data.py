@@ -314,3 +314,69 @@ def test_example_key_hashes_the_boundaries():
     assert example_key([1], [2, 3], [4]) != example_key([1], [3, 2], [4])  # order within a sequence
     assert example_key([1], [2], [3]) == example_key((1,), (2,), (3,))
     assert len(example_key([1], [2], [3])) == 16
+
+
+# ------------------------------------------------------------------ per-row chat-template inputs
+
+# The tiny template, plus what a tool-calling template does with its inputs: it writes them out.
+_TOOLS_TEMPLATE = (
+    "{% if tools %}<|system|>tools:{% for t in tools %} {{ t['name'] }}{% endfor %}<|end|>{% endif %}"
+    "{% if enable_thinking is defined and not enable_thinking %}<|system|>no thinking<|end|>{% endif %}"
+)
+
+
+def _tools_tokenizer(tokenizer):
+    import copy
+
+    from dpocache.tiny import CHAT_TEMPLATE
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = CHAT_TEMPLATE.replace("{{ bos_token }}", "{{ bos_token }}" + _TOOLS_TEMPLATE)
+    return tok
+
+
+def test_tools_and_chat_template_kwargs_reach_the_template(tokenizer):
+    tok = _tools_tokenizer(tokenizer)
+    prompt, chosen, rejected = _conversation_row()
+    tools = [{"name": "sort_list", "description": "sort numbers", "parameters": {"type": "object"}}]
+    plain = {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+    with_tools = dict(plain, tools=tools)
+    with_kwargs = dict(plain, chat_template_kwargs={"enable_thinking": False})
+    both = dict(plain, tools=json.dumps(tools), chat_template_kwargs=json.dumps({"enable_thinking": False}))
+    a, b, c, d = _load([plain, with_tools, with_kwargs, both], tok).pairs
+
+    # Each row's ids are the template rendered with that row's inputs (an independent call).
+    for pair, extra in ((a, {}), (b, {"tools": tools}), (c, {"enable_thinking": False}),
+                        (d, {"tools": tools, "enable_thinking": False})):
+        prompt_text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **extra)
+        assert tok.decode(pair.prompt_ids) == prompt_text
+        full = tok.apply_chat_template(prompt + chosen, tokenize=False, **extra)
+        assert tok.decode(pair.prompt_ids + pair.chosen_ids) == full
+    assert "tools: sort_list" in tok.decode(b.prompt_ids) and "no thinking" not in tok.decode(b.prompt_ids)
+    assert "no thinking" in tok.decode(c.prompt_ids) and "tools:" not in tok.decode(c.prompt_ids)
+    assert "tools: sort_list" in tok.decode(d.prompt_ids) and "no thinking" in tok.decode(d.prompt_ids)
+    # The inputs change the ids, so they change the key; the completions are untouched.
+    assert len({a.key, b.key, c.key, d.key}) == 4
+    assert a.chosen_ids == b.chosen_ids == c.chosen_ids == d.chosen_ids
+
+
+def test_template_inputs_survive_column_mapping(tokenizer, tmp_path):
+    tok = _tools_tokenizer(tokenizer)
+    prompt, chosen, rejected = _conversation_row()
+    tools = [{"name": "sort_list"}]
+    path = write_jsonl([{"question": prompt, "good": chosen, "bad": rejected, "tools": tools}], tmp_path / "d.jsonl")
+    pair = _load(path, tok, columns=("question", "good", "bad")).pairs[0]
+    assert "tools: sort_list" in tok.decode(pair.prompt_ids)
+
+
+@pytest.mark.parametrize("extra, field, reason", [
+    ({"chat_template_kwargs": [1]}, "chat_template_kwargs", "expected an object"),
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs", "set by dpocache"),
+    ({"chat_template_kwargs": "{not json"}, "chat_template_kwargs", "malformed JSON"),
+    ({"tools": {"name": "x"}}, "tools", "expected a list"),
+])
+def test_bad_template_inputs_name_the_field(tokenizer, extra, field, reason):
+    prompt, chosen, rejected = _conversation_row()
+    with pytest.raises(DataError) as e:
+        _load([dict(prompt=prompt, chosen=chosen, rejected=rejected, **extra)], tokenizer)
+    assert e.value.field == field and reason in e.value.reason and "row 0" in e.value.location

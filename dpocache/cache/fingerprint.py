@@ -5,12 +5,18 @@ The ctime and inode are in the memo's key because the mtime alone can be put bac
 in place whose mtime is restored (``touch -r``, ``cp -p``, ``tar``, normalised image timestamps)
 keeps its size and mtime, but every write and every ``utime`` sets the ctime to now, and a file
 replaced by another gets another inode.
+
+A model directory that is a Hugging Face cache snapshot (``snapshots/<commit>/<file>`` linking to
+``blobs/<name>``) costs no hashing at all: the hub names an LFS file's blob by the SHA-256 of its
+content (and a plain git file's by its 40-digit git SHA-1), so a weight file whose blob name is
+64 hex digits has that digest as its hash, the same value ``file_sha256`` would compute.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -27,6 +33,23 @@ _CONFIG_IGNORED = {
     "transformers_version", "_name_or_path", "torch_dtype", "dtype", "use_cache",
     "output_attentions", "output_hidden_states", "return_dict", "_attn_implementation_autoset",
 }
+
+
+_SHA256_NAME = re.compile(r"[0-9a-f]{64}")
+
+
+def hub_blob_sha256(path: Path) -> str | None:
+    """The SHA-256 of ``path`` read from its Hugging Face cache blob's name, or None when
+    ``path`` is not a link into a hub cache's ``blobs/`` (of the same repository) whose target
+    is an LFS blob (named by 64 hex digits; plain git files are named by their 40-digit SHA-1).
+    Blobs are written once by ``huggingface_hub`` and never edited in place."""
+    if not path.is_symlink():
+        return None
+    target = path.resolve()
+    repo = path.parent.parent.parent  # <repo>/snapshots/<commit>/<file>
+    if path.parent.parent.name != "snapshots" or target.parent != repo.resolve() / "blobs":
+        return None
+    return target.name if _SHA256_NAME.fullmatch(target.name) else None
 
 
 def file_sha256(path: Path) -> str:
@@ -50,6 +73,9 @@ class FingerprintMemo:
         self.hashed_bytes = 0  # bytes actually read this session (0 on a memo hit)
 
     def sha256(self, path: Path) -> str:
+        digest = hub_blob_sha256(path)
+        if digest is not None:  # a hub snapshot's LFS file: its blob's name is its hash
+            return digest
         st = path.stat()
         key = str(path.resolve())
         stamp = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
