@@ -1,4 +1,5 @@
-"""``dpocache plot OUTPUT``: loss, reward accuracy, reward margins (train and eval) to a PNG."""
+"""``dpocache plot OUTPUT``: loss, reward accuracy, reward margins and the chosen and rejected
+log-probs, train and eval side by side in each panel, to a PNG."""
 
 from __future__ import annotations
 
@@ -6,8 +7,25 @@ from pathlib import Path
 
 from .metrics import read_metrics
 
-PANELS = (("loss", "loss"), ("rewards/accuracies", "reward accuracy"), ("rewards/margins", "reward margin"),
-          ("logps/chosen", "log-prob of chosen"))
+# (panel title, metric keys drawn together in it)
+PANELS = (("loss", ("loss",)), ("reward accuracy", ("rewards/accuracies",)), ("reward margin", ("rewards/margins",)),
+          ("log-probs of chosen and rejected", ("logps/chosen", "logps/rejected")))
+
+
+def panel_series(records: list[dict]) -> dict[str, dict[str, tuple[list[int], list[float]]]]:
+    """``{panel title: {series label: (steps, values)}}`` of a run's metric rows: for every key of
+    a panel, a train series and an eval series (``eval/`` rows), where the run logged them."""
+    panels: dict[str, dict[str, tuple[list[int], list[float]]]] = {}
+    for title, keys in PANELS:
+        series = panels.setdefault(title, {})
+        for key in keys:
+            side = f" {key.rsplit('/', 1)[-1]}" if len(keys) > 1 else ""  # "chosen", "rejected"
+            for prefix, name in (("", "train"), ("eval/", "eval")):
+                points = [(r["step"], r[prefix + key]) for r in records if prefix + key in r]
+                if points:
+                    steps, values = zip(*points)
+                    series[name + side] = (list(steps), list(values))
+    return panels
 
 
 def plot_run(output_dir: str | Path, out_file: str | Path | None = None) -> Path:
@@ -16,19 +34,16 @@ def plot_run(output_dir: str | Path, out_file: str | Path | None = None) -> Path
     matplotlib.use("Agg")  # files only; no display needed
     import matplotlib.pyplot as plt
 
-    records = read_metrics(output_dir)
     out_file = Path(out_file) if out_file else Path(output_dir) / "curves.png"
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    for ax, (key, title) in zip(axes.flat, PANELS):
-        for prefix, style in (("", "-"), ("eval/", "o--")):
-            points = [(r["step"], r[prefix + key]) for r in records if prefix + key in r]
-            if points:
-                xs, ys = zip(*points)
-                ax.plot(xs, ys, style, label="eval" if prefix else "train")
+    for ax, (title, series) in zip(axes.flat, panel_series(read_metrics(output_dir)).items()):
+        for label, (steps, values) in series.items():
+            ax.plot(steps, values, "o--" if label.startswith("eval") else "-", label=label)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend()
+        if series:
+            ax.legend()
     fig.suptitle(str(output_dir))
     fig.tight_layout()
     fig.savefig(out_file, dpi=100)

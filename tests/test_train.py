@@ -116,6 +116,19 @@ def test_plot_writes_a_png(dpo_run, capsys):
     assert png.read_bytes()[:8] == PNG_MAGIC
 
 
+def test_plot_draws_chosen_and_rejected_together_and_eval_beside_train(dpo_run):
+    from dpocache.metrics import read_metrics
+    from dpocache.plot import panel_series
+
+    records = read_metrics(dpo_run)
+    panels = panel_series(records)
+    logps = panels["log-probs of chosen and rejected"]
+    assert set(logps) == {"train chosen", "train rejected", "eval chosen", "eval rejected"}
+    steps, values = logps["eval rejected"]
+    assert values == [r["eval/logps/rejected"] for r in records if "eval/logps/rejected" in r] and steps
+    assert set(panels["loss"]) == {"train", "eval"}
+
+
 # ------------------------------------------------------------------------- the cache, used
 
 
