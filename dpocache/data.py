@@ -462,7 +462,7 @@ def truncate_pair(
     return prompt, chosen, rejected
 
 
-def _special_prefix(tokenizer) -> list[int]:
+def special_prefix(tokenizer) -> list[int]:
     """The special tokens the tokenizer itself puts before a text: its BOS for tokenizers that
     add one (Llama, Mistral, Gemma), nothing for those that do not (GPT-2, Qwen), whatever
     ``bos_token`` says. Found by encoding a probe with and without special tokens."""
@@ -475,12 +475,12 @@ def _special_prefix(tokenizer) -> list[int]:
     return []
 
 
-def _with_prefix(ids: list[int], prefix: list[int]) -> list[int]:
+def with_prefix(ids: list[int], prefix: list[int]) -> list[int]:
     # A prompt whose text already starts with the BOS (written out as "<s>") keeps one.
     return ids if not prefix or ids[:len(prefix)] == prefix else prefix + ids
 
 
-def _with_eos(ids: list[int], eos: int | None) -> list[int]:
+def with_eos(ids: list[int], eos: int | None) -> list[int]:
     # A completion whose text already ends with the EOS keeps one, as TRL does.
     return ids if eos is None or (ids and ids[-1] == eos) else ids + [eos]
 
@@ -525,13 +525,13 @@ def tokenize_rows(
     texts = [r.prompt for _, r in rendered] + [r.chosen for _, r in rendered] + [r.rejected for _, r in rendered]
     ids = _tokenize_texts(tokenizer, texts, "tokenizing", show_progress)
     n = len(rendered)
-    prefix, eos = _special_prefix(tokenizer), tokenizer.eos_token_id
+    prefix, eos = special_prefix(tokenizer), tokenizer.eos_token_id
     pairs: list[TokenizedPair] = []
     for i, (row, r) in enumerate(rendered):
         prompt, chosen, rejected = ids[i], ids[n + i], ids[2 * n + i]
         if not r.templated:
-            prompt = _with_prefix(prompt, prefix)
-            chosen, rejected = _with_eos(chosen, eos), _with_eos(rejected, eos)
+            prompt = with_prefix(prompt, prefix)
+            chosen, rejected = with_eos(chosen, eos), with_eos(rejected, eos)
         try:
             pairs.append(_finish_pair(row, prompt, chosen, rejected, max_length, max_prompt_length))
         except DataError as e:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .data import DataError, RawRow, read_rows
+from .data import DataError, RawRow, read_rows, special_prefix, with_eos, with_prefix
 
 
 def add_score_parser(sub) -> None:
@@ -53,9 +53,10 @@ def _text(row: RawRow, field: str, value) -> str:
     return value
 
 
-def _tokenize(row: RawRow, tokenizer) -> dict:
-    """A text row as a request: plain text gets BOS before the prompt and EOS after each
-    completion; messages go through the chat template (which adds its own special tokens)."""
+def _tokenize(row: RawRow, tokenizer, prefix: list[int]) -> dict:
+    """A text row as a request: plain text gets the special tokens ``cache build`` gives it
+    (``data.special_prefix``/``with_eos``: TRL's rule); messages go through the chat template
+    (which adds its own)."""
     values = row.values
     prompt, completions = values["prompt"], values.get("completions")
     if not isinstance(completions, list) or not completions:
@@ -78,12 +79,13 @@ def _tokenize(row: RawRow, tokenizer) -> dict:
         return {"prompt_ids": ids[0], "completion_ids": ids[1:]}
     texts = [_text(row, "prompt", prompt)] + [_text(row, f"completions[{k}]", c) for k, c in enumerate(completions)]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
-    prompt_ids = ids[0] if bos is None or (ids[0] and ids[0][0] == bos) else [bos] + ids[0]
-    return {"prompt_ids": prompt_ids, "completion_ids": [c + [eos] if eos is not None else c for c in ids[1:]]}
+    eos = tokenizer.eos_token_id
+    return {"prompt_ids": with_prefix(ids[0], prefix),
+            "completion_ids": [with_eos(c, eos) for c in ids[1:]]}
 
 
-def to_request(row: RawRow, tokenizer) -> dict:
+def to_request(row: RawRow, tokenizer, prefix: list[int]) -> dict:
+    """``prefix``: ``data.special_prefix(tokenizer)``, found once for all rows."""
     values = row.values
     if not isinstance(values, dict):
         raise DataError(row.location, None, f"expected an object, got {type(values).__name__}")
@@ -91,7 +93,7 @@ def to_request(row: RawRow, tokenizer) -> dict:
         return {"prompt_ids": values.get("prompt_ids"), "completion_ids": values.get("completion_ids")}
     if "prompt" not in values:
         raise DataError(row.location, "prompt", "missing (give prompt + completions, or prompt_ids + completion_ids)")
-    return _tokenize(row, tokenizer)
+    return _tokenize(row, tokenizer, prefix)
 
 
 def check_rows(rows: list[RawRow], requests: list[dict], model: str | Path) -> None:
@@ -132,7 +134,8 @@ def cmd_score(args) -> int:
         raise DataError("--chunk-rows", None, f"must be at least 1; got {args.chunk_rows}")
     needs_tokenizer = any(isinstance(r.values, dict) and "prompt" in r.values for r in rows)
     tokenizer = load_tokenizer(args.model) if needs_tokenizer else None
-    requests = [to_request(r, tokenizer) for r in rows]
+    prefix = special_prefix(tokenizer) if tokenizer is not None else []
+    requests = [to_request(r, tokenizer, prefix) for r in rows]
     check_rows(rows, requests, args.model)
     service = ReferenceService.from_pretrained(args.model, args.dtype, args.device,
                                                max_tokens=args.max_tokens or DEFAULT_MAX_TOKENS,

@@ -274,12 +274,13 @@ def _score_cli(args, capsys):
 
 
 def test_score_cli_text_ids_and_resume(model_dir, tokenizer, tmp_path, capsys):
-    """Text rows are tokenized as ``cache build`` does (BOS before a plain prompt, EOS after
-    each completion): the same ids given as ids score the same. A second run computes nothing."""
-    from dpocache.data import write_jsonl
+    """Text rows are tokenized as ``cache build`` does (what the tokenizer puts before a plain
+    prompt, EOS after each completion): the same ids given as ids score the same. A second run
+    computes nothing."""
+    from dpocache.data import special_prefix, write_jsonl
 
     prompt, completions = "sort: 3 1 2", [" 1 2 3", " 3 2 1", " 2"]
-    ids = {"prompt_ids": [tokenizer.bos_token_id] + tokenizer(prompt, add_special_tokens=False)["input_ids"],
+    ids = {"prompt_ids": special_prefix(tokenizer) + tokenizer(prompt, add_special_tokens=False)["input_ids"],
            "completion_ids": [tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
                               for c in completions]}
     messages = {"prompt": [{"role": "user", "content": "sort: 5 4"}],
