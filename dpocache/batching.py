@@ -33,9 +33,9 @@ class PairBatch:
                            for t in (self.input_ids, self.attention_mask, self.completion_mask)))
 
 
-def collate_pairs(pairs: Sequence[TokenizedPair], pad_id: int = 0) -> PairBatch:
-    """Right-padded 2B-row layout of ``pairs`` (see the module docstring)."""
-    seqs = [(p.prompt_ids, p.chosen_ids) for p in pairs] + [(p.prompt_ids, p.rejected_ids) for p in pairs]
+def pad_sequences(seqs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int = 0):
+    """``N`` (prompt, completion) id lists → right-padded ``input_ids``, ``attention_mask`` and
+    ``completion_mask``, each ``(N, T)`` long, T the longest prompt + completion."""
     width = max(len(a) + len(b) for a, b in seqs)
     n = len(seqs)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
@@ -43,10 +43,16 @@ def collate_pairs(pairs: Sequence[TokenizedPair], pad_id: int = 0) -> PairBatch:
     completion_mask = torch.zeros((n, width), dtype=torch.long)
     for row, (prompt, completion) in enumerate(seqs):
         p, c = len(prompt), len(completion)
-        input_ids[row, :p + c] = torch.tensor(prompt + completion, dtype=torch.long)
+        input_ids[row, :p + c] = torch.tensor(list(prompt) + list(completion), dtype=torch.long)
         attention_mask[row, :p + c] = 1
         completion_mask[row, p:p + c] = 1
-    return PairBatch(input_ids, attention_mask, completion_mask)
+    return input_ids, attention_mask, completion_mask
+
+
+def collate_pairs(pairs: Sequence[TokenizedPair], pad_id: int = 0) -> PairBatch:
+    """Right-padded 2B-row layout of ``pairs`` (see the module docstring)."""
+    seqs = [(p.prompt_ids, p.chosen_ids) for p in pairs] + [(p.prompt_ids, p.rejected_ids) for p in pairs]
+    return PairBatch(*pad_sequences(seqs, pad_id))
 
 
 def pair_logprobs(lp: CompletionLogProbs, batch: PairBatch) -> PairLogProbs:

@@ -20,6 +20,7 @@ from typing import Callable, Sequence, TypeVar
 
 import torch
 
+from .batching import pad_sequences
 from .prefix import PAD, PROMPT
 
 T = TypeVar("T")
@@ -124,18 +125,8 @@ class SequenceBatch:
 
 
 def collate_sequences(groups: Sequence[Group], pad_id: int = 0) -> SequenceBatch:
-    seqs = [(g.prompt, c) for g in groups for c in g.completions]
-    width = max(len(p) + len(c) for p, c in seqs)
-    n = len(seqs)
-    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((n, width), dtype=torch.long)
-    completion_mask = torch.zeros((n, width), dtype=torch.long)
-    for row, (prompt, completion) in enumerate(seqs):
-        p, c = len(prompt), len(completion)
-        input_ids[row, :p + c] = torch.tensor(prompt + completion, dtype=torch.long)
-        attention_mask[row, :p + c] = 1
-        completion_mask[row, p:p + c] = 1
-    return SequenceBatch(input_ids, attention_mask, completion_mask)
+    """One right-padded row per (prompt, completion) of ``groups`` (the padded fallback)."""
+    return SequenceBatch(*pad_sequences([(g.prompt, c) for g in groups for c in g.completions], pad_id))
 
 
 def per_sequence(token_logps: torch.Tensor, batch: SequenceBatch) -> list[torch.Tensor]:
