@@ -20,6 +20,10 @@ counted the same way for both: each prompt once, plus chosen and rejected. Print
 ratios and writes everything to bench/results/.
 
 ``--config 1b --startup-only`` measures the cache-hit start-up of a ~1.1B model only.
+
+On a GPU (``--device cuda``, e.g. ``--config 1b-2048 --dtype bfloat16``) each worker also records
+its peak GPU memory, and MFU is given against the measured bf16 matmul peak and against the
+device's nominal dense bf16 peak (H100/H200 SXM: 989.4 TFLOP/s).
 """
 
 from __future__ import annotations
@@ -69,13 +73,31 @@ def run_worker(mode: str, spec: dict, scratch: Path, log: Path) -> dict:
     return result
 
 
-def measure_peak(dtype_name: str, seconds: float = 3.0) -> float:
+# Dense bf16 tensor-core peaks from the vendor's data sheets (no sparsity), by device name.
+NOMINAL_BF16_PEAKS = {"H100 PCIe": 756e12, "H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
+
+
+def measure_peak(dtype_name: str, device: str = "cpu", seconds: float = 3.0) -> float:
     import torch
 
     from dpocache.metrics import measured_peak_flops
 
     dtype = getattr(torch, dtype_name)
-    return max(measured_peak_flops(torch.device("cpu"), dtype, size=size, seconds=seconds) for size in (1024, 2048))
+    sizes, seconds = ((1024, 2048), seconds) if device == "cpu" else ((4096, 8192), 1.0)
+    return max(measured_peak_flops(torch.device(device), dtype, size=size, seconds=seconds) for size in sizes)
+
+
+def nominal_peaks(device: str) -> dict:
+    """``{"nominal bfloat16": FLOP/s}`` for a known GPU, else empty."""
+    if device == "cpu":
+        return {}
+    import torch
+
+    name = torch.cuda.get_device_name()
+    for key, peak in NOMINAL_BF16_PEAKS.items():  # "H100 PCIe" before "H100"
+        if key in name:
+            return {f"nominal bfloat16 ({name})": peak}
+    return {}
 
 
 def flops_of_build(inputs: Path, info: dict) -> dict:
@@ -103,6 +125,9 @@ def flops_of_build(inputs: Path, info: dict) -> dict:
         "unique_tokens": unique,
         "convention": unique * forward_flops_per_token(n, layers, hidden, mean_seq),
         "executed": unique * (2.0 * body + attention) + completion * 2.0 * hidden * vocab,
+        # A training step: forward and backward (3x the forward) over the same tokens, per pair.
+        "train_per_pair": 3.0 * unique / len(pairs) * forward_flops_per_token(n, layers, hidden, mean_seq),
+        "unique_tokens_per_pair": unique / len(pairs),
     }
 
 
@@ -111,9 +136,20 @@ def median(xs):
     return statistics.median(xs) if xs else None
 
 
-def train_pairs_per_s(result: dict, batch: int, skip: int = 1) -> float:
+def train_pairs_per_s(result: dict, batch: int, skip: int = 1) -> float | None:
+    if "step_s" not in result:  # the run failed (e.g. out of GPU memory): see the log
+        return None
     steps = result["step_s"][skip:] or result["step_s"]
     return batch / statistics.median(steps)
+
+
+def run_or_record(mode: str, spec: dict, scratch: Path, log: Path) -> dict:
+    """``run_worker``, with a failed run (out of memory, say) recorded instead of ending the bench."""
+    try:
+        return run_worker(mode, spec, scratch, log)
+    except RuntimeError as e:
+        print(f"  {e}", flush=True)
+        return {"failed": str(e)}
 
 
 def bench_config(args, config_name: str, dtype: str, log: Path) -> dict:
@@ -127,7 +163,7 @@ def bench_config(args, config_name: str, dtype: str, log: Path) -> dict:
         scratch = Path(tempfile.mkdtemp(prefix=f"bench-{config_name}-{dtype}-{rep}-", dir=args.scratch))
         hf_cache = scratch / "hf-datasets"  # TRL's precompute cache: fresh per repetition, hit by its training run
         cache_dir = scratch / "dpocache"
-        common = {"model": model, "data": data, "dtype": dtype, "batch_size": args.batch_size}
+        common = {"model": model, "data": data, "dtype": dtype, "batch_size": args.batch_size, "device": args.device}
         trl_env = {"env": {"HF_DATASETS_CACHE": str(hf_cache)},
                    "trl_precompute_batch_size": args.trl_precompute_batch_size,
                    "trl_gradient_checkpointing": args.trl_gradient_checkpointing,
@@ -138,7 +174,7 @@ def bench_config(args, config_name: str, dtype: str, log: Path) -> dict:
             if args.startup_only:
                 break
             if side == "trl" and not args.skip_trl:
-                r["trl_precompute"] = run_worker("trl-precompute", {**common, **trl_env,
+                r["trl_precompute"] = run_or_record("trl-precompute", {**common, **trl_env,
                                                                     "workdir": str(scratch / "trl-pre")}, scratch, log)
             elif side == "dpo":
                 r["dpo_build"] = run_worker("dpo-build", {**common, "cache_dir": str(cache_dir),
@@ -154,18 +190,19 @@ def bench_config(args, config_name: str, dtype: str, log: Path) -> dict:
         if args.train_steps > 0 and not args.startup_only:
             for side in order:
                 if side == "trl" and not args.skip_trl:
-                    r["trl_train"] = run_worker("trl-train", {**common, **trl_env, "steps": args.train_steps,
+                    r["trl_train"] = run_or_record("trl-train", {**common, **trl_env, "steps": args.train_steps,
                                                               "workdir": str(scratch / "trl-train")}, scratch, log)
                 elif side == "dpo":
-                    r["dpo_train"] = run_worker("dpo-train", {**common, "cache_dir": str(cache_dir),
+                    r["dpo_train"] = run_or_record("dpo-train", {**common, "cache_dir": str(cache_dir),
                                                               "steps": args.train_steps,
                                                               "workdir": str(scratch / "dpo-train"),
                                                               "extra_args": args.train_args}, scratch, log)
-        r["dpo_startup"] = run_worker("dpo-startup", {**common, "cache_dir": str(cache_dir),
-                                                      "workdir": str(scratch / "dpo-startup"),
-                                                      "extra_args": args.train_args}, scratch, log)
-        r["dpo_build_hit"] = run_worker("dpo-build", {**common, "cache_dir": str(cache_dir),
-                                                      "extra_args": args.build_args}, scratch, log)
+        if not args.no_startup:
+            r["dpo_startup"] = run_worker("dpo-startup", {**common, "cache_dir": str(cache_dir),
+                                                          "workdir": str(scratch / "dpo-startup"),
+                                                          "extra_args": args.train_args}, scratch, log)
+            r["dpo_build_hit"] = run_worker("dpo-build", {**common, "cache_dir": str(cache_dir),
+                                                          "extra_args": args.build_args}, scratch, log)
         r["loadavg"] = os.getloadavg()
         reps.append(r)
         print(f"  rep {rep + 1}/{args.reps} done (load average {r['loadavg'][0]:.1f})", flush=True)
@@ -185,12 +222,34 @@ def summarise(res: dict, peaks: dict, batch: int) -> list[tuple[str, float | Non
                      median(get("trl_precompute", "tokens_per_s_prompt_twice")), None, ""))
     rows.append(("cache peak RSS (MiB)", _mib(median(get("trl_precompute", "peak_rss_bytes"))),
                  _mib(median(get("dpo_build", "peak_rss_bytes"))), "x"))
+    if any("peak_gpu_allocated_bytes" in r.get("dpo_build", {}) for r in reps):
+        rows.append(("cache peak GPU memory allocated (MiB)",
+                     _mib(median(get("trl_precompute", "peak_gpu_allocated_bytes"))),
+                     _mib(median(get("dpo_build", "peak_gpu_allocated_bytes"))), "x"))
     if any("trl_train" in r or "dpo_train" in r for r in reps):
         rows.append(("train pairs/s",
                      median([train_pairs_per_s(r["trl_train"], batch) for r in reps if "trl_train" in r]),
                      median([train_pairs_per_s(r["dpo_train"], batch) for r in reps if "dpo_train" in r]), "x"))
         rows.append(("train peak RSS (MiB)", _mib(median(get("trl_train", "peak_rss_bytes"))),
                      _mib(median(get("dpo_train", "peak_rss_bytes"))), "x"))
+        if any("peak_gpu_allocated_bytes" in r.get("dpo_train", {}) for r in reps):
+            rows.append(("train peak GPU memory allocated (MiB)",
+                         _mib(median(get("trl_train", "peak_gpu_allocated_bytes"))),
+                         _mib(median(get("dpo_train", "peak_gpu_allocated_bytes"))), "x"))
+        flops = res.get("flops") or {}
+        if "train_per_pair" in flops:
+            pps = {side: median([train_pairs_per_s(r[f"{side}_train"], batch) for r in reps if f"{side}_train" in r])
+                   for side in ("trl", "dpo")}
+            per_pair = flops["unique_tokens_per_pair"]
+            rows.append(("train tokens/s (prompt once, mean tokens per pair x pairs/s)",
+                         pps["trl"] and pps["trl"] * per_pair, pps["dpo"] and pps["dpo"] * per_pair, "x"))
+            for pd, peak in peaks.items():
+                if res["dtype"] not in pd:  # a training step's MFU against its own dtype's peak
+                    continue
+                for side, name in (("trl", "TRL"), ("dpo", "dpocache")):
+                    if pps[side]:
+                        rows.append((f"train-step MFU of {name} vs {pd} peak", None,
+                                     pps[side] * flops["train_per_pair"] / peak, "%"))
         rows.append(("train start-up on cache hit, beyond model load (s)",
                      median(get("trl_train", "startup_beyond_load_s")),
                      median(get("dpo_train", "startup_beyond_load_s")), "x"))
@@ -211,7 +270,12 @@ def summarise(res: dict, peaks: dict, batch: int) -> list[tuple[str, float | Non
         for kind in ("convention", "executed"):
             achieved = flops[kind] / secs
             for pd, peak in peaks.items():
-                rows.append((f"cache-pass MFU vs measured {pd} peak ({kind} FLOPs)", None, achieved / peak, "%"))
+                rows.append((f"cache-pass MFU vs {pd} peak ({kind} FLOPs)", None, achieved / peak, "%"))
+        tp_trl_secs = median(get("trl_precompute", "precompute_s"))
+        if tp_trl_secs:
+            for pd, peak in peaks.items():
+                rows.append((f"TRL precompute MFU vs {pd} peak (convention FLOPs)", None,
+                             flops["convention"] / tp_trl_secs / peak, "%"))
     return rows
 
 
@@ -248,6 +312,8 @@ def main(argv=None) -> int:
                    help="TRL's own default; off by default here, as dpocache's, so both train the same way")
     p.add_argument("--skip-trl", action="store_true", help="dpocache only (no TRL runs)")
     p.add_argument("--startup-only", action="store_true", help="only the cache build and the cache-hit start-up")
+    p.add_argument("--no-startup", action="store_true", help="skip the cache-hit start-up runs")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (both sides)")
     p.add_argument("--build-args", nargs=argparse.REMAINDER, default=[],
                    help="extra `dpocache cache build` flags (last)")
     p.add_argument("--train-args", default="", help="extra `dpocache train` flags, one string")
@@ -272,7 +338,7 @@ def main(argv=None) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     log = out / f"{args.config}-{stamp}.log"
     print(f"measuring the matmul peak (log: {log})", flush=True)
-    peaks = {d: measure_peak(d) for d in ("bfloat16", "float32")}
+    peaks = {d: measure_peak(d, args.device) for d in ("bfloat16", "float32")}
     print("  " + ", ".join(f"{d}: {v / 1e9:.0f} GFLOP/s" for d, v in peaks.items()), flush=True)
     tables = []
     for dtype in dtypes:
@@ -281,8 +347,10 @@ def main(argv=None) -> int:
         inputs = build_inputs(CONFIGS[args.config], res["pairs"])
         res["flops"] = None if args.startup_only else flops_of_build(inputs, res["inputs"])
         res["startup_only"] = args.startup_only
-        peaks_after = {d: measure_peak(d) for d in ("bfloat16", "float32")} if not args.startup_only else peaks
-        res["peaks"] = {d: max(peaks[d], peaks_after[d]) for d in peaks}
+        peaks_after = ({d: measure_peak(d, args.device) for d in ("bfloat16", "float32")}
+                       if not args.startup_only else peaks)
+        res["peaks"] = {f"measured {d}": max(peaks[d], peaks_after[d]) for d in peaks}
+        res["peaks"].update(nominal_peaks(args.device))
         res["args"] = vars(args)
         rows = summarise(res, res["peaks"], args.batch_size)
         res["table"] = rows

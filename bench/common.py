@@ -40,6 +40,11 @@ CONFIGS = {
     # ~1.1B parameters (TinyLlama's shape), for the cache-hit start-up time only.
     "1b": BenchConfig("1b", hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                       num_key_value_heads=4, pairs=16),
+    # The GPU configuration of the layout issue: the same 1.1B Llama, sequences up to 2048 tokens
+    # (the tokenizer makes one token per word here): prompts 1,100-1,400, completions 500-640.
+    "1b-2048": BenchConfig("1b-2048", hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                           num_attention_heads=32, num_key_value_heads=4, prompt_words=(1100, 1400),
+                           completion_words=(500, 640), pairs=256),
 }
 
 TOKENIZER_VOCAB = 8000  # trained size (the BPE saturates below it on the generated corpus); <= the model's

@@ -27,7 +27,21 @@ from pathlib import Path
 
 
 def _write(spec: dict, result: dict) -> None:
+    if spec.get("device", "cpu") != "cpu":
+        import torch
+
+        # The process's whole GPU peak: weights, optimizer state, activations, the allocator's cache.
+        result["peak_gpu_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        result["peak_gpu_reserved_bytes"] = torch.cuda.max_memory_reserved()
     Path(spec["out"]).write_text(json.dumps(result))
+
+
+def _sync(spec: dict) -> None:
+    """Wait for the GPU's queued work, so a step's wall time is its own (no-op on CPU)."""
+    if spec.get("device", "cpu") != "cpu":
+        import torch
+
+        torch.cuda.synchronize()
 
 
 def _token_counts(dataset) -> dict:
@@ -88,7 +102,8 @@ def _trl_trainer(spec: dict, callbacks=()):
     bf16 = spec["dtype"] == "bfloat16"
     args = DPOConfig(
         output_dir=spec["workdir"], per_device_train_batch_size=spec["batch_size"], precompute_ref_log_probs=True,
-        precompute_ref_batch_size=spec.get("trl_precompute_batch_size"), bf16=bf16, fp16=False, use_cpu=True,
+        precompute_ref_batch_size=spec.get("trl_precompute_batch_size"), bf16=bf16, fp16=False,
+        use_cpu=spec.get("device", "cpu") == "cpu", max_length=None,  # no truncation, as dpocache's --max-length none
         report_to="none", gradient_checkpointing=spec.get("trl_gradient_checkpointing", False),
         max_steps=spec.get("steps", 1), save_strategy="no", logging_steps=10_000, disable_tqdm=True,
         dataloader_num_workers=0, seed=0, learning_rate=1e-6, warmup_steps=0, beta=0.1,
@@ -114,10 +129,12 @@ def trl_train(spec: dict) -> None:
 
     class Timer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
+            _sync(spec)
             marks.setdefault("first_step_at", time.time())
             marks["t"] = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
+            _sync(spec)
             steps.append(time.perf_counter() - marks["t"])
 
     trainer, timings = _trl_trainer(spec, callbacks=[Timer()])
@@ -147,7 +164,8 @@ def dpo_build(spec: dict) -> None:
 
     ReferenceModel.from_pretrained = classmethod(timed)
     argv = ["cache", "build", "--model", spec["model"], "--data", spec["data"], "--dtype", spec["dtype"],
-            "--device", "cpu", "--cache-dir", spec["cache_dir"], "--json", "--max-length", "none",  # as training's
+            "--device", spec.get("device", "cpu"), "--cache-dir", spec["cache_dir"], "--json",
+            "--max-length", "none",  # as training's
             *spec.get("extra_args", [])]
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
@@ -192,14 +210,17 @@ def _dpo_train(spec: dict, stop_at_first_step: bool) -> dict:
         marks.setdefault("first_step_at", time.time())
         if stop_at_first_step:
             raise _Stop
+        _sync(spec)
         t = time.perf_counter()
         original_step(run, window)
+        _sync(spec)
         steps.append(time.perf_counter() - t)
 
     train_mod.train_step, train_mod.load_policy = timed_step, timed_load
-    overrides = ["--model", spec["model"], "--data", spec["data"], "--dtype", spec["dtype"], "--device", "cpu",
-                 "--cache-dir", spec["cache_dir"], "--output-dir", spec["workdir"], "--batch-size",
-                 str(spec["batch_size"]), "--max-steps", str(spec.get("steps", 1)), "--lr", "1e-6",
+    overrides = ["--model", spec["model"], "--data", spec["data"], "--dtype", spec["dtype"],
+                 "--device", spec.get("device", "cpu"), "--cache-dir", spec["cache_dir"],
+                 "--output-dir", spec["workdir"], "--batch-size", str(spec["batch_size"]),
+                 "--max-steps", str(spec.get("steps", 1)), "--lr", "1e-6",
                  "--optim.warmup_ratio", "0", "--logging-steps", "10000", "--train.progress", "false",
                  "--max-length", "none", *spec.get("extra_args", [])]
     cfg = build_config(None, overrides)

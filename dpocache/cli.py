@@ -21,7 +21,7 @@ import os
 import sys
 import traceback
 
-from .allocator import configure_cpu_allocator
+from .allocator import configure_cpu_allocator, configure_cuda_allocator
 from .config import ConfigError
 from .data import DataError
 from .preflight import UsageError
@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prog}: error: unrecognized arguments: {' '.join(extra)}", file=sys.stderr)
         return 2
     configure_cpu_allocator()
+    configure_cuda_allocator()
     try:
         # SIGTERM/SIGINT while loading end here at once; builds and training stop at safe points.
         with stop_signals():

@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import __version__, audit, divergence, reference as reference_mod
-from .allocator import configure_cpu_allocator
+from .allocator import configure_cpu_allocator, configure_cuda_allocator
 from .batching import training_order
 from .cache import CacheStore, default_cache_dir, namespace_for_dir
 from .cache.build import adapter_base_dir, build_distributed, reference_source
@@ -515,6 +515,7 @@ def train(cfg: Config) -> dict:
     checkpoint of that step is saved, then ``signals.Interrupted`` is raised (the command line
     exits 143 or 130); ``--resume`` continues exactly where it stopped."""
     configure_cpu_allocator()
+    configure_cuda_allocator()
     with stop_signals() as stop:
         run = setup(cfg)
         try:

@@ -61,3 +61,23 @@ def test_unknown_mode_is_a_clear_error(monkeypatch):
 
 def test_default_mode_changes_nothing():
     assert configure_cpu_allocator("default") is False
+
+
+def test_cuda_allocator_gets_expandable_segments_unless_the_user_chose(monkeypatch):
+    from dpocache.allocator import CUDA_ALLOC_ENV, configure_cuda_allocator
+
+    monkeypatch.delenv(CUDA_ALLOC_ENV, raising=False)
+    assert configure_cuda_allocator() is True  # CUDA is never initialised in the CPU tests
+    assert os.environ[CUDA_ALLOC_ENV] == "expandable_segments:True"
+    monkeypatch.setenv(CUDA_ALLOC_ENV, "max_split_size_mb:128")
+    assert configure_cuda_allocator() is False
+    assert os.environ[CUDA_ALLOC_ENV] == "max_split_size_mb:128"
+
+
+def test_optimizer_on_cpu_keeps_the_default_implementation():
+    import torch
+
+    from dpocache.config import Config
+    from dpocache.policy import build_optimizer
+
+    assert build_optimizer(Config(), torch.nn.Linear(4, 4)).defaults["fused"] is None

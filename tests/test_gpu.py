@@ -53,3 +53,11 @@ def test_fast_path_head_on_cuda_matches_the_models_forward(base_model):  # noqa:
     model = load_causal_lm(base_model, "cuda")
     scorer = CompletionLogProbs(model)
     assert scorer.fast_path is True  # the probe ran on the GPU and agreed with the model's forward
+
+
+def test_training_on_cuda_uses_the_fused_adamw():
+    from dpocache.config import Config
+    from dpocache.policy import build_optimizer
+
+    model = torch.nn.Linear(8, 8).cuda()
+    assert build_optimizer(Config(), model).defaults["fused"] is True
