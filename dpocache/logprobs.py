@@ -107,7 +107,8 @@ class CompletionLogProbs(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         # WPO's weights (dpocache.wpo) need log sum_v p(v)^2 at each scored position, which only
         # the full-vocabulary logits give: opt-in, taken from each chunk's logits while they exist
-        # (no extra (M, V) buffer), detached. The last forward's values, shaped like its output.
+        # (one more (C, V) buffer per chunk, never (M, V)), detached. The last forward's values,
+        # shaped like its output.
         self.sum_sq_probs = sum_sq_probs
         self.log_sum_sq_probs: torch.Tensor | None = None
         self.fast_path = True
@@ -277,13 +278,14 @@ class CompletionLogProbs(nn.Module):
 
     def _chunk_logps_sum_sq(self, head: nn.Module, h: torch.Tensor, y: torch.Tensor):
         """``_chunk_logps`` and, from the same ``(C, V)`` logits, WPO's ``log sum_v p(v)^2`` per
-        row ``(C,)``, detached: ``logsumexp(2 z) - 2 logsumexp(z)``, which is
-        ``logsumexp(2 * log_softmax(z))`` (TRL's ``log(sum e^(2(z-m))) - 2 log(sum e^(z-m))``)."""
+        row ``(C,)``, detached (TRL's ``log_sum_sq_probs``): ``exp(2 log p) <= 1`` cannot
+        overflow, and is taken in place in one ``(C, V)`` buffer."""
         logits = self._transform(head(h)).float()  # (C, V)
         lse = logits.logsumexp(-1)  # (C,)
         picked = logits.gather(-1, y[:, None]).squeeze(-1)  # (C,)
         with torch.no_grad():
-            sum_sq = (2 * logits.detach()).logsumexp(-1) - 2 * lse.detach()  # (C,)
+            logp = logits.detach() - lse.detach()[:, None]  # (C, V) log_softmax, a fresh buffer
+            sum_sq = logp.mul_(2).exp_().sum(-1).log()  # (C,)
         return picked - lse, sum_sq
 
     @torch.no_grad()
