@@ -148,8 +148,8 @@ class CompletionLogProbs(nn.Module):
             ``(M,)`` float32 log-probs of the scored tokens.
 
         With ``sum_sq_probs`` set, ``self.log_sum_sq_probs`` holds, in the shape of the return
-        value (0 where it is 0), ``log sum_v p(v | tokens_<t)^2`` = ``logsumexp(2 * log_softmax(logits))``
-        of each scored position, detached (TRL's ``log_sum_sq_probs``).
+        value (0 off the completion), ``log sum_v p(v | tokens_<t)^2`` =
+        ``logsumexp(2 * log_softmax(logits))`` of each scored position, detached (TRL's ``log_sum_sq_probs``).
         """
         if source is not None:
             return self.gathered_logps(input_ids, attention_mask, position_ids, source, labels)
