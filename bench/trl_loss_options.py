@@ -20,16 +20,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from conftest import make_rows  # noqa: E402  (the test suite's row generator)
 
-from dpocache.batching import collate_pairs  # noqa: E402
+from dpocache.batching import collate_pairs, pair_logprobs  # noqa: E402
 from dpocache.integrations.trl import truncated_pair  # noqa: E402
 from dpocache.logprobs import CompletionLogProbs  # noqa: E402
-from dpocache.losses import ld_pair_logps, preference_loss, wpo_token_logps  # noqa: E402
+from dpocache.losses import ld_pair_logps, preference_loss  # noqa: E402
 from dpocache.tiny import save_tiny_model  # noqa: E402
+from dpocache.wpo import wpo_sums  # noqa: E402
 
 OPTIONS = [
     {"loss_type": ["sigmoid"]},
     {"loss_type": ["sigmoid"], "ld_alpha": 0.5},
     {"loss_type": ["sigmoid"], "use_weighting": True},
+    {"loss_type": ["ipo"], "use_weighting": True},
+    {"loss_type": ["sigmoid"], "use_weighting": True, "ld_alpha": 0.5},
+    {"loss_type": ["apo_zero"], "use_weighting": True},
     {"loss_type": ["sigmoid"], "f_divergence_type": "forward_kl"},
     {"loss_type": ["sigmoid"], "f_divergence_type": "js_divergence"},
     {"loss_type": ["sigmoid"], "f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.3},
@@ -61,23 +65,24 @@ def dpocache_loss(policy_dir, ref_dir, tokenized, opts):
              for i, r in enumerate(tokenized)]
     batch = collate_pairs(pairs)
     b, ld_alpha = len(pairs), opts.get("ld_alpha")
-    sums = {}
+    sums, weighting = {}, bool(opts.get("use_weighting"))
     for side, path in (("policy", policy_dir), ("ref", ref_dir)):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        # WPO as dpocache train computes it: log sum_v p(v)^2 from the policy's chunked head (dpocache.wpo).
+        scorer = CompletionLogProbs(model, sum_sq_probs=weighting and side == "policy")
         with torch.no_grad():
-            token_logps = CompletionLogProbs(model)(batch.input_ids, batch.attention_mask, batch.completion_mask)
+            lp = pair_logprobs(scorer, batch)
+            token_logps = lp.token_logps
             if ld_alpha is None:
                 sums[side] = token_logps[:b].sum(-1), token_logps[b:].sum(-1)
             else:
                 m = batch.completion_mask
                 sums[side] = ld_pair_logps(token_logps[:b], m[:b], token_logps[b:], m[b:], ld_alpha)
-            if side == "policy" and opts.get("use_weighting"):
-                logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
-                aligned = wpo_token_logps(logits, batch.input_ids[:, 1:]) * batch.completion_mask[:, 1:]
-                wpo = aligned[:b].sum(-1), aligned[b:].sum(-1)
+            if scorer.sum_sq_probs:
+                wpo = wpo_sums(lp, scorer.log_sum_sq_probs)
     counts = batch.completion_mask.sum(-1).float()
     params = {k: v for k, v in opts.items() if k != "loss_type"}
-    extra = {"chosen_wpo_logps": wpo[0], "rejected_wpo_logps": wpo[1]} if opts.get("use_weighting") else {}
+    extra = {"chosen_wpo_logps": wpo[0], "rejected_wpo_logps": wpo[1]} if weighting else {}
     losses, _, _ = preference_loss(",".join(opts["loss_type"]), *sums["policy"], *sums["ref"], counts[:b], counts[b:],
                                    beta=BETA, **params, **extra)
     return float(losses.mean())

@@ -91,7 +91,8 @@ class CompletionLogProbs(nn.Module):
     and see every parameter use in one forward call.
     """
 
-    def __init__(self, model: nn.Module, logits_budget: int = DEFAULT_LOGITS_BUDGET, probe: bool = True):
+    def __init__(self, model: nn.Module, logits_budget: int = DEFAULT_LOGITS_BUDGET, probe: bool = True,
+                 sum_sq_probs: bool = False):
         super().__init__()
         self.model = model
         lm = unwrap_causal_lm(model)
@@ -104,6 +105,12 @@ class CompletionLogProbs(nn.Module):
         self._router = router_shape(lm.config)
         # MoE load-balancing loss of the last forward (a scalar in the graph), else None.
         self.aux_loss: torch.Tensor | None = None
+        # WPO's weights (dpocache.wpo) need log sum_v p(v)^2 at each scored position, which only
+        # the full-vocabulary logits give: opt-in, taken from each chunk's logits while they exist
+        # (one more (C, V) buffer per chunk, never (M, V)), detached. The last forward's values,
+        # shaped like its output.
+        self.sum_sq_probs = sum_sq_probs
+        self.log_sum_sq_probs: torch.Tensor | None = None
         self.fast_path = True
         if probe:
             self.fast_path = self._probe_fast_path()
@@ -139,6 +146,10 @@ class CompletionLogProbs(nn.Module):
             labels: ``(M,)`` the scored token ids.
         Returns:
             ``(M,)`` float32 log-probs of the scored tokens.
+
+        With ``sum_sq_probs`` set, ``self.log_sum_sq_probs`` holds, in the shape of the return
+        value (0 off the completion), ``log sum_v p(v | tokens_<t)^2`` =
+        ``logsumexp(2 * log_softmax(logits))`` of each scored position, detached (TRL's ``log_sum_sq_probs``).
         """
         if source is not None:
             return self.gathered_logps(input_ids, attention_mask, position_ids, source, labels)
@@ -153,8 +164,13 @@ class CompletionLogProbs(nn.Module):
             result = self._causal_lm()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **moe)
             self.aux_loss = getattr(result, "aux_loss", None)
             logits = result.logits
-            logps = logits[:, :-1][target].float().log_softmax(-1).gather(-1, labels[:, None]).squeeze(-1)  # (M,)
+            full = logits[:, :-1][target].float().log_softmax(-1)  # (M, V)
+            logps = full.gather(-1, labels[:, None]).squeeze(-1)  # (M,)
+            if self.sum_sq_probs:
+                self.log_sum_sq_probs = (2 * full.detach()).logsumexp(-1)  # (M,)
         out = torch.zeros(target.shape, dtype=torch.float32, device=input_ids.device)  # (N, T-1)
+        if self.sum_sq_probs:  # (M,) -> (N, T) like the log-probs
+            self.log_sum_sq_probs = F.pad(out.masked_scatter(target, self.log_sum_sq_probs), (1, 0))
         out = out.masked_scatter(target, logps)
         return F.pad(out, (1, 0))  # (N, T)
 
@@ -188,7 +204,7 @@ class CompletionLogProbs(nn.Module):
         """``hidden (M, H)``, ``labels (M,)`` → ``(M,)`` fp32 log-probs, in row chunks (or, for
         fp32 CPU inference, in tiles of rows x vocabulary)."""
         head = self._causal_lm().get_output_embeddings()
-        if self._tiles_apply(head, hidden):
+        if not self.sum_sq_probs and self._tiles_apply(head, hidden):  # the tiles compute log-probs only
             return self._tiled_head_logps(head, hidden, labels)
         vocab = max(1, self.config.get_text_config().vocab_size)
         rows = max(1, self.logits_budget // vocab)
@@ -197,13 +213,18 @@ class CompletionLogProbs(nn.Module):
             # are reused without page faults, and run faster than one large chunk; at least
             # CPU_MIN_CHUNK_ROWS rows, so the (V, H) weight is not re-read for a few rows.
             rows = min(rows, max(CPU_MIN_CHUNK_ROWS, CPU_INFERENCE_LOGITS_BUDGET // vocab))
+        chunk_fn = self._chunk_logps_sum_sq if self.sum_sq_probs else self._chunk_logps
         parts = []
         for h, y in zip(hidden.split(rows), labels.split(rows)):
             if torch.is_grad_enabled() and h.requires_grad:
                 # Recompute this chunk's logits in backward instead of keeping (C, V) alive.
-                parts.append(checkpoint(self._chunk_logps, head, h, y, use_reentrant=False))
+                parts.append(checkpoint(chunk_fn, head, h, y, use_reentrant=False))
             else:
-                parts.append(self._chunk_logps(head, h, y))
+                parts.append(chunk_fn(head, h, y))
+        if self.sum_sq_probs:  # (log-probs, log sum p^2) per chunk: keep the second, return the first
+            self.log_sum_sq_probs = (torch.cat([sq for _, sq in parts]) if parts
+                                     else hidden.new_zeros((0,), dtype=torch.float32))
+            parts = [logps for logps, _ in parts]
         if not parts:
             return hidden.new_zeros((0,), dtype=torch.float32)
         return torch.cat(parts)
@@ -254,6 +275,18 @@ class CompletionLogProbs(nn.Module):
         # torch.logsumexp would allocate and stream a second one (the head is memory-bound).
         top = logits.amax(-1, keepdim=True)  # (C, 1)
         return picked - top.squeeze(-1) - logits.sub_(top).exp_().sum(-1).log()
+
+    def _chunk_logps_sum_sq(self, head: nn.Module, h: torch.Tensor, y: torch.Tensor):
+        """``_chunk_logps`` and, from the same ``(C, V)`` logits, WPO's ``log sum_v p(v)^2`` per
+        row ``(C,)``, detached (TRL's ``log_sum_sq_probs``): ``exp(2 log p) <= 1`` cannot
+        overflow, and is taken in place in one ``(C, V)`` buffer."""
+        logits = self._transform(head(h)).float()  # (C, V)
+        lse = logits.logsumexp(-1)  # (C,)
+        picked = logits.gather(-1, y[:, None]).squeeze(-1)  # (C,)
+        with torch.no_grad():
+            logp = logits.detach() - lse.detach()[:, None]  # (C, V) log_softmax, a fresh buffer
+            sum_sq = logp.mul_(2).exp_().sum(-1).log()  # (C,)
+        return picked - lse, sum_sq
 
     @torch.no_grad()
     def _probe_fast_path(self) -> bool:

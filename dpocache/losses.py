@@ -502,7 +502,9 @@ def wpo_weights(chosen_aligned: Tensor, rejected_aligned: Tensor, ct: Tensor, rt
     over the completion), divided by the token counts ``ct``, ``rt``. ``(B,)``, detached.
 
     Same formula as TRL 1.16's ``use_weighting`` (which cites the same eq. 2): the weight
-    multiplies each example's loss and carries no gradient.
+    multiplies each example's loss and carries no gradient, and is not clamped (TRL 1.16 does
+    not clamp it either), so a policy surer of a token than of its own samples weighs above 1.
+    In training the aligned sums come from the policy's head (:mod:`dpocache.wpo`).
     """
     return torch.exp(chosen_aligned.detach() / ct + rejected_aligned.detach() / rt)
 
@@ -568,7 +570,9 @@ LOSSES: Mapping[str, LossFn] = MappingProxyType(
 # f_divergence_type / f_alpha_divergence_coef: f-DPO (:func:`f_divergence_scores`). ld_alpha: LD-DPO; the
 # caller combines per-token values with :func:`ld_pair_logps` before calling preference_loss
 # (this module sees sums only). use_weighting: WPO; the caller passes the aligned sums
-# (:func:`wpo_token_logps`). Defaults as TRL 1.16's DPOConfig.
+# (:func:`wpo_token_logps`, or in training dpocache.wpo); the weight multiplies the weighted sum
+# of the spec's losses (TRL weights each loss type's term: the same, the weights being linear),
+# not rpo_alpha's NLL term, which TRL 1.16 does not have. Defaults as TRL 1.16's DPOConfig.
 GLOBAL_DEFAULTS: Mapping[str, float | str | bool | None] = MappingProxyType(
     {
         "rpo_alpha": None,

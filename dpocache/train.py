@@ -33,7 +33,7 @@ from .cache import CacheStore, default_cache_dir, namespace_for_dir
 from .cache.build import adapter_base_dir, build_distributed, reference_source
 from .cache.fingerprint import default_memo_path
 from .checkpoint import checkpoint_dir, latest_checkpoint, load_model_weights, load_trainer_state, save_checkpoint
-from .config import Config, ConfigError, check_batch_fits
+from .config import Config, check_batch_fits
 from .data import PreferenceData, TokenizedPair, load_preference_data
 from .divergence import ProgressMonitor
 from .distributed import DistEnv, all_reduce_max, barrier, broadcast_object, destroy, init_distributed
@@ -41,7 +41,7 @@ from .logprobs import CompletionLogProbs, autocast
 from .hub_ids import resolve_model_path
 from .layouts import LayoutChoice
 from .ld_dpo import ld_policy, ld_reference
-from .losses import parse_loss_spec, preference_loss
+from .losses import parse_loss_spec, preference_loss, wpo_weights
 from .metrics import (MetricWindow, MetricsWriter, count_params, import_tracker, measured_peak_flops, model_shape,
                       trackers, train_flops_per_token)
 from .policy import build_optimizer, build_scheduler, load_policy, load_sharded_policy, wrap_for_distributed
@@ -50,6 +50,7 @@ from .prefix import layout_logprobs, scorer_core, training_layout
 from .reference import dtype_name, resolve_dtype
 from .sharded import reference_loader
 from .signals import StopRequest, stop_signals
+from .wpo import wpo_sums
 
 
 class TrainingDiverged(RuntimeError):
@@ -121,9 +122,6 @@ def setup(cfg: Config) -> Run:
                          f"fewer than the {env.world_size} ranks that share it")
     check_batch_fits(cfg, train_data, env.world_size)  # before any model loads
     spec = parse_loss_spec(cfg.loss.name, **cfg.loss.params())
-    if cfg.loss.use_weighting:  # WPO needs sum_v p(v)^2 per token: the policy's head computes picked tokens only
-        raise ConfigError("--loss.use_weighting (WPO) is not supported by dpocache train yet (it needs the policy's "
-                          "full-vocabulary probabilities); dpocache.losses has it for other trainers")
     ref_train, ref_eval, ref_info = prepare_reference(cfg, env, dtype, spec, tokenizer, train_data, eval_data)
     fsdp = cfg.distributed.fsdp and env.enabled
     if fsdp:  # created on the meta device, filled shard by shard: never whole in every process
@@ -131,6 +129,8 @@ def setup(cfg: Config) -> Run:
     else:
         policy = load_policy(cfg, env.device)
         scorer = wrap_for_distributed(CompletionLogProbs(policy), policy, cfg, env)
+    # WPO (dpocache.wpo): the policy's head also returns log sum_v p(v)^2 per scored token.
+    scorer_core(scorer).sum_sq_probs = cfg.loss.use_weighting
     layout = training_layout(scorer, cfg.train.layout)  # dpocache.layouts: shared where supported, else padded
     global_batch = cfg.train.batch_size * cfg.train.grad_accum * env.world_size
     steps_per_epoch = len(train_data) // global_batch
@@ -373,7 +373,13 @@ def batch_losses(run: Run, pairs: list[TokenizedPair], ref: ReferenceValues | No
     if check_cache:
         audit_step0(run, pairs, pc, pr, ref_c, ref_r)
     run.last_batch = (pairs, pc.detach(), pr.detach(), ref_c, ref_r)  # for _check_finite
-    losses, rc, rr = preference_loss(run.spec, pc, pr, ref_c, ref_r, lp.chosen_tokens, lp.rejected_tokens)
+    wpo = {}
+    if run.cfg.loss.use_weighting:  # WPO: weights from the policy's plain per-token values (as TRL), not LD-DPO's
+        cw, rw = wpo_sums(lp, scorer_core(run.scorer).log_sum_sq_probs)
+        wpo = {"chosen_wpo_logps": cw, "rejected_wpo_logps": rw}
+        window.add_mean(prefix + "wpo/weights", wpo_weights(cw, rw, lp.chosen_tokens.clamp(min=1),
+                                                             lp.rejected_tokens.clamp(min=1)))
+    losses, rc, rr = preference_loss(run.spec, pc, pr, ref_c, ref_r, lp.chosen_tokens, lp.rejected_tokens, **wpo)
     window.add_mean(prefix + "loss", losses)
     window.add_mean(prefix + "rewards/chosen", rc)
     window.add_mean(prefix + "rewards/rejected", rr)

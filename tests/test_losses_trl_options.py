@@ -237,9 +237,3 @@ def test_ld_dpo_first_step_loss(layout, tmp_path, base_model, pref_jsonl, other_
         expected.append(math.log1p(math.exp(-0.1 * margin)))
     assert any(len(p.chosen_ids) != len(p.rejected_ids) for p in batch)  # the tail weight matters
     assert loss == pytest.approx(sum(expected) / len(expected), abs=1e-5)
-
-
-def test_use_weighting_is_refused_by_train(tmp_path, base_model, train_jsonl):
-    with pytest.raises(ValueError, match="use_weighting"):
-        run_training(*flags(base_model, train_jsonl, tmp_path / "run", tmp_path / "cache", "--max-steps", "1",
-                            "--loss.use_weighting"))
