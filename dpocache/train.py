@@ -40,7 +40,7 @@ from .distributed import DistEnv, all_reduce_max, barrier, broadcast_object, des
 from .logprobs import CompletionLogProbs, autocast
 from .hub_ids import resolve_model_path
 from .layouts import LayoutChoice
-from .ld_dpo import ld_policy, ld_reference
+from .ld_dpo import ld_values
 from .losses import parse_loss_spec, preference_loss
 from .metrics import (MetricWindow, MetricsWriter, count_params, import_tracker, measured_peak_flops, model_shape,
                       trackers, train_flops_per_token)
@@ -50,18 +50,11 @@ from .prefix import layout_logprobs, scorer_core, training_layout
 from .reference import dtype_name, resolve_dtype
 from .sharded import reference_loader
 from .signals import StopRequest, stop_signals
+from .values import PairValues
 
 
 class TrainingDiverged(RuntimeError):
     pass
-
-
-@dataclass
-class ReferenceValues:
-    """Cached reference sums aligned with a data set's pairs."""
-
-    chosen: torch.Tensor  # (N,) float32
-    rejected: torch.Tensor  # (N,)
 
 
 @dataclass
@@ -73,8 +66,8 @@ class Run:
     tokenizer: object
     train_data: PreferenceData
     eval_data: PreferenceData | None
-    ref_train: ReferenceValues | None
-    ref_eval: ReferenceValues | None
+    ref_train: PairValues | None  # cached reference values of every train pair (N,), on the CPU
+    ref_eval: PairValues | None
     spec: object  # losses.LossSpec
     policy: torch.nn.Module  # the (PEFT-wrapped) causal LM, for saving
     scorer: torch.nn.Module  # CompletionLogProbs over the policy, DDP/FSDP-wrapped when distributed
@@ -202,8 +195,9 @@ def prepare_reference(cfg: Config, env: DistEnv, dtype: torch.dtype, spec, token
         gc.collect()  # the reference model is unreachable now; give its memory back
     if not env.is_main:
         store.open()  # rank 0's store already holds every rank's new shards
-    train_vals = store.lookup([p.key for p in train_data.pairs])
-    eval_vals = store.lookup([p.key for p in eval_data.pairs]) if eval_data else None
+    ld = cfg.loss.ld_alpha is not None  # LD-DPO: the sums are recombined from the cached per-token values
+    train_vals = store.lookup([p.key for p in train_data.pairs], per_token=ld)
+    eval_vals = store.lookup([p.key for p in eval_data.pairs], per_token=ld) if eval_data else None
     info = {
         "source": "cache", "cache_dir": str(store.dir), "namespace": store.namespace.id,
         "model": store.namespace.model,
@@ -211,13 +205,11 @@ def prepare_reference(cfg: Config, env: DistEnv, dtype: torch.dtype, spec, token
         "dtype": dtype_name(dtype), "pairs": len(set(p.key for p in pairs)),
         "computed": summary.computed, "reused": summary.reused, "built_on_ranks": summary.world_size,
     }
-    if cfg.loss.ld_alpha is not None:  # LD-DPO: the sums are recombined from the cached per-token values
-        train_vals = ReferenceValues(*ld_reference(store, [p.key for p in train_data.pairs], cfg.loss.ld_alpha))
-        eval_vals = ReferenceValues(*ld_reference(store, [p.key for p in eval_data.pairs], cfg.loss.ld_alpha)) \
-            if eval_data else None
+    if ld:
+        train_vals = ld_values(train_vals, cfg.loss.ld_alpha)
+        eval_vals = ld_values(eval_vals, cfg.loss.ld_alpha) if eval_data else None
         return train_vals, eval_vals, {**info, "ld_alpha": cfg.loss.ld_alpha}
-    return (ReferenceValues(train_vals.chosen_logps, train_vals.rejected_logps),
-            ReferenceValues(eval_vals.chosen_logps, eval_vals.rejected_logps) if eval_vals else None, info)
+    return train_vals, eval_vals, info
 
 
 def plan_audit(run: Run) -> bool:
@@ -358,18 +350,22 @@ def step_indices(run: Run, step: int, micro: int) -> list[int]:
     return order[start:start + cfg.batch_size]
 
 
-def batch_losses(run: Run, pairs: list[TokenizedPair], ref: ReferenceValues | None, idx: list[int],
+def batch_losses(run: Run, pairs: list[TokenizedPair], ref: PairValues | None, idx: list[int],
                  window: MetricWindow, prefix: str = "", check_cache: bool = False):
     """Policy forward on ``pairs``; returns the loss per example ``(B,)`` and, for MoE
     policies, the router load-balancing loss (a scalar, else None); records the metrics.
     ``check_cache``: first compare the policy's log-probs with the cached ones (``audit_step0``)."""
+    ld_alpha = run.cfg.loss.ld_alpha  # LD-DPO: sums recombined from per-token values, as the cache's were
     with autocast(run.dtype, run.env.device):
         pad_id = run.tokenizer.pad_token_id or 0
-        lp, tokens = layout_logprobs(run.scorer, run.layout.used, pairs, pad_id, run.env.device)
-    ref_c = ref.chosen[idx].to(run.env.device) if ref is not None else None
-    ref_r = ref.rejected[idx].to(run.env.device) if ref is not None else None
-    pc, pr = (lp.chosen_logps, lp.rejected_logps) if run.cfg.loss.ld_alpha is None else \
-        ld_policy(lp, pairs, run.cfg.loss.ld_alpha)  # LD-DPO
+        lp, tokens = layout_logprobs(run.scorer, run.layout.used, pairs, pad_id, run.env.device,
+                                     per_token=ld_alpha is not None)
+    # The loss's inputs; the logged log-probs stay the plain sums.
+    loss_lp = ld_values(lp, ld_alpha) if ld_alpha is not None else lp
+    ref = ref.select(idx).to(run.env.device) if ref is not None else None
+    ref_c = ref.chosen_logps if ref is not None else None
+    ref_r = ref.rejected_logps if ref is not None else None
+    pc, pr = loss_lp.chosen_logps, loss_lp.rejected_logps
     if check_cache:
         audit_step0(run, pairs, pc, pr, ref_c, ref_r)
     run.last_batch = (pairs, pc.detach(), pr.detach(), ref_c, ref_r)  # for _check_finite
