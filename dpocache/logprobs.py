@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -308,14 +307,3 @@ def autocast(dtype: torch.dtype, device: torch.device | str):
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device_type, dtype=dtype)
-
-
-@dataclass
-class PairLogProbs:
-    """Per-pair results for a batch of B pairs."""
-
-    chosen_logps: torch.Tensor  # (B,) fp32 sum over chosen completion tokens
-    rejected_logps: torch.Tensor  # (B,)
-    chosen_tokens: torch.Tensor  # (B,) int
-    rejected_tokens: torch.Tensor  # (B,)
-    token_logps: torch.Tensor  # (2B, T): rows [0, B) chosen, [B, 2B) rejected
