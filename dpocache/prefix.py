@@ -205,7 +205,7 @@ def training_layout(scorer: nn.Module, requested: str) -> LayoutChoice:
     runs for ``requested``: ``dpocache.layouts.select_layout``'s rule, with the router loss of a
     mixture-of-experts model kept (padded)."""
     core = scorer_core(scorer)
-    return select_layout(requested, core.config, fast_path=core.fast_path, router_loss=core._router is not None)
+    return select_layout(requested, core.config, fast_path=core.fast_path, router_loss=core.router_loss)
 
 
 def layout_logprobs(scorer: nn.Module, layout: str, pairs: Sequence[TokenizedPair], pad_id: int, device,
