@@ -32,7 +32,6 @@ class ModelConfig:
     device: str | None = None  # cpu | cuda (default: cuda if available)
     attn_implementation: str = "sdpa"  # attention kernel passed to transformers (sdpa | eager | flash_attention_2)
     gradient_checkpointing: bool = False  # recompute activations in the backward pass (less memory, slower)
-    compile: bool = False  # torch.compile the policy's log-prob forward
 
 
 @dataclass

@@ -188,10 +188,12 @@ class CompletionLogProbs(nn.Module):
         """The model's decoder on ``input_ids (N, T)`` → last hidden states ``(N, T, H)``, final
         norm applied. ``attention_mask``: ``(N, T)`` padding mask, or a layout's custom mask
         (``(N, 1, T, T)`` or ``{layer type: mask}``) with ``position_ids (N, T)``. For a
-        mixture-of-experts model (2D mask only) the router loss goes to ``aux_loss``."""
+        mixture-of-experts model under a padding mask, the router loss goes to ``aux_loss``
+        (the model's loss takes the 2D mask; a custom-mask layout never needs it: ``layouts``)."""
         lm = self.causal_lm
         positions = {} if position_ids is None else {"position_ids": position_ids}
-        if self._router is None:
+        padding_mask = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+        if self._router is None or not padding_mask:
             out = lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **positions)
             return out[0]  # last_hidden_state (N, T, H), final norm applied
         out = lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,

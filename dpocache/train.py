@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import __version__, audit, divergence, reference as reference_mod
+from . import __version__, audit, divergence
 from .allocator import configure_cpu_allocator
 from .batching import training_order
 from .cache import CacheStore, default_cache_dir, namespace_for_dir
@@ -83,7 +83,8 @@ class Run:
     saved_at: float = 0.0  # _clock() at the newest checkpoint (or the start of the loop)
     audit_step0: bool = False  # compare the first micro-batch's log-probs with the cache (dpocache.audit)
     monitor: ProgressMonitor | None = None  # gradient and weight norms after each step (dpocache.divergence)
-    last_batch: tuple | None = None  # (pairs, policy chosen, policy rejected, ref chosen, ref rejected), detached
+    # This step's micro-batches so far: (pairs, policy chosen, policy rejected, ref chosen, ref rejected), detached.
+    step_batches: list = field(default_factory=list)
 
 
 # ------------------------------------------------------------------------------------ setup
@@ -204,6 +205,9 @@ def prepare_reference(cfg: Config, env: DistEnv, dtype: torch.dtype, spec, token
         "reference": cfg.model.reference,
         "dtype": dtype_name(dtype), "pairs": len(set(p.key for p in pairs)),
         "computed": summary.computed, "reused": summary.reused, "built_on_ranks": summary.world_size,
+        # The build's own count (its summary), all before the first step. The loop holds no
+        # reference model: the build's is unreachable once it returns (freed above).
+        "forward_passes": summary.forward_passes, "forward_passes_during_training": 0,
     }
     if ld:
         train_vals = ld_values(train_vals, cfg.loss.ld_alpha)
@@ -288,8 +292,6 @@ def _run_info(run: Run, ref_info: dict) -> dict:
         "policy": {"parameters": count_params(run.policy), "trainable": count_params(run.policy, trainable_only=True)},
         "loss": str(run.spec), "total_steps": run.total_steps, "layout": run.layout.to_json(),
         "reference": ref_info,
-        # Counted, not asserted: every ReferenceModel forward in this process increments it.
-        "_ref_passes_at_start": reference_mod.FORWARD_PASSES,
     }
 
 
@@ -352,8 +354,9 @@ def step_indices(run: Run, step: int, micro: int) -> list[int]:
 
 def batch_losses(run: Run, pairs: list[TokenizedPair], ref: PairValues | None, idx: list[int],
                  window: MetricWindow, prefix: str = "", check_cache: bool = False):
-    """Policy forward on ``pairs``; returns the loss per example ``(B,)`` and, for MoE
-    policies, the router load-balancing loss (a scalar, else None); records the metrics.
+    """Policy forward on ``pairs``; returns the loss per example ``(B,)``, for MoE policies the
+    router load-balancing loss (a scalar, else None), and the loss's inputs (pairs and the
+    detached ``(B,)`` policy and reference sums); records the metrics.
     ``check_cache``: first compare the policy's log-probs with the cached ones (``audit_step0``)."""
     ld_alpha = run.cfg.loss.ld_alpha  # LD-DPO: sums recombined from per-token values, as the cache's were
     with autocast(run.dtype, run.env.device):
@@ -368,7 +371,7 @@ def batch_losses(run: Run, pairs: list[TokenizedPair], ref: PairValues | None, i
     pc, pr = loss_lp.chosen_logps, loss_lp.rejected_logps
     if check_cache:
         audit_step0(run, pairs, pc, pr, ref_c, ref_r)
-    run.last_batch = (pairs, pc.detach(), pr.detach(), ref_c, ref_r)  # for _check_finite
+    inputs = (pairs, pc.detach(), pr.detach(), ref_c, ref_r)  # the loss's inputs, for _stop_non_finite
     losses, rc, rr = preference_loss(run.spec, pc, pr, ref_c, ref_r, lp.chosen_tokens, lp.rejected_tokens)
     window.add_mean(prefix + "loss", losses)
     window.add_mean(prefix + "rewards/chosen", rc)
@@ -381,11 +384,11 @@ def batch_losses(run: Run, pairs: list[TokenizedPair], ref: PairValues | None, i
     window.add_mean(prefix + "logps/rejected", lp.rejected_logps)
     if _has_nll(run):
         window.add_mean(prefix + "sft_loss", -(lp.chosen_logps.detach() / lp.chosen_tokens.clamp(min=1)))
-    window.add_total(prefix + "tokens", float(tokens))
+    window.add_total(prefix + "tokens", float(tokens))  # counted on the host, from the pairs
     aux = scorer_core(run.scorer).aux_loss
     if aux is not None:
-        window.add(prefix + "aux_loss", float(aux.detach()), 1.0)
-    return losses, aux
+        window.add(prefix + "aux_loss", aux.detach(), 1.0)
+    return losses, aux, inputs
 
 
 def _has_nll(run: Run) -> bool:
@@ -394,36 +397,52 @@ def _has_nll(run: Run) -> bool:
 
 
 def train_step(run: Run, window: MetricWindow) -> None:
-    """One optimizer step over ``grad_accum`` micro-batches."""
+    """One optimizer step over ``grad_accum`` micro-batches.
+
+    No micro-batch waits for the device: the metrics stay device tensors until the logging step
+    (``MetricWindow``), and whether a loss was finite is kept as a device flag. The step waits
+    once, before the optimizer step, for that flag (reduced over ranks) and the gradient norm
+    together: stopping on a NaN or a runaway norm is a host decision, made before any weight
+    changes (``dpocache.divergence``)."""
     cfg = run.cfg.train
     run.scorer.train()
     params = [p for p in run.policy.parameters() if p.requires_grad]
     if run.monitor is None:
         run.monitor = ProgressMonitor(params)  # the norm of the weights the run starts (or resumes) from
+    run.step_batches, losses_seen = [], []
     for micro in range(cfg.grad_accum):
         idx = step_indices(run, run.step, micro)
         pairs = [run.train_data.pairs[i] for i in idx]
         sync = micro == cfg.grad_accum - 1
         with _no_sync(run.scorer, sync):
             audit_now = run.audit_step0 and micro == 0
-            losses, aux = batch_losses(run, pairs, run.ref_train, idx, window, check_cache=audit_now)
+            losses, aux, inputs = batch_losses(run, pairs, run.ref_train, idx, window, check_cache=audit_now)
+            run.step_batches.append(inputs)
             loss = losses.mean()
             if aux is not None:  # MoE: the model's own router loss, with its own coefficient, as TRL adds it
                 loss = loss + getattr(run.policy.config, "router_aux_loss_coef", 0.001) * aux
             loss = loss / cfg.grad_accum
-            _check_finite(run, loss)
+            losses_seen.append(loss.detach())
+            # A non-finite loss's gradients are computed but never applied: the check below
+            # stops the run before the optimizer step.
             loss.backward()
     max_norm = run.cfg.optim.max_grad_norm
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor; the norm over every rank's shard
         grad_norm = grad_norm.full_tensor()
-    window.add("grad_norm", float(grad_norm), 1.0)
+    grad_norm = grad_norm.detach()
+    not_finite = (~torch.isfinite(torch.stack(losses_seen))).any().double().reshape(1).to(run.env.device)
+    not_finite = all_reduce_max(run.env, not_finite)  # every rank stops on any rank's NaN
+    not_finite, norm = torch.cat([not_finite, grad_norm.double().reshape(1).to(run.env.device)]).tolist()  # one sync
+    if not_finite:
+        _stop_non_finite(run, losses_seen)
+    window.add("grad_norm", grad_norm, 1.0)
     window.add("lr", run.scheduler.get_last_lr()[0], 1.0)
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.step += 1
-    reason = run.monitor.check(float(grad_norm))
+    reason = run.monitor.check(norm)
     if reason is not None:
         raise TrainingDiverged(f"step {run.step}: {reason}. Stopped without saving; {_last_good(run)}. "
                                "Try a lower --lr, or another --beta or loss.")
@@ -437,11 +456,14 @@ def _no_sync(scorer, sync: bool):
     return scorer.no_sync()
 
 
-def _check_finite(run: Run, loss: torch.Tensor) -> None:
-    """Stop on a non-finite loss, naming where it came from (``dpocache.divergence``): every rank
-    reports its own batch's sources, reduced so that all ranks stop with the same words."""
-    finite = bool(torch.isfinite(loss))
-    pairs, *values = run.last_batch
+def _stop_non_finite(run: Run, losses: list[torch.Tensor]) -> None:
+    """Stop on a non-finite loss of this step (on some rank), naming where it came from
+    (``dpocache.divergence``): every rank reports its first such micro-batch's sources, reduced
+    so that all ranks stop with the same words. ``losses``: each micro-batch's scalar loss."""
+    bad = next((i for i, loss in enumerate(losses) if not bool(torch.isfinite(loss))), None)
+    finite = bad is None
+    loss = losses[-1 if finite else bad]
+    pairs, *values = run.step_batches[-1 if finite else bad]
     flags = [0.0, 0.0, 0.0] if finite else divergence.nan_flags(*values)
     reduced = all_reduce_max(run.env, torch.tensor([0.0 if finite else 1.0, *flags], device=run.env.device)).tolist()
     if reduced[0] > 0:
@@ -450,7 +472,7 @@ def _check_finite(run: Run, loss: torch.Tensor) -> None:
         cache_only = reduced[1 + divergence.CACHE] and not reduced[1 + divergence.POLICY]
         advice = "" if cache_only else " Try a lower --lr or --beta."
         raise TrainingDiverged(
-            f"step {run.step + 1}: the loss is {float(loss.detach())} (not finite): {where}. Stopped without saving; "
+            f"step {run.step + 1}: the loss is {float(loss)} (not finite): {where}. Stopped without saving; "
             f"{_last_good(run)}.{advice}"
         )
 
@@ -634,9 +656,6 @@ def save_final(run: Run) -> Path:
 
 
 def _finish(run: Run, final_eval: dict, final_dir: Path) -> dict:
-    passes = reference_mod.FORWARD_PASSES - run.info.pop("_ref_passes_at_start")
-    if run.info["reference"].get("source") == "cache":
-        run.info["reference"]["forward_passes_during_training"] = passes
     run.info["final"] = {"step": run.step, "eval": final_eval, "output": str(final_dir)}
     _write_run_json(run)
     if run.cfg.train.push_to_hub and run.env.is_main:

@@ -1,11 +1,14 @@
-"""Module boundaries: ``CompletionLogProbs``'s body/head split is a public API that composes to
-its own forward, and no dpocache module uses a private name another dpocache module defines."""
+"""Module boundaries and house-keeping: ``CompletionLogProbs``'s body/head split is a public API
+that composes to its own forward, no dpocache module uses a private name another dpocache module
+defines, and dead config and process-global counters are gone."""
 
 from __future__ import annotations
 
 import ast
+import inspect
 from pathlib import Path
 
+import pytest
 import torch
 
 import dpocache
@@ -75,3 +78,20 @@ def test_body_and_head_compose_to_forward(tiny_models, tokenizer, make_rows):
             got = lp.head_logps(hidden[:, :-1][target], batch.input_ids[:, 1:][target])  # (M,)
         assert hidden.shape[:2] == batch.input_ids.shape
         torch.testing.assert_close(got, want[:, 1:][target], rtol=0, atol=1e-6)
+
+
+def test_dead_config_and_globals_are_gone():
+    """``model.compile`` was never read: it is an unknown field now. The reference pass counts
+    its passes in the build's summary (tests/test_train.py), not in a process-global counter.
+    Cache defaults live once, in the config."""
+    import dpocache.reference
+    from dpocache.cache.build import DEFAULT_MAX_TOKENS, build_missing
+    from dpocache.cache.store import DEFAULT_SHARD_PAIRS, CacheStore
+    from dpocache.config import CacheConfig, ConfigError, build_config
+
+    with pytest.raises(ConfigError, match="model.compile"):
+        build_config(None, ["--model.compile", "true"])
+    assert not hasattr(dpocache.reference, "FORWARD_PASSES")
+    assert DEFAULT_SHARD_PAIRS == CacheConfig.shard_size and DEFAULT_MAX_TOKENS == CacheConfig.max_tokens
+    assert inspect.signature(CacheStore.writer).parameters["shard_pairs"].default == DEFAULT_SHARD_PAIRS
+    assert inspect.signature(build_missing).parameters["shard_pairs"].default == DEFAULT_SHARD_PAIRS

@@ -24,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..batching import PairBatch, collate_pairs, token_budget_batches
+from ..config import CacheConfig
 from ..data import TokenizedPair
 from ..distributed import DistEnv, barrier, broadcast_object, reduce_counts, same_on_all_ranks, split_by_weight
 from ..prefix import score_batch_shared
@@ -33,7 +34,7 @@ from ..values import PairValues
 from .fingerprint import FingerprintMemo, default_memo_path, model_dir_fingerprint, module_fingerprint
 from .store import DEFAULT_SHARD_PAIRS, CacheError, CacheStore, CorruptShard, Namespace
 
-DEFAULT_MAX_TOKENS = 4096  # padded token slots per reference forward (bench/: best on CPU; GPUs like more)
+DEFAULT_MAX_TOKENS = CacheConfig.max_tokens  # padded token slots per reference forward: the config's default
 
 
 def default_cache_dir() -> Path:

@@ -51,6 +51,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from ..config import CacheConfig
 from ..data import KEY_BYTES
 from ..values import PairValues
 from .atomic import UnsafeFileError, atomic_write_bytes, atomic_write_text, locked, read_regular_file
@@ -63,7 +64,7 @@ MAX_MANIFEST_BYTES = 256 << 20  # ~1.5M shard entries
 MAX_SHARD_BYTES = 64 << 30
 MAX_HEADER_BYTES = 1 << 20  # a shard's safetensors header is < 2 KiB: 7 tensors and 2 metadata fields
 _IGNORED = "; ignored (a build rewrites it from the shards)"
-DEFAULT_SHARD_PAIRS = 4096  # pairs per shard (a shard is also flushed every flush_seconds)
+DEFAULT_SHARD_PAIRS = CacheConfig.shard_size  # pairs per shard: the one default is the config's
 
 
 class CacheError(RuntimeError):
