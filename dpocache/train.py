@@ -12,6 +12,7 @@ weights, its first micro-batch's log-probs are reference log-probs: they audit t
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.metadata
 import json
@@ -32,10 +33,14 @@ from .batching import training_order
 from .cache import CacheStore, default_cache_dir, namespace_for_dir
 from .cache.build import adapter_base_dir, build_distributed, reference_source
 from .cache.fingerprint import default_memo_path
+from .cache_cli import load_tokenizer
 from .checkpoint import checkpoint_dir, latest_checkpoint, load_model_weights, load_trainer_state, save_checkpoint
 from .config import Config, ConfigError, check_batch_fits
 from .data import PreferenceData, TokenizedPair, load_preference_data
 from .divergence import ProgressMonitor
+from .fsdp import (GatheredModel, GatheredOptimizer, full_model_state, full_optimizer_state,
+                   load_full_weights)
+from .hub import push_folder
 from .distributed import DistEnv, all_reduce_max, barrier, broadcast_object, destroy, init_distributed
 from .logprobs import CompletionLogProbs, autocast
 from .hub_ids import resolve_model_path
@@ -105,8 +110,6 @@ def setup(cfg: Config) -> Run:
     barrier(env)
     dtype = resolve_dtype(cfg.model.dtype, env.device)
     torch.manual_seed(cfg.train.seed)
-    from .cache_cli import load_tokenizer
-
     tokenizer = load_tokenizer(cfg.model.path)
     train_data = _load_data(cfg, cfg.data.train, tokenizer, env)
     eval_data = _load_data(cfg, cfg.data.eval, tokenizer, env) if cfg.data.eval else None
@@ -276,15 +279,13 @@ def _rebuild_command(cfg: Config, ns_dir: str, dtype: str) -> str:
 
 
 def _run_info(run: Run, ref_info: dict) -> dict:
-    import transformers
-
-    # The installed version, without importing peft (4 s of imports) in a run without LoRA.
-    peft_version = importlib.metadata.version("peft")
+    # Installed versions, without importing peft (4 s of imports) in a run without LoRA.
+    versions = {name: importlib.metadata.version(name) for name in ("transformers", "peft")}
 
     return {
         "config": run.cfg.to_dict(),
-        "versions": {"dpocache": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
-                     "peft": peft_version, "python": platform.python_version()},
+        "versions": {"dpocache": __version__, "torch": torch.__version__, "transformers": versions["transformers"],
+                     "peft": versions["peft"], "python": platform.python_version()},
         "device": str(run.env.device), "world_size": run.env.world_size, "dtype": dtype_name(run.dtype),
         "data": {"train_pairs": len(run.train_data), "train_skipped": len(run.train_data.skipped),
                  "train_truncated": run.train_data.truncated, "train_identical": run.train_data.identical,
@@ -308,8 +309,6 @@ def resume(run: Run) -> None:
         return
     ckpt = Path(ckpt)
     if _sharded(run):
-        from .fsdp import GatheredOptimizer, load_full_weights
-
         load_full_weights(ckpt, run.policy, run.env)
         state = load_trainer_state(ckpt, GatheredOptimizer(run.policy, run.optimizer), run.scheduler)
     else:
@@ -449,8 +448,6 @@ def train_step(run: Run, window: MetricWindow) -> None:
 
 
 def _no_sync(scorer, sync: bool):
-    import contextlib
-
     if sync or not hasattr(scorer, "no_sync"):
         return contextlib.nullcontext()
     return scorer.no_sync()
@@ -628,8 +625,6 @@ def _save(run: Run) -> None:
     to rank 0 first)."""
     model, optimizer = run.policy, run.optimizer
     if _sharded(run):
-        from .fsdp import GatheredModel, GatheredOptimizer, full_model_state, full_optimizer_state
-
         model = GatheredModel(run.policy, full_model_state(run.policy))  # collectives: every rank
         optimizer = GatheredOptimizer(run.policy, run.optimizer, full_optimizer_state(run.policy, run.optimizer))
     if run.env.is_main:
@@ -645,8 +640,6 @@ def save_final(run: Run) -> Path:
     final = run.out / "final"
     model = run.policy
     if _sharded(run):
-        from .fsdp import GatheredModel, full_model_state
-
         model = GatheredModel(run.policy, full_model_state(run.policy))
     if run.env.is_main:
         model.save_pretrained(final)
@@ -659,8 +652,6 @@ def _finish(run: Run, final_eval: dict, final_dir: Path) -> dict:
     run.info["final"] = {"step": run.step, "eval": final_eval, "output": str(final_dir)}
     _write_run_json(run)
     if run.cfg.train.push_to_hub and run.env.is_main:
-        from .hub import push_folder
-
         push_folder(final_dir, run.cfg.train.push_to_hub)
     return run.info
 
