@@ -11,6 +11,9 @@ these declarations only, and a shard tensor is named after its field, so the sha
 this record's fields. Adding a cached field is: declare it here (optional, ``None`` by
 default, so shards written before it still load), compute it where the reference values are
 computed (``cache/build.py``'s ``score_batch``), use it where it is needed (``train.py``).
+Pairs cached before the field existed are not recomputed for it (``lookup`` gives None for a
+field some of the asked pairs lack); a field every value must have is a required one, and then
+``cache/store.py``'s ``SCHEMA_VERSION`` moves too (a new namespace: everything is rebuilt).
 
 Shapes (``B`` pairs)::
 
