@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 
 from .data import TokenizedPair
 from .distributed import DistEnv
@@ -89,8 +90,6 @@ def gather(env: DistEnv, local: dict) -> dict:
     """Every rank's ``compare`` merged (the same result on every rank, so all stop or none)."""
     parts = [local]
     if env.enabled:
-        import torch.distributed as dist
-
         parts = [None] * env.world_size
         dist.all_gather_object(parts, local)
     worst = sorted((w for p in parts for w in p["worst"]), key=lambda w: -w[0])

@@ -15,7 +15,8 @@ from typing import Sequence
 import torch
 
 from .data import TokenizedPair
-from .logprobs import CompletionLogProbs, PairLogProbs
+from .logprobs import CompletionLogProbs
+from .values import PairValues
 
 
 @dataclass
@@ -55,13 +56,24 @@ def collate_pairs(pairs: Sequence[TokenizedPair], pad_id: int = 0) -> PairBatch:
     return PairBatch(*pad_sequences(seqs, pad_id))
 
 
-def pair_logprobs(lp: CompletionLogProbs, batch: PairBatch) -> PairLogProbs:
-    """Run ``lp`` on a pair batch and split the result into chosen and rejected halves."""
+def pair_logprobs(lp: CompletionLogProbs, batch: PairBatch,
+                  pairs: Sequence[TokenizedPair] | None = None) -> PairValues:
+    """Run ``lp`` on a pair batch and split the result into chosen and rejected halves; with
+    ``pairs`` (those of ``batch``), the per-token values too, cut at host-known offsets (no
+    device sync)."""
     token_logps = lp(batch.input_ids, batch.attention_mask, batch.completion_mask)  # (2B, T)
     sums = token_logps.sum(-1)  # (2B,)
     counts = batch.completion_mask.sum(-1)  # (2B,)
     b = batch.num_pairs
-    return PairLogProbs(sums[:b], sums[b:], counts[:b], counts[b:], token_logps)
+    values = PairValues(sums[:b], sums[b:], counts[:b], counts[b:])
+    if pairs is None:
+        return values
+    # Row i's completion sits at [prompt length, prompt length + completion length).
+    chosen = [token_logps[i, len(p.prompt_ids):len(p.prompt_ids) + len(p.chosen_ids)] for i, p in enumerate(pairs)]
+    rejected = [token_logps[b + i, len(p.prompt_ids):len(p.prompt_ids) + len(p.rejected_ids)]
+                for i, p in enumerate(pairs)]
+    return PairValues(values.chosen_logps, values.rejected_logps, values.chosen_tokens, values.rejected_tokens,
+                      chosen, rejected)
 
 
 def _row_cost(layout: str):

@@ -122,6 +122,11 @@ def install(model: nn.Module, mode: str | None = None) -> int:
     return count
 
 
+def installed(module: nn.Module) -> bool:
+    """True for a layer ``install`` switched to the fp32 GEMM (it needs its weight stored in fp32)."""
+    return bool(getattr(module, _INSTALLED, False))
+
+
 @torch.no_grad()
 def round_frozen_weights_(model: nn.Module) -> int:
     """Round the fp32 weights of the switched layers to bf16 values in place and mark them, so

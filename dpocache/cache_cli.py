@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 import torch
 
-from .cache import CacheStore, default_cache_dir, export_rows, namespace_for_dir, verify
+from .cache import CacheError, CacheStore, default_cache_dir, export_rows, namespace_for_dir, verify
 from .cache.build import (DEFAULT_MAX_TOKENS, build_distributed, namespace_dirs, open_namespace_dir, reference_source,
                           reference_weights_dir)
 from .data import PreferenceData, load_preference_data
@@ -178,8 +179,6 @@ def cmd_export(args) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """``args``: from ``dpocache.cache_args.parse_args`` (the configuration, paths checked)."""
-    import os
-
     if args.cache_command != "build" and int(os.environ.get("RANK", "0")) != 0:
         return 0  # only build shares its work across torchrun's ranks; the others run once, on rank 0
     if args.cache_command == "build":
@@ -187,8 +186,6 @@ def run(args: argparse.Namespace) -> int:
     if args.cache_command == "export":
         check_writable_dir(args.out.parent, "--out")
     commands = {"build": cmd_build, "info": cmd_info, "verify": cmd_verify, "export": cmd_export}
-    from .cache import CacheError
-
     try:
         with disk_errors(cache_dir=args.cache_dir or default_cache_dir()):
             return commands[args.cache_command](args)

@@ -32,7 +32,6 @@ class ModelConfig:
     device: str | None = None  # cpu | cuda (default: cuda if available)
     attn_implementation: str = "sdpa"  # attention kernel passed to transformers (sdpa | eager | flash_attention_2)
     gradient_checkpointing: bool = False  # recompute activations in the backward pass (less memory, slower)
-    compile: bool = False  # torch.compile the policy's log-prob forward
 
 
 @dataclass
@@ -205,12 +204,12 @@ def _flag_name(dotted: str) -> str:
 
 
 def _validate_loss(loss: LossConfig) -> None:
-    from .losses import _check_values, parse_loss_spec  # _check_values: the checks preference_loss makes
+    from .losses import check_loss_values, parse_loss_spec  # the checks preference_loss makes
 
     if not loss.beta > 0:  # also catches NaN
         raise ConfigError(f"{_flag_name('loss.beta')}: must be > 0, got {loss.beta}")
     try:
-        _check_values(parse_loss_spec(loss.name, **loss.params()))
+        check_loss_values(parse_loss_spec(loss.name, **loss.params()))
     except ValueError as e:
         raise ConfigError(f"{_flag_name('loss.name')} {loss.name!r}: {e}") from None
 

@@ -15,7 +15,10 @@ from pathlib import Path
 
 from .config import Config, build_config
 from .data import write_jsonl
+from .metrics import read_metrics
+from .plot import plot_run
 from .tiny import save_tiny_model
+from .train import train
 
 DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 
@@ -63,10 +66,6 @@ def demo_config(out: Path, overrides: list[str] | None = None) -> Config:
 
 def run_demo(out: str | Path = "dpocache-demo", overrides: list[str] | None = None) -> dict:
     """Build everything, train, plot; print and return the before/after table."""
-    from .metrics import read_metrics
-    from .plot import plot_run
-    from .train import train
-
     out = Path(out)
     start = time.perf_counter()
     cfg = demo_config(out, overrides)

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import bf16_matmul
 from .distributed import DistEnv
 
 
@@ -56,14 +57,12 @@ def store_frozen_matrices_(model: nn.Module, dtype: torch.dtype = torch.bfloat16
     fp32 values reach the residual stream), every non-matrix parameter, and the layers
     ``dpocache.bf16_matmul`` switched to the fp32 GEMM (they need fp32 storage).
     """
-    from .bf16_matmul import _INSTALLED
-
     if dtype == torch.float32:
         return 0
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     count = 0
     for layer in _matrix_layers(model):
-        if getattr(layer, _INSTALLED, False) or id(layer.weight) in embeddings:
+        if bf16_matmul.installed(layer) or id(layer.weight) in embeddings:
             continue
         for name, p in list(layer.named_parameters(recurse=False)):
             if p.dtype == torch.float32:

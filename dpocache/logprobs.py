@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -89,6 +88,17 @@ class CompletionLogProbs(nn.Module):
 
     Being an ``nn.Module`` whose forward does the whole computation lets DDP and FSDP wrap it
     and see every parameter use in one forward call.
+
+    Public API, for layouts that bring their own inputs (``docs/ARCHITECTURE.md``):
+
+    - ``causal_lm``: the wrapped ``*ForCausalLM`` (looked up on each use).
+    - ``body(input_ids, attention_mask, position_ids=None) -> hidden (N, T, H)``: the decoder,
+      final norm applied; a mixture-of-experts model's router loss is kept in ``aux_loss``.
+    - ``head_logps(hidden (M, H), labels (M,)) -> (M,)`` fp32: the output head on the gathered
+      positions only, chunked (or tiled), with the model's logit transform.
+    - ``gathered_logps``: ``body`` then ``head_logps`` at flat positions (``forward``'s gathered mode).
+    - ``fast_path`` (``probe_fast_path``): whether ``head_logps`` reproduces the model's own head;
+      ``router_loss``: whether the model has a MoE router loss.
     """
 
     def __init__(self, model: nn.Module, logits_budget: int = DEFAULT_LOGITS_BUDGET, probe: bool = True,
@@ -113,12 +123,19 @@ class CompletionLogProbs(nn.Module):
         self.log_sum_sq_probs: torch.Tensor | None = None
         self.fast_path = True
         if probe:
-            self.fast_path = self._probe_fast_path()
+            self.fast_path = self.probe_fast_path()
 
     # The body and head are looked up on each call: PEFT's disable_adapter and FSDP swap
     # wrappers in place, and a stale reference would bypass them.
-    def _causal_lm(self) -> nn.Module:
+    @property
+    def causal_lm(self) -> nn.Module:
+        """The wrapped ``*ForCausalLM`` (inside DDP / PEFT wrappers; the same parameters)."""
         return unwrap_causal_lm(self.model)
+
+    @property
+    def router_loss(self) -> bool:
+        """True for a mixture-of-experts model whose forward adds a router load-balancing loss."""
+        return self._router is not None
 
     def forward(self, input_ids: torch.Tensor, attention_mask, completion_mask: torch.Tensor | None = None, *,
                 position_ids: torch.Tensor | None = None, source: torch.Tensor | None = None,
@@ -156,12 +173,12 @@ class CompletionLogProbs(nn.Module):
         target = completion_mask[:, 1:].bool()  # (N, T-1): position t predicts token t+1
         labels = input_ids[:, 1:][target]  # (M,)
         if self.fast_path:
-            hidden = self._body(input_ids, attention_mask)  # (N, T, H)
+            hidden = self.body(input_ids, attention_mask)  # (N, T, H)
             picked = hidden[:, :-1][target]  # (M, H)
-            logps = self._head_logps(picked, labels)  # (M,)
+            logps = self.head_logps(picked, labels)  # (M,)
         else:
             moe = {"output_router_logits": True} if self._router else {}
-            result = self._causal_lm()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **moe)
+            result = self.causal_lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **moe)
             self.aux_loss = getattr(result, "aux_loss", None)
             logits = result.logits
             full = logits[:, :-1][target].float().log_softmax(-1)  # (M, V)
@@ -179,19 +196,24 @@ class CompletionLogProbs(nn.Module):
         """``(M,)`` fp32 log-probs: the body on ``(B, T)`` rows with a custom mask and position
         ids, the hidden states at the flat positions ``source`` through the chunked head. Needs
         the fast path (a reproduced head) and no router loss (``dpocache.layouts``)."""
-        body = self._causal_lm().get_decoder()
-        out = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-        hidden = out[0]  # (B, T, H), final norm applied
+        hidden = self.body(input_ids, attention_mask, position_ids)  # (B, T, H)
         picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, source)  # (M, H)
-        return self._head_logps(picked, labels)  # (M,)
+        return self.head_logps(picked, labels)  # (M,)
 
-    def _body(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        lm = self._causal_lm()
-        if self._router is None:
-            out = lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    def body(self, input_ids: torch.Tensor, attention_mask, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's decoder on ``input_ids (N, T)`` → last hidden states ``(N, T, H)``, final
+        norm applied. ``attention_mask``: ``(N, T)`` padding mask, or a layout's custom mask
+        (``(N, 1, T, T)`` or ``{layer type: mask}``) with ``position_ids (N, T)``. For a
+        mixture-of-experts model under a padding mask, the router loss goes to ``aux_loss``
+        (the model's loss takes the 2D mask; a custom-mask layout never needs it: ``layouts``)."""
+        lm = self.causal_lm
+        positions = {} if position_ids is None else {"position_ids": position_ids}
+        padding_mask = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+        if self._router is None or not padding_mask:
+            out = lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **positions)
             return out[0]  # last_hidden_state (N, T, H), final norm applied
         out = lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                               output_router_logits=True)
+                               output_router_logits=True, **positions)
         # The model's own load-balancing loss (Switch Transformer, Fedus et al. 2021, eq. 4), from
         # the module that defines the architecture, so it is exactly what its forward computes.
         balance = getattr(sys.modules[type(lm).__module__], "load_balancing_loss_func", None)
@@ -200,10 +222,11 @@ class CompletionLogProbs(nn.Module):
             self.aux_loss = balance(out.router_logits, experts, top_k, attention_mask)
         return out[0]
 
-    def _head_logps(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """``hidden (M, H)``, ``labels (M,)`` → ``(M,)`` fp32 log-probs, in row chunks (or, for
-        fp32 CPU inference, in tiles of rows x vocabulary)."""
-        head = self._causal_lm().get_output_embeddings()
+    def head_logps(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """``hidden (M, H)``, ``labels (M,)`` → ``(M,)`` fp32 log-probs ``log p(label | hidden)``,
+        the model's logit transform applied, in row chunks (or, for fp32 CPU inference, in tiles
+        of rows x vocabulary); with gradients on, each chunk is recomputed in backward."""
+        head = self.causal_lm.get_output_embeddings()
         if not self.sum_sq_probs and self._tiles_apply(head, hidden):  # the tiles compute log-probs only
             return self._tiled_head_logps(head, hidden, labels)
         vocab = max(1, self.config.get_text_config().vocab_size)
@@ -289,7 +312,7 @@ class CompletionLogProbs(nn.Module):
         return picked - lse, sum_sq
 
     @torch.no_grad()
-    def _probe_fast_path(self) -> bool:
+    def probe_fast_path(self) -> bool:
         """Compare the fast path's output head with the model's own forward on a short sequence.
 
         One forward, not two: a hook takes the body's output (the hidden states the fast path
@@ -299,7 +322,7 @@ class CompletionLogProbs(nn.Module):
         dominated by reading the weights (4.4 GB in fp32), so the second one cost 0.6 s of
         start-up.
         """
-        lm = self._causal_lm()
+        lm = self.causal_lm
         vocab = self.config.get_text_config().vocab_size
         device = next(lm.parameters()).device
         ids = (torch.arange(1, 13, device=device) * 7919 % vocab)[None]  # (1, 12)
@@ -320,7 +343,7 @@ class CompletionLogProbs(nn.Module):
         if len(captured) != 1:
             log.warning("%s: its forward does not call its decoder once; using the full forward", type(lm).__name__)
             return False
-        fast = self._head_logps(captured[0][:, :-1][target], labels)  # (9,)
+        fast = self.head_logps(captured[0][:, :-1][target], labels)  # (9,)
         dtype = next(lm.parameters()).dtype
         tol = 1e-3 if dtype == torch.float32 else 5e-2
         err = (fast - naive).abs().max().item()
@@ -341,14 +364,3 @@ def autocast(dtype: torch.dtype, device: torch.device | str):
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device_type, dtype=dtype)
-
-
-@dataclass
-class PairLogProbs:
-    """Per-pair results for a batch of B pairs."""
-
-    chosen_logps: torch.Tensor  # (B,) fp32 sum over chosen completion tokens
-    rejected_logps: torch.Tensor  # (B,)
-    chosen_tokens: torch.Tensor  # (B,) int
-    rejected_tokens: torch.Tensor  # (B,)
-    token_logps: torch.Tensor  # (2B, T): rows [0, B) chosen, [B, 2B) rejected

@@ -715,7 +715,7 @@ def needs_reference(name_or_spec: str | Sequence[str] | LossSpec) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_values(spec: LossSpec) -> None:
+def check_loss_values(spec: LossSpec) -> None:
     """Reject param values the formulas cannot take, naming the loss."""
     for name, _ in spec.terms:
         p = {**LOSSES[name].defaults, **{k: v for k, v in spec.params.items() if k in LOSSES[name].defaults}}
@@ -836,7 +836,7 @@ def preference_loss(
         ValueError: unknown loss or param, bad param value, missing reference, bad shapes.
     """
     spec = parse_loss_spec(name, **params)
-    _check_values(spec)
+    check_loss_values(spec)
     args = _prepare(
         spec,
         {

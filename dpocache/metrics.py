@@ -25,15 +25,23 @@ class MetricWindow:
     Everything is stored as (sum, weight) so that a mean over several micro-batches, steps and
     ranks is the mean over all their examples (or tokens, for token-weighted metrics), not a
     mean of means.
+
+    A sum given as a tensor stays one, on its device, accumulated in float64 (as a Python float
+    would be): adding never waits for the device. ``reduce`` synchronises once per window: one
+    stacked ``(K, 2)`` tensor, one all-reduce, one ``tolist``.
     """
 
     def __init__(self) -> None:
-        self.sums: dict[str, float] = defaultdict(float)
+        self.sums: dict[str, torch.Tensor | float] = {}
         self.weights: dict[str, float] = defaultdict(float)
         self.totals: set[str] = set()  # names reported as sums (token counts), not means
 
-    def add(self, name: str, total: float, weight: float) -> None:
-        self.sums[name] += total
+    def add(self, name: str, total: torch.Tensor | float, weight: float) -> None:
+        """Add ``total`` (a Python number, or a scalar tensor: kept on its device) of ``weight``
+        examples."""
+        if isinstance(total, torch.Tensor):
+            total = total.detach().to(torch.float64)
+        self.sums[name] = self.sums[name] + total if name in self.sums else total
         self.weights[name] += weight
 
     def add_total(self, name: str, value: float) -> None:
@@ -41,17 +49,18 @@ class MetricWindow:
         self.add(name, value, 1.0)
 
     def add_mean(self, name: str, values: torch.Tensor) -> None:
-        """Add a ``(B,)`` tensor of per-example values."""
-        self.add(name, float(values.detach().float().sum()), values.numel())
+        """Add a ``(B,)`` tensor of per-example values (their fp32 sum, on the device)."""
+        self.add(name, values.detach().float().sum(), values.numel())
 
     def reduce(self, env: DistEnv) -> dict[str, float]:
         names = sorted(self.sums)
         if not names:
             return {}
-        packed = torch.tensor([[self.sums[n], self.weights[n]] for n in names], dtype=torch.float64)  # (K, 2)
-        packed = all_reduce_sum(env, packed.to(env.device)).cpu()
+        sums = torch.stack([torch.as_tensor(self.sums[n], dtype=torch.float64).to(env.device) for n in names])
+        weights = torch.tensor([self.weights[n] for n in names], dtype=torch.float64).to(env.device)
+        packed = all_reduce_sum(env, torch.stack([sums, weights], 1))  # (K, 2)
         return {n: (s if n in self.totals else s / w if w else float("nan"))
-                for n, (s, w) in zip(names, packed.tolist())}
+                for n, (s, w) in zip(names, packed.tolist())}  # the window's one synchronisation
 
     def clear(self) -> None:
         self.sums.clear()

@@ -36,7 +36,8 @@ from torch import nn
 from .batching import collate_pairs, pair_logprobs
 from .data import TokenizedPair
 from .layouts import BLOCK_MASK_ATTENTION, LayoutChoice, select_layout
-from .logprobs import CompletionLogProbs, PairLogProbs, unwrap_causal_lm
+from .logprobs import CompletionLogProbs, unwrap_causal_lm
+from .values import PairValues
 
 PROMPT, CHOSEN, REJECTED, PAD = 0, 1, 2, -1
 
@@ -166,9 +167,14 @@ def sequence_sums(logps: torch.Tensor, batch: SharedPromptBatch) -> tuple[torch.
     return sums[:b], sums[b:]
 
 
-def split_per_token(logps: torch.Tensor, batch: SharedPromptBatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """``(M,)`` → per-pair lists of chosen and of rejected per-token log-probs."""
-    counts = torch.stack([batch.chosen_tokens, batch.rejected_tokens], 1).reshape(-1).tolist()  # c0, r0, c1, r1, ...
+def split_per_token(logps: torch.Tensor, batch: SharedPromptBatch,
+                    pairs: Sequence[TokenizedPair] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``(M,)`` → per-pair lists of chosen and of rejected per-token log-probs (the counts from
+    ``pairs`` when given: known on the host, no device sync)."""
+    if pairs is not None:
+        counts = [n for p in pairs for n in (len(p.chosen_ids), len(p.rejected_ids))]  # c0, r0, c1, r1, ...
+    else:
+        counts = torch.stack([batch.chosen_tokens, batch.rejected_tokens], 1).reshape(-1).tolist()
     parts = logps.split(counts)
     return list(parts[0::2]), list(parts[1::2])
 
@@ -176,15 +182,14 @@ def split_per_token(logps: torch.Tensor, batch: SharedPromptBatch) -> tuple[list
 # ------------------------------------------------------------------------------- reference
 
 
-def score_batch_shared(reference, pairs: Sequence[TokenizedPair], pad_id: int = 0):
-    """Reference values of one batch in the shared-prompt layout, in the form of
-    ``dpocache.cache.build.score_batch``: (chosen sums, rejected sums, chosen counts, rejected
-    counts ``(B,)``, chosen per-token list, rejected per-token list)."""
+def score_batch_shared(reference, pairs: Sequence[TokenizedPair], pad_id: int = 0) -> PairValues:
+    """Reference values of one batch in the shared-prompt layout, per-token values included, as
+    ``dpocache.cache.build.score_batch`` returns them."""
     batch = collate_shared(pairs, pad_id)
     logps = reference.shared_prompt_logprobs(batch).cpu()  # (M,)
     chosen, rejected = sequence_sums(logps, batch)
-    cpt, rpt = split_per_token(logps, batch)
-    return chosen, rejected, batch.chosen_tokens, batch.rejected_tokens, cpt, rpt
+    cpt, rpt = split_per_token(logps, batch, pairs)
+    return PairValues(chosen, rejected, batch.chosen_tokens, batch.rejected_tokens, cpt, rpt)
 
 
 # -------------------------------------------------------------------------------- training
@@ -200,16 +205,21 @@ def training_layout(scorer: nn.Module, requested: str) -> LayoutChoice:
     runs for ``requested``: ``dpocache.layouts.select_layout``'s rule, with the router loss of a
     mixture-of-experts model kept (padded)."""
     core = scorer_core(scorer)
-    return select_layout(requested, core.config, fast_path=core.fast_path, router_loss=core._router is not None)
+    return select_layout(requested, core.config, fast_path=core.fast_path, router_loss=core.router_loss)
 
 
-def layout_logprobs(scorer: nn.Module, layout: str, pairs: Sequence[TokenizedPair], pad_id: int, device):
+def layout_logprobs(scorer: nn.Module, layout: str, pairs: Sequence[TokenizedPair], pad_id: int, device,
+                    per_token: bool = False) -> tuple[PairValues, int]:
     """Policy log-probs of ``pairs`` in ``layout`` (``padded`` or ``shared``), through
-    ``scorer``'s forward: (``PairLogProbs``, real tokens run)."""
+    ``scorer``'s forward: (``PairValues`` carrying the graph, per-token values only if
+    ``per_token``; real tokens run). Nothing here waits for the device: counts and offsets
+    come from ``pairs``."""
     if layout == "shared":
         batch = collate_shared(pairs, pad_id).to(device)
         logps = shared_prompt_logps(scorer, batch)  # (M,)
         chosen, rejected = sequence_sums(logps, batch)
-        return PairLogProbs(chosen, rejected, batch.chosen_tokens, batch.rejected_tokens, logps), batch.num_tokens
+        cpt, rpt = split_per_token(logps, batch, pairs) if per_token else (None, None)
+        values = PairValues(chosen, rejected, batch.chosen_tokens, batch.rejected_tokens, cpt, rpt)
+        return values, sum(p.unique_tokens for p in pairs)
     padded = collate_pairs(pairs, pad_id).to(device)
-    return pair_logprobs(scorer, padded), int(padded.attention_mask.sum())
+    return pair_logprobs(scorer, padded, pairs if per_token else None), sum(p.num_tokens for p in pairs)

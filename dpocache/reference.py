@@ -1,4 +1,5 @@
-"""The reference model: frozen, inference only, with counters that prove when it ran.
+"""The reference model: frozen, inference only, with counters of its own work (the cache
+build returns them in its summary).
 
 Either a model of its own (``from_pretrained``: a model directory, optionally with a PEFT
 adapter on, frozen) or the policy itself with its LoRA adapter disabled (``from_peft_policy``:
@@ -23,11 +24,6 @@ from .logprobs import CompletionLogProbs, autocast
 from .prefix import shared_prompt_logps
 
 log = logging.getLogger(__name__)
-
-# Reference forward passes run in this process, by any ReferenceModel: training records it
-# before its first step and after its last to prove it made none.
-FORWARD_PASSES = 0
-
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -167,8 +163,6 @@ class ReferenceModel:
         finally:
             self.model.train(was_training)
         self.forward_passes += 1
-        global FORWARD_PASSES
-        FORWARD_PASSES += 1
         self.tokens += tokens
         self.seconds += time.perf_counter() - start
         return out

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from .config import CacheConfig
 from .data import DataError, RawRow, read_rows, special_prefix, with_eos, with_prefix
 
 
@@ -35,7 +36,8 @@ def add_score_parser(sub) -> None:
     s.add_argument("--cache-dir", type=Path, default=None, help="look-aside cache (default: the reference cache root)")
     s.add_argument("--dtype", default="auto", help="auto (bf16 where the hardware has it), float32, bfloat16")
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    s.add_argument("--max-tokens", type=int, default=None, help="token slots per forward (default 4096)")
+    s.add_argument("--max-tokens", type=int, default=None,
+                   help=f"token slots per forward (default {CacheConfig.max_tokens})")
     s.add_argument("--chunk-rows", type=int, default=256, help="rows scored (and cached) at a time")
     s.add_argument("--stats", type=Path, default=None, help="append the service's counters to this JSONL file")
 

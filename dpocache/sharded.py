@@ -105,7 +105,7 @@ def probe_sharded(scorer: CompletionLogProbs, env: DistEnv, dtype: torch.dtype) 
         scorer(ids, torch.ones_like(ids), mask)
         scorer.unshard()
         try:
-            scorer.fast_path = scorer._probe_fast_path()
+            scorer.fast_path = scorer.probe_fast_path()
         finally:
             scorer.reshard()
 

@@ -12,6 +12,7 @@ weights, its first micro-batch's log-probs are reference log-probs: they audit t
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.metadata
 import json
@@ -26,21 +27,25 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import __version__, audit, divergence, reference as reference_mod
+from . import __version__, audit, divergence
 from .allocator import configure_cpu_allocator, configure_cuda_allocator
 from .batching import training_order
 from .cache import CacheStore, default_cache_dir, namespace_for_dir
 from .cache.build import adapter_base_dir, build_distributed, reference_source
 from .cache.fingerprint import default_memo_path
+from .cache_cli import load_tokenizer
 from .checkpoint import checkpoint_dir, latest_checkpoint, load_model_weights, load_trainer_state, save_checkpoint
 from .config import Config, check_batch_fits
 from .data import PreferenceData, TokenizedPair, load_preference_data
 from .divergence import ProgressMonitor
+from .fsdp import (GatheredModel, GatheredOptimizer, full_model_state, full_optimizer_state,
+                   load_full_weights)
+from .hub import push_folder
 from .distributed import DistEnv, all_reduce_max, barrier, broadcast_object, destroy, init_distributed
 from .logprobs import CompletionLogProbs, autocast
 from .hub_ids import resolve_model_path
 from .layouts import LayoutChoice
-from .ld_dpo import ld_policy, ld_reference
+from .ld_dpo import ld_values
 from .losses import parse_loss_spec, preference_loss, wpo_weights
 from .metrics import (MetricWindow, MetricsWriter, count_params, import_tracker, measured_peak_flops, model_shape,
                       trackers, train_flops_per_token)
@@ -50,19 +55,12 @@ from .prefix import layout_logprobs, scorer_core, training_layout
 from .reference import dtype_name, resolve_dtype
 from .sharded import reference_loader
 from .signals import StopRequest, stop_signals
+from .values import PairValues
 from .wpo import wpo_sums
 
 
 class TrainingDiverged(RuntimeError):
     pass
-
-
-@dataclass
-class ReferenceValues:
-    """Cached reference sums aligned with a data set's pairs."""
-
-    chosen: torch.Tensor  # (N,) float32
-    rejected: torch.Tensor  # (N,)
 
 
 @dataclass
@@ -74,8 +72,8 @@ class Run:
     tokenizer: object
     train_data: PreferenceData
     eval_data: PreferenceData | None
-    ref_train: ReferenceValues | None
-    ref_eval: ReferenceValues | None
+    ref_train: PairValues | None  # cached reference values of every train pair (N,), on the CPU
+    ref_eval: PairValues | None
     spec: object  # losses.LossSpec
     policy: torch.nn.Module  # the (PEFT-wrapped) causal LM, for saving
     scorer: torch.nn.Module  # CompletionLogProbs over the policy, DDP/FSDP-wrapped when distributed
@@ -91,7 +89,8 @@ class Run:
     saved_at: float = 0.0  # _clock() at the newest checkpoint (or the start of the loop)
     audit_step0: bool = False  # compare the first micro-batch's log-probs with the cache (dpocache.audit)
     monitor: ProgressMonitor | None = None  # gradient and weight norms after each step (dpocache.divergence)
-    last_batch: tuple | None = None  # (pairs, policy chosen, policy rejected, ref chosen, ref rejected), detached
+    # This step's micro-batches so far: (pairs, policy chosen, policy rejected, ref chosen, ref rejected), detached.
+    step_batches: list = field(default_factory=list)
 
 
 # ------------------------------------------------------------------------------------ setup
@@ -112,8 +111,6 @@ def setup(cfg: Config) -> Run:
     barrier(env)
     dtype = resolve_dtype(cfg.model.dtype, env.device)
     torch.manual_seed(cfg.train.seed)
-    from .cache_cli import load_tokenizer
-
     tokenizer = load_tokenizer(cfg.model.path)
     train_data = _load_data(cfg, cfg.data.train, tokenizer, env)
     eval_data = _load_data(cfg, cfg.data.eval, tokenizer, env) if cfg.data.eval else None
@@ -202,22 +199,24 @@ def prepare_reference(cfg: Config, env: DistEnv, dtype: torch.dtype, spec, token
         gc.collect()  # the reference model is unreachable now; give its memory back
     if not env.is_main:
         store.open()  # rank 0's store already holds every rank's new shards
-    train_vals = store.lookup([p.key for p in train_data.pairs])
-    eval_vals = store.lookup([p.key for p in eval_data.pairs]) if eval_data else None
+    ld = cfg.loss.ld_alpha is not None  # LD-DPO: the sums are recombined from the cached per-token values
+    train_vals = store.lookup([p.key for p in train_data.pairs], per_token=ld)
+    eval_vals = store.lookup([p.key for p in eval_data.pairs], per_token=ld) if eval_data else None
     info = {
         "source": "cache", "cache_dir": str(store.dir), "namespace": store.namespace.id,
         "model": store.namespace.model,
         "reference": cfg.model.reference,
         "dtype": dtype_name(dtype), "pairs": len(set(p.key for p in pairs)),
         "computed": summary.computed, "reused": summary.reused, "built_on_ranks": summary.world_size,
+        # The build's own count (its summary), all before the first step. The loop holds no
+        # reference model: the build's is unreachable once it returns (freed above).
+        "forward_passes": summary.forward_passes, "forward_passes_during_training": 0,
     }
-    if cfg.loss.ld_alpha is not None:  # LD-DPO: the sums are recombined from the cached per-token values
-        train_vals = ReferenceValues(*ld_reference(store, [p.key for p in train_data.pairs], cfg.loss.ld_alpha))
-        eval_vals = ReferenceValues(*ld_reference(store, [p.key for p in eval_data.pairs], cfg.loss.ld_alpha)) \
-            if eval_data else None
+    if ld:
+        train_vals = ld_values(train_vals, cfg.loss.ld_alpha)
+        eval_vals = ld_values(eval_vals, cfg.loss.ld_alpha) if eval_data else None
         return train_vals, eval_vals, {**info, "ld_alpha": cfg.loss.ld_alpha}
-    return (ReferenceValues(train_vals.chosen_logps, train_vals.rejected_logps),
-            ReferenceValues(eval_vals.chosen_logps, eval_vals.rejected_logps) if eval_vals else None, info)
+    return train_vals, eval_vals, info
 
 
 def plan_audit(run: Run) -> bool:
@@ -280,15 +279,13 @@ def _rebuild_command(cfg: Config, ns_dir: str, dtype: str) -> str:
 
 
 def _run_info(run: Run, ref_info: dict) -> dict:
-    import transformers
-
-    # The installed version, without importing peft (4 s of imports) in a run without LoRA.
-    peft_version = importlib.metadata.version("peft")
+    # Installed versions, without importing peft (4 s of imports) in a run without LoRA.
+    versions = {name: importlib.metadata.version(name) for name in ("transformers", "peft")}
 
     return {
         "config": run.cfg.to_dict(),
-        "versions": {"dpocache": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
-                     "peft": peft_version, "python": platform.python_version()},
+        "versions": {"dpocache": __version__, "torch": torch.__version__, "transformers": versions["transformers"],
+                     "peft": versions["peft"], "python": platform.python_version()},
         "device": str(run.env.device), "world_size": run.env.world_size, "dtype": dtype_name(run.dtype),
         "data": {"train_pairs": len(run.train_data), "train_skipped": len(run.train_data.skipped),
                  "train_truncated": run.train_data.truncated, "train_identical": run.train_data.identical,
@@ -296,8 +293,6 @@ def _run_info(run: Run, ref_info: dict) -> dict:
         "policy": {"parameters": count_params(run.policy), "trainable": count_params(run.policy, trainable_only=True)},
         "loss": str(run.spec), "total_steps": run.total_steps, "layout": run.layout.to_json(),
         "reference": ref_info,
-        # Counted, not asserted: every ReferenceModel forward in this process increments it.
-        "_ref_passes_at_start": reference_mod.FORWARD_PASSES,
     }
 
 
@@ -314,8 +309,6 @@ def resume(run: Run) -> None:
         return
     ckpt = Path(ckpt)
     if _sharded(run):
-        from .fsdp import GatheredOptimizer, load_full_weights
-
         load_full_weights(ckpt, run.policy, run.env)
         state = load_trainer_state(ckpt, GatheredOptimizer(run.policy, run.optimizer), run.scheduler)
     else:
@@ -358,21 +351,26 @@ def step_indices(run: Run, step: int, micro: int) -> list[int]:
     return order[start:start + cfg.batch_size]
 
 
-def batch_losses(run: Run, pairs: list[TokenizedPair], ref: ReferenceValues | None, idx: list[int],
+def batch_losses(run: Run, pairs: list[TokenizedPair], ref: PairValues | None, idx: list[int],
                  window: MetricWindow, prefix: str = "", check_cache: bool = False):
-    """Policy forward on ``pairs``; returns the loss per example ``(B,)`` and, for MoE
-    policies, the router load-balancing loss (a scalar, else None); records the metrics.
+    """Policy forward on ``pairs``; returns the loss per example ``(B,)``, for MoE policies the
+    router load-balancing loss (a scalar, else None), and the loss's inputs (pairs and the
+    detached ``(B,)`` policy and reference sums); records the metrics.
     ``check_cache``: first compare the policy's log-probs with the cached ones (``audit_step0``)."""
+    ld_alpha = run.cfg.loss.ld_alpha  # LD-DPO: sums recombined from per-token values, as the cache's were
     with autocast(run.dtype, run.env.device):
         pad_id = run.tokenizer.pad_token_id or 0
-        lp, tokens = layout_logprobs(run.scorer, run.layout.used, pairs, pad_id, run.env.device)
-    ref_c = ref.chosen[idx].to(run.env.device) if ref is not None else None
-    ref_r = ref.rejected[idx].to(run.env.device) if ref is not None else None
-    pc, pr = (lp.chosen_logps, lp.rejected_logps) if run.cfg.loss.ld_alpha is None else \
-        ld_policy(lp, pairs, run.cfg.loss.ld_alpha)  # LD-DPO
+        lp, tokens = layout_logprobs(run.scorer, run.layout.used, pairs, pad_id, run.env.device,
+                                     per_token=ld_alpha is not None)
+    # The loss's inputs; the logged log-probs stay the plain sums.
+    loss_lp = ld_values(lp, ld_alpha) if ld_alpha is not None else lp
+    ref = ref.select(idx).to(run.env.device) if ref is not None else None
+    ref_c = ref.chosen_logps if ref is not None else None
+    ref_r = ref.rejected_logps if ref is not None else None
+    pc, pr = loss_lp.chosen_logps, loss_lp.rejected_logps
     if check_cache:
         audit_step0(run, pairs, pc, pr, ref_c, ref_r)
-    run.last_batch = (pairs, pc.detach(), pr.detach(), ref_c, ref_r)  # for _check_finite
+    inputs = (pairs, pc.detach(), pr.detach(), ref_c, ref_r)  # the loss's inputs, for _stop_non_finite
     wpo = {}
     if run.cfg.loss.use_weighting:  # WPO: weights from the policy's plain per-token values (as TRL), not LD-DPO's
         cw, rw = wpo_sums(lp, scorer_core(run.scorer).log_sum_sq_probs)
@@ -391,11 +389,11 @@ def batch_losses(run: Run, pairs: list[TokenizedPair], ref: ReferenceValues | No
     window.add_mean(prefix + "logps/rejected", lp.rejected_logps)
     if _has_nll(run):
         window.add_mean(prefix + "sft_loss", -(lp.chosen_logps.detach() / lp.chosen_tokens.clamp(min=1)))
-    window.add_total(prefix + "tokens", float(tokens))
+    window.add_total(prefix + "tokens", float(tokens))  # counted on the host, from the pairs
     aux = scorer_core(run.scorer).aux_loss
     if aux is not None:
-        window.add(prefix + "aux_loss", float(aux.detach()), 1.0)
-    return losses, aux
+        window.add(prefix + "aux_loss", aux.detach(), 1.0)
+    return losses, aux, inputs
 
 
 def _has_nll(run: Run) -> bool:
@@ -404,54 +402,71 @@ def _has_nll(run: Run) -> bool:
 
 
 def train_step(run: Run, window: MetricWindow) -> None:
-    """One optimizer step over ``grad_accum`` micro-batches."""
+    """One optimizer step over ``grad_accum`` micro-batches.
+
+    No micro-batch waits for the device: the metrics stay device tensors until the logging step
+    (``MetricWindow``), and whether a loss was finite is kept as a device flag. The step waits
+    once, before the optimizer step, for that flag (reduced over ranks) and the gradient norm
+    together: stopping on a NaN or a runaway norm is a host decision, made before any weight
+    changes (``dpocache.divergence``)."""
     cfg = run.cfg.train
     run.scorer.train()
     params = [p for p in run.policy.parameters() if p.requires_grad]
     if run.monitor is None:
         run.monitor = ProgressMonitor(params)  # the norm of the weights the run starts (or resumes) from
+    run.step_batches, losses_seen = [], []
     for micro in range(cfg.grad_accum):
         idx = step_indices(run, run.step, micro)
         pairs = [run.train_data.pairs[i] for i in idx]
         sync = micro == cfg.grad_accum - 1
         with _no_sync(run.scorer, sync):
             audit_now = run.audit_step0 and micro == 0
-            losses, aux = batch_losses(run, pairs, run.ref_train, idx, window, check_cache=audit_now)
+            losses, aux, inputs = batch_losses(run, pairs, run.ref_train, idx, window, check_cache=audit_now)
+            run.step_batches.append(inputs)
             loss = losses.mean()
             if aux is not None:  # MoE: the model's own router loss, with its own coefficient, as TRL adds it
                 loss = loss + getattr(run.policy.config, "router_aux_loss_coef", 0.001) * aux
             loss = loss / cfg.grad_accum
-            _check_finite(run, loss)
+            losses_seen.append(loss.detach())
+            # A non-finite loss's gradients are computed but never applied: the check below
+            # stops the run before the optimizer step.
             loss.backward()
     max_norm = run.cfg.optim.max_grad_norm
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor; the norm over every rank's shard
         grad_norm = grad_norm.full_tensor()
-    window.add("grad_norm", float(grad_norm), 1.0)
+    grad_norm = grad_norm.detach()
+    not_finite = (~torch.isfinite(torch.stack(losses_seen))).any().double().reshape(1).to(run.env.device)
+    not_finite = all_reduce_max(run.env, not_finite)  # every rank stops on any rank's NaN
+    not_finite, norm = torch.cat([not_finite, grad_norm.double().reshape(1).to(run.env.device)]).tolist()  # one sync
+    if not_finite:
+        _stop_non_finite(run, losses_seen)
+    window.add("grad_norm", grad_norm, 1.0)
     window.add("lr", run.scheduler.get_last_lr()[0], 1.0)
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.step += 1
-    reason = run.monitor.check(float(grad_norm))
+    reason = run.monitor.check(norm)
     if reason is not None:
         raise TrainingDiverged(f"step {run.step}: {reason}. Stopped without saving; {_last_good(run)}. "
                                "Try a lower --lr, or another --beta or loss.")
 
 
 def _no_sync(scorer, sync: bool):
-    import contextlib
-
     if sync or not hasattr(scorer, "no_sync"):
         return contextlib.nullcontext()
     return scorer.no_sync()
 
 
-def _check_finite(run: Run, loss: torch.Tensor) -> None:
-    """Stop on a non-finite loss, naming where it came from (``dpocache.divergence``): every rank
-    reports its own batch's sources, reduced so that all ranks stop with the same words."""
-    finite = bool(torch.isfinite(loss))
-    pairs, *values = run.last_batch
+def _stop_non_finite(run: Run, losses: list[torch.Tensor]) -> None:
+    """Stop on a non-finite loss of this step (on some rank), naming where it came from
+    (``dpocache.divergence``): every rank reports its first such micro-batch's sources, reduced
+    so that all ranks stop with the same words. ``losses``: each micro-batch's scalar loss."""
+    bad = next((i for i, loss in enumerate(losses) if not bool(torch.isfinite(loss))), None)
+    finite = bad is None
+    loss = losses[-1 if finite else bad]
+    pairs, *values = run.step_batches[-1 if finite else bad]
     flags = [0.0, 0.0, 0.0] if finite else divergence.nan_flags(*values)
     reduced = all_reduce_max(run.env, torch.tensor([0.0 if finite else 1.0, *flags], device=run.env.device)).tolist()
     if reduced[0] > 0:
@@ -460,7 +475,7 @@ def _check_finite(run: Run, loss: torch.Tensor) -> None:
         cache_only = reduced[1 + divergence.CACHE] and not reduced[1 + divergence.POLICY]
         advice = "" if cache_only else " Try a lower --lr or --beta."
         raise TrainingDiverged(
-            f"step {run.step + 1}: the loss is {float(loss.detach())} (not finite): {where}. Stopped without saving; "
+            f"step {run.step + 1}: the loss is {float(loss)} (not finite): {where}. Stopped without saving; "
             f"{_last_good(run)}.{advice}"
         )
 
@@ -617,8 +632,6 @@ def _save(run: Run) -> None:
     to rank 0 first)."""
     model, optimizer = run.policy, run.optimizer
     if _sharded(run):
-        from .fsdp import GatheredModel, GatheredOptimizer, full_model_state, full_optimizer_state
-
         model = GatheredModel(run.policy, full_model_state(run.policy))  # collectives: every rank
         optimizer = GatheredOptimizer(run.policy, run.optimizer, full_optimizer_state(run.policy, run.optimizer))
     if run.env.is_main:
@@ -634,8 +647,6 @@ def save_final(run: Run) -> Path:
     final = run.out / "final"
     model = run.policy
     if _sharded(run):
-        from .fsdp import GatheredModel, full_model_state
-
         model = GatheredModel(run.policy, full_model_state(run.policy))
     if run.env.is_main:
         model.save_pretrained(final)
@@ -645,14 +656,9 @@ def save_final(run: Run) -> Path:
 
 
 def _finish(run: Run, final_eval: dict, final_dir: Path) -> dict:
-    passes = reference_mod.FORWARD_PASSES - run.info.pop("_ref_passes_at_start")
-    if run.info["reference"].get("source") == "cache":
-        run.info["reference"]["forward_passes_during_training"] = passes
     run.info["final"] = {"step": run.step, "eval": final_eval, "output": str(final_dir)}
     _write_run_json(run)
     if run.cfg.train.push_to_hub and run.env.is_main:
-        from .hub import push_folder
-
         push_folder(final_dir, run.cfg.train.push_to_hub)
     return run.info
 

@@ -14,26 +14,26 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .logprobs import PairLogProbs
+from .values import PairValues
 
 
-def wpo_sums(lp: PairLogProbs, log_sum_sq_probs: Tensor) -> tuple[Tensor, Tensor]:
-    """Sums over each completion of ``log p(y_t) - log sum_v p(v)^2``, two ``(B,)``, detached.
-
-    ``log_sum_sq_probs`` has the shape of ``lp.token_logps``:
+def wpo_sums(lp: PairValues, log_sum_sq_probs: Tensor) -> tuple[Tensor, Tensor]:
+    """Sums over each completion of ``log p(y_t) - log sum_v p(v)^2``, two ``(B,)``, detached:
+    the policy's plain sequence sums ``lp`` less the sums of ``log_sum_sq_probs``, which has the
+    shape of the scorer's output in the layout the batch ran:
 
     - padded (``(2B, T)``, rows chosen then rejected, 0 off the completion): row sums;
     - shared prompt (``(M,)``): completion tokens pair after pair, chosen then rejected
       (``dpocache.prefix.collate_shared``'s order).
     """
-    aligned = lp.token_logps.detach() - log_sum_sq_probs  # 0 off the completion in the padded layout
     b = lp.chosen_logps.shape[0]
-    if aligned.dim() == 2:
-        sums = aligned.sum(-1)  # (2B,)
-        return sums[:b], sums[b:]
-    counts = torch.stack([lp.chosen_tokens, lp.rejected_tokens], 1).reshape(-1)  # (2B,) c0, r0, c1, r1, ...
-    segment = torch.arange(2 * b, device=aligned.device)
-    owner = (segment % 2) * b + segment // 2  # segment 2i -> row i (chosen), 2i+1 -> row B + i (rejected)
-    index = owner.repeat_interleave(counts.to(aligned.device))  # (M,)
-    sums = torch.zeros(2 * b, dtype=aligned.dtype, device=aligned.device).index_add(0, index, aligned)
-    return sums[:b], sums[b:]
+    if log_sum_sq_probs.dim() == 2:
+        sq = log_sum_sq_probs.sum(-1)  # (2B,)
+    else:
+        counts = torch.stack([lp.chosen_tokens, lp.rejected_tokens], 1).reshape(-1)  # (2B,) c0, r0, c1, r1, ...
+        segment = torch.arange(2 * b, device=log_sum_sq_probs.device)
+        owner = (segment % 2) * b + segment // 2  # segment 2i -> row i (chosen), 2i+1 -> row B + i (rejected)
+        index = owner.repeat_interleave(counts.to(log_sum_sq_probs.device))  # (M,)
+        sq = torch.zeros(2 * b, dtype=log_sum_sq_probs.dtype, device=log_sum_sq_probs.device).index_add(
+            0, index, log_sum_sq_probs)
+    return lp.chosen_logps.detach() - sq[:b], lp.rejected_logps.detach() - sq[b:]

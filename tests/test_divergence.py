@@ -82,7 +82,7 @@ def test_nan_from_the_cache_is_named(tmp_path, base_model, train_jsonl, monkeypa
 
     def poisoned(*args, **kwargs):
         train_values, eval_values, info = real(*args, **kwargs)
-        train_values.chosen[target.index] = float("nan")
+        train_values.chosen_logps[target.index] = float("nan")
         return train_values, eval_values, info
 
     monkeypatch.setattr(train_mod, "prepare_reference", poisoned)

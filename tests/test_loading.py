@@ -32,8 +32,8 @@ def saved(tmp_path_factory):
 def _all_values(reference: ReferenceModel, pairs, pad_id: int) -> list[torch.Tensor]:
     out = []
     for batch in reference_batches(reference, pairs, max_tokens=512):
-        cs, rs, _, _, cpt, rpt = score_batch(reference, batch, pad_id)
-        out += [cs, rs, *cpt, *rpt]
+        v = score_batch(reference, batch, pad_id)
+        out += [v.chosen_logps, v.rejected_logps, *v.chosen_token_logps, *v.rejected_token_logps]
     return out
 
 

@@ -112,16 +112,18 @@ def test_independent_of_batch_composition_and_padding(tiny_models, pairs, tokeni
     by_length = sorted(pairs, key=width)
     short = by_length[0]
     with torch.no_grad():
-        alone = pair_logprobs(lp, collate_pairs([short], tokenizer.pad_token_id))
-        mixed = pair_logprobs(lp, collate_pairs([by_length[-1], short] + by_length[-4:-1], tokenizer.pad_token_id))
+        mixed_pairs = [by_length[-1], short] + by_length[-4:-1]
+        alone = pair_logprobs(lp, collate_pairs([short], tokenizer.pad_token_id), [short])
+        batch = collate_pairs(mixed_pairs, tokenizer.pad_token_id)
+        mixed = pair_logprobs(lp, batch, mixed_pairs)
+        mixed_rows = lp(batch.input_ids, batch.attention_mask, batch.completion_mask)  # (2B, T)
     assert width(by_length[-1]) > width(short) + 5  # the short pair is padded in the batch
     assert abs(alone.chosen_logps[0] - mixed.chosen_logps[1]) < TOL
     assert abs(alone.rejected_logps[0] - mixed.rejected_logps[1]) < TOL
-    t = alone.token_logps.shape[1]
-    b = mixed.chosen_logps.shape[0]
-    assert _max_diff(alone.token_logps[0], mixed.token_logps[1, :t]) < TOL
-    assert _max_diff(alone.token_logps[1], mixed.token_logps[b + 1, :t]) < TOL
-    assert (mixed.token_logps[1, t:] == 0).all()
+    assert len(alone.chosen_token_logps[0]) == len(short.chosen_ids) > 0
+    assert _max_diff(alone.chosen_token_logps[0], mixed.chosen_token_logps[1]) < TOL
+    assert _max_diff(alone.rejected_token_logps[0], mixed.rejected_token_logps[1]) < TOL
+    assert (mixed_rows[1, width(short):] == 0).all()  # padding scores 0
 
 
 def test_small_logits_budget_chunks_to_the_same_values(tiny_models, batch, monkeypatch):

@@ -17,6 +17,7 @@ from dpocache.prefix import (CHOSEN, PAD, PROMPT, REJECTED, attention_mask, coll
                              shared_prompt_logps, split_per_token)
 from dpocache.reference import ReferenceModel
 from dpocache.tiny import ARCHITECTURES, build_model
+from dpocache.values import PairValues
 
 TOL = 1e-5
 
@@ -133,9 +134,10 @@ def test_score_batch_dispatches_on_layout(tiny_models, pairs, tokenizer):
     model = tiny_models["qwen2"]
     shared = score_batch(ReferenceModel(model, layout="shared"), pairs, tokenizer.pad_token_id)
     padded = score_batch(ReferenceModel(model, layout="padded"), pairs, tokenizer.pad_token_id)
-    for a, b in zip(shared[:4], padded[:4]):
-        torch.testing.assert_close(a.float(), b.float(), rtol=1e-6, atol=1e-4)
-    assert _max_diff(shared[4], padded[4]) < TOL and _max_diff(shared[5], padded[5]) < TOL
+    for name in PairValues.pair_fields():
+        torch.testing.assert_close(getattr(shared, name).float(), getattr(padded, name).float(), rtol=1e-6, atol=1e-4)
+    assert _max_diff(shared.chosen_token_logps, padded.chosen_token_logps) < TOL
+    assert _max_diff(shared.rejected_token_logps, padded.rejected_token_logps) < TOL
 
 
 def test_unsupported_attention_falls_back_to_padded(tokenizer, monkeypatch):

@@ -127,7 +127,7 @@ def test_wpo_sums_in_either_layout_equal_full_logits(tiny_models, pairs, batch, 
         out, _ = layout_logprobs(lp, layout, pairs, tokenizer.pad_token_id, "cpu")
         chosen, rejected = wpo_sums(out, lp.log_sum_sq_probs)
         want_logps, want_sq = naive(model, batch)
-    assert out.token_logps.dim() == (1 if layout == "shared" else 2)
+    assert lp.log_sum_sq_probs.dim() == (1 if layout == "shared" else 2)
     aligned = (want_logps - want_sq).sum(-1)  # (2B,)
     b = len(pairs)
     assert _max_diff(chosen, aligned[:b]) < 1e-4 and _max_diff(rejected, aligned[b:]) < 1e-4

@@ -3,9 +3,10 @@
 from .build import (
     BuildSummary, build_missing, default_cache_dir, export_rows, namespace_for_dir, namespace_for_module, verify,
 )
-from .store import CachedValues, CacheError, CacheStore, CorruptShard, MissingReferenceError, Namespace
+from ..values import PairValues
+from .store import CacheError, CacheStore, CorruptShard, MissingReferenceError, Namespace
 
 __all__ = [
-    "BuildSummary", "CacheError", "CacheStore", "CachedValues", "CorruptShard", "MissingReferenceError", "Namespace",
+    "BuildSummary", "CacheError", "CacheStore", "CorruptShard", "MissingReferenceError", "Namespace", "PairValues",
     "build_missing", "default_cache_dir", "export_rows", "namespace_for_dir", "namespace_for_module", "verify",
 ]

@@ -24,14 +24,17 @@ import torch
 from tqdm.auto import tqdm
 
 from ..batching import PairBatch, collate_pairs, token_budget_batches
+from ..config import CacheConfig
 from ..data import TokenizedPair
 from ..distributed import DistEnv, barrier, broadcast_object, reduce_counts, same_on_all_ranks, split_by_weight
+from ..prefix import score_batch_shared
 from ..reference import ReferenceModel, dtype_name
 from ..signals import StopRequest, stop_signals
+from ..values import PairValues
 from .fingerprint import FingerprintMemo, default_memo_path, model_dir_fingerprint, module_fingerprint
-from .store import CacheError, CacheStore, CorruptShard, Namespace
+from .store import DEFAULT_SHARD_PAIRS, CacheError, CacheStore, CorruptShard, Namespace
 
-DEFAULT_MAX_TOKENS = 4096  # padded token slots per reference forward (bench/: best on CPU; GPUs like more)
+DEFAULT_MAX_TOKENS = CacheConfig.max_tokens  # padded token slots per reference forward: the config's default
 
 
 def default_cache_dir() -> Path:
@@ -152,12 +155,10 @@ def unique_pairs(pairs: Sequence[TokenizedPair]) -> dict[bytes, TokenizedPair]:
     return out
 
 
-def score_batch(reference: ReferenceModel, batch: Sequence[TokenizedPair], pad_id: int):
-    """Reference values of one batch: (sums and counts ``(B,)``, per-token lists), in the
+def score_batch(reference: ReferenceModel, batch: Sequence[TokenizedPair], pad_id: int) -> PairValues:
+    """Reference values of one batch ``(B,)``, per-token values included, on the CPU, in the
     reference's layout (``ReferenceModel.layout``)."""
     if getattr(reference, "layout", "padded") == "shared":
-        from ..prefix import score_batch_shared
-
         return score_batch_shared(reference, batch, pad_id)
     pb: PairBatch = collate_pairs(batch, pad_id)
     token_logps = reference.logprobs(pb.input_ids, pb.attention_mask, pb.completion_mask).cpu()  # (2B, T)
@@ -166,7 +167,7 @@ def score_batch(reference: ReferenceModel, batch: Sequence[TokenizedPair], pad_i
     counts = pb.completion_mask.sum(-1)  # (2B,)
     per_token = [token_logps[i][mask[i]] for i in range(token_logps.shape[0])]
     b = len(batch)
-    return sums[:b], sums[b:], counts[:b], counts[b:], per_token[:b], per_token[b:]
+    return PairValues(sums[:b], sums[b:], counts[:b], counts[b:], per_token[:b], per_token[b:])
 
 
 def reference_batches(reference: ReferenceModel, pairs: Sequence[TokenizedPair],
@@ -182,7 +183,7 @@ def build_missing(
     pad_id: int = 0,
     per_token: bool = False,
     max_tokens: int = DEFAULT_MAX_TOKENS,
-    shard_pairs: int = 4096,
+    shard_pairs: int = DEFAULT_SHARD_PAIRS,
     flush_seconds: float = 60.0,
     show_progress: bool = True,
     update_manifest: bool = True,
@@ -210,7 +211,7 @@ def score_missing(
     pad_id: int = 0,
     per_token: bool = False,
     max_tokens: int = DEFAULT_MAX_TOKENS,
-    shard_pairs: int = 4096,
+    shard_pairs: int = DEFAULT_SHARD_PAIRS,
     flush_seconds: float = 60.0,
     show_progress: bool = True,
     update_manifest: bool = True,
@@ -242,9 +243,7 @@ def score_missing(
                         scored, values, bad = _finite_only(scored, values)
                         non_finite += bad
                         if scored:
-                            cs, rs, cn, rn, cpt, rpt = values
-                            writer.add([p.key for p in scored], cs, rs, cn, rn, cpt if per_token else None,
-                                       rpt if per_token else None)
+                            writer.add([p.key for p in scored], values if per_token else values.sums_only())
                         computed += len(scored) + len(bad)
                         tokens += sum(p.unique_tokens for p in scored)
                     bar.update(len(batch))
@@ -286,17 +285,15 @@ def interrupted_message(summary: BuildSummary) -> str:
             f"{summary.cache_dir}; run the build again to compute the other {missing - summary.computed}")
 
 
-def _finite_only(batch: list[TokenizedPair], values: tuple) -> tuple[list[TokenizedPair], tuple, list[TokenizedPair]]:
+def _finite_only(batch: list[TokenizedPair],
+                 values: PairValues) -> tuple[list[TokenizedPair], PairValues, list[TokenizedPair]]:
     """``(kept pairs, their values, pairs with a NaN or inf)`` of one scored batch: a
     non-finite reference value is never stored (it would poison every later run)."""
-    cs, rs, cn, rn, cpt, rpt = values
-    ok = torch.isfinite(cs) & torch.isfinite(rs)  # (B,)
-    ok &= torch.tensor([bool(torch.isfinite(c).all() and torch.isfinite(r).all()) for c, r in zip(cpt, rpt)])
+    ok = values.finite()  # (B,)
     if bool(ok.all()):
         return batch, values, []
     keep = ok.nonzero().flatten().tolist()
-    kept = (cs[ok], rs[ok], cn[ok], rn[ok], [cpt[i] for i in keep], [rpt[i] for i in keep])
-    return [batch[i] for i in keep], kept, [p for p, good in zip(batch, ok.tolist()) if not good]
+    return [batch[i] for i in keep], values.select(keep), [p for p, good in zip(batch, ok.tolist()) if not good]
 
 
 def _non_finite_message(bad: list[TokenizedPair], scored: int, store: CacheStore) -> str:
@@ -336,7 +333,7 @@ def build_distributed(
     pad_id: int = 0,
     per_token: bool = False,
     max_tokens: int = DEFAULT_MAX_TOKENS,
-    shard_pairs: int = 4096,
+    shard_pairs: int = DEFAULT_SHARD_PAIRS,
     flush_seconds: float = 60.0,
     show_progress: bool = True,
     sharded: bool = False,
@@ -475,7 +472,8 @@ def verify(store: CacheStore, pairs: Sequence[TokenizedPair], reference: Referen
     mismatches: list[str] = []
     max_diff = 0.0
     for batch in reference_batches(reference, chosen, max_tokens):
-        cs, rs, *_ = score_batch(reference, batch, pad_id)
+        new_values = score_batch(reference, batch, pad_id)
+        cs, rs = new_values.chosen_logps, new_values.rejected_logps
         stored = store.lookup([p.key for p in batch])
         for i, p in enumerate(batch):
             for side, new, old in (("chosen", cs[i], stored.chosen_logps[i]),

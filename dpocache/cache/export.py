@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from ..cache_args import EXPORT_FORMATS as FORMATS
 from ..data import TokenizedPair, read_rows
@@ -63,8 +64,6 @@ def _write_dataset(rows: list[dict], out: Path, fmt: str) -> None:
 
 
 def _write_safetensors(store: CacheStore, pairs: Sequence[TokenizedPair], out: Path) -> None:
-    from safetensors.torch import save_file
-
     values = store.lookup([p.key for p in pairs])
     tensors = {
         "chosen_logps": values.chosen_logps.float().contiguous(),  # (N,)

@@ -30,6 +30,10 @@ Shard tensors (n pairs; per-token arrays only in per-token shards)::
     rejected_tokens      (n,)    int32
     chosen_token_logps   (sum chosen_tokens,)   float32, pair after pair
     rejected_token_logps (sum rejected_tokens,) float32
+
+Besides ``keys``, a shard holds the fields of ``dpocache.values.PairValues`` under their own
+names, as its ``stored`` declarations say: this module reads, checks and writes them from those
+declarations, so a field added there is cached with no change here.
 """
 
 from __future__ import annotations
@@ -47,7 +51,9 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from ..config import CacheConfig
 from ..data import KEY_BYTES
+from ..values import PairValues
 from .atomic import UnsafeFileError, atomic_write_bytes, atomic_write_text, locked, read_regular_file
 
 SCHEMA_VERSION = 1
@@ -58,7 +64,7 @@ MAX_MANIFEST_BYTES = 256 << 20  # ~1.5M shard entries
 MAX_SHARD_BYTES = 64 << 30
 MAX_HEADER_BYTES = 1 << 20  # a shard's safetensors header is < 2 KiB: 7 tensors and 2 metadata fields
 _IGNORED = "; ignored (a build rewrites it from the shards)"
-FLOAT_TENSORS = ("chosen_logps", "rejected_logps", "chosen_token_logps", "rejected_token_logps")
+DEFAULT_SHARD_PAIRS = CacheConfig.shard_size  # pairs per shard: the one default is the config's
 
 
 class CacheError(RuntimeError):
@@ -111,21 +117,10 @@ class CorruptShard:
 
 
 @dataclass
-class CachedValues:
-    """Reference values aligned with the keys asked for."""
-
-    chosen_logps: torch.Tensor  # (N,) float32
-    rejected_logps: torch.Tensor  # (N,)
-    chosen_tokens: torch.Tensor  # (N,) int32
-    rejected_tokens: torch.Tensor  # (N,)
-
-
-@dataclass
 class _Shard:
     info: ShardInfo
     tensors: dict[str, torch.Tensor]
-    chosen_offsets: torch.Tensor | None = None  # (n+1,) where each pair's per-token run starts
-    rejected_offsets: torch.Tensor | None = None
+    offsets: dict[str, torch.Tensor] = field(default_factory=dict)  # per-token field → (n+1,) run starts
 
 
 class CacheStore:
@@ -237,15 +232,13 @@ class CacheStore:
             return self._refuse(name, problem)
         self._seen.add(name)
         self._loaded.add(name)
-        per_token = "chosen_token_logps" in tensors
-        info = ShardInfo(name, digest, tensors["keys"].shape[0], per_token, len(data))
+        info = ShardInfo(name, digest, tensors["keys"].shape[0], _has_per_token(tensors), len(data))
         self._register(_Shard(info, tensors))
 
     def _register(self, shard: _Shard) -> None:
         t = shard.tensors
         if shard.info.per_token:
-            shard.chosen_offsets = _offsets(t["chosen_tokens"])
-            shard.rejected_offsets = _offsets(t["rejected_tokens"])
+            shard.offsets = {name: _offsets(t[PairValues.spec(name)["counts"]]) for name in PairValues.token_fields()}
         position = len(self.shards)
         self.shards.append(shard)
         raw = t["keys"].numpy().tobytes()
@@ -296,37 +289,50 @@ class CacheStore:
             seen.add(k)
         return out
 
-    def lookup(self, keys: Sequence[bytes]) -> CachedValues:
-        """Values for ``keys`` in order; raises ``MissingReferenceError`` if any is absent."""
+    def lookup(self, keys: Sequence[bytes], per_token: bool = False) -> PairValues:
+        """The values of ``keys``, in order (``N`` pairs; per-token fields only if ``per_token``).
+        Raises ``MissingReferenceError`` if a key is absent, ``CacheError`` if ``per_token`` and a
+        pair was cached without per-token values. An optional field is given (else None) only
+        when every pair asked for has it: shards written before the field existed lack it."""
         missing = sum(1 for k in keys if k not in self._index)
         if missing:
             raise MissingReferenceError(missing, len(keys), self.dir)
-        cols: dict[str, list] = {name: []
-                                 for name in ("chosen_logps", "rejected_logps", "chosen_tokens", "rejected_tokens")}
-        for k in keys:
-            pos, row = self._index[k]
-            t = self.shards[pos].tensors
-            for name in cols:
-                cols[name].append(t[name][row])
-        return CachedValues(*(torch.stack(cols[name]) if cols[name] else torch.zeros(0) for name in cols))
+        locations = [self._index[k] for k in keys]
+        if per_token and not all(self.shards[pos].info.per_token for pos, _ in locations):
+            raise CacheError(_NO_PER_TOKEN)
+        position = torch.tensor([pos for pos, _ in locations], dtype=torch.long)  # (N,)
+        rows = torch.tensor([row for _, row in locations], dtype=torch.long)  # (N,)
+        used = sorted(set(position.tolist()))
+        values: dict[str, object] = {}
+        for name in PairValues.pair_fields():
+            if any(name not in self.shards[s].tensors for s in used):
+                values[name] = None
+                continue
+            column = torch.zeros(len(keys), dtype=PairValues.spec(name)["dtype"])
+            for s in used:  # one gather per shard, not one per pair
+                here = position == s
+                column[here] = self.shards[s].tensors[name][rows[here]]
+            values[name] = column
+        for name in PairValues.token_fields():
+            values[name] = [self._token_run(pos, row, name) for pos, row in locations] if per_token else None
+        return PairValues(**values)
 
     def token_logps(self, key: bytes) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token reference log-probs ``((Tc,), (Tr,))`` of one pair (per-token shards only)."""
-        pos, row = self._index[key]
-        shard = self.shards[pos]
-        if not shard.info.per_token:
-            raise CacheError("this pair was cached without per-token values; rebuild with --per-token")
-        t = shard.tensors
-        c0, c1 = shard.chosen_offsets[row], shard.chosen_offsets[row + 1]
-        r0, r1 = shard.rejected_offsets[row], shard.rejected_offsets[row + 1]
-        return t["chosen_token_logps"][c0:c1], t["rejected_token_logps"][r0:r1]
+        values = self.lookup([key], per_token=True)
+        return values.chosen_token_logps[0], values.rejected_token_logps[0]
+
+    def _token_run(self, position: int, row: int, name: str) -> torch.Tensor:
+        shard = self.shards[position]
+        start, stop = shard.offsets[name][row], shard.offsets[name][row + 1]
+        return shard.tensors[name][start:stop]
 
     def size_bytes(self) -> int:
         return sum(s.info.bytes for s in self.shards)
 
     # ---------------------------------------------------------------- writing
 
-    def writer(self, shard_pairs: int = 4096, flush_seconds: float = 60.0,
+    def writer(self, shard_pairs: int = DEFAULT_SHARD_PAIRS, flush_seconds: float = 60.0,
                update_manifest: bool = True) -> "ShardWriter":
         return ShardWriter(self, shard_pairs, flush_seconds, update_manifest)
 
@@ -340,7 +346,7 @@ class CacheStore:
         digest = hashlib.sha256(data).hexdigest()
         name = f"shard-{digest[:16]}.safetensors"
         atomic_write_bytes(self.dir / name, data)
-        info = ShardInfo(name, digest, tensors["keys"].shape[0], "chosen_token_logps" in tensors, len(data))
+        info = ShardInfo(name, digest, tensors["keys"].shape[0], _has_per_token(tensors), len(data))
         if name not in self._loaded:  # the same bytes may be loaded already (another process wrote them first)
             self._seen.add(name)
             self._loaded.add(name)
@@ -354,8 +360,15 @@ def _offsets(counts: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros(1, dtype=torch.long), counts.long().cumsum(0)])
 
 
+_NO_PER_TOKEN = "this pair was cached without per-token values; rebuild with --per-token"
+
+
+def _has_per_token(tensors: dict[str, torch.Tensor]) -> bool:
+    return all(name in tensors for name in PairValues.token_fields())
+
+
 def _non_finite(tensors: dict[str, torch.Tensor]) -> int:
-    return sum(int((~torch.isfinite(tensors[k])).sum()) for k in FLOAT_TENSORS if k in tensors)
+    return sum(int((~torch.isfinite(t)).sum()) for t in tensors.values() if t.is_floating_point())
 
 
 _MANIFEST_FIELDS = {"schema", "namespace_id", "namespace", "pairs", "shards", "updated"}
@@ -452,30 +465,25 @@ def _shape_problem(t: dict[str, torch.Tensor]) -> str | None:
     if keys is None or keys.dtype != torch.uint8 or keys.dim() != 2 or keys.shape[1] != KEY_BYTES:
         return "no (n, 16) uint8 'keys' tensor"
     n = keys.shape[0]
-    for name, dtype in (("chosen_logps", torch.float32), ("rejected_logps", torch.float32),
-                        ("chosen_tokens", torch.int32), ("rejected_tokens", torch.int32)):
-        if name not in t or t[name].dtype != dtype or tuple(t[name].shape) != (n,):
-            return f"'{name}' is not a ({n},) {dtype} tensor"
-        if dtype == torch.int32 and bool((t[name] < 0).any()):
+    counts = {PairValues.spec(name)["counts"] for name in PairValues.token_fields()}
+    for name in PairValues.pair_fields():
+        spec = PairValues.spec(name)
+        if name not in t and spec["optional"]:
+            continue
+        if name not in t or t[name].dtype != spec["dtype"] or tuple(t[name].shape) != (n,):
+            return f"'{name}' is not a ({n},) {spec['dtype']} tensor"
+        if name in counts and bool((t[name] < 0).any()):
             return f"'{name}' holds negative counts"
-    if ("chosen_token_logps" in t) != ("rejected_token_logps" in t):
+    present = [name in t for name in PairValues.token_fields()]
+    if any(present) and not all(present):
         return "per-token values for one side only"
-    for side in ("chosen", "rejected"):
-        per_token = t.get(f"{side}_token_logps")
-        if per_token is not None and tuple(per_token.shape) != (int(t[f"{side}_tokens"].long().sum()),):
-            return f"'{side}_token_logps' does not hold one value per counted token"
+    for name in PairValues.token_fields():
+        spec = PairValues.spec(name)
+        per_token = t.get(name)
+        expected = (int(t[spec["counts"]].long().sum()),)
+        if per_token is not None and (per_token.dtype != spec["dtype"] or tuple(per_token.shape) != expected):
+            return f"'{name}' does not hold one value per counted token"
     return None
-
-
-@dataclass
-class _Pending:
-    keys: list[bytes] = field(default_factory=list)
-    chosen_logps: list[torch.Tensor] = field(default_factory=list)
-    rejected_logps: list[torch.Tensor] = field(default_factory=list)
-    chosen_tokens: list[torch.Tensor] = field(default_factory=list)
-    rejected_tokens: list[torch.Tensor] = field(default_factory=list)
-    chosen_token_logps: list[torch.Tensor] = field(default_factory=list)
-    rejected_token_logps: list[torch.Tensor] = field(default_factory=list)
 
 
 class ShardWriter:
@@ -487,41 +495,26 @@ class ShardWriter:
         self.shard_pairs = shard_pairs
         self.flush_seconds = flush_seconds
         self.update_manifest = update_manifest
-        self._pending = _Pending()
+        self._keys: list[bytes] = []
+        self._values: list[PairValues] = []  # detached, on the CPU
         self._last_flush = time.monotonic()
 
-    def add(self, keys: Sequence[bytes], chosen_logps: torch.Tensor, rejected_logps: torch.Tensor,
-            chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor,
-            chosen_token_logps: Sequence[torch.Tensor] | None = None,
-            rejected_token_logps: Sequence[torch.Tensor] | None = None) -> None:
-        """Add B pairs: sums and counts ``(B,)``; per-token values as B tensors ``(T_i,)``."""
-        p = self._pending
-        p.keys.extend(keys)
-        p.chosen_logps.append(chosen_logps.detach().float().cpu())
-        p.rejected_logps.append(rejected_logps.detach().float().cpu())
-        p.chosen_tokens.append(chosen_tokens.detach().to(torch.int32).cpu())
-        p.rejected_tokens.append(rejected_tokens.detach().to(torch.int32).cpu())
-        if chosen_token_logps is not None:
-            p.chosen_token_logps.extend(t.detach().float().cpu() for t in chosen_token_logps)
-            p.rejected_token_logps.extend(t.detach().float().cpu() for t in rejected_token_logps)
-        if len(p.keys) >= self.shard_pairs or time.monotonic() - self._last_flush >= self.flush_seconds:
+    def add(self, keys: Sequence[bytes], values: PairValues) -> None:
+        """Add the values of ``B`` pairs with keys ``keys`` (``B`` of them)."""
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys for {len(values)} pairs' values")
+        self._keys.extend(keys)
+        self._values.append(values.map(lambda t: t.detach().cpu()))
+        if len(self._keys) >= self.shard_pairs or time.monotonic() - self._last_flush >= self.flush_seconds:
             self.flush()
 
     def flush(self) -> None:
-        p = self._pending
-        if p.keys:
-            tensors = {
-                "keys": torch.frombuffer(bytearray(b"".join(p.keys)), dtype=torch.uint8).reshape(-1, KEY_BYTES),
-                "chosen_logps": torch.cat(p.chosen_logps),
-                "rejected_logps": torch.cat(p.rejected_logps),
-                "chosen_tokens": torch.cat(p.chosen_tokens),
-                "rejected_tokens": torch.cat(p.rejected_tokens),
-            }
-            if p.chosen_token_logps:
-                if len(p.chosen_token_logps) != len(p.keys):
-                    raise CacheError("per-token values given for some pairs of a shard but not all")
-                tensors["chosen_token_logps"] = torch.cat(p.chosen_token_logps)
-                tensors["rejected_token_logps"] = torch.cat(p.rejected_token_logps)
-            self.store.add_shard(tensors, self.update_manifest)
-        self._pending = _Pending()
+        if self._keys:
+            given = {tuple(name for name in PairValues.token_fields() if getattr(v, name) is not None)
+                     for v in self._values}
+            if len(given) > 1:
+                raise CacheError("per-token values given for some pairs of a shard but not all")
+            keys = torch.frombuffer(bytearray(b"".join(self._keys)), dtype=torch.uint8).reshape(-1, KEY_BYTES)
+            self.store.add_shard({"keys": keys, **PairValues.cat(self._values).to_tensors()}, self.update_manifest)
+        self._keys, self._values = [], []
         self._last_flush = time.monotonic()
