@@ -7,8 +7,12 @@ Layouts (how pairs become model inputs):
   ``prompt + rejected``; runs on every model.
 - ``shared`` (``dpocache.prefix``): one row ``prompt + chosen + rejected`` per pair with a
   block mask and position ids restarting per completion; each prompt runs once.
+- ``packed`` (``dpocache.prefix`` and ``dpocache.packing``): the shared layout with several
+  pairs per row, block-diagonal between pairs, positions restarting per pair: the reference
+  pass fills one row of ``--cache.max_tokens`` per forward, training packs a micro-batch into
+  rows of its longest pair. Same support as ``shared``.
 
-``auto`` (the default) is ``shared`` wherever it runs, else ``padded``. The shared layout needs
+``auto`` (the default) is ``shared`` wherever it runs, else ``padded``. The shared and packed layouts need
 an attention that takes a custom 4D mask (``sdpa`` or ``eager``), the fast path's reproduced
 output head (``CompletionLogProbs.fast_path``) and, in training, no router loss: a
 mixture-of-experts model's load-balancing loss is computed from the padded layout's 2D mask.
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-LAYOUTS = ("auto", "padded", "shared")
+LAYOUTS = ("auto", "padded", "shared", "packed")
 BLOCK_MASK_ATTENTION = ("sdpa", "eager")  # attentions that take the shared layout's custom mask
 
 
@@ -29,7 +33,7 @@ class LayoutChoice:
     """The layout asked for, the one that runs, the model's attention, and why they differ."""
 
     requested: str
-    used: str  # "padded" or "shared"
+    used: str  # "padded", "shared" or "packed"
     attention: str  # the model's attention implementation (config._attn_implementation)
     reason: str | None = None  # why ``used`` is not what ``requested`` asked for (None: no fallback)
 
@@ -48,11 +52,11 @@ def select_layout(requested: str, config, fast_path: bool = True, router_loss: b
         return LayoutChoice(requested, "padded", attention)
     reason = None
     if attention not in BLOCK_MASK_ATTENTION:
-        reason = f"attention '{attention}' takes no custom 4D mask (the shared layout needs sdpa or eager)"
+        reason = f"attention '{attention}' takes no custom 4D mask (the {requested} layout needs sdpa or eager)"
     elif not fast_path:
         reason = "the model's output head is not reproduced by the chunked head; its own forward runs on padded rows"
     elif router_loss:
         reason = "mixture-of-experts: the router's load-balancing loss is computed on the padded layout"
     if reason is not None:
         return LayoutChoice(requested, "padded", attention, reason)
-    return LayoutChoice(requested, "shared", attention)
+    return LayoutChoice(requested, "shared" if requested == "auto" else requested, attention)

@@ -40,7 +40,7 @@ class ShardedReference(ReferenceModel):
     def __init__(self, model, scorer: CompletionLogProbs, env: DistEnv, dtype: torch.dtype, layout: str):
         self.env = env
         super().__init__(model, dtype, layout=layout, scorer=scorer)
-        if self.layout == "shared":
+        if self.layout in ("shared", "packed"):
             # The shared layout calls the body and the head, not the root's forward: gather the
             # root's own parameters (embeddings, final norm, head) around it.
             run_shared = self._run_shared

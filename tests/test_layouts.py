@@ -24,6 +24,10 @@ def _config(attention: str) -> SimpleNamespace:
     ("padded", "flash_attention_2", False, True, "padded", None),  # asked for: no fallback to explain
     ("auto", "flash_attention_2", True, False, "padded", "custom 4D mask"),
     ("shared", "flex_attention", True, False, "padded", "custom 4D mask"),
+    ("packed", "sdpa", True, False, "packed", None),
+    ("packed", "eager", True, False, "packed", None),
+    ("packed", "flash_attention_2", True, False, "padded", "packed layout needs"),
+    ("packed", "sdpa", True, True, "padded", "load-balancing"),  # a MoE's training; its reference pass packs
     ("auto", "sdpa", False, False, "padded", "output head"),
     ("auto", "sdpa", True, True, "padded", "load-balancing"),
 ])
@@ -35,13 +39,13 @@ def test_select_layout(requested, attention, fast_path, router_loss, used, reaso
 
 
 def test_unknown_layout_is_refused():
-    with pytest.raises(ValueError, match="auto, padded, shared"):
-        select_layout("packed", _config("sdpa"))
+    with pytest.raises(ValueError, match="auto, padded, shared, packed"):
+        select_layout("bogus", _config("sdpa"))
 
 
 def test_auto_is_the_default_and_a_valid_choice():
     cfg = Config()
-    assert cfg.train.layout == cfg.cache.layout == "auto" and set(LAYOUTS) == {"auto", "padded", "shared"}
+    assert cfg.train.layout == cfg.cache.layout == "auto" and set(LAYOUTS) == {"auto", "padded", "shared", "packed"}
 
 
 def test_cache_build_summary_names_the_layout(tmp_path, model_dir, pref_jsonl, capsys):

@@ -155,7 +155,7 @@ def unique_pairs(pairs: Sequence[TokenizedPair]) -> dict[bytes, TokenizedPair]:
 def score_batch(reference: ReferenceModel, batch: Sequence[TokenizedPair], pad_id: int):
     """Reference values of one batch: (sums and counts ``(B,)``, per-token lists), in the
     reference's layout (``ReferenceModel.layout``)."""
-    if getattr(reference, "layout", "padded") == "shared":
+    if getattr(reference, "layout", "padded") in ("shared", "packed"):
         from ..prefix import score_batch_shared
 
         return score_batch_shared(reference, batch, pad_id)
