@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from . import packing
+from .attention import is_flex, row_multiple, use_attention
 from .batching import collate_pairs, pair_logprobs
 from .data import TokenizedPair
 from .layouts import BLOCK_MASK_ATTENTION, LayoutChoice, select_layout
@@ -189,6 +190,36 @@ def attention_mask(batch: SharedPromptBatch, config, dtype: torch.dtype = torch.
     return masks["full_attention"]
 
 
+def flex_block_masks(batch, config):
+    """``attention_mask``'s rule as a FlexAttention ``BlockMask`` (``dpocache.attention``), or
+    ``{layer type: BlockMask}`` for models with sliding layers; built on the batch's device.
+    ``batch``: a ``SharedPromptBatch`` or a ``groups.GroupBatch`` (no ``documents``: one
+    pair or group per row)."""
+    from torch.nn.attention.flex_attention import create_block_mask  # optional: torch >= 2.5
+
+    seg, pos = batch.segments, batch.position_ids  # (B, T)
+    docs = getattr(batch, "documents", None)
+    docs = torch.zeros_like(seg) if docs is None else docs
+    b, t = seg.shape
+
+    def allowed(bi, h, q, k):  # scalars: batch row, head, query index, key index
+        sq, sk = seg[bi, q], seg[bi, k]
+        attend = (k <= q) & (sk != PAD) & ((sk == PROMPT) | (sk == sq)) & (docs[bi, q] == docs[bi, k])
+        return attend | ((sq == PAD) & (q == k))
+
+    masks = {"full_attention": create_block_mask(allowed, b, None, t, t, device=seg.device)}
+    layer_types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if layer_types and "sliding_attention" in layer_types and window:
+        def sliding(bi, h, q, k):
+            return allowed(bi, h, q, k) & (pos[bi, q] - pos[bi, k] < window)
+
+        masks["sliding_attention"] = create_block_mask(sliding, b, None, t, t, device=seg.device)
+    if layer_types:
+        return {lt: masks.get(lt, masks["full_attention"]) for lt in set(layer_types)}
+    return masks["full_attention"]
+
+
 # ------------------------------------------------------------------------------- log-probs
 
 
@@ -197,7 +228,8 @@ def shared_prompt_logps(lp: nn.Module, batch: SharedPromptBatch) -> torch.Tensor
     ``forward`` (a ``CompletionLogProbs``, possibly DDP/FSDP2-wrapped, so their hooks run): its
     body with the block mask, then its chunked, completion-only output head (the same code the
     padded layout runs)."""
-    mask = attention_mask(batch, scorer_core(lp).config)
+    config = scorer_core(lp).config
+    mask = flex_block_masks(batch, config) if is_flex(config) else attention_mask(batch, config)
     return lp(batch.input_ids, mask, position_ids=batch.position_ids, source=batch.source, labels=batch.labels)
 
 
@@ -220,8 +252,9 @@ def split_per_token(logps: torch.Tensor, batch: SharedPromptBatch) -> tuple[list
 
 def score_batch_shared(reference, pairs: Sequence[TokenizedPair], pad_id: int = 0):
     """Reference values of one batch in the reference's layout (``shared``, or ``packed``: the
-    batch in one row, as ``packing.budget_batches`` planned it), in the form of ``dpocache.cache.build.score_batch``: (chosen sums, rejected sums, chosen
-    counts, rejected counts ``(B,)``, chosen per-token list, rejected per-token list)."""
+    batch in one row, as ``packing.budget_batches`` planned it), in the form of
+    ``dpocache.cache.build.score_batch``: (chosen sums, rejected sums, chosen counts, rejected
+    counts ``(B,)``, chosen per-token list, rejected per-token list)."""
     multiple = row_multiple(unwrap_causal_lm(reference.model).config)
     batch = collate_layout(reference.layout, pairs, pad_id, multiple, one_row=True)
     logps = reference.shared_prompt_logprobs(batch).cpu()  # (M,)
@@ -233,21 +266,21 @@ def score_batch_shared(reference, pairs: Sequence[TokenizedPair], pad_id: int = 
 # -------------------------------------------------------------------------------- training
 
 
-def row_multiple(config) -> int:
-    return 1
-
-
 def scorer_core(scorer: nn.Module) -> CompletionLogProbs:
     """The ``CompletionLogProbs`` inside a DDP wrapper (FSDP2 shards it in place: itself)."""
     return scorer.module if isinstance(getattr(scorer, "module", None), CompletionLogProbs) else scorer
 
 
-def training_layout(scorer: nn.Module, requested: str) -> LayoutChoice:
+def training_layout(scorer: nn.Module, requested: str, attention: str = "auto") -> LayoutChoice:
     """The layout a training run's ``scorer`` (``CompletionLogProbs``, possibly DDP/FSDP2-wrapped)
-    runs for ``requested``: ``dpocache.layouts.select_layout``'s rule, with the router loss of a
-    mixture-of-experts model kept (padded)."""
+    runs for ``requested``, its model switched to the ``attention`` backend first
+    (``dpocache.attention``): ``dpocache.layouts.select_layout``'s rule, with the router loss of
+    a mixture-of-experts model kept (padded)."""
     core = scorer_core(scorer)
-    return select_layout(requested, core.config, fast_path=core.fast_path, router_loss=core._router is not None)
+    lm = unwrap_causal_lm(core.model)
+    why = use_attention(lm, attention, next(lm.parameters()).device, backward=True)
+    return select_layout(requested, core.config, fast_path=core.fast_path, router_loss=core._router is not None,
+                         attention_reason=why)
 
 
 def layout_logprobs(scorer: nn.Module, layout: str, pairs: Sequence[TokenizedPair], pad_id: int, device):

@@ -23,7 +23,7 @@ def _config(attention: str) -> SimpleNamespace:
     ("padded", "sdpa", True, False, "padded", None),
     ("padded", "flash_attention_2", False, True, "padded", None),  # asked for: no fallback to explain
     ("auto", "flash_attention_2", True, False, "padded", "custom 4D mask"),
-    ("shared", "flex_attention", True, False, "padded", "custom 4D mask"),
+    ("shared", "flex_attention", True, False, "shared", None),  # a BlockMask (dpocache.attention)
     ("packed", "sdpa", True, False, "packed", None),
     ("packed", "eager", True, False, "packed", None),
     ("packed", "flash_attention_2", True, False, "padded", "packed layout needs"),
