@@ -95,7 +95,7 @@ class OptimConfig:
 class TrainLoopConfig:
     output_dir: str = "runs/dpo"  # metrics.jsonl, run.json, checkpoints/ and final/
     batch_size: int = 8  # pairs per device per micro-batch
-    layout: str = "auto"  # auto (shared where supported) | shared: prompt once per pair | padded (dpocache.layouts)
+    layout: str = "auto"  # auto (shared where supported) | shared (prompt once per pair) | packed | padded
     grad_accum: int = 1  # micro-batches per optimizer step
     epochs: int = 1  # passes over the training data
     max_steps: int | None = None  # optimizer steps; overrides epochs
@@ -118,7 +118,7 @@ class TrainLoopConfig:
 class CacheConfig:
     dir: str | None = None  # default: $DPOCACHE_CACHE_DIR or ~/.cache/dpocache
     max_tokens: int = 4096  # padded tokens per reference forward (measured best on CPU; raise on GPU)
-    layout: str = "auto"  # reference pass: auto | shared (each prompt once) | padded (two rows) (dpocache.layouts)
+    layout: str = "auto"  # reference pass: auto | shared (each prompt once) | packed | padded (dpocache.layouts)
     shard_size: int = 4096  # pairs per cache shard (a shard is also flushed every 60 s)
 
 

@@ -12,7 +12,11 @@ Layouts (how pairs become model inputs):
   pass fills one row of ``--cache.max_tokens`` per forward, training packs a micro-batch into
   rows of its longest pair. Same support as ``shared``.
 
-``auto`` (the default) is ``shared`` wherever it runs, else ``padded``. The shared and packed layouts need
+``auto`` (the default) is ``shared`` wherever it runs, else ``padded``; not ``packed``: with the
+dense SDPA mask a packed row's attention grows as its width squared, and in a same-process A/B
+on 2 CPU cores (``bench/bench_layouts.py``, fp32, 32 pairs, medians of 3) the packed reference
+pass ran at 0.95x the padded layout's tokens/s on the long-prompt configuration where shared
+ran at 1.64x. The shared and packed layouts need
 an attention that takes a custom 4D mask (``sdpa`` or ``eager``), the fast path's reproduced
 output head (``CompletionLogProbs.fast_path``) and, in training, no router loss: a
 mixture-of-experts model's load-balancing loss is computed from the padded layout's 2D mask.
