@@ -62,3 +62,16 @@ def test_cache_build_summary_names_the_layout(tmp_path, model_dir, pref_jsonl, c
     assert main([*args, "--cache-dir", str(tmp_path / "padded"), "--layout", "padded"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["layout"] == {
         "requested": "padded", "used": "padded", "attention": "sdpa", "reason": None}
+
+
+@pytest.mark.parametrize("command", ["train", "cache build"])
+def test_bad_attention_or_layout_is_one_line_and_status_2(command, tmp_path, model_dir, pref_jsonl, capsys):
+    args = [*command.split(), "--model", str(model_dir), "--data", str(pref_jsonl), "--cache-dir", str(tmp_path),
+            "--output-dir", str(tmp_path / "run")]
+    if command != "train":
+        args = args[:-2]
+    assert main([*args, "--attention", "flash"]) == 2
+    assert "--attention (model.attention): must be one of auto, sdpa, flex; got 'flash'" in capsys.readouterr().err
+    flag = "--train.layout" if command == "train" else "--layout"
+    assert main([*args, flag, "bogus"]) == 2
+    assert "must be one of auto, padded, shared, packed" in capsys.readouterr().err

@@ -222,6 +222,10 @@ def test_moe_training_keeps_the_padded_layout_and_says_why(tiny_models):
     arch = next(a for a in ARCHITECTURES if CompletionLogProbs(tiny_models[a], probe=False)._router is not None)
     choice = training_layout(CompletionLogProbs(tiny_models[arch]), "auto")
     assert (choice.requested, choice.used) == ("auto", "padded") and "load-balancing" in choice.reason
+    packed = training_layout(CompletionLogProbs(tiny_models[arch]), "packed")
+    assert packed.used == "padded" and "load-balancing" in packed.reason
+    # The reference pass has no router loss: it packs (test_packed_matches_padded checks its values).
+    assert ReferenceModel(tiny_models[arch], layout="packed").layout == "packed"
 
 
 # --------------------------------------------------------------------------------- packed
