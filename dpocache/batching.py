@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from . import packing
 from .data import TokenizedPair
 from .logprobs import CompletionLogProbs
 from .values import PairValues
@@ -88,13 +89,16 @@ def _row_cost(layout: str):
 def token_budget_batches(pairs: Sequence[TokenizedPair], max_tokens: int, layout: str = "padded",
                          max_pairs: int | None = None) -> list[list[TokenizedPair]]:
     """Group pairs of similar length into batches whose padded size in ``layout`` (rows x
-    longest row) stays under ``max_tokens``.
+    longest row) stays under ``max_tokens``; in the packed layout, batches of rows filled by
+    ``packing.budget_batches``.
 
     For inference only (the reference pass), where order does not matter: pairs are sorted
     longest first, so the largest batch runs first and an out-of-memory shows at once; sorted
     by length, the padding left is the difference between neighbouring lengths. A single pair
     larger than the budget gets a batch of its own.
     """
+    if layout == "packed":  # rows filled with the shortest pairs too (dpocache.packing)
+        return packing.budget_batches(pairs, max_tokens, lambda p: p.unique_tokens, max_pairs)
     rows, width_of = _row_cost(layout)
     ordered = sorted(pairs, key=width_of, reverse=True)
     batches: list[list[TokenizedPair]] = []

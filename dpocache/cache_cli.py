@@ -74,7 +74,8 @@ def _load_reference(args, dtype, device) -> ReferenceModel:
     """``--model`` as the reference, whole in this process (``--reference``: an adapter directory
     with its adapter on, or its base)."""
     base, adapter = reference_source(args.model, args.reference)
-    return ReferenceModel.from_pretrained(base, dtype, device, layout=args.layout, adapter=adapter)
+    return ReferenceModel.from_pretrained(base, dtype, device, layout=args.layout, adapter=adapter,
+                                          attention=args.attention)
 
 
 def cmd_build(args) -> int:
@@ -89,7 +90,8 @@ def cmd_build(args) -> int:
             pairs = pairs + _load_data(args, tokenizer, verbose=env.is_main, source=args.eval_data).pairs
         store, dtype = _open_store(args, env.device, open_now=False, verbose=env.is_main)
         base, adapter = reference_source(args.model, args.reference)
-        load = reference_loader(base, dtype, env, args.layout, sharded=args.fsdp, adapter=adapter)
+        load = reference_loader(base, dtype, env, args.layout, sharded=args.fsdp, adapter=adapter,
+                                attention=args.attention)
         summary = build_distributed(
             store, pairs, load, env, pad_id=tokenizer.pad_token_id or 0,
             per_token=args.per_token, max_tokens=args.max_tokens or DEFAULT_MAX_TOKENS, shard_pairs=args.shard_size,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .layouts import LAYOUTS
+from .layouts import ATTENTIONS, LAYOUTS
 
 # torch (and dpocache.losses, which needs it) is imported by validate() and help_text() only:
 # 1.5 s of imports that reading the options and checking the paths they name do not need.
@@ -31,6 +31,7 @@ class ModelConfig:
     dtype: str = "auto"  # compute dtype: auto | float32 | bfloat16 (autocast over fp32 master weights)
     device: str | None = None  # cpu | cuda (default: cuda if available)
     attn_implementation: str = "sdpa"  # attention kernel passed to transformers (sdpa | eager | flash_attention_2)
+    attention: str = "auto"  # shared/packed layouts: auto (flex on CUDA) | sdpa | flex (dpocache.attention)
     gradient_checkpointing: bool = False  # recompute activations in the backward pass (less memory, slower)
 
 
@@ -93,7 +94,7 @@ class OptimConfig:
 class TrainLoopConfig:
     output_dir: str = "runs/dpo"  # metrics.jsonl, run.json, checkpoints/ and final/
     batch_size: int = 8  # pairs per device per micro-batch
-    layout: str = "auto"  # auto (shared where supported) | shared: prompt once per pair | padded (dpocache.layouts)
+    layout: str = "auto"  # auto (shared where supported) | shared (prompt once per pair) | packed | padded
     grad_accum: int = 1  # micro-batches per optimizer step
     epochs: int = 1  # passes over the training data
     max_steps: int | None = None  # optimizer steps; overrides epochs
@@ -116,7 +117,7 @@ class TrainLoopConfig:
 class CacheConfig:
     dir: str | None = None  # default: $DPOCACHE_CACHE_DIR or ~/.cache/dpocache
     max_tokens: int = 4096  # padded tokens per reference forward (measured best on CPU; raise on GPU)
-    layout: str = "auto"  # reference pass: auto | shared (each prompt once) | padded (two rows) (dpocache.layouts)
+    layout: str = "auto"  # reference pass: auto | shared (each prompt once) | packed | padded (dpocache.layouts)
     shard_size: int = 4096  # pairs per cache shard (a shard is also flushed every 60 s)
 
 
@@ -168,7 +169,7 @@ ALIASES = {
     "logging_steps": "train.logging_steps", "eval_steps": "train.eval_steps", "save_steps": "train.save_steps",
     "resume": "train.resume", "push_to_hub": "train.push_to_hub", "cache_dir": "cache.dir", "fsdp": "distributed.fsdp",
     "skip_invalid": "data.skip_invalid", "max_tokens": "cache.max_tokens", "shard_size": "cache.shard_size",
-    "report_to": "train.report_to",
+    "report_to": "train.report_to", "attention": "model.attention",
 }
 
 SCHEDULES = ("linear", "cosine", "constant")
@@ -234,7 +235,7 @@ def _validate_data(data: DataConfig) -> None:
 
 def _validate_choices(cfg: Config) -> None:
     choices = {"model.dtype": DTYPE_NAMES, "model.reference": ("initial", "base"), "optim.schedule": SCHEDULES,
-               "train.layout": LAYOUTS, "cache.layout": LAYOUTS}
+               "train.layout": LAYOUTS, "cache.layout": LAYOUTS, "model.attention": ATTENTIONS}
     for dotted, allowed in choices.items():
         if _get(cfg, dotted) not in allowed:
             raise ConfigError(f"{_flag_name(dotted)}: must be one of {', '.join(allowed)}; got {_get(cfg, dotted)!r}")

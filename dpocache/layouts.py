@@ -7,8 +7,16 @@ Layouts (how pairs become model inputs):
   ``prompt + rejected``; runs on every model.
 - ``shared`` (``dpocache.prefix``): one row ``prompt + chosen + rejected`` per pair with a
   block mask and position ids restarting per completion; each prompt runs once.
+- ``packed`` (``dpocache.prefix`` and ``dpocache.packing``): the shared layout with several
+  pairs per row, block-diagonal between pairs, positions restarting per pair: the reference
+  pass fills one row of ``--cache.max_tokens`` per forward, training packs a micro-batch into
+  rows of its longest pair. Same support as ``shared``.
 
-``auto`` (the default) is ``shared`` wherever it runs, else ``padded``. The shared layout needs
+``auto`` (the default) is ``shared`` wherever it runs, else ``padded``; not ``packed``: with the
+dense SDPA mask a packed row's attention grows as its width squared, and in a same-process A/B
+on 2 CPU cores (``bench/bench_layouts.py``, fp32, 32 pairs, medians of 3) the packed reference
+pass ran at 0.95x the padded layout's tokens/s on the long-prompt configuration where shared
+ran at 1.64x. The shared and packed layouts need
 an attention that takes a custom 4D mask (``sdpa`` or ``eager``), the fast path's reproduced
 output head (``CompletionLogProbs.fast_path``) and, in training, no router loss: a
 mixture-of-experts model's load-balancing loss is computed from the padded layout's 2D mask.
@@ -20,8 +28,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-LAYOUTS = ("auto", "padded", "shared")
-BLOCK_MASK_ATTENTION = ("sdpa", "eager")  # attentions that take the shared layout's custom mask
+LAYOUTS = ("auto", "padded", "shared", "packed")
+ATTENTIONS = ("auto", "sdpa", "flex")  # attention backends of the shared and packed layouts (dpocache.attention)
+# Attentions that take the shared and packed layouts' custom mask: a dense one (sdpa, eager) or
+# a BlockMask (flex_attention, dpocache.attention).
+BLOCK_MASK_ATTENTION = ("sdpa", "eager", "flex_attention")
 
 
 @dataclass(frozen=True)
@@ -29,30 +40,35 @@ class LayoutChoice:
     """The layout asked for, the one that runs, the model's attention, and why they differ."""
 
     requested: str
-    used: str  # "padded" or "shared"
-    attention: str  # the model's attention implementation (config._attn_implementation)
-    reason: str | None = None  # why ``used`` is not what ``requested`` asked for (None: no fallback)
+    used: str  # "padded", "shared" or "packed"
+    attention: str  # the attention that ran (config._attn_implementation: sdpa, eager, flex_attention, ...)
+    reason: str | None = None  # why ``used`` (or the attention) is not what was asked for (None: no fallback)
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
-def select_layout(requested: str, config, fast_path: bool = True, router_loss: bool = False) -> LayoutChoice:
-    """The layout that runs for ``requested`` (``auto``, ``padded`` or ``shared``) on a model
-    with ``config``; ``fast_path``: the chunked head reproduces the model's (else its own
-    forward runs, on padded rows); ``router_loss``: training needs a MoE load-balancing loss."""
+def select_layout(requested: str, config, fast_path: bool = True, router_loss: bool = False,
+                  attention_reason: str | None = None) -> LayoutChoice:
+    """The layout that runs for ``requested`` (``auto``, ``padded``, ``shared`` or ``packed``)
+    on a model with ``config``; ``fast_path``: the chunked head reproduces the model's (else its
+    own forward runs, on padded rows); ``router_loss``: training needs a MoE load-balancing
+    loss; ``attention_reason``: why a requested attention backend did not run
+    (``dpocache.attention.use_attention``), carried into the choice's reason."""
     if requested not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got '{requested}'")
     attention = str(getattr(config, "_attn_implementation", None) or "unknown")
-    if requested == "padded":
-        return LayoutChoice(requested, "padded", attention)
     reason = None
-    if attention not in BLOCK_MASK_ATTENTION:
-        reason = f"attention '{attention}' takes no custom 4D mask (the shared layout needs sdpa or eager)"
+    if requested == "padded":
+        pass
+    elif attention not in BLOCK_MASK_ATTENTION:
+        reason = (f"attention '{attention}' takes no custom 4D mask (the {requested} layout needs sdpa, eager or "
+                  "flex_attention)")
     elif not fast_path:
         reason = "the model's output head is not reproduced by the chunked head; its own forward runs on padded rows"
     elif router_loss:
         reason = "mixture-of-experts: the router's load-balancing loss is computed on the padded layout"
-    if reason is not None:
-        return LayoutChoice(requested, "padded", attention, reason)
-    return LayoutChoice(requested, "shared", attention)
+    reasons = "; ".join(r for r in (attention_reason, reason) if r) or None
+    if requested == "padded" or reason is not None:
+        return LayoutChoice(requested, "padded", attention, reasons)
+    return LayoutChoice(requested, "shared" if requested == "auto" else requested, attention, reasons)

@@ -33,6 +33,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from . import packing
+from .attention import is_flex, row_multiple, use_attention
 from .batching import collate_pairs, pair_logprobs
 from .data import TokenizedPair
 from .layouts import BLOCK_MASK_ATTENTION, LayoutChoice, select_layout
@@ -44,24 +46,27 @@ PROMPT, CHOSEN, REJECTED, PAD = 0, 1, 2, -1
 
 @dataclass
 class SharedPromptBatch:
-    """``B`` pairs as ``B`` right-padded rows ``prompt + chosen + rejected``.
+    """``P`` pairs in ``B`` right-padded rows, each pair ``prompt + chosen + rejected`` at some
+    offset of a row: one pair per row (the shared layout, ``B == P``) or several (the packed
+    layout, ``dpocache.packing``), told apart by ``documents``.
 
-    The ``M`` scored tokens are ordered pair by pair, chosen then rejected:
-    ``[c_0 chosen of pair 0, r_0 rejected of pair 0, c_1 chosen of pair 1, ...]``.
+    The ``M`` scored tokens are ordered pair by pair, chosen then rejected, in the pairs' order
+    (whatever their rows): ``[c_0 chosen of pair 0, r_0 rejected of pair 0, c_1 chosen of pair 1, ...]``.
     """
 
     input_ids: torch.Tensor  # (B, T)
-    position_ids: torch.Tensor  # (B, T)
+    position_ids: torch.Tensor  # (B, T) restarting at 0 for each pair, at p for each completion
     segments: torch.Tensor  # (B, T) int8: PROMPT, CHOSEN, REJECTED or PAD
     source: torch.Tensor  # (M,) flat index b*T + t of the position that predicts each scored token
     labels: torch.Tensor  # (M,) the scored token ids
-    sequence: torch.Tensor  # (M,) which sequence each scored token belongs to: b (chosen) or B + b (rejected)
-    chosen_tokens: torch.Tensor  # (B,) long
-    rejected_tokens: torch.Tensor  # (B,)
+    sequence: torch.Tensor  # (M,) which sequence each scored token belongs to: i (chosen) or P + i (rejected)
+    chosen_tokens: torch.Tensor  # (P,) long
+    rejected_tokens: torch.Tensor  # (P,)
+    documents: torch.Tensor  # (B, T) int16: which pair of its row a token belongs to (PAD on padding)
 
     @property
     def num_pairs(self) -> int:
-        return self.input_ids.shape[0]
+        return self.chosen_tokens.shape[0]
 
     @property
     def num_tokens(self) -> int:
@@ -71,29 +76,39 @@ class SharedPromptBatch:
     def to(self, device) -> "SharedPromptBatch":
         return SharedPromptBatch(*(t.to(device, non_blocking=True) for t in (
             self.input_ids, self.position_ids, self.segments, self.source, self.labels, self.sequence,
-            self.chosen_tokens, self.rejected_tokens)))
+            self.chosen_tokens, self.rejected_tokens, self.documents)))
 
 
-def collate_shared(pairs: Sequence[TokenizedPair], pad_id: int = 0) -> SharedPromptBatch:
-    """The shared-prompt layout of ``pairs`` (see the module docstring)."""
-    b = len(pairs)
-    width = max(p.unique_tokens for p in pairs)
-    input_ids = torch.full((b, width), pad_id, dtype=torch.long)
-    position_ids = torch.zeros((b, width), dtype=torch.long)
-    segments = torch.full((b, width), PAD, dtype=torch.int8)
+def collate_shared(pairs: Sequence[TokenizedPair], pad_id: int = 0, placement: Sequence[tuple[int, int]] | None = None,
+                   width: int | None = None) -> SharedPromptBatch:
+    """The shared-prompt layout of ``pairs`` (see the module docstring): pair ``i`` at
+    ``placement[i] = (row, offset)`` (default: row ``i``, offset 0) in rows of ``width`` tokens
+    (default: as wide as the fullest row)."""
+    n = len(pairs)
+    placement = [(i, 0) for i in range(n)] if placement is None else list(placement)
+    rows = 1 + max(row for row, _ in placement)
+    width = width or max(offset + p.unique_tokens for (_, offset), p in zip(placement, pairs))
+    input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((rows, width), dtype=torch.long)
+    segments = torch.full((rows, width), PAD, dtype=torch.int8)
+    documents = torch.full((rows, width), PAD, dtype=torch.int16)
     source, labels, sequence = [], [], []
-    for row, pair in enumerate(pairs):
+    docs_in_row = [0] * rows
+    for i, (pair, (row, start)) in enumerate(zip(pairs, placement)):
         p, c, r = len(pair.prompt_ids), len(pair.chosen_ids), len(pair.rejected_ids)
         if p == 0:
             raise ValueError(f"pair {pair.index}: an empty prompt cannot score its first completion token")
-        input_ids[row, :p + c + r] = torch.tensor(pair.prompt_ids + pair.chosen_ids + pair.rejected_ids,
-                                                  dtype=torch.long)
-        position_ids[row, :p + c] = torch.arange(p + c)
-        position_ids[row, p + c:p + c + r] = torch.arange(p, p + r)
-        segments[row, :p] = PROMPT
-        segments[row, p:p + c] = CHOSEN
-        segments[row, p + c:p + c + r] = REJECTED
-        base = row * width
+        end = start + p + c + r
+        input_ids[row, start:end] = torch.tensor(pair.prompt_ids + pair.chosen_ids + pair.rejected_ids,
+                                                 dtype=torch.long)
+        position_ids[row, start:start + p + c] = torch.arange(p + c)
+        position_ids[row, start + p + c:end] = torch.arange(p, p + r)
+        segments[row, start:start + p] = PROMPT
+        segments[row, start + p:start + p + c] = CHOSEN
+        segments[row, start + p + c:end] = REJECTED
+        documents[row, start:end] = docs_in_row[row]
+        docs_in_row[row] += 1
+        base = row * width + start
         # chosen token k sits at p+k and is predicted from p+k-1; rejected token k sits at p+c+k
         # and is predicted from p+c+k-1, except k = 0, predicted from the prompt's last token.
         source.extend(range(base + p - 1, base + p + c - 1))
@@ -102,12 +117,34 @@ def collate_shared(pairs: Sequence[TokenizedPair], pad_id: int = 0) -> SharedPro
             source.extend(range(base + p + c, base + p + c + r - 1))
         labels.extend(pair.chosen_ids)
         labels.extend(pair.rejected_ids)
-        sequence.extend([row] * c + [b + row] * r)
+        sequence.extend([i] * c + [n + i] * r)
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
     return SharedPromptBatch(
         input_ids, position_ids, segments, as_long(source), as_long(labels), as_long(sequence),
-        as_long([len(p.chosen_ids) for p in pairs]), as_long([len(p.rejected_ids) for p in pairs]),
+        as_long([len(p.chosen_ids) for p in pairs]), as_long([len(p.rejected_ids) for p in pairs]), documents,
     )
+
+
+def collate_packed(pairs: Sequence[TokenizedPair], pad_id: int = 0, width: int | None = None,
+                   multiple: int = 1) -> SharedPromptBatch:
+    """The packed layout: ``pairs`` first fit, longest first, into rows of ``width`` tokens
+    (default: the longest pair's) rounded up to a multiple of ``multiple``. The scored tokens
+    come in the pairs' order, as in the shared layout."""
+    lengths = [p.unique_tokens for p in pairs]
+    width = packing.round_up(width or max(lengths), multiple)
+    return collate_shared(pairs, pad_id, packing.place(lengths, width), width)
+
+
+def collate_layout(layout: str, pairs: Sequence[TokenizedPair], pad_id: int = 0, multiple: int = 1,
+                   one_row: bool = False) -> SharedPromptBatch:
+    """``pairs`` in the ``shared`` layout (one pair per row) or the ``packed`` one (rows of the
+    longest pair's width; ``one_row``: all in one row, a reference batch of
+    ``packing.budget_batches``); rows padded to a multiple of ``multiple`` tokens
+    (FlexAttention: one compiled kernel per width bucket)."""
+    if layout == "packed":
+        return collate_packed(pairs, pad_id, sum(p.unique_tokens for p in pairs) if one_row else None, multiple)
+    width = packing.round_up(max(p.unique_tokens for p in pairs), multiple)
+    return collate_shared(pairs, pad_id, width=width)
 
 
 # ---------------------------------------------------------------------------------- masks
@@ -122,9 +159,11 @@ def shared_prompt_supported(model: nn.Module) -> bool:
 def attention_mask(batch: SharedPromptBatch, config, dtype: torch.dtype = torch.float32):
     """The block mask ``(B, 1, T, T)``, or ``{layer type: mask}`` for models with sliding layers.
 
-    Bool (True: attend) for SDPA; additive float (0 / most negative) for eager attention.
-    Padding queries attend to the prompt, so no row of the mask is empty (an all-masked row
-    would give NaN); their outputs are never read.
+    A token attends causally to the tokens of its own pair (``documents``; absent: one pair or
+    group per row) that are prompt or of its own segment. Bool (True: attend) for SDPA;
+    additive float (0 / most negative) for eager attention. Padding queries attend to
+    themselves, so no row of the mask is empty (an all-masked row would give NaN); their
+    outputs are never read.
     """
     seg, pos = batch.segments, batch.position_ids  # (B, T)
     t = seg.shape[1]
@@ -132,6 +171,10 @@ def attention_mask(batch: SharedPromptBatch, config, dtype: torch.dtype = torch.
     causal = idx[None, :] <= idx[:, None]  # (T, T): key index <= query index
     sq, sk = seg[:, :, None], seg[:, None, :]  # (B, T, 1), (B, 1, T)
     allowed = causal & (sk != PAD) & ((sk == PROMPT) | (sk == sq))  # (B, T, T)
+    documents = getattr(batch, "documents", None)
+    if documents is not None:
+        allowed &= documents[:, :, None] == documents[:, None, :]  # block-diagonal between packed pairs
+    allowed |= (sq == PAD) & torch.eye(t, dtype=torch.bool, device=seg.device)
     masks = {"full_attention": allowed}
     layer_types = getattr(config, "layer_types", None)
     window = getattr(config, "sliding_window", None)
@@ -148,6 +191,36 @@ def attention_mask(batch: SharedPromptBatch, config, dtype: torch.dtype = torch.
     return masks["full_attention"]
 
 
+def flex_block_masks(batch, config):
+    """``attention_mask``'s rule as a FlexAttention ``BlockMask`` (``dpocache.attention``), or
+    ``{layer type: BlockMask}`` for models with sliding layers; built on the batch's device.
+    ``batch``: a ``SharedPromptBatch`` or a ``groups.GroupBatch`` (no ``documents``: one
+    pair or group per row)."""
+    from torch.nn.attention.flex_attention import create_block_mask  # optional: torch >= 2.5
+
+    seg, pos = batch.segments, batch.position_ids  # (B, T)
+    docs = getattr(batch, "documents", None)
+    docs = torch.zeros_like(seg) if docs is None else docs
+    b, t = seg.shape
+
+    def allowed(bi, h, q, k):  # scalars: batch row, head, query index, key index
+        sq, sk = seg[bi, q], seg[bi, k]
+        attend = (k <= q) & (sk != PAD) & ((sk == PROMPT) | (sk == sq)) & (docs[bi, q] == docs[bi, k])
+        return attend | ((sq == PAD) & (q == k))
+
+    masks = {"full_attention": create_block_mask(allowed, b, None, t, t, device=seg.device)}
+    layer_types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if layer_types and "sliding_attention" in layer_types and window:
+        def sliding(bi, h, q, k):
+            return allowed(bi, h, q, k) & (pos[bi, q] - pos[bi, k] < window)
+
+        masks["sliding_attention"] = create_block_mask(sliding, b, None, t, t, device=seg.device)
+    if layer_types:
+        return {lt: masks.get(lt, masks["full_attention"]) for lt in set(layer_types)}
+    return masks["full_attention"]
+
+
 # ------------------------------------------------------------------------------- log-probs
 
 
@@ -156,7 +229,8 @@ def shared_prompt_logps(lp: nn.Module, batch: SharedPromptBatch) -> torch.Tensor
     ``forward`` (a ``CompletionLogProbs``, possibly DDP/FSDP2-wrapped, so their hooks run): its
     body with the block mask, then its chunked, completion-only output head (the same code the
     padded layout runs)."""
-    mask = attention_mask(batch, scorer_core(lp).config)
+    config = scorer_core(lp).config
+    mask = flex_block_masks(batch, config) if is_flex(config) else attention_mask(batch, config)
     return lp(batch.input_ids, mask, position_ids=batch.position_ids, source=batch.source, labels=batch.labels)
 
 
@@ -183,9 +257,11 @@ def split_per_token(logps: torch.Tensor, batch: SharedPromptBatch,
 
 
 def score_batch_shared(reference, pairs: Sequence[TokenizedPair], pad_id: int = 0) -> PairValues:
-    """Reference values of one batch in the shared-prompt layout, per-token values included, as
+    """Reference values of one batch in the reference's layout (``shared``, or ``packed``: the
+    batch in one row, as ``packing.budget_batches`` planned it), per-token values included, as
     ``dpocache.cache.build.score_batch`` returns them."""
-    batch = collate_shared(pairs, pad_id)
+    multiple = row_multiple(unwrap_causal_lm(reference.model).config)
+    batch = collate_layout(reference.layout, pairs, pad_id, multiple, one_row=True)
     logps = reference.shared_prompt_logprobs(batch).cpu()  # (M,)
     chosen, rejected = sequence_sums(logps, batch)
     cpt, rpt = split_per_token(logps, batch, pairs)
@@ -200,22 +276,26 @@ def scorer_core(scorer: nn.Module) -> CompletionLogProbs:
     return scorer.module if isinstance(getattr(scorer, "module", None), CompletionLogProbs) else scorer
 
 
-def training_layout(scorer: nn.Module, requested: str) -> LayoutChoice:
+def training_layout(scorer: nn.Module, requested: str, attention: str = "auto") -> LayoutChoice:
     """The layout a training run's ``scorer`` (``CompletionLogProbs``, possibly DDP/FSDP2-wrapped)
-    runs for ``requested``: ``dpocache.layouts.select_layout``'s rule, with the router loss of a
-    mixture-of-experts model kept (padded)."""
+    runs for ``requested``, its model switched to the ``attention`` backend first
+    (``dpocache.attention``): ``dpocache.layouts.select_layout``'s rule, with the router loss of
+    a mixture-of-experts model kept (padded)."""
     core = scorer_core(scorer)
-    return select_layout(requested, core.config, fast_path=core.fast_path, router_loss=core.router_loss)
+    lm = unwrap_causal_lm(core.model)
+    why = use_attention(lm, attention, next(lm.parameters()).device, backward=True)
+    return select_layout(requested, core.config, fast_path=core.fast_path, router_loss=core.router_loss,
+                         attention_reason=why)
 
 
 def layout_logprobs(scorer: nn.Module, layout: str, pairs: Sequence[TokenizedPair], pad_id: int, device,
                     per_token: bool = False) -> tuple[PairValues, int]:
-    """Policy log-probs of ``pairs`` in ``layout`` (``padded`` or ``shared``), through
-    ``scorer``'s forward: (``PairValues`` carrying the graph, per-token values only if
-    ``per_token``; real tokens run). Nothing here waits for the device: counts and offsets
-    come from ``pairs``."""
-    if layout == "shared":
-        batch = collate_shared(pairs, pad_id).to(device)
+    """Policy log-probs of ``pairs`` in ``layout`` (``padded``, ``shared`` or ``packed``: the
+    micro-batch first fit into rows of its longest pair's width), through ``scorer``'s forward:
+    (``PairValues`` carrying the graph, per-token values only if ``per_token``; real tokens
+    run). Nothing here waits for the device: counts and offsets come from ``pairs``."""
+    if layout in ("shared", "packed"):
+        batch = collate_layout(layout, pairs, pad_id, row_multiple(scorer_core(scorer).config)).to(device)
         logps = shared_prompt_logps(scorer, batch)  # (M,)
         chosen, rejected = sequence_sums(logps, batch)
         cpt, rpt = split_per_token(logps, batch, pairs) if per_token else (None, None)

@@ -18,9 +18,10 @@ from torch import nn
 
 from . import bf16_matmul
 from .bf16_matmul import cpu_has_amx_bf16
+from .attention import use_attention
 from .layouts import LAYOUTS, select_layout
 from .loading import store_frozen_matrices_
-from .logprobs import CompletionLogProbs, autocast
+from .logprobs import CompletionLogProbs, autocast, unwrap_causal_lm
 from .prefix import shared_prompt_logps
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,8 @@ class ReferenceModel:
     """Frozen log-prob scorer. ``logprobs`` runs under ``inference_mode`` and counts its work."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype = torch.float32, compile: bool = False,
-                 adapter_disabled: bool = False, layout: str = "auto", scorer: CompletionLogProbs | None = None):
+                 adapter_disabled: bool = False, layout: str = "auto", scorer: CompletionLogProbs | None = None,
+                 attention: str | None = None):
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got '{layout}'")
         self.model = model
@@ -97,7 +99,10 @@ class ReferenceModel:
         # How pairs are laid out for the forward (dpocache.layouts): "shared" runs each prompt
         # once for both completions; "padded" runs prompt + chosen and prompt + rejected rows.
         # Models whose attention takes no custom mask, or whose head is unknown, run "padded".
-        self.layout_choice = select_layout(layout, self._scorer.config, fast_path=self._scorer.fast_path)
+        # The attention backend first (dpocache.attention: auto | sdpa | flex; None: as loaded).
+        why = use_attention(unwrap_causal_lm(model), attention, self.device)
+        self.layout_choice = select_layout(layout, self._scorer.config, fast_path=self._scorer.fast_path,
+                                           attention_reason=why)
         self.layout = self.layout_choice.used
         # Optional torch.compile, for both layouts (measured no faster on a 2-core CPU: bench/README.md).
         self._run = torch.compile(self._scorer, dynamic=True) if compile else self._scorer
@@ -110,7 +115,7 @@ class ReferenceModel:
     def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype = "float32",
                         device: str | torch.device | None = None,
                         compile: bool = False, layout: str = "auto",
-                        adapter: str | Path | None = None) -> "ReferenceModel":
+                        adapter: str | Path | None = None, attention: str | None = None) -> "ReferenceModel":
         """The model in ``path``; with ``adapter`` (a PEFT adapter directory whose base is
         ``path``), that adapter on top, unmerged: the same layers the policy loaded from the
         adapter directory runs, so at step 0 both compute the same numbers."""
@@ -123,7 +128,7 @@ class ReferenceModel:
 
             model = PeftModel.from_pretrained(model, str(adapter), is_trainable=False).to(device)
             disable_dropout(model)
-        reference = cls(model, dtype, compile, layout=layout)
+        reference = cls(model, dtype, compile, layout=layout, attention=attention)
         if dtype == torch.bfloat16:
             # This model is ours and frozen: its fp32 weights are only ever used as bf16 values.
             bf16_matmul.round_frozen_weights_(model)

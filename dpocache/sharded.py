@@ -37,10 +37,11 @@ class ShardedReference(ReferenceModel):
     """A ``ReferenceModel`` whose weights are FSDP2 shards; call ``drain`` on every rank when
     its own share is done."""
 
-    def __init__(self, model, scorer: CompletionLogProbs, env: DistEnv, dtype: torch.dtype, layout: str):
+    def __init__(self, model, scorer: CompletionLogProbs, env: DistEnv, dtype: torch.dtype, layout: str,
+                 attention: str | None = None):
         self.env = env
-        super().__init__(model, dtype, layout=layout, scorer=scorer)
-        if self.layout == "shared":
+        super().__init__(model, dtype, layout=layout, scorer=scorer, attention=attention)
+        if self.layout in ("shared", "packed"):
             # The shared layout calls the body and the head, not the root's forward: gather the
             # root's own parameters (embeddings, final norm, head) around it.
             run_shared = self._run_shared
@@ -111,7 +112,7 @@ def probe_sharded(scorer: CompletionLogProbs, env: DistEnv, dtype: torch.dtype) 
 
 
 def load_sharded_reference(path: str | Path, dtype: torch.dtype, env: DistEnv, layout: str = "shared",
-                           attn_implementation: str | None = "sdpa") -> ShardedReference:
+                           attn_implementation: str | None = "sdpa", attention: str | None = None) -> ShardedReference:
     """The reference of ``path`` sharded over ``env``'s ranks (a collective: every rank calls
     it). Values are those of ``ReferenceModel.from_pretrained``: bf16 matrices stored in bf16
     where the native bf16 kernels run, the fp32-GEMM route on CPUs without AMX."""
@@ -137,7 +138,7 @@ def load_sharded_reference(path: str | Path, dtype: torch.dtype, env: DistEnv, l
         bf16_matmul.install(model)  # after loading: it skips a model whose weights are on meta
     probe_sharded(scorer, env, dtype)
     report_shards("reference", model, env)
-    return ShardedReference(model, scorer, env, dtype, layout)
+    return ShardedReference(model, scorer, env, dtype, layout, attention)
 
 
 def report_shards(what: str, model, env: DistEnv) -> None:
@@ -166,7 +167,7 @@ def build_share_sharded(build_share, load_reference, todo: bool, pad_id: int):
 
 
 def reference_loader(path: str | Path, dtype: torch.dtype, env: DistEnv, layout: str = "shared",
-                     sharded: bool = False, adapter: str | Path | None = None):
+                     sharded: bool = False, adapter: str | Path | None = None, attention: str | None = None):
     """What ``build_distributed`` calls to load the reference: sharded over ``env``'s ranks
     (``sharded`` and a world of several), else whole in every process; ``adapter``: a PEFT
     adapter directory applied on top of ``path`` (the initial policy of an adapter run)."""
@@ -174,5 +175,6 @@ def reference_loader(path: str | Path, dtype: torch.dtype, env: DistEnv, layout:
         if adapter is not None:
             raise UsageError(f"--fsdp: a sharded reference with a PEFT adapter ({adapter}) is not supported; build "
                              "without --fsdp (the adapter's base is loaded whole) or with --reference base")
-        return lambda: load_sharded_reference(path, dtype, env, layout)
-    return lambda: ReferenceModel.from_pretrained(path, dtype, env.device, layout=layout, adapter=adapter)
+        return lambda: load_sharded_reference(path, dtype, env, layout, attention=attention)
+    return lambda: ReferenceModel.from_pretrained(path, dtype, env.device, layout=layout, adapter=adapter,
+                                                  attention=attention)

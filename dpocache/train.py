@@ -128,7 +128,8 @@ def setup(cfg: Config) -> Run:
         scorer = wrap_for_distributed(CompletionLogProbs(policy), policy, cfg, env)
     # WPO (dpocache.wpo): the policy's head also returns log sum_v p(v)^2 per scored token.
     scorer_core(scorer).sum_sq_probs = cfg.loss.use_weighting
-    layout = training_layout(scorer, cfg.train.layout)  # dpocache.layouts: shared where supported, else padded
+    # dpocache.layouts: shared where supported, else padded; the attention backend by dpocache.attention
+    layout = training_layout(scorer, cfg.train.layout, cfg.model.attention)
     global_batch = cfg.train.batch_size * cfg.train.grad_accum * env.world_size
     steps_per_epoch = len(train_data) // global_batch
     if steps_per_epoch == 0:
@@ -184,7 +185,8 @@ def prepare_reference(cfg: Config, env: DistEnv, dtype: torch.dtype, spec, token
     cache_dir = Path(cfg.cache.dir) if cfg.cache.dir else default_cache_dir()
     store = CacheStore(cache_dir, namespace_for_dir(ref_path, dtype, cache_dir, cfg.model.reference))
     pairs = train_data.pairs + (eval_data.pairs if eval_data else [])
-    load = reference_loader(ref_dir, dtype, env, cfg.cache.layout, sharded=cfg.distributed.fsdp, adapter=adapter)
+    load = reference_loader(ref_dir, dtype, env, cfg.cache.layout, sharded=cfg.distributed.fsdp, adapter=adapter,
+                            attention=cfg.model.attention)
     # Every rank scores its token-balanced share of what is missing (one rank: all of it).
     summary = build_distributed(
         store, pairs, load, env,

@@ -305,6 +305,43 @@ def test_lora_with_ddp_matches_one_process_in_the_padded_layout(assets, ddp_run)
         "requested": "padded", "used": "padded", "attention": "sdpa", "reason": None}
 
 
+@pytest.fixture(scope="module")
+def mixed(assets, make_rows) -> dict:
+    """Pairs of 21 to 71 tokens (at --max-length 64): in micro-batches of 4, packed into rows of
+    their longest pair, 48 pairs take 44 rows in data order (some rows hold two pairs)."""
+    rows = make_rows(48, seed=21, min_prompt=1, max_prompt=60, max_completion=6)
+    return {**assets, "train": write_jsonl(rows, assets["root"] / "mixed.jsonl")}
+
+
+def test_packed_layout_in_ddp_and_fsdp2_matches_one_process(mixed):
+    """The packed layout (each rank packs its micro-batch of 4 into rows of its longest pair;
+    the reference pass packs rows of the token budget) under DDP and under FSDP2 with a
+    sharded reference build gives the losses of the one-process padded run with batch 8."""
+    root = mixed["root"]
+
+    def run(name: str, *extra: str) -> list[str]:
+        args = train_args(mixed, root / name, 4 if extra[:1] != ("padded",) else 8)
+        args[args.index("--cache-dir") + 1] = str(root / f"{name}-cache")  # each its own reference pass
+        layout = extra[0]
+        return [*args, "--train.layout", layout, "--cache.layout", layout, *extra[1:]]
+
+    train_in_process(run("mixed-single", "padded"))
+    torchrun("train", *run("mixed-ddp", "packed"))
+    proc = torchrun("train", *run("mixed-fsdp", "packed", "--fsdp"))
+    assert "reference: FSDP2-sharded over 2 processes" in proc.stderr
+    want = losses(root / "mixed-single")
+    for name in ("mixed-ddp", "mixed-fsdp"):
+        got = losses(root / name)
+        assert sorted(got) == sorted(want) == [1, 2, 3, 4]
+        for step in (1, 2, 3, 4):
+            assert_close_records(got[step], want[step])
+        assert_close_records(evals(root / name)[-1], evals(root / "mixed-single")[-1],
+                             keys=("eval/loss", "eval/rewards/margins"))
+        info = json.loads((root / name / "run.json").read_text())
+        assert info["world_size"] == 2 and info["reference"]["built_on_ranks"] == 2
+        assert info["layout"] == {"requested": "packed", "used": "packed", "attention": "sdpa", "reason": None}
+
+
 # ------------------------------------------------------------------------------ stop signals
 
 

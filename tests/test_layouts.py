@@ -23,7 +23,11 @@ def _config(attention: str) -> SimpleNamespace:
     ("padded", "sdpa", True, False, "padded", None),
     ("padded", "flash_attention_2", False, True, "padded", None),  # asked for: no fallback to explain
     ("auto", "flash_attention_2", True, False, "padded", "custom 4D mask"),
-    ("shared", "flex_attention", True, False, "padded", "custom 4D mask"),
+    ("shared", "flex_attention", True, False, "shared", None),  # a BlockMask (dpocache.attention)
+    ("packed", "sdpa", True, False, "packed", None),
+    ("packed", "eager", True, False, "packed", None),
+    ("packed", "flash_attention_2", True, False, "padded", "packed layout needs"),
+    ("packed", "sdpa", True, True, "padded", "load-balancing"),  # a MoE's training; its reference pass packs
     ("auto", "sdpa", False, False, "padded", "output head"),
     ("auto", "sdpa", True, True, "padded", "load-balancing"),
 ])
@@ -35,13 +39,13 @@ def test_select_layout(requested, attention, fast_path, router_loss, used, reaso
 
 
 def test_unknown_layout_is_refused():
-    with pytest.raises(ValueError, match="auto, padded, shared"):
-        select_layout("packed", _config("sdpa"))
+    with pytest.raises(ValueError, match="auto, padded, shared, packed"):
+        select_layout("bogus", _config("sdpa"))
 
 
 def test_auto_is_the_default_and_a_valid_choice():
     cfg = Config()
-    assert cfg.train.layout == cfg.cache.layout == "auto" and set(LAYOUTS) == {"auto", "padded", "shared"}
+    assert cfg.train.layout == cfg.cache.layout == "auto" and set(LAYOUTS) == {"auto", "padded", "shared", "packed"}
 
 
 def test_cache_build_summary_names_the_layout(tmp_path, model_dir, pref_jsonl, capsys):
@@ -58,3 +62,16 @@ def test_cache_build_summary_names_the_layout(tmp_path, model_dir, pref_jsonl, c
     assert main([*args, "--cache-dir", str(tmp_path / "padded"), "--layout", "padded"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["layout"] == {
         "requested": "padded", "used": "padded", "attention": "sdpa", "reason": None}
+
+
+@pytest.mark.parametrize("command", ["train", "cache build"])
+def test_bad_attention_or_layout_is_one_line_and_status_2(command, tmp_path, model_dir, pref_jsonl, capsys):
+    args = [*command.split(), "--model", str(model_dir), "--data", str(pref_jsonl), "--cache-dir", str(tmp_path),
+            "--output-dir", str(tmp_path / "run")]
+    if command != "train":
+        args = args[:-2]
+    assert main([*args, "--attention", "flash"]) == 2
+    assert "--attention (model.attention): must be one of auto, sdpa, flex; got 'flash'" in capsys.readouterr().err
+    flag = "--train.layout" if command == "train" else "--layout"
+    assert main([*args, flag, "bogus"]) == 2
+    assert "must be one of auto, padded, shared, packed" in capsys.readouterr().err

@@ -158,7 +158,7 @@ def unique_pairs(pairs: Sequence[TokenizedPair]) -> dict[bytes, TokenizedPair]:
 def score_batch(reference: ReferenceModel, batch: Sequence[TokenizedPair], pad_id: int) -> PairValues:
     """Reference values of one batch ``(B,)``, per-token values included, on the CPU, in the
     reference's layout (``ReferenceModel.layout``)."""
-    if getattr(reference, "layout", "padded") == "shared":
+    if getattr(reference, "layout", "padded") in ("shared", "packed"):
         return score_batch_shared(reference, batch, pad_id)
     pb: PairBatch = collate_pairs(batch, pad_id)
     token_logps = reference.logprobs(pb.input_ids, pb.attention_mask, pb.completion_mask).cpu()  # (2B, T)

@@ -1,0 +1,78 @@
+"""Attention backends behind the shared and packed layouts (``--attention auto|sdpa|flex``).
+
+- ``sdpa``: the model's attention as loaded (``sdpa``, or ``eager``) with the dense boolean
+  block mask ``(B, 1, T, T)`` of ``prefix.attention_mask``; every query scores every key of its
+  row, masked or not.
+- ``flex``: ``torch.nn.attention.flex_attention`` (compiled by transformers' flex integration)
+  with a ``BlockMask`` (``prefix.flex_block_masks``) from ``create_block_mask`` over the same
+  rule, written as a ``mask_mod`` over the segment, pair (document) and position ids: causal,
+  same pair, prompt or same completion, and the sliding window on positions where a layer
+  type has one. Blocks of 128 x 128 that the rule masks entirely are skipped, so the cost
+  follows the tokens that attend, not ``T**2``. Gemma 2's attention soft-capping is a
+  ``score_mod`` that transformers' ``flex_attention_forward`` applies from the model's
+  ``softcap`` argument. Torch 2.13 runs it compiled on CPU too, forward only (no backward:
+  training on CPU keeps ``sdpa``).
+
+``auto`` is ``flex`` on CUDA where the architecture supports it (``_supports_flex_attn``), else
+``sdpa``; a requested ``flex`` that cannot run falls back to ``sdpa`` and says why. The model
+is switched in place (``set_attn_implementation``), so its config names the backend that runs
+and ``dpocache.layouts.LayoutChoice.attention`` records it.
+
+Rows are padded to a multiple of ``FLEX_BLOCK`` tokens for flex: the BlockMask's block size,
+and few distinct row widths, so the compiled kernel is reused instead of recompiled per batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .layouts import ATTENTIONS
+
+FLEX = "flex_attention"  # transformers' name of the implementation
+FLEX_BLOCK = 128  # torch's default BlockMask block size
+
+
+def flex_supported(model: nn.Module) -> str | None:
+    """Why ``model`` (a transformers causal LM) cannot run FlexAttention here (None: it can)."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask  # noqa: F401
+    except ImportError:
+        return "this torch has no torch.nn.attention.flex_attention"
+    if not getattr(type(model), "_supports_flex_attn", False):
+        return f"{type(model).__name__} does not support flex_attention in transformers"
+    return None
+
+
+def use_attention(model: nn.Module, requested: str | None, device: torch.device | str,
+                  backward: bool = False) -> str | None:
+    """Switch ``model`` (a transformers causal LM) to the backend ``requested`` resolves to on
+    ``device`` (None: leave it as loaded); ``backward``: training will differentiate through
+    it. Returns why a requested ``flex`` did not run (None: no fallback)."""
+    if requested is None:
+        return None
+    if requested not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}; got '{requested}'")
+    on_cuda = torch.device(device).type == "cuda"
+    why_not = flex_supported(model)
+    if why_not is None and backward and not on_cuda:
+        why_not = "FlexAttention has no backward on CPU (torch 2.13)"
+    wants_flex = requested == "flex" or (requested == "auto" and on_cuda)
+    flex = wants_flex and why_not is None
+    current = getattr(model.config, "_attn_implementation", None)
+    if flex and current != FLEX:
+        model._dpocache_loaded_attention = current  # to switch back to (Gemma 2 has eager, no sdpa)
+        model.set_attn_implementation(FLEX)
+    elif not flex and current == FLEX:  # a model switched to flex earlier in this process
+        model.set_attn_implementation(getattr(model, "_dpocache_loaded_attention", None) or "sdpa")
+    ran = model.config._attn_implementation
+    return f"{why_not}; {ran} ran" if wants_flex and why_not else None
+
+
+def is_flex(config) -> bool:
+    return getattr(config, "_attn_implementation", None) == FLEX
+
+
+def row_multiple(config) -> int:
+    """Row widths are padded to a multiple of this (``FLEX_BLOCK`` for flex, else 1)."""
+    return FLEX_BLOCK if is_flex(config) else 1

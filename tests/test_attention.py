@@ -1,0 +1,143 @@
+"""Tests for dpocache.attention: the FlexAttention backend (a compiled ``flex_attention`` with a
+``BlockMask``, forward only on CPU in torch 2.13) gives the padded layout's values per token
+in every layout, on every tiny architecture that supports it; ``auto`` picks it on CUDA only,
+and a fallback says why."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AttentionInterface
+
+from dpocache.attention import FLEX, FLEX_BLOCK, use_attention
+from dpocache.cli import main
+from dpocache.data import load_preference_data
+from dpocache.logprobs import CompletionLogProbs
+from dpocache.prefix import collate_layout, layout_logprobs, shared_prompt_logps, split_per_token, training_layout
+from dpocache.reference import ReferenceModel
+from dpocache.tiny import build_model
+from test_prefix import _max_diff, padded_values
+
+TOL = 1e-5
+FLEX_ARCHS = ("llama", "qwen2", "gemma2", "mixtral")  # GPT-2 has no flex_attention in transformers
+
+
+@pytest.fixture(scope="module")
+def pairs(tokenizer, make_rows):
+    """10 short pairs of 8 to about 60 tokens: rows of one 128-token block, several pairs each."""
+    return load_preference_data(make_rows(10, seed=5, min_prompt=1, max_prompt=30, max_completion=12), tokenizer,
+                                show_progress=False).pairs
+
+
+def _model(arch, tokenizer):
+    # Gemma 2 with a window shorter than the rows: sliding layers on positions, and soft-capping.
+    return build_model(arch, tokenizer, **({"sliding_window": 6} if arch == "gemma2" else {})).eval()
+
+
+@pytest.fixture
+def flex_calls(monkeypatch):
+    """The masks transformers' flex_attention_forward receives (proof that flex ran)."""
+    calls = []
+    flex = AttentionInterface._global_mapping[FLEX]
+
+    def counted(module, query, key, value, attention_mask, *args, **kwargs):
+        calls.append(type(attention_mask).__name__)
+        return flex(module, query, key, value, attention_mask, *args, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, FLEX, counted)
+    return calls
+
+
+def _flex_values(lp, layout, pairs, pad):
+    """Per-pair chosen and rejected per-token log-probs of ``lp`` (its model on flex)."""
+    if layout == "padded":
+        return padded_values(lp.model, pairs, pad)  # transformers' own BlockMask from the 2D mask
+    batch = collate_layout(layout, pairs, pad, multiple=FLEX_BLOCK)
+    assert batch.input_ids.shape[1] == FLEX_BLOCK
+    with torch.no_grad():
+        return split_per_token(shared_prompt_logps(lp, batch), batch)
+
+
+# Each shape compiles a kernel (10-30 s on 2 cores): the packed layout on every architecture,
+# the other two on Llama. The compile cache is reset first: once a second shape turns the
+# compiled kernel dynamic, torch 2.13's CPU inductor fails to build Gemma 2's (a C++ error).
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, layouts", [
+    ("llama", ("packed", "shared", "padded")), ("qwen2", ("packed",)), ("gemma2", ("packed",)),
+    ("mixtral", ("packed",)),
+])
+def test_flex_matches_padded(tokenizer, pairs, arch, layouts, flex_calls):
+    torch._dynamo.reset()
+    model = _model(arch, tokenizer)
+    pad = tokenizer.pad_token_id
+    want_c, want_r = padded_values(model, pairs, pad)  # sdpa, padded layout
+    loaded = model.config._attn_implementation  # sdpa (Gemma 2: eager)
+    assert use_attention(model, "flex", "cpu") is None and model.config._attn_implementation == FLEX
+    lp = CompletionLogProbs(model)
+    for layout in layouts:
+        got_c, got_r = _flex_values(lp, layout, pairs, pad)
+        assert _max_diff(want_c, got_c) < TOL and _max_diff(want_r, got_r) < TOL, layout
+    assert flex_calls and set(flex_calls) == {"BlockMask"}  # flex ran, with a BlockMask
+    use_attention(model, "sdpa", "cpu")
+    assert model.config._attn_implementation == loaded
+
+
+def test_auto_is_sdpa_on_cpu_and_flex_falls_back_with_a_reason(tokenizer):
+    model = build_model("llama", tokenizer).eval()
+    assert use_attention(model, "auto", "cpu") is None and model.config._attn_implementation == "sdpa"
+    assert use_attention(model, None, "cpu") is None and model.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match="auto, sdpa, flex"):
+        use_attention(model, "flash", "cpu")
+    gpt2 = build_model("gpt2", tokenizer).eval()
+    reason = use_attention(gpt2, "flex", "cpu")
+    assert "GPT2LMHeadModel does not support flex_attention" in reason and gpt2.config._attn_implementation == "sdpa"
+    ref = ReferenceModel(gpt2, layout="packed", attention="flex")
+    assert ref.layout_choice.to_json() == {"requested": "packed", "used": "packed", "attention": "sdpa",
+                                           "reason": reason}
+    # Training differentiates through attention: no FlexAttention backward on CPU.
+    choice = training_layout(CompletionLogProbs(build_model("llama", tokenizer)), "packed", "flex")
+    assert (choice.used, choice.attention) == ("packed", "sdpa") and "no backward on CPU" in choice.reason
+
+
+def test_cache_build_with_flex_stores_the_sdpa_values(tmp_path, model_dir, pref_jsonl, capsys):
+    """``cache build --attention flex --layout packed`` on CPU names flex in its summary, and
+    ``cache verify`` with flex recomputes every value a default (sdpa, shared) build stored."""
+    args = ["--model", str(model_dir), "--data", str(pref_jsonl), "--dtype", "float32", "--device", "cpu"]
+    flex = ("--attention", "flex", "--layout", "packed")
+    assert main(["cache", "build", *args, "--cache-dir", str(tmp_path / "flex"), "--json", *flex]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["layout"] == {"requested": "packed", "used": "packed", "attention": FLEX, "reason": None}
+    assert summary["computed"] == 48
+    assert main(["cache", "build", *args, "--cache-dir", str(tmp_path / "sdpa")]) == 0
+    capsys.readouterr()
+    assert main(["cache", "verify", *args, "--cache-dir", str(tmp_path / "sdpa"), "--samples", "48", *flex]) == 0
+    out = capsys.readouterr().out
+    assert "checked 48 pairs" in out and float(out.split("= ")[1].split()[0]) < 1e-4
+
+
+# ---------------------------------------------------------------------------------- CUDA
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_flex_on_cuda_equals_sdpa_on_cuda_with_gradients(tokenizer, pairs, arch):
+    """``auto`` is flex on CUDA; the packed layout's sums and gradients equal sdpa's."""
+    model = _model(arch, tokenizer).to("cuda").train()
+    lp = CompletionLogProbs(model)
+    out = {}
+    for attention in ("sdpa", "auto"):
+        choice = training_layout(lp, "packed", attention)
+        assert choice.attention == ("sdpa" if attention == "sdpa" else FLEX) and choice.reason is None
+        model.zero_grad()
+        logps, _ = layout_logprobs(lp, "packed", pairs, tokenizer.pad_token_id, "cuda")
+        (logps.chosen_logps.sum() - 0.5 * logps.rejected_logps.sum()).backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        out[attention] = (logps.chosen_logps.detach(), logps.rejected_logps.detach(), grads)
+    for a, b in zip(out["auto"], out["sdpa"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
