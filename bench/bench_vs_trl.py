@@ -205,6 +205,8 @@ def bench_config(args, config_name: str, dtype: str, log: Path) -> dict:
                                                           "extra_args": args.build_args}, scratch, log)
         r["loadavg"] = os.getloadavg()
         reps.append(r)
+        # Every finished repetition on disk at once: a run stopped later (a time limit) keeps them.
+        (log.parent / f"{log.stem}-{dtype}-partial.json").write_text(json.dumps(reps, default=str))
         print(f"  rep {rep + 1}/{args.reps} done (load average {r['loadavg'][0]:.1f})", flush=True)
         if not args.keep_scratch:
             shutil.rmtree(scratch, ignore_errors=True)

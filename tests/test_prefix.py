@@ -221,7 +221,7 @@ def test_shared_layout_runs_through_the_wrapped_modules_forward(tiny_models, pai
 def test_moe_training_keeps_the_padded_layout_and_says_why(tiny_models):
     from dpocache.prefix import training_layout
 
-    arch = next(a for a in ARCHITECTURES if CompletionLogProbs(tiny_models[a], probe=False)._router is not None)
+    arch = next(a for a in ARCHITECTURES if CompletionLogProbs(tiny_models[a], probe=False).router_loss)
     choice = training_layout(CompletionLogProbs(tiny_models[arch]), "auto")
     assert (choice.requested, choice.used) == ("auto", "padded") and "load-balancing" in choice.reason
     packed = training_layout(CompletionLogProbs(tiny_models[arch]), "packed")
