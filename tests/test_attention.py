@@ -127,11 +127,11 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 @cuda
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_flex_on_cuda_equals_sdpa_on_cuda_with_gradients(tokenizer, pairs, arch):
-    """``auto`` is flex on CUDA; the packed layout's sums and gradients equal sdpa's."""
+    """flex on CUDA: the packed layout's sums and gradients equal sdpa's."""
     model = _model(arch, tokenizer).to("cuda").train()
     lp = CompletionLogProbs(model)
     out = {}
-    for attention in ("sdpa", "auto"):
+    for attention in ("sdpa", "flex"):
         choice = training_layout(lp, "packed", attention)
         assert choice.attention == ("sdpa" if attention == "sdpa" else FLEX) and choice.reason is None
         model.zero_grad()
@@ -139,5 +139,5 @@ def test_flex_on_cuda_equals_sdpa_on_cuda_with_gradients(tokenizer, pairs, arch)
         (logps.chosen_logps.sum() - 0.5 * logps.rejected_logps.sum()).backward()
         grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
         out[attention] = (logps.chosen_logps.detach(), logps.rejected_logps.detach(), grads)
-    for a, b in zip(out["auto"], out["sdpa"]):
+    for a, b in zip(out["flex"], out["sdpa"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
