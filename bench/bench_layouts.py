@@ -31,8 +31,9 @@ def run_once(reference, pairs, pad_id: int, max_tokens: int):
     sums = {}
     start = time.perf_counter()
     for batch in reference_batches(reference, pairs, max_tokens):
-        chosen, rejected, *_ = score_batch(reference, batch, pad_id)
-        sums.update({p.index: (float(c), float(r)) for p, c, r in zip(batch, chosen, rejected)})
+        values = score_batch(reference, batch, pad_id)
+        sums.update({p.index: (float(c), float(r))
+                     for p, c, r in zip(batch, values.chosen_logps, values.rejected_logps)})
     if reference.device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start, sums
