@@ -1,9 +1,9 @@
 """The frozen reference sharded with FSDP2 over the ``torchrun`` processes (``cache build
 --fsdp``, and the build ``train --fsdp`` runs for missing values).
 
-Each process holds ``1 / world`` of the weights; every decoder layer is all-gathered just
-before it runs and freed after it, as in ``dpocache.fsdp`` (``CompletionLogProbs`` is the
-root, which owns the embeddings, the final norm and the head). Each process still scores its
+Each process holds ``1 / world`` of the weights; every decoder layer, the embeddings and the
+output head are each all-gathered just before they run and freed after, as in
+``dpocache.fsdp`` (``CompletionLogProbs`` is the root, which owns the final norm). Each process still scores its
 own token-balanced share of the pairs (``cache.build.build_distributed``).
 
 An FSDP2 forward is a collective: every rank must run the same number of forwards, with the
@@ -82,12 +82,15 @@ class ShardedReference(ReferenceModel):
 
 
 def shard_reference(scorer: CompletionLogProbs, env: DistEnv) -> None:
-    """``fully_shard`` every decoder layer and the root (``dpocache.fsdp.shard_policy``), with
-    the root's parameters freed after each forward too (FSDP2 keeps a root's gathered for the
-    backward, and a reference has none)."""
-    from .fsdp import shard_policy
+    """``fully_shard`` every decoder layer, the embeddings, the output head and the root
+    (``dpocache.fsdp.shard_policy``), the head gathered once around each forward's head
+    chunks (``gather_head_around``), and the root's parameters freed after each forward too
+    (FSDP2 keeps a root's gathered for the backward, and a reference has none). So besides its
+    shards a process holds one layer, or one of the two ``(vocab, hidden)`` tables, at a time."""
+    from .fsdp import gather_head_around, shard_policy
 
-    shard_policy(scorer, scorer.model, env)
+    shard_policy(scorer, scorer.model, env, head_unit=True)
+    gather_head_around(scorer)
     scorer.set_reshard_after_forward(True, recurse=False)
 
 

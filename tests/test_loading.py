@@ -137,3 +137,95 @@ def test_meta_loaded_policy_has_fp32_masters_bf16_gathers_and_per_layer_checkpoi
     assert torch.bfloat16 in seen  # gathered in bf16 (a second time when the checkpoint recomputes)
     assert torch.isfinite(logps).all() and logps[:, 7:].lt(0).all()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in policy.parameters())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 13])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_shard_rows_are_fsdp2s_split_of_dim0(rows, world):
+    """Each rank reads the rows its FSDP2 shard holds: ``torch.chunk``'s split, empty shares
+    for the ranks past the last chunk."""
+    from dpocache.loading import shard_rows
+
+    chunks = list(torch.arange(rows).chunk(world))
+    chunks += [torch.arange(0)] * (world - len(chunks))
+    for rank, want in enumerate(chunks):
+        assert torch.equal(torch.arange(rows)[shard_rows(rows, world, rank)], want), (rank, want)
+
+
+def test_sharded_loading_reads_only_each_shards_rows(saved, world_of_one, monkeypatch):
+    """``load_for_sharding`` reads every parameter with safetensors' ``get_slice`` (the
+    shard's rows), never whole with ``get_tensor``; the filled shards are the file's weights,
+    in memory of their own (not views of the file's mapping)."""
+    import safetensors
+
+    from dpocache.sharded import load_sharded_reference
+
+    whole = []
+    real_open = safetensors.safe_open
+
+    class Spy:
+        def __init__(self, *args, **kwargs):
+            self.f = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def get_tensor(self, key):
+            whole.append(key)
+            return self.f.get_tensor(key)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    monkeypatch.setattr(safetensors, "safe_open", Spy)
+    reference = load_sharded_reference(saved["llama"], torch.float32, world_of_one)
+    monkeypatch.undo()
+    assert whole == []
+    full = load_causal_lm(saved["llama"])
+    for (name, p), q in zip(reference.model.named_parameters(), full.parameters(), strict=True):
+        assert torch.equal(p.full_tensor(), q), name
+
+
+def test_sharded_reference_gathers_one_vocabulary_table_at_a_time(saved, world_of_one, monkeypatch):
+    """The sharded reference's embeddings and output head are FSDP units of their own: no
+    decoder layer runs with either gathered, nothing stays gathered after a forward, and the
+    head is gathered once per forward however many row chunks it scores (a rank's chunk count
+    depends on its batch; the all-gathers must not)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+    from torch.distributed.tensor import DTensor
+
+    from dpocache.fsdp import decoder_layers
+    from dpocache.sharded import load_sharded_reference
+
+    reference = load_sharded_reference(saved["llama"], torch.float32, world_of_one)
+    scorer, lm = reference._scorer, reference.model
+    embed, head = lm.get_input_embeddings(), lm.get_output_embeddings()
+    assert isinstance(embed, FSDPModule) and isinstance(head, FSDPModule)
+    gathered_in_layers = []
+    for layer in decoder_layers(lm):
+        layer.register_forward_pre_hook(lambda module, args: gathered_in_layers.append(
+            not isinstance(embed.weight, DTensor) or not isinstance(head.weight, DTensor)))
+    gathers = []  # one per unit whose parameters go from sharded to gathered: an all-gather on several ranks
+    group = _fsdp_param_group.FSDPParamGroup
+    real_gather = group._to_unsharded
+    monkeypatch.setattr(group, "_to_unsharded", lambda self: gathers.extend([] if self.is_unsharded else [1]) or real_gather(self))
+
+    ids = torch.randint(3, 400, (2, 12))
+    mask = torch.zeros_like(ids)
+    mask[:, 2:] = 1
+    counts, outs = [], []
+    for budget in (scorer.logits_budget, 2 * scorer.config.vocab_size):  # one chunk; 2 rows a chunk
+        scorer.logits_budget = budget
+        gathers.clear()
+        with torch.no_grad():
+            outs.append(scorer(ids, torch.ones_like(ids), mask))
+        counts.append(len(gathers))
+        assert all(isinstance(p, DTensor) for p in lm.parameters())  # all resharded
+    assert gathered_in_layers and not any(gathered_in_layers)
+    assert counts[0] == counts[1] == len(decoder_layers(lm)) + 3  # layers, embeddings, head, root (norm)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-6)
