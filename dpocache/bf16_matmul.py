@@ -105,17 +105,24 @@ def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return nn.Linear.forward(self, x)
 
 
+def _plain_linear(module: nn.Module) -> bool:
+    """``nn.Linear`` itself, or FSDP2's subclass of it (``fully_shard`` swaps a unit's class
+    for ``FSDP<class>``, whose forward is still ``nn.Linear``'s: a sharded output head)."""
+    cls = type(module)
+    return cls is nn.Linear or (cls.__name__ == "FSDPLinear" and cls.__bases__[-1] is nn.Linear)
+
+
 def install(model: nn.Module, mode: str | None = None) -> int:
     """Route the model's ``nn.Linear`` layers through the fp32 GEMM under CPU bf16 autocast
     (see the module docstring). Idempotent; returns how many layers were switched (0 with mode
     ``native`` or a model not on the CPU). Subclasses of ``nn.Linear`` (quantised layers) are
-    left alone."""
+    left alone, except FSDP2's (``_plain_linear``)."""
     first = next(model.parameters(), None)
     if resolve_mode(mode) != "fp32-gemm" or (first is not None and first.device.type != "cpu"):
         return 0
     count = 0
     for module in model.modules():
-        if type(module) is nn.Linear and not getattr(module, _INSTALLED, False):
+        if _plain_linear(module) and not getattr(module, _INSTALLED, False):
             module.forward = types.MethodType(_forward, module)
             setattr(module, _INSTALLED, True)
             count += 1

@@ -229,3 +229,21 @@ def test_sharded_reference_gathers_one_vocabulary_table_at_a_time(saved, world_o
     assert gathered_in_layers and not any(gathered_in_layers)
     assert counts[0] == counts[1] == len(decoder_layers(lm)) + 3  # layers, embeddings, head, root (norm)
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["native", "fp32-gemm"])
+def test_sharded_reference_with_its_own_head_unit_equals_the_unsharded_one_in_bf16(saved, world_of_one, pref_jsonl,
+                                                                                     mode, monkeypatch):
+    """An untied head, an FSDP unit of its own in the sharded reference, keeps the unsharded
+    reference's arithmetic under bf16 in both CPU routes: bf16 storage with the native kernels,
+    ``dpocache.bf16_matmul``'s fp32 GEMM otherwise. Values equal bit for bit."""
+    from dpocache.sharded import load_sharded_reference
+
+    monkeypatch.setenv("DPOCACHE_BF16_MATMUL", mode)
+    tokenizer = load_tokenizer(saved["llama"])
+    pairs = load_preference_data(str(pref_jsonl), tokenizer, max_length=64, show_progress=False).pairs
+    pad = tokenizer.pad_token_id or 0
+    want = _all_values(ReferenceModel.from_pretrained(saved["llama"], "bfloat16", "cpu", layout="padded"), pairs, pad)
+    sharded = load_sharded_reference(saved["llama"], torch.bfloat16, world_of_one, layout="padded")
+    got = _all_values(sharded, pairs, pad)
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
