@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .allocator import trim_heap
+from .bf16_matmul import plain_linear
 from .checkpoint import check_loaded_keys, read_full_weights
 from .distributed import DistEnv
 from .logprobs import unwrap_causal_lm
@@ -62,12 +63,13 @@ def vocabulary_modules(policy: nn.Module) -> tuple[nn.Module | None, nn.Module |
     """The input embeddings and the output head, the two ``(vocab, hidden)`` tables, when
     they can be FSDP units of their own: both None when the head is tied to the embeddings
     (one parameter, which one unit must own), the head None when it is not a plain
-    ``nn.Linear`` (a custom head may read other modules' weights)."""
+    ``nn.Linear`` (a custom head may read other modules' weights); FSDP2's subclass of either
+    (once sharded) counts as the class itself."""
     lm = unwrap_causal_lm(policy)
     embed, head = lm.get_input_embeddings(), lm.get_output_embeddings()
     if not isinstance(embed, nn.Embedding) or head is None or head.weight is embed.weight:
         return None, None
-    return embed, head if type(head) is nn.Linear else None
+    return embed, head if plain_linear(head) else None
 
 
 def shard_policy(scorer: nn.Module, policy: nn.Module, env: DistEnv, reshard_after_forward: bool = True,
