@@ -125,6 +125,7 @@ def main() -> None:
     train_net = med([sum(x["peak"] - x["baseline"] for x in r) for r in runs["fsdp_train_startup"]])
     summary = {
         "parameters": info["parameters"], "fp32_weight_bytes": fp32_bytes, "reps": args.reps,
+        "cpu_allocator": os.environ.get("DPOCACHE_CPU_ALLOCATOR", "retain"),
         "unsharded_build_peak": unsharded, "sharded_build_peak_per_process": sharded,
         "sharded_over_unsharded": sharded / unsharded,
         "sharded_over_unsharded_net_of_imports": sharded_net / unsharded_net,
