@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from .allocator import trim_heap
 from .data import TokenizedPair
@@ -100,12 +101,18 @@ def stream_vocabulary(scorer: CompletionLogProbs, env: DistEnv) -> None:
     from the shards (``dpocache.vocab_stream``), never gathered whole; another head (a bias)
     is gathered once around each forward's head chunks (``dpocache.fsdp.gather_head_around``).
     After the routing of ``bf16_matmul.install``, which the streamed head keeps."""
+    from torch.distributed.fsdp import FSDPModule
+
     from .fsdp import gather_head_around, vocabulary_modules
     from .vocab_stream import StreamedEmbedding, StreamedHead
 
     lm = unwrap_causal_lm(scorer.model)
     embed, head = vocabulary_modules(lm)
-    if embed is None or head is None or head.bias is not None:
+    # An FSDP2 unit of exactly nn.Embedding underneath (fully_shard subclasses the class it is
+    # given): a subclass of nn.Embedding may scale or mix in its forward (Gemma 3's scales).
+    plain_embed = (isinstance(embed, FSDPModule) and type(embed).__bases__[-1] is nn.Embedding
+                   and embed.max_norm is None)
+    if not plain_embed or head is None or head.bias is not None:
         return gather_head_around(scorer)
     streamed = StreamedHead.from_sharded(head, env)
     lm.set_input_embeddings(StreamedEmbedding.from_sharded(embed, env))

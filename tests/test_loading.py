@@ -12,6 +12,7 @@ from dpocache.cache.build import reference_batches, score_batch
 from dpocache.cache_cli import load_tokenizer
 from dpocache.data import load_preference_data
 from dpocache.loading import parameter_bytes
+from dpocache.logprobs import CompletionLogProbs
 from dpocache.reference import ReferenceModel, load_causal_lm
 from dpocache.tiny import save_tiny_model
 
@@ -245,3 +246,35 @@ def test_sharded_reference_with_its_own_head_unit_equals_the_unsharded_one_in_bf
     sharded = load_sharded_reference(saved["llama"], torch.bfloat16, world_of_one, layout="padded")
     got = _all_values(sharded, pairs, pad)
     assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_an_embedding_subclass_is_gathered_not_streamed(saved, world_of_one, monkeypatch):
+    """An ``nn.Embedding`` subclass may compute in its forward (Gemma 3 scales its rows): the
+    sharded reference then gathers its tables as FSDP units instead of streaming raw rows, and
+    its values stay the model's."""
+    from dpocache import loading
+    from dpocache.sharded import load_sharded_reference
+    from dpocache.vocab_stream import StreamedEmbedding
+
+    class Scaled(nn.Embedding):
+        def forward(self, ids):
+            return super().forward(ids) * 3.0
+
+    def scaled(model):
+        plain = model.model.embed_tokens
+        model.model.embed_tokens = Scaled(plain.num_embeddings, plain.embedding_dim, device=plain.weight.device)
+        model.model.embed_tokens.weight = plain.weight
+        return model
+
+    real_meta_model = loading.meta_model
+    monkeypatch.setattr(loading, "meta_model", lambda *args: scaled(real_meta_model(*args)))
+    sharded = load_sharded_reference(saved["llama"], torch.float32, world_of_one)
+    full = scaled(load_causal_lm(saved["llama"]))
+    assert not isinstance(sharded.model.get_input_embeddings(), StreamedEmbedding)
+    ids = torch.randint(3, 400, (2, 12))
+    mask = torch.zeros_like(ids)
+    mask[:, 2:] = 1
+    with torch.no_grad():
+        want = CompletionLogProbs(full)(ids, torch.ones_like(ids), mask)
+        got = sharded._scorer(ids, torch.ones_like(ids), mask)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
