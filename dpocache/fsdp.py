@@ -80,8 +80,9 @@ def shard_policy(scorer: nn.Module, policy: nn.Module, env: DistEnv, reshard_aft
     Units: each decoder layer; the input embeddings (untied), gathered for their one call per
     forward and freed after it, so the root does not hold a whole ``(vocab, hidden)`` table
     through the forward; with ``head_unit``, the output head too (not resharded after its
-    forward: it is called once per row chunk, and the caller gathers it once around all of
-    them, ``gather_head_around``); the root owns the rest (final norm, and the head unless
+    forward: it is called once per row chunk; the sharded reference streams it from its shards,
+    ``dpocache.sharded.stream_vocabulary``, or gathers it once around all the chunks,
+    ``gather_head_around``); the root owns the rest (final norm, and the head unless
     ``head_unit``).
 
     The model may sit on the CPU: ``fully_shard`` moves each unit to ``env.device`` as it
@@ -106,7 +107,7 @@ def shard_policy(scorer: nn.Module, policy: nn.Module, env: DistEnv, reshard_aft
         fully_shard(head, mesh=mesh, reshard_after_forward=False, **kwargs)
     fully_shard(scorer, mesh=mesh, reshard_after_forward=reshard_after_forward, **kwargs)
     if env.device.type == "cpu":
-        trim_after_each(layers + [embed] if embed is not None else layers)
+        trim_after_each(layers + ([embed] if embed is not None else []))
     return scorer
 
 
