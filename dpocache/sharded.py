@@ -207,6 +207,7 @@ def build_share_sharded(build_share, load_reference, todo: bool, pad_id: int):
         # (collected at interpreter exit, after it is destroyed, they can abort the process).
         reference = None  # noqa: F841 - the last reference to it (the closure above holds this cell)
         gc.collect()
+        trim_heap()  # its shards: freed, but kept by glibc (blocks under the mmap threshold) unless trimmed
 
 
 def reference_loader(path: str | Path, dtype: torch.dtype, env: DistEnv, layout: str = "shared",
