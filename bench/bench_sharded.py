@@ -11,7 +11,7 @@ preference set, then measures, each run in fresh processes, medians over ``--rep
   data, the cached reference values, the policy created on the meta device and filled shard by
   shard, the optimizer), against one copy of the model's fp32 weights.
 
-Each process records its peak RSS (``ru_maxrss``) after importing torch, transformers and
+Each process records its peak RSS (``VmHWM``) after importing torch, transformers and
 dpocache (the interpreter's own share, the same in every process) and at the end; both raw
 peaks and peaks net of that import baseline are reported. Results go to
 ``bench/results/sharded-<time>.json``.
@@ -39,6 +39,15 @@ CONFIG = BenchConfig("300m", hidden_size=1024, intermediate_size=2816, num_hidde
 
 
 def _rss() -> int:
+    """This process's peak resident memory in bytes: ``VmHWM``. Not ``ru_maxrss``: Linux keeps
+    that across ``execve``, so a worker started by a process that once held more (this script,
+    after building the model) would report its parent's peak."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
@@ -116,6 +125,7 @@ def main() -> None:
     train_net = med([sum(x["peak"] - x["baseline"] for x in r) for r in runs["fsdp_train_startup"]])
     summary = {
         "parameters": info["parameters"], "fp32_weight_bytes": fp32_bytes, "reps": args.reps,
+        "cpu_allocator": os.environ.get("DPOCACHE_CPU_ALLOCATOR", "retain"),
         "unsharded_build_peak": unsharded, "sharded_build_peak_per_process": sharded,
         "sharded_over_unsharded": sharded / unsharded,
         "sharded_over_unsharded_net_of_imports": sharded_net / unsharded_net,

@@ -69,6 +69,29 @@ def configure_cpu_allocator(mode: str | None = None) -> bool:
     return ok
 
 
+def trim_heap() -> bool:
+    """Hand the free memory of glibc's heaps back to the system (``malloc_trim(0)``); True
+    when it ran. Freed blocks below the mmap threshold otherwise stay in the process (the
+    trim threshold above keeps up to 1 GiB at the heap's top, and per-thread arenas are rarely
+    trimmed at all): after loading a model shard by shard, or after a sharded layer's gathered
+    parameters are freed, that is memory the process will not use again soon. Outside glibc:
+    nothing."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+            _malloc_trim.argtypes, _malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+        except (OSError, AttributeError):  # not glibc
+            _malloc_trim = False
+    if not _malloc_trim:
+        return False
+    _malloc_trim(0)
+    return True
+
+
+_malloc_trim = None  # glibc's malloc_trim once looked up; False outside glibc
+
+
 CUDA_ALLOC_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 
 

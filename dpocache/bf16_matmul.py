@@ -60,7 +60,8 @@ def resolve_mode(mode: str | None = None) -> str:
 
 def _bf16_valued_fp32(t: torch.Tensor) -> torch.Tensor:
     """``t`` rounded to bf16, as fp32 (a no-op for a marked weight that has not changed since)."""
-    if t.dtype == torch.float32 and getattr(t, _EXACT_VERSION, None) == t._version:
+    marked = getattr(t, _EXACT_VERSION, None)  # looked at first: an inference tensor has no version
+    if t.dtype == torch.float32 and marked is not None and marked == t._version:
         return t
     return t.to(torch.bfloat16).float()
 
@@ -97,25 +98,38 @@ class _LinearBf16ViaFp32(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
-def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, through the fp32 GEMM under CPU bf16 autocast: what a switched layer's
+    forward computes, for callers that hold the weight (a sharded head's tiles)."""
     if (x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
             and torch.get_autocast_dtype("cpu") == torch.bfloat16):
         with torch.autocast("cpu", enabled=False):
-            return _LinearBf16ViaFp32.apply(x, self.weight, self.bias)
-    return nn.Linear.forward(self, x)
+            return _LinearBf16ViaFp32.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(x, self.weight, self.bias)
+
+
+def plain_linear(module: nn.Module) -> bool:
+    """``nn.Linear`` itself, or FSDP2's subclass of it (``fully_shard`` swaps a unit's class
+    for ``FSDP<class>``, whose forward is still ``nn.Linear``'s: a sharded output head)."""
+    cls = type(module)
+    return cls is nn.Linear or (cls.__name__ == "FSDPLinear" and cls.__bases__[-1] is nn.Linear)
 
 
 def install(model: nn.Module, mode: str | None = None) -> int:
     """Route the model's ``nn.Linear`` layers through the fp32 GEMM under CPU bf16 autocast
     (see the module docstring). Idempotent; returns how many layers were switched (0 with mode
     ``native`` or a model not on the CPU). Subclasses of ``nn.Linear`` (quantised layers) are
-    left alone."""
+    left alone, except FSDP2's (``plain_linear``)."""
     first = next(model.parameters(), None)
     if resolve_mode(mode) != "fp32-gemm" or (first is not None and first.device.type != "cpu"):
         return 0
     count = 0
     for module in model.modules():
-        if type(module) is nn.Linear and not getattr(module, _INSTALLED, False):
+        if plain_linear(module) and not getattr(module, _INSTALLED, False):
             module.forward = types.MethodType(_forward, module)
             setattr(module, _INSTALLED, True)
             count += 1

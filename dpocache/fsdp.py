@@ -1,11 +1,12 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) for the policy, and its checkpoints.
 
 Sharding: each decoder layer is its own FSDP unit (all-gathered just before it runs, freed
-after), and ``CompletionLogProbs`` is the root. The root matters: ``CompletionLogProbs`` calls
+after), so are the input embeddings when untied (and, for the frozen reference, the output
+head), and ``CompletionLogProbs`` is the root. The root matters: ``CompletionLogProbs`` calls
 the body (``get_decoder()``) and the output head (``get_output_embeddings()``) separately, so
 no forward of the ``*ForCausalLM`` itself ever runs; the root's pre-forward hook is what
-all-gathers the parameters no layer owns (embeddings, final norm, ``lm_head``). Tied
-embeddings are one parameter owned by the root, so the tie survives sharding.
+all-gathers the parameters no other unit owns (final norm, ``lm_head``). Tied embeddings are
+one parameter owned by the root, so the tie survives sharding.
 
 Checkpoints are gathered, not sharded: ``get_model_state_dict(full_state_dict=True,
 cpu_offload=True)`` assembles the full weights on rank 0's CPU, which writes an ordinary
@@ -21,6 +22,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .allocator import trim_heap
+from .bf16_matmul import plain_linear
 from .checkpoint import check_loaded_keys, read_full_weights
 from .distributed import DistEnv
 from .logprobs import unwrap_causal_lm
@@ -56,10 +59,31 @@ def mixed_precision(dtype: torch.dtype | None):
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
+def vocabulary_modules(policy: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+    """The input embeddings and the output head, the two ``(vocab, hidden)`` tables, when
+    they can be FSDP units of their own: both None when the head is tied to the embeddings
+    (one parameter, which one unit must own), the head None when it is not a plain
+    ``nn.Linear`` (a custom head may read other modules' weights); FSDP2's subclass of either
+    (once sharded) counts as the class itself."""
+    lm = unwrap_causal_lm(policy)
+    embed, head = lm.get_input_embeddings(), lm.get_output_embeddings()
+    if not isinstance(embed, nn.Embedding) or head is None or head.weight is embed.weight:
+        return None, None
+    return embed, head if plain_linear(head) else None
+
+
 def shard_policy(scorer: nn.Module, policy: nn.Module, env: DistEnv, reshard_after_forward: bool = True,
-                 compute_dtype: torch.dtype | None = None) -> nn.Module:
+                 compute_dtype: torch.dtype | None = None, head_unit: bool = False) -> nn.Module:
     """Shard ``policy`` (inside ``scorer``, a ``CompletionLogProbs``) over every rank, with
-    ``mixed_precision(compute_dtype)``.
+    ``mixed_precision(compute_dtype)``. Returns ``scorer``, the root.
+
+    Units: each decoder layer; the input embeddings (untied), gathered for their one call per
+    forward and freed after it, so the root does not hold a whole ``(vocab, hidden)`` table
+    through the forward; with ``head_unit``, the output head too (not resharded after its
+    forward: it is called once per row chunk; the sharded reference streams it from its shards,
+    ``dpocache.sharded.stream_vocabulary``, or gathers it once around all the chunks,
+    ``gather_head_around``); the root owns the rest (final norm, and the head unless
+    ``head_unit``).
 
     The model may sit on the CPU: ``fully_shard`` moves each unit to ``env.device`` as it
     shards it, so a GPU never holds more than one full layer during set-up. It may also sit on
@@ -74,30 +98,57 @@ def shard_policy(scorer: nn.Module, policy: nn.Module, env: DistEnv, reshard_aft
         raise ValueError(f"{type(unwrap_causal_lm(policy)).__name__}: found no decoder layers to shard")
     mp = mixed_precision(compute_dtype)
     kwargs = {"mp_policy": mp} if mp is not None else {}
+    embed, head = vocabulary_modules(policy)
+    if embed is not None:
+        fully_shard(embed, mesh=mesh, reshard_after_forward=True, **kwargs)
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, **kwargs)
+    if head_unit and head is not None:
+        fully_shard(head, mesh=mesh, reshard_after_forward=False, **kwargs)
     fully_shard(scorer, mesh=mesh, reshard_after_forward=reshard_after_forward, **kwargs)
     if env.device.type == "cpu":
-        trim_after_each(layers)
+        trim_after_each(layers + ([embed] if embed is not None else []))
     return scorer
+
+
+def gather_head_around(scorer: nn.Module) -> None:
+    """Gather the output head (an FSDP unit of its own, ``shard_policy(head_unit=True)``) once
+    around all of ``scorer``'s head chunks and free it after them, on every call.
+
+    ``CompletionLogProbs._head_logps`` calls the head once per row chunk, or reads its weight
+    directly (fp32 CPU tiles), and a rank's number of chunks depends on its batch: FSDP's own
+    per-call gathering would run a different number of all-gathers on each rank, or none."""
+    from torch.distributed.fsdp import FSDPModule
+
+    head = unwrap_causal_lm(scorer.model).get_output_embeddings()
+    if not isinstance(head, FSDPModule):
+        return
+    head_logps = scorer._head_logps
+
+    def gathered(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        head.unshard()
+        try:
+            return head_logps(hidden, labels)
+        finally:
+            head.reshard()
+            if hidden.device.type == "cpu":
+                trim_heap()
+
+    scorer._head_logps = gathered
+    # Without the fast path the model's own forward calls the head, whose pre-forward hook
+    # gathers it: free it after the root's forward then.
+    scorer.register_forward_hook(lambda module, args, out: head.reshard())
 
 
 def trim_after_each(layers: list[nn.Module]) -> None:
     """On the CPU, hand the memory of each layer's gathered parameters back to the system
-    once it is resharded (``malloc_trim``). glibc keeps freed blocks below its mmap threshold
-    (32 MiB with ``dpocache.allocator``'s settings) in per-thread heaps it rarely trims, and
-    the gathered layers' blocks were measured to pile up to a whole model's worth over one
-    forward. The hook runs after FSDP's own (registered first), which reshards."""
-    import ctypes
-
-    try:
-        malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return
-    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    once it is resharded (``dpocache.allocator.trim_heap``). glibc keeps freed blocks below its
+    mmap threshold (32 MiB with ``dpocache.allocator``'s settings) in per-thread heaps it rarely
+    trims, and the gathered layers' blocks were measured to pile up to a whole model's worth
+    over one forward. The hook runs after FSDP's own (registered first), which reshards."""
 
     def trim(module, args, out) -> None:  # returns None: the layer's output is left as it is
-        malloc_trim(0)
+        trim_heap()
 
     for layer in layers:
         layer.register_forward_hook(trim)

@@ -13,11 +13,12 @@ storage: that route multiplies bf16-rounded fp32 values and needs them in fp32.
 
 Loading for sharding (``load_for_sharding``): every rank builds the model with its parameters
 on the meta device (no memory; buffers such as rotary frequencies are computed from the
-config), shards it with ``fully_shard``, and fills the shards unit by unit: rank 0 reads one
-decoder layer's tensors (or the root's) from the safetensors files, each tensor is broadcast
-and every rank keeps its own shard (``set_model_state_dict(full_state_dict=True,
-broadcast_from_rank0=True)``, as torchtune and torchtitan do). So host memory holds one shard
-per process plus one layer in flight, never a whole model per process.
+config), shards it with ``fully_shard``, and fills its own shards unit by unit: of each tensor
+it reads only the rows its shard holds (safetensors' ``get_slice``) and assigns them as the
+parameter's local shard. Nothing is broadcast and no process holds a whole tensor, so host
+memory holds one shard per process plus one unit's shard in flight, never a whole model per
+process (torchtune and torchtitan broadcast from rank 0 instead, which puts each whole tensor
+in every process on its way).
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from . import bf16_matmul
+from .allocator import trim_heap
 from .distributed import DistEnv
 
 
@@ -145,7 +146,8 @@ def _unit_of(key: str) -> str:
 
 
 def _file_units(path: Path) -> tuple[dict[str, list[tuple[Path, str]]], set[str]]:
-    """Rank 0: every weight of the checkpoint grouped by FSDP unit, and the set of names."""
+    """Every weight of the checkpoint grouped by FSDP unit, and the set of names (read from
+    the files' headers only)."""
     from safetensors import safe_open
 
     units: dict[str, list[tuple[Path, str]]] = {}
@@ -156,14 +158,46 @@ def _file_units(path: Path) -> tuple[dict[str, list[tuple[Path, str]]], set[str]
     return units, {k for entries in units.values() for _, k in entries}
 
 
-def _read_unit(entries: list[tuple[Path, str]], dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
-    """Rank 0: one unit's tensors from the files, each in the dtype the model stores it in."""
+def shard_rows(rows: int, world: int, rank: int) -> slice:
+    """The rows of a dim 0 of ``rows`` that ``rank``'s FSDP2 shard holds: FSDP2 splits dim 0 as
+    ``torch.chunk`` does, ``ceil(rows / world)`` per rank, so the last ranks' shares may be
+    shorter, or empty."""
+    per_rank = -(-rows // world)
+    start = min(rows, rank * per_rank)
+    return slice(start, min(rows, start + per_rank))
+
+
+def local_rows(param: torch.Tensor) -> slice | None:
+    """The rows of dim 0 this rank's FSDP2 shard of ``param`` holds, else None (not a
+    ``DTensor``: the whole tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor) or param.dim() == 0:
+        return None
+    return shard_rows(param.shape[0], param.device_mesh.size(), param.device_mesh.get_local_rank())
+
+
+def _read_unit(entries: list[tuple[Path, str]], targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One unit's tensors as this rank holds them: of each sharded parameter only its own rows
+    (read with ``get_slice``, so the file's other rows are never copied), as a ``DTensor``
+    shard in the dtype the model stores it in; anything else (a persistent buffer) whole."""
     from safetensors import safe_open
+    from torch.distributed.tensor import DTensor
 
     out = {}
-    for file, key in entries:
+    for file in dict.fromkeys(f for f, _ in entries):
         with safe_open(str(file), "pt") as f:
-            out[key] = f.get_tensor(key).to(dtypes[key])
+            for key in (k for g, k in entries if g == file):
+                target = targets[key]
+                rows = local_rows(target)
+                value = f.get_tensor(key) if rows is None else f.get_slice(key)[rows]
+                # A copy: safetensors' tensors are views of a private mapping of the whole file,
+                # which a later write to the file (a checkpoint saved over it) would break.
+                value = value.to(target.dtype, copy=True)
+                if rows is not None:
+                    value = DTensor.from_local(value, target.device_mesh, target.placements, run_check=False,
+                                               shape=target.shape, stride=target.stride())
+                out[key] = value
     return out
 
 
@@ -193,37 +227,25 @@ def load_for_sharding(path: str | Path, env: DistEnv, prepare, shard, attn_imple
     (dtypes, checkpointing), ``shard(model)`` it (returns the FSDP2 root), then fill the shards
     unit by unit from the safetensors files. A collective. Returns ``(model, root)``.
 
-    Rank 0 reads one FSDP unit (a decoder layer, or the root's embeddings, norm and head) at a
-    time and each of its tensors is broadcast, every rank keeping its own shard
-    (``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``). So no process
-    ever holds more than one unit of the full model besides its shards.
+    Every rank reads, one FSDP unit (a decoder layer, or the root's weights) at a time, only
+    the rows of each tensor its own shard holds (``local_rows``) and assigns them as the
+    parameter's shard (FSDP2 re-pads them in its load hook). So no process ever holds a whole
+    tensor of the model, nor sends or receives one; the page cache shares the files' pages.
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    from .distributed import broadcast_object
-
     path = Path(path)
     model = meta_model(path, attn_implementation)
     prepare(model)
-    units, problem = None, None
-    if env.is_main:
-        units, in_files = _file_units(path)
-        problem = _check_names(path, model, in_files)
-    problem = broadcast_object(env, problem)
+    units, in_files = _file_units(path)
+    problem = _check_names(path, model, in_files)
     if problem:
         raise ValueError(problem)
-    names = broadcast_object(env, sorted(units) if env.is_main else None)
-    dtypes = {k: v.dtype for k, v in model.state_dict().items()}
     ties = _ties(model)
     root = shard(model)
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
-    with warnings.catch_warnings():
-        # torch's own device lookup for the broadcast warns about its deprecation on gloo.
-        warnings.filterwarnings("ignore", message=".*_get_pg_default_device.*|.*Multiple backends are registered.*")
-        for name in names:
-            state = _read_unit(units[name], dtypes) if env.is_main else {}
-            set_model_state_dict(model, state, options=options)
-            del state
+    targets = {**dict(model.named_buffers()), **dict(model.named_parameters(remove_duplicate=False))}
+    for entries in units.values():
+        state = _read_unit(entries, targets)
+        model.load_state_dict(state, strict=False, assign=True)
+        del state
     # Loading assigns a new parameter under each name it loads: point the tied names (lm_head
     # = embeddings, saved once) at it again, before FSDP's first forward looks at them.
     for alias, source in ties.items():
@@ -232,4 +254,5 @@ def load_for_sharding(path: str | Path, env: DistEnv, prepare, shard, attn_imple
     left = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if left:
         raise RuntimeError(f"{path}: parameters not loaded: {left[:5]}")
+    trim_heap()  # the files' read buffers: freed, but kept by glibc unless trimmed
     return model, root

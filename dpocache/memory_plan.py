@@ -9,8 +9,10 @@ against its formula. The parts follow what dpocache runs:
   activations at a time; the output head runs on completion positions in chunks of
   ``DEFAULT_LOGITS_BUDGET`` fp32 logits (``dpocache.logprobs``). ``weight_bytes`` is 4 for the
   fp32 master weights loaded today, 2 for weights held in bf16. Sharded (FSDP2), a device holds
-  1/N of the weights plus the units gathered at once: the root (embeddings, final norm, output
-  head: ``dpocache.fsdp``) and two decoder layers (the running one and the prefetched next).
+  1/N of the weights plus the units gathered at once: two decoder layers (the running one and
+  the prefetched next) and, with an untied head, one tile of a vocabulary table (the embeddings
+  and the head are streamed from their shards, ``dpocache.vocab_stream``); with a tied head the
+  root (embeddings, final norm, head: ``dpocache.fsdp``) is gathered too.
 - **Training** (full fine-tuning, FSDP2 over N devices, AdamW): fp32 master weights, fp32
   gradients and the two fp32 Adam moments, each sharded 1/N (16 bytes per parameter in all,
   ZeRO-3's accounting: Rajbhandari et al. 2020, section 3); gathered units in fp32 (dpocache's
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .logprobs import DEFAULT_LOGITS_BUDGET
+from .vocab_stream import TILE_BYTES
 
 GIB = 1 << 30
 
@@ -128,7 +131,10 @@ def reference_memory(shape: ModelShape, devices: int = 1, tokens: int = 4096, we
     parts: dict[str, float] = {}
     if sharded:
         parts["weights (1/N shard)"] = shape.params * weight_bytes / devices
-        parts["gathered units (root + 2 layers)"] = (shape.root_params + 2 * shape.layer_params) * weight_bytes
+        if shape.tied:
+            parts["gathered units (root + 2 layers)"] = (shape.root_params + 2 * shape.layer_params) * weight_bytes
+        else:  # the embeddings and the head are used a tile at a time, never gathered (dpocache.vocab_stream)
+            parts["gathered units (2 layers + a vocabulary tile)"] = 2 * shape.layer_params * weight_bytes + TILE_BYTES
     else:
         parts["weights"] = shape.params * weight_bytes
     per_token = INFERENCE_HIDDEN_COEF * shape.hidden + INFERENCE_INTERMEDIATE_COEF * shape.intermediate

@@ -48,8 +48,8 @@ def _prepare_policy(model: nn.Module, cfg: Config) -> None:
 
 def load_sharded_policy(cfg: Config, env: DistEnv, dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
     """``train --fsdp``'s policy, created on the meta device on every rank and filled shard by
-    shard from rank 0's copy (``dpocache.loading.load_for_sharding``), sharded with FSDP2 in
-    ``dtype``'s mixed precision. A collective. Returns ``(policy, scorer)``: the causal LM and
+    shard from the files, each rank reading its own rows (``dpocache.loading.load_for_sharding``),
+    sharded with FSDP2 in ``dtype``'s mixed precision. A collective. Returns ``(policy, scorer)``: the causal LM and
     the ``CompletionLogProbs`` that is FSDP's root."""
     from .fsdp import shard_policy
     from .loading import load_for_sharding

@@ -2,8 +2,9 @@
 --fsdp``, and the build ``train --fsdp`` runs for missing values).
 
 Each process holds ``1 / world`` of the weights; every decoder layer is all-gathered just
-before it runs and freed after it, as in ``dpocache.fsdp`` (``CompletionLogProbs`` is the
-root, which owns the embeddings, the final norm and the head). Each process still scores its
+before it runs and freed after, as in ``dpocache.fsdp`` (``CompletionLogProbs`` is the root,
+which owns the final norm), and the embeddings and the output head are used a tile at a time
+from the shards, never gathered whole (``dpocache.vocab_stream``). Each process still scores its
 own token-balanced share of the pairs (``cache.build.build_distributed``).
 
 An FSDP2 forward is a collective: every rank must run the same number of forwards, with the
@@ -21,11 +22,13 @@ import sys
 from pathlib import Path
 
 import torch
+from torch import nn
 
+from .allocator import trim_heap
 from .data import TokenizedPair
 from .distributed import DistEnv, reduce_counts
 from .loading import load_for_sharding, routes_bf16_through_fp32, store_frozen_matrices_
-from .logprobs import CompletionLogProbs, autocast
+from .logprobs import CompletionLogProbs, autocast, unwrap_causal_lm
 from .preflight import UsageError
 from .reference import ReferenceModel, disable_dropout
 
@@ -83,13 +86,50 @@ class ShardedReference(ReferenceModel):
 
 
 def shard_reference(scorer: CompletionLogProbs, env: DistEnv) -> None:
-    """``fully_shard`` every decoder layer and the root (``dpocache.fsdp.shard_policy``), with
-    the root's parameters freed after each forward too (FSDP2 keeps a root's gathered for the
-    backward, and a reference has none)."""
+    """``fully_shard`` every decoder layer, the embeddings, the output head and the root
+    (``dpocache.fsdp.shard_policy``), the head gathered once around each forward's head
+    chunks (``gather_head_around``), and the root's parameters freed after each forward too
+    (FSDP2 keeps a root's gathered for the backward, and a reference has none). So besides its
+    shards a process holds one layer, or one of the two ``(vocab, hidden)`` tables, at a time."""
     from .fsdp import shard_policy
 
-    shard_policy(scorer, scorer.model, env)
+    shard_policy(scorer, scorer.model, env, head_unit=True)
     scorer.set_reshard_after_forward(True, recurse=False)
+
+
+def stream_vocabulary(scorer: CompletionLogProbs, env: DistEnv) -> None:
+    """Once the shards are loaded: the embeddings and a bias-free head are used tile by tile
+    from the shards (``dpocache.vocab_stream``), never gathered whole; another head (a bias)
+    is gathered once around each forward's head chunks (``dpocache.fsdp.gather_head_around``).
+    After the routing of ``bf16_matmul.install``, which the streamed head keeps."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from .fsdp import gather_head_around, vocabulary_modules
+    from .vocab_stream import StreamedEmbedding, StreamedHead
+
+    lm = unwrap_causal_lm(scorer.model)
+    embed, head = vocabulary_modules(lm)
+    # An FSDP2 unit of exactly nn.Embedding underneath (fully_shard subclasses the class it is
+    # given): a subclass of nn.Embedding may scale or mix in its forward (Gemma 3's scales).
+    plain_embed = (isinstance(embed, FSDPModule) and type(embed).__bases__[-1] is nn.Embedding
+                   and embed.max_norm is None)
+    if not plain_embed or head is None or head.bias is not None:
+        return gather_head_around(scorer)
+    streamed = StreamedHead.from_sharded(head, env)
+    lm.set_input_embeddings(StreamedEmbedding.from_sharded(embed, env))
+    lm.set_output_embeddings(streamed)
+    head_logps = scorer._head_logps
+
+    def finished(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        out = head_logps(hidden, labels)
+        streamed.finish()  # the head's calls of every rank in this forward are done
+        if hidden.device.type == "cpu":
+            trim_heap()  # the chunks' logits buffers, kept by glibc below its mmap threshold
+        return out
+
+    scorer._head_logps = finished
+    # Without the fast path the model's own forward calls the head: finish after the root's.
+    scorer.register_forward_hook(lambda module, args, out: streamed.finish())
 
 
 def probe_sharded(scorer: CompletionLogProbs, env: DistEnv, dtype: torch.dtype) -> None:
@@ -136,6 +176,7 @@ def load_sharded_reference(path: str | Path, dtype: torch.dtype, env: DistEnv, l
         from . import bf16_matmul
 
         bf16_matmul.install(model)  # after loading: it skips a model whose weights are on meta
+    stream_vocabulary(scorer, env)
     probe_sharded(scorer, env, dtype)
     report_shards("reference", model, env)
     return ShardedReference(model, scorer, env, dtype, layout, attention)
@@ -143,8 +184,11 @@ def load_sharded_reference(path: str | Path, dtype: torch.dtype, env: DistEnv, l
 
 def report_shards(what: str, model, env: DistEnv) -> None:
     """One line on rank 0: the model is sharded, and this rank's share of its weights."""
+    from torch.distributed.tensor import DTensor
+
     if env.is_main:
-        mib = sum(p.to_local().numel() * p.element_size() for p in model.parameters()) / 2**20
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+        mib = sum(p.numel() * p.element_size() for p in local) / 2**20
         print(f"{what}: FSDP2-sharded over {env.world_size} processes, {mib:.1f} MiB of weights in rank 0",
               file=sys.stderr)
 
@@ -164,6 +208,7 @@ def build_share_sharded(build_share, load_reference, todo: bool, pad_id: int):
         # (collected at interpreter exit, after it is destroyed, they can abort the process).
         reference = None  # noqa: F841 - the last reference to it (the closure above holds this cell)
         gc.collect()
+        trim_heap()  # its shards: freed, but kept by glibc (blocks under the mmap threshold) unless trimmed
 
 
 def reference_loader(path: str | Path, dtype: torch.dtype, env: DistEnv, layout: str = "shared",

@@ -447,17 +447,20 @@ def test_sharded_build_on_two_ranks_matches_one_process_in_fp32(assets, tmp_path
             assert torch.allclose(x, y, atol=TOL, rtol=0)
 
 
-def test_sharded_build_on_four_ranks_equals_the_unsharded_shares_in_bf16(assets, tmp_path, monkeypatch):
+@pytest.mark.parametrize("name,mode", [("tied", "native"), ("model", "native"), ("model", "fp32-gemm")])
+def test_sharded_build_on_four_ranks_equals_the_unsharded_shares_in_bf16(assets, tmp_path, monkeypatch, name, mode):
     """bf16 with the native kernels (matrices stored in bf16, so each FSDP unit mixes bf16 and
-    fp32 parameters), a tied head, the padded layout, and shares of different batch counts (the
-    ranks that finish first run padding forwards). Equal, bit for bit, to the unsharded reference
-    run over the same shares in the same batches."""
+    fp32 parameters) or the fp32-GEMM route, a tied head (one FSDP unit with the root) or an
+    untied one (embeddings and head streamed from their shards, dpocache.vocab_stream), the
+    padded layout, and shares of different batch counts (the ranks that finish first run
+    padding forwards). Equal, bit for bit, to the unsharded reference run over the same shares
+    in the same batches."""
     from dpocache.cache import CacheStore, build_missing, namespace_for_dir
     from dpocache.cache.build import reference_batches
     from dpocache.reference import ReferenceModel
 
-    monkeypatch.setenv("DPOCACHE_BF16_MATMUL", "native")  # torchrun's processes inherit it
-    model, bf16 = assets["tied"], torch.bfloat16
+    monkeypatch.setenv("DPOCACHE_BF16_MATMUL", mode)  # torchrun's processes inherit it
+    model, bf16 = assets[name], torch.bfloat16
     pairs = _pairs(assets, model)
     reference = ReferenceModel.from_pretrained(model, "bfloat16", "cpu", layout="padded")
     shares = split_by_tokens(pairs, 4)

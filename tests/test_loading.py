@@ -12,6 +12,7 @@ from dpocache.cache.build import reference_batches, score_batch
 from dpocache.cache_cli import load_tokenizer
 from dpocache.data import load_preference_data
 from dpocache.loading import parameter_bytes
+from dpocache.logprobs import CompletionLogProbs
 from dpocache.reference import ReferenceModel, load_causal_lm
 from dpocache.tiny import save_tiny_model
 
@@ -137,3 +138,143 @@ def test_meta_loaded_policy_has_fp32_masters_bf16_gathers_and_per_layer_checkpoi
     assert torch.bfloat16 in seen  # gathered in bf16 (a second time when the checkpoint recomputes)
     assert torch.isfinite(logps).all() and logps[:, 7:].lt(0).all()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in policy.parameters())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 13])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_shard_rows_are_fsdp2s_split_of_dim0(rows, world):
+    """Each rank reads the rows its FSDP2 shard holds: ``torch.chunk``'s split, empty shares
+    for the ranks past the last chunk."""
+    from dpocache.loading import shard_rows
+
+    chunks = list(torch.arange(rows).chunk(world))
+    chunks += [torch.arange(0)] * (world - len(chunks))
+    for rank, want in enumerate(chunks):
+        assert torch.equal(torch.arange(rows)[shard_rows(rows, world, rank)], want), (rank, want)
+
+
+def test_sharded_loading_reads_only_each_shards_rows(saved, world_of_one, monkeypatch):
+    """``load_for_sharding`` reads every parameter with safetensors' ``get_slice`` (the
+    shard's rows), never whole with ``get_tensor``; the filled shards are the file's weights,
+    in memory of their own (not views of the file's mapping)."""
+    import safetensors
+    from torch.distributed.tensor import DTensor
+
+    from dpocache.sharded import load_sharded_reference
+
+    whole = []
+    real_open = safetensors.safe_open
+
+    class Spy:
+        def __init__(self, *args, **kwargs):
+            self.f = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def get_tensor(self, key):
+            whole.append(key)
+            return self.f.get_tensor(key)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    monkeypatch.setattr(safetensors, "safe_open", Spy)
+    reference = load_sharded_reference(saved["llama"], torch.float32, world_of_one)
+    monkeypatch.undo()
+    assert whole == []
+    full = load_causal_lm(saved["llama"])
+    for (name, p), q in zip(reference.model.named_parameters(), full.parameters(), strict=True):
+        # The embeddings and the head are streamed from their shards (whole in a world of one).
+        assert torch.equal(p.full_tensor() if isinstance(p, DTensor) else p, q), name
+
+
+def test_sharded_reference_never_gathers_its_vocabulary_tables(saved, world_of_one, monkeypatch):
+    """The sharded reference streams its embeddings and output head from their shards
+    (``dpocache.vocab_stream``): FSDP gathers only the decoder layers and the root (final
+    norm), as many times per forward however many row chunks the head scores, nothing stays
+    gathered after a forward, and the values do not depend on the chunking."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+    from torch.distributed.tensor import DTensor
+
+    from dpocache.fsdp import decoder_layers
+    from dpocache.sharded import load_sharded_reference
+    from dpocache.vocab_stream import StreamedEmbedding, StreamedHead
+
+    reference = load_sharded_reference(saved["llama"], torch.float32, world_of_one)
+    scorer, lm = reference._scorer, reference.model
+    assert isinstance(lm.get_input_embeddings(), StreamedEmbedding)
+    assert isinstance(lm.get_output_embeddings(), StreamedHead)
+    gathers = []  # one per unit whose parameters go from sharded to gathered: an all-gather on several ranks
+    group = _fsdp_param_group.FSDPParamGroup
+    real_gather = group._to_unsharded
+    monkeypatch.setattr(group, "_to_unsharded", lambda self: gathers.extend([] if self.is_unsharded else [1])
+                        or real_gather(self))
+
+    ids = torch.randint(3, 400, (2, 12))
+    mask = torch.zeros_like(ids)
+    mask[:, 2:] = 1
+    counts, outs = [], []
+    for budget in (scorer.logits_budget, 2 * scorer.config.vocab_size):  # one chunk; 2 rows a chunk
+        scorer.logits_budget = budget
+        gathers.clear()
+        with torch.no_grad():
+            outs.append(scorer(ids, torch.ones_like(ids), mask))
+        counts.append(len(gathers))
+        assert all(isinstance(p, DTensor) for n, p in lm.named_parameters() if not n.endswith(".shard"))
+    assert counts[0] == counts[1] == len(decoder_layers(lm)) + 1  # the layers and the root (final norm)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-6)  # row chunks of another size: the GEMM's rounding
+
+
+@pytest.mark.parametrize("mode", ["native", "fp32-gemm"])
+def test_sharded_reference_with_its_own_head_unit_equals_the_unsharded_one_in_bf16(saved, world_of_one, pref_jsonl,
+                                                                                     mode, monkeypatch):
+    """An untied head, an FSDP unit of its own in the sharded reference, keeps the unsharded
+    reference's arithmetic under bf16 in both CPU routes: bf16 storage with the native kernels,
+    ``dpocache.bf16_matmul``'s fp32 GEMM otherwise. Values equal bit for bit."""
+    from dpocache.sharded import load_sharded_reference
+
+    monkeypatch.setenv("DPOCACHE_BF16_MATMUL", mode)
+    tokenizer = load_tokenizer(saved["llama"])
+    pairs = load_preference_data(str(pref_jsonl), tokenizer, max_length=64, show_progress=False).pairs
+    pad = tokenizer.pad_token_id or 0
+    want = _all_values(ReferenceModel.from_pretrained(saved["llama"], "bfloat16", "cpu", layout="padded"), pairs, pad)
+    sharded = load_sharded_reference(saved["llama"], torch.bfloat16, world_of_one, layout="padded")
+    got = _all_values(sharded, pairs, pad)
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_an_embedding_subclass_is_gathered_not_streamed(saved, world_of_one, monkeypatch):
+    """An ``nn.Embedding`` subclass may compute in its forward (Gemma 3 scales its rows): the
+    sharded reference then gathers its tables as FSDP units instead of streaming raw rows, and
+    its values stay the model's."""
+    from dpocache import loading
+    from dpocache.sharded import load_sharded_reference
+    from dpocache.vocab_stream import StreamedEmbedding
+
+    class Scaled(nn.Embedding):
+        def forward(self, ids):
+            return super().forward(ids) * 3.0
+
+    def scaled(model):
+        plain = model.model.embed_tokens
+        model.model.embed_tokens = Scaled(plain.num_embeddings, plain.embedding_dim, device=plain.weight.device)
+        model.model.embed_tokens.weight = plain.weight
+        return model
+
+    real_meta_model = loading.meta_model
+    monkeypatch.setattr(loading, "meta_model", lambda *args: scaled(real_meta_model(*args)))
+    sharded = load_sharded_reference(saved["llama"], torch.float32, world_of_one)
+    full = scaled(load_causal_lm(saved["llama"]))
+    assert not isinstance(sharded.model.get_input_embeddings(), StreamedEmbedding)
+    ids = torch.randint(3, 400, (2, 12))
+    mask = torch.zeros_like(ids)
+    mask[:, 2:] = 1
+    with torch.no_grad():
+        want = CompletionLogProbs(full)(ids, torch.ones_like(ids), mask)
+        got = sharded._scorer(ids, torch.ones_like(ids), mask)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

@@ -71,6 +71,21 @@ def test_sharding_divides_the_state_and_keeps_the_gathered_units():
     assert eight["gathered units (root + 2 layers)"] == one["gathered units (root + 2 layers)"]
 
 
+def test_sharded_reference_gathers_two_layers_and_streams_the_vocabulary_tables():
+    """An untied reference's embeddings and head are streamed from their shards a tile at a
+    time (dpocache.vocab_stream): only two layers and a tile are gathered; a tied one still
+    gathers its root (embeddings = head, final norm)."""
+    from dataclasses import replace
+
+    from dpocache.vocab_stream import TILE_BYTES
+
+    untied = reference_memory(LLAMA_3_8B, 8, weight_bytes=2, sharded=True)
+    assert untied["gathered units (2 layers + a vocabulary tile)"] == 2 * LLAMA_3_8B.layer_params * 2 + TILE_BYTES
+    tied_shape = replace(LLAMA_3_8B, tied=True)
+    tied = reference_memory(tied_shape, 8, weight_bytes=2, sharded=True)
+    assert tied["gathered units (root + 2 layers)"] == (tied_shape.root_params + 2 * tied_shape.layer_params) * 2
+
+
 def test_plan_table_names_what_fits(capsys):
     rows = {(r.model, r.job, r.devices): r for r in plan(LLAMA_3_70B, (1, 8))}
     # 70B in fp32 is 263 GiB of weights: no single 80 GB device holds it; sharded over 8 it fits.
