@@ -115,7 +115,7 @@ def gather_head_around(scorer: nn.Module) -> None:
     """Gather the output head (an FSDP unit of its own, ``shard_policy(head_unit=True)``) once
     around all of ``scorer``'s head chunks and free it after them, on every call.
 
-    ``CompletionLogProbs._head_logps`` calls the head once per row chunk, or reads its weight
+    ``CompletionLogProbs.head_logps`` calls the head once per row chunk, or reads its weight
     directly (fp32 CPU tiles), and a rank's number of chunks depends on its batch: FSDP's own
     per-call gathering would run a different number of all-gathers on each rank, or none."""
     from torch.distributed.fsdp import FSDPModule
@@ -123,7 +123,7 @@ def gather_head_around(scorer: nn.Module) -> None:
     head = unwrap_causal_lm(scorer.model).get_output_embeddings()
     if not isinstance(head, FSDPModule):
         return
-    head_logps = scorer._head_logps
+    head_logps = scorer.head_logps
 
     def gathered(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         head.unshard()
@@ -134,7 +134,7 @@ def gather_head_around(scorer: nn.Module) -> None:
             if hidden.device.type == "cpu":
                 trim_heap()
 
-    scorer._head_logps = gathered
+    scorer.head_logps = gathered
     # Without the fast path the model's own forward calls the head, whose pre-forward hook
     # gathers it: free it after the root's forward then.
     scorer.register_forward_hook(lambda module, args, out: head.reshard())

@@ -118,7 +118,7 @@ def stream_vocabulary(scorer: CompletionLogProbs, env: DistEnv) -> None:
     streamed = StreamedHead.from_sharded(head, env)
     lm.set_input_embeddings(StreamedEmbedding.from_sharded(embed, env))
     lm.set_output_embeddings(streamed)
-    head_logps = scorer._head_logps
+    head_logps = scorer.head_logps
 
     def finished(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         out = head_logps(hidden, labels)
@@ -127,7 +127,7 @@ def stream_vocabulary(scorer: CompletionLogProbs, env: DistEnv) -> None:
             trim_heap()  # the chunks' logits buffers, kept by glibc below its mmap threshold
         return out
 
-    scorer._head_logps = finished
+    scorer.head_logps = finished
     # Without the fast path the model's own forward calls the head: finish after the root's.
     scorer.register_forward_hook(lambda module, args, out: streamed.finish())
 

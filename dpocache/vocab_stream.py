@@ -109,7 +109,7 @@ class StreamedHead(nn.Module):
         """From a loaded FSDP2 unit (its weight a ``DTensor``), after ``bf16_matmul.install``."""
         if head.bias is not None:
             raise ValueError("a streamed head has no bias")
-        routed = bool(getattr(head, bf16_matmul._INSTALLED, False))
+        routed = bf16_matmul.installed(head)
         return cls(head.weight.to_local(), head.out_features, env, routed)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
