@@ -14,9 +14,12 @@ Layouts (how pairs become model inputs):
 
 ``auto`` (the default) is ``shared`` wherever it runs, else ``padded``; not ``packed``: with the
 dense SDPA mask a packed row's attention grows as its width squared, and in a same-process A/B
-on 2 CPU cores (``bench/bench_layouts.py``, fp32, 32 pairs, medians of 3) the packed reference
-pass ran at 0.95x the padded layout's tokens/s on the long-prompt configuration where shared
-ran at 1.64x. The shared and packed layouts need
+on 2 CPU cores (``bench/bench_layouts.py``, fp32, 32 pairs, medians of 3, x the padded
+layout's tokens/s) the reference pass ran shared 1.33x / packed 0.79x on the 58m
+configuration and 1.64x / 0.95x on the long-prompt one (rows of 4096 tokens; of 1024: 1.54x /
+1.43x). Length-sorted batches leave the shared layout little padding for packing to remove;
+packing is for FlexAttention, whose block-sparse kernel skips the masked blocks (unmeasured
+here: no GPU). The shared and packed layouts need
 an attention that takes a custom 4D mask (``sdpa`` or ``eager``), the fast path's reproduced
 output head (``CompletionLogProbs.fast_path``) and, in training, no router loss: a
 mixture-of-experts model's load-balancing loss is computed from the padded layout's 2D mask.

@@ -15,10 +15,16 @@ rounding, at ``p + c + r`` tokens per pair instead of ``2 * (p + max(c, r))`` pl
 for prompts as long as the completions that is about 3/4 of the work before padding, for
 prompts four times as long about 3/5.
 
+The packed layout is the same rows with several pairs in each (``collate_packed``, placed by
+``dpocache.packing``): a ``documents`` id per token keeps pairs apart (block-diagonal) and
+position ids restart at 0 for each pair; the shared layout is its case of one pair per row
+(``collate_shared``, one code path for both).
+
 Supported where the model's body accepts a custom 4D mask and ``position_ids`` with the
 ``sdpa`` or ``eager`` attention (Llama, Qwen2, Mistral, Gemma 2, GPT-2 and most decoder-only
-models of transformers >= 4.53); ``dpocache.layouts.select_layout`` decides, for the cache
-build and training alike, and names the reason when the padded layout runs instead.
+models of transformers >= 4.53), or a ``BlockMask`` with ``flex_attention``
+(``flex_block_masks``, ``dpocache.attention``); ``dpocache.layouts.select_layout`` decides, for
+the cache build and training alike, and names the reason when the padded layout runs instead.
 
 The computation goes through ``CompletionLogProbs.forward`` (its gathered mode: a custom mask,
 position ids and the flat positions to score), so a DDP- or FSDP2-wrapped scorer runs its hooks
