@@ -33,6 +33,7 @@ position ids and the flat positions to score), so a DDP- or FSDP2-wrapped scorer
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -196,14 +197,25 @@ def attention_mask(batch: SharedPromptBatch, config, dtype: torch.dtype = torch.
     return masks["full_attention"]
 
 
+@functools.cache
+def _block_mask_builder(device_type: str):
+    """``create_block_mask``, compiled on CUDA: run eagerly it materialises the ``(B, T, T)``
+    mask (and temporaries of that size) before summarising it into blocks, which a packed row
+    of a large ``--max-tokens`` cannot afford on a GPU; compiled, it writes the blocks directly
+    (the recipe of torch's FlexAttention documentation, and transformers' own). On CPU it runs
+    eagerly: its rows are short, and a compile costs seconds there."""
+    from torch.nn.attention.flex_attention import create_block_mask  # optional: torch >= 2.5
+
+    return torch.compile(create_block_mask) if device_type == "cuda" else create_block_mask
+
+
 def flex_block_masks(batch, config):
     """``attention_mask``'s rule as a FlexAttention ``BlockMask`` (``dpocache.attention``), or
     ``{layer type: BlockMask}`` for models with sliding layers; built on the batch's device.
     ``batch``: a ``SharedPromptBatch`` or a ``groups.GroupBatch`` (no ``documents``: one
     pair or group per row)."""
-    from torch.nn.attention.flex_attention import create_block_mask  # optional: torch >= 2.5
-
     seg, pos = batch.segments, batch.position_ids  # (B, T)
+    create_block_mask = _block_mask_builder(seg.device.type)
     docs = getattr(batch, "documents", None)
     docs = torch.zeros_like(seg) if docs is None else docs
     b, t = seg.shape
