@@ -298,7 +298,7 @@ def training_layout(scorer: nn.Module, requested: str, attention: str = "auto") 
     lm = unwrap_causal_lm(core.model)
     why = use_attention(lm, attention, next(lm.parameters()).device, backward=True)
     return select_layout(requested, core.config, fast_path=core.fast_path, router_loss=core._router is not None,
-                         attention_reason=why)
+                         attention_reason=why, training=True)
 
 
 def layout_logprobs(scorer: nn.Module, layout: str, pairs: Sequence[TokenizedPair], pad_id: int, device):
