@@ -131,7 +131,7 @@ def setup(cfg: Config) -> Run:
     else:
         policy = load_policy(cfg, env.device)
         scorer = wrap_for_distributed(CompletionLogProbs(policy), policy, cfg, env)
-    # dpocache.layouts: shared where supported, else padded; the attention backend by dpocache.attention
+    # dpocache.layouts: packed where supported, else padded; the attention backend by dpocache.attention
     layout = training_layout(scorer, cfg.train.layout, cfg.model.attention)
     global_batch = cfg.train.batch_size * cfg.train.grad_accum * env.world_size
     steps_per_epoch = len(train_data) // global_batch
