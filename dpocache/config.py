@@ -94,7 +94,7 @@ class OptimConfig:
 class TrainLoopConfig:
     output_dir: str = "runs/dpo"  # metrics.jsonl, run.json, checkpoints/ and final/
     batch_size: int = 8  # pairs per device per micro-batch
-    layout: str = "auto"  # auto (shared where supported) | shared (prompt once per pair) | packed | padded
+    layout: str = "auto"  # auto (packed where supported) | shared (prompt once per pair) | packed | padded
     grad_accum: int = 1  # micro-batches per optimizer step
     epochs: int = 1  # passes over the training data
     max_steps: int | None = None  # optimizer steps; overrides epochs

@@ -12,11 +12,20 @@ Layouts (how pairs become model inputs):
   pass fills one row of ``--cache.max_tokens`` per forward, training packs a micro-batch into
   rows of its longest pair. Same support as ``shared``.
 
-``auto`` (the default) is ``shared`` wherever it runs, else ``padded``; not ``packed``: with the
-dense SDPA mask a packed row's attention grows as its width squared, and in a same-process A/B
-on 2 CPU cores (``bench/bench_layouts.py``, fp32, 32 pairs, medians of 3) the packed reference
-pass ran at 0.95x the padded layout's tokens/s on the long-prompt configuration where shared
-ran at 1.64x. The shared and packed layouts need
+``auto`` (the default) is, wherever they run, ``packed`` in training and ``shared`` in the
+reference pass, else ``padded``. Measured in a same-process A/B on 2 CPU cores
+(``bench/bench_layouts.py``, fp32, 32 pairs, medians of 3, x the padded layout's tokens/s):
+
+- training (forward + backward, micro-batches of 8, long-prompt): shared 1.64x, packed 1.74x.
+  A packed micro-batch's rows are as wide as the shared layout's (its longest pair) and never
+  more of them: packing can only remove rows.
+- reference pass: shared 1.33x / packed 0.79x on the 58m configuration, 1.64x / 0.95x on the
+  long-prompt one (packed rows of 4096 tokens; of 1024: 1.54x / 1.43x). With the dense SDPA
+  mask a row's attention grows as its width squared, and length-sorted batches leave the
+  shared layout little padding to remove. Packed reference rows are for FlexAttention, whose
+  block-sparse kernel skips the masked blocks (unmeasured here: no GPU).
+
+The shared and packed layouts need
 an attention that takes a custom 4D mask (``sdpa`` or ``eager``), the fast path's reproduced
 output head (``CompletionLogProbs.fast_path``) and, in training, no router loss: a
 mixture-of-experts model's load-balancing loss is computed from the padded layout's 2D mask.
@@ -49,12 +58,13 @@ class LayoutChoice:
 
 
 def select_layout(requested: str, config, fast_path: bool = True, router_loss: bool = False,
-                  attention_reason: str | None = None) -> LayoutChoice:
+                  attention_reason: str | None = None, training: bool = False) -> LayoutChoice:
     """The layout that runs for ``requested`` (``auto``, ``padded``, ``shared`` or ``packed``)
     on a model with ``config``; ``fast_path``: the chunked head reproduces the model's (else its
     own forward runs, on padded rows); ``router_loss``: training needs a MoE load-balancing
     loss; ``attention_reason``: why a requested attention backend did not run
-    (``dpocache.attention.use_attention``), carried into the choice's reason."""
+    (``dpocache.attention.use_attention``), carried into the choice's reason; ``training``:
+    ``auto`` means ``packed`` (see the module docstring)."""
     if requested not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got '{requested}'")
     attention = str(getattr(config, "_attn_implementation", None) or "unknown")
@@ -71,4 +81,5 @@ def select_layout(requested: str, config, fast_path: bool = True, router_loss: b
     reasons = "; ".join(r for r in (attention_reason, reason) if r) or None
     if requested == "padded" or reason is not None:
         return LayoutChoice(requested, "padded", attention, reasons)
-    return LayoutChoice(requested, "shared" if requested == "auto" else requested, attention, reasons)
+    auto = "packed" if training else "shared"
+    return LayoutChoice(requested, auto if requested == "auto" else requested, attention, reasons)

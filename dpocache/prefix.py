@@ -15,10 +15,16 @@ rounding, at ``p + c + r`` tokens per pair instead of ``2 * (p + max(c, r))`` pl
 for prompts as long as the completions that is about 3/4 of the work before padding, for
 prompts four times as long about 3/5.
 
+The packed layout is the same rows with several pairs in each (``collate_packed``, placed by
+``dpocache.packing``): a ``documents`` id per token keeps pairs apart (block-diagonal) and
+position ids restart at 0 for each pair; the shared layout is its case of one pair per row
+(``collate_shared``, one code path for both).
+
 Supported where the model's body accepts a custom 4D mask and ``position_ids`` with the
 ``sdpa`` or ``eager`` attention (Llama, Qwen2, Mistral, Gemma 2, GPT-2 and most decoder-only
-models of transformers >= 4.53); ``dpocache.layouts.select_layout`` decides, for the cache
-build and training alike, and names the reason when the padded layout runs instead.
+models of transformers >= 4.53), or a ``BlockMask`` with ``flex_attention``
+(``flex_block_masks``, ``dpocache.attention``); ``dpocache.layouts.select_layout`` decides, for
+the cache build and training alike, and names the reason when the padded layout runs instead.
 
 The computation goes through ``CompletionLogProbs.forward`` (its gathered mode: a custom mask,
 position ids and the flat positions to score), so a DDP- or FSDP2-wrapped scorer runs its hooks
@@ -27,6 +33,7 @@ position ids and the flat positions to score), so a DDP- or FSDP2-wrapped scorer
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -191,14 +198,25 @@ def attention_mask(batch: SharedPromptBatch, config, dtype: torch.dtype = torch.
     return masks["full_attention"]
 
 
+@functools.cache
+def _block_mask_builder(device_type: str):
+    """``create_block_mask``, compiled on CUDA: run eagerly it materialises the ``(B, T, T)``
+    mask (and temporaries of that size) before summarising it into blocks, which a packed row
+    of a large ``--max-tokens`` cannot afford on a GPU; compiled, it writes the blocks directly
+    (the recipe of torch's FlexAttention documentation, and transformers' own). On CPU it runs
+    eagerly: its rows are short, and a compile costs seconds there."""
+    from torch.nn.attention.flex_attention import create_block_mask  # optional: torch >= 2.5
+
+    return torch.compile(create_block_mask) if device_type == "cuda" else create_block_mask
+
+
 def flex_block_masks(batch, config):
     """``attention_mask``'s rule as a FlexAttention ``BlockMask`` (``dpocache.attention``), or
     ``{layer type: BlockMask}`` for models with sliding layers; built on the batch's device.
     ``batch``: a ``SharedPromptBatch`` or a ``groups.GroupBatch`` (no ``documents``: one
     pair or group per row)."""
-    from torch.nn.attention.flex_attention import create_block_mask  # optional: torch >= 2.5
-
     seg, pos = batch.segments, batch.position_ids  # (B, T)
+    create_block_mask = _block_mask_builder(seg.device.type)
     docs = getattr(batch, "documents", None)
     docs = torch.zeros_like(seg) if docs is None else docs
     b, t = seg.shape
@@ -285,7 +303,7 @@ def training_layout(scorer: nn.Module, requested: str, attention: str = "auto") 
     lm = unwrap_causal_lm(core.model)
     why = use_attention(lm, attention, next(lm.parameters()).device, backward=True)
     return select_layout(requested, core.config, fast_path=core.fast_path, router_loss=core.router_loss,
-                         attention_reason=why)
+                         attention_reason=why, training=True)
 
 
 def layout_logprobs(scorer: nn.Module, layout: str, pairs: Sequence[TokenizedPair], pad_id: int, device,

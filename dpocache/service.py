@@ -219,7 +219,7 @@ class ReferenceService:
                 comps.append(comp)
         groups, group_keys = [], []
         # The per-sequence fallback runs one row per sequence: groups of one, packed by length.
-        budget = self.max_tokens if self.reference.layout == "shared" else 0
+        budget = self.max_tokens if self.reference.layout != "padded" else 0
         for prompt, (r, gkeys, comps) in by_prompt.items():
             for g in split_group(r, prompt, comps, range(len(comps)), budget):
                 groups.append(g)
@@ -230,7 +230,7 @@ class ReferenceService:
         """Yields ``(group index, [(c,) fp32 CPU log-probs of each of its completions])``,
         batch after batch."""
         c = self._counts
-        shared = self.reference.layout == "shared"
+        shared = self.reference.layout != "padded"  # packed: groups as the shared layout runs them
         order = list(range(len(groups)))
         if shared:
             batches = budget_batches(order, self.max_tokens, width=lambda i: groups[i].unique_tokens)

@@ -128,7 +128,7 @@ def setup(cfg: Config) -> Run:
         scorer = wrap_for_distributed(CompletionLogProbs(policy), policy, cfg, env)
     # WPO (dpocache.wpo): the policy's head also returns log sum_v p(v)^2 per scored token.
     scorer_core(scorer).sum_sq_probs = cfg.loss.use_weighting
-    # dpocache.layouts: shared where supported, else padded; the attention backend by dpocache.attention
+    # dpocache.layouts: packed where supported, else padded; the attention backend by dpocache.attention
     layout = training_layout(scorer, cfg.train.layout, cfg.model.attention)
     global_batch = cfg.train.batch_size * cfg.train.grad_accum * env.world_size
     steps_per_epoch = len(train_data) // global_batch

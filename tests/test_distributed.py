@@ -31,7 +31,8 @@ pytestmark = [
 ]
 
 TOL = 1e-5
-SHARED_RAN = {"requested": "auto", "used": "shared", "attention": "sdpa", "reason": None}
+SHARED_RAN = {"requested": "auto", "used": "shared", "attention": "sdpa", "reason": None}  # the reference pass
+PACKED_RAN = {**SHARED_RAN, "used": "packed"}  # training's auto
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -232,8 +233,8 @@ def test_two_ranks_match_one_process_with_the_global_batch(assets, ddp_run, sing
     assert [r["step"] for r in read_metrics(out)] == [0, 1, 2, 3, 4, 4]
     info = json.loads((out / "run.json").read_text())
     assert info["world_size"] == 2
-    # The shared-prompt layout ran under DDP (its forward is the wrapped module's: hooks fire).
-    assert info["layout"] == SHARED_RAN == json.loads((single_run / "run.json").read_text())["layout"]
+    # The packed layout ran under DDP (its forward is the wrapped module's: hooks fire).
+    assert info["layout"] == PACKED_RAN == json.loads((single_run / "run.json").read_text())["layout"]
     ref = info["reference"]
     assert ref["computed"] == 75 and ref["built_on_ranks"] == 2 and ref["forward_passes_during_training"] == 0
     assert json.loads((single_run / "run.json").read_text())["reference"]["computed"] == 0
@@ -288,7 +289,7 @@ def test_fsdp2_on_cpu_resumes_a_single_process_run_with_tied_embeddings(assets, 
     final = AutoModelForCausalLM.from_pretrained(str(sharded / "final"))
     assert final.lm_head.weight.data_ptr() == final.model.embed_tokens.weight.data_ptr()  # still tied
     info = json.loads((sharded / "run.json").read_text())
-    assert info["config"]["distributed"]["fsdp"] is True and info["layout"] == SHARED_RAN
+    assert info["config"]["distributed"]["fsdp"] is True and info["layout"] == PACKED_RAN
 
 
 def test_lora_with_ddp_matches_one_process_in_the_padded_layout(assets, ddp_run):

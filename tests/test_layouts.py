@@ -38,6 +38,12 @@ def test_select_layout(requested, attention, fast_path, router_loss, used, reaso
     assert choice.to_json() == {"requested": requested, "used": used, "attention": attention, "reason": choice.reason}
 
 
+def test_auto_packs_in_training_and_shares_in_the_reference_pass():
+    assert select_layout("auto", _config("sdpa"), training=True).used == "packed"
+    assert select_layout("auto", _config("sdpa")).used == "shared"
+    assert select_layout("auto", _config("sdpa"), router_loss=True, training=True).used == "padded"
+
+
 def test_unknown_layout_is_refused():
     with pytest.raises(ValueError, match="auto, padded, shared, packed"):
         select_layout("bogus", _config("sdpa"))

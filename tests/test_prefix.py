@@ -175,7 +175,7 @@ def test_training_layout_same_values_and_gradients(tokenizer, pairs, arch):
     model = build_model(arch, tokenizer).train()
     disable_dropout(model)  # as training does; GPT-2's dropout would make the two passes differ
     lp = CompletionLogProbs(model)
-    assert training_layout(lp, "auto").used == training_layout(lp, "shared").used == "shared"
+    assert training_layout(lp, "auto").used == "packed" and training_layout(lp, "shared").used == "shared"
     assert training_layout(lp, "padded").used == "padded" and training_layout(lp, "packed").used == "packed"
     grads, sums = {}, {}
     for name in ("padded", "shared", "packed"):
@@ -210,7 +210,7 @@ def test_shared_layout_runs_through_the_wrapped_modules_forward(tiny_models, pai
 
     wrapper = torch.nn.Module()  # as DistributedDataParallel holds it
     wrapper.module = lp
-    assert training_layout(wrapper, "auto").used == "shared"
+    assert training_layout(wrapper, "auto").used == "packed"
     sharded = CompletionLogProbs(tiny_models["llama"])
     sharded.__class__ = type("FSDPCompletionLogProbs", (CompletionLogProbs,), {})  # what fully_shard makes of it
     assert training_layout(sharded, "shared").used == "shared"

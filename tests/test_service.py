@@ -94,6 +94,14 @@ def test_padded_fallback_matches_naive(tiny_models):
     assert service.stats()["prompt_tokens_saved"] == 0
 
 
+def test_packed_reference_runs_the_group_layout(tiny_models):
+    model = tiny_models["llama"]
+    requests = make_requests(4, 3, seed=11)
+    service = ReferenceService(model, layout="packed", max_tokens=80)
+    assert_matches_naive(model, requests, service.score(requests))
+    assert service.stats()["prompt_tokens_saved"] > 0  # not the per-sequence fallback
+
+
 def test_prompt_runs_once_per_group(tiny_models):
     model = tiny_models["qwen2"]
     requests = make_requests(2, 8, seed=3)
