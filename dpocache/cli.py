@@ -78,6 +78,13 @@ def _command_name(argv: list[str]) -> tuple[str, ...]:
     return tuple(argv[:1])
 
 
+def say(line: str) -> None:
+    """One line to stderr in one write: under torchrun the ranks share the stream, and print's
+    separate write of the newline let another rank's line land in the middle of this one."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # -v is accepted anywhere: before the command, or among a command's own options.
@@ -118,12 +125,12 @@ def main(argv: list[str] | None = None) -> int:
         if verbose:
             traceback.print_exc()
         message = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
-        print(f"{prog}: error: {message}", file=sys.stderr)
+        say(f"{prog}: error: {message}")
         return 2
     except Interrupted as stop:
         ignore_stop_signals()
         # Under torchrun every rank stops; rank 0 speaks for them unless the signal was this rank's alone.
         rank = int(os.environ.get("RANK", "0"))
         if rank == 0 or stop.received_here:
-            print(f"dpocache{f' (rank {rank})' if rank else ''}: {stop}", file=sys.stderr)
+            say(f"dpocache{f' (rank {rank})' if rank else ''}: {stop}")
         return stop.exit_code

@@ -522,6 +522,7 @@ def log_window(run: Run, window: MetricWindow, seconds: float, flops_per_token: 
     tokens = m.pop("tokens", 0.0)  # all ranks'
     record = {"step": run.step, "epoch": run.step / run.steps_per_epoch, **m}
     record["tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0
+    record["seconds"] = seconds  # wall time of this logging window's steps
     # tokens_per_s counts every rank's tokens; peak is one device's: MFU is per device.
     record["mfu"] = record["tokens_per_s"] * flops_per_token / (peak * run.env.world_size) if peak > 0 else 0.0
     run.writer.write(record)
