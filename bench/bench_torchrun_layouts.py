@@ -5,9 +5,10 @@ machine slows them alike, medians of the steps after the first.
     python bench/bench_torchrun_layouts.py --config long-prompt --reps 3
 
 The reference cache is built once (one process) and every run trains on it; each run is
-``torchrun --standalone --nproc-per-node N -m dpocache train ... --train.layout L`` with one
-thread per process, and its ``metrics.jsonl`` (one row per step) gives each step's wall time
-(``seconds``). Results: ``bench/results/torchrun-layouts-<config>-<time>.json``.
+``torchrun --standalone --nproc-per-node N -m dpocache train ... --train.layout L`` (launched
+as ``python -m torch.distributed.run``) with one thread per process, and its ``metrics.jsonl``
+(one row per step) gives each step's wall time (``seconds``). Results:
+``bench/results/torchrun-layouts-<config>-<time>.json``.
 """
 
 from __future__ import annotations
@@ -66,7 +67,9 @@ def main(argv=None) -> int:
         order = args.layouts[rep % len(args.layouts):] + args.layouts[:rep % len(args.layouts)]
         for layout in order:
             workdir = scratch / f"{layout}-{rep}"
-            run(["torchrun", "--standalone", "--nproc-per-node", str(args.nproc), "-m", "dpocache", "train", *common,
+            torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                        str(args.nproc)]
+            run([*torchrun, "-m", "dpocache", "train", *common,
                  "--output-dir", str(workdir), "--batch-size", str(args.batch_size), "--max-steps", str(args.steps),
                  "--logging-steps", "1", "--train.layout", layout, "--lr", "1e-6", "--optim.warmup_ratio", "0",
                  "--train.progress", "false"], env, log)
