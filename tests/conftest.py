@@ -99,3 +99,32 @@ def pref_jsonl(tmp_path_factory, pref_rows) -> Path:
     from dpocache.data import write_jsonl
 
     return write_jsonl(pref_rows, tmp_path_factory.mktemp("data") / "prefs.jsonl")
+
+
+@pytest.fixture(scope="module")
+def data(tokenizer, pref_jsonl):
+    """The generated preference set, read and tokenized (``PreferenceData``)."""
+    from dpocache.data import load_preference_data
+
+    return load_preference_data(pref_jsonl, tokenizer, show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """The saved tiny model as an fp32 CPU ``ReferenceModel``."""
+    from dpocache.reference import ReferenceModel
+
+    return ReferenceModel.from_pretrained(model_dir, "float32", device="cpu")
+
+
+@pytest.fixture
+def cli(capsys):
+    """Run ``dpocache ARGS`` in-process; returns (exit code, stdout, stderr)."""
+    from dpocache.cli import main
+
+    def run(*args):
+        rc = main([str(a) for a in args])
+        out, err = capsys.readouterr()
+        return rc, out, err
+
+    return run

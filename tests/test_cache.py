@@ -14,20 +14,8 @@ import torch
 from dpocache.cache import CacheStore, MissingReferenceError, build_missing, namespace_for_dir
 from dpocache.cache.build import namespace_for_module
 from dpocache.cache.fingerprint import FingerprintMemo, model_dir_fingerprint
-from dpocache.data import load_preference_data
-from dpocache.reference import ReferenceModel
 
 ALLOWED_SUFFIXES = (".json", ".safetensors", ".corrupt", ".lock")  # .lock: the empty manifest lock file
-
-
-@pytest.fixture(scope="module")
-def data(tokenizer, pref_jsonl):
-    return load_preference_data(pref_jsonl, tokenizer, show_progress=False)
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    return ReferenceModel.from_pretrained(model_dir, "float32", device="cpu")
 
 
 class Loader:

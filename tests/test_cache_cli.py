@@ -18,22 +18,9 @@ import pytest
 import torch
 
 from dpocache.cache import CacheStore, namespace_for_dir
-from dpocache.cli import main
 from dpocache.data import write_jsonl
 
 SUMMARY_KEYS = {"computed", "reused", "tokens", "tokens_per_s", "cache_dir", "namespace"}
-
-
-@pytest.fixture
-def cli(capsys):
-    """Run ``dpocache ARGS`` in-process; returns (exit code, stdout, stderr)."""
-
-    def run(*args):
-        rc = main([str(a) for a in args])
-        out, err = capsys.readouterr()
-        return rc, out, err
-
-    return run
 
 
 def cache_args(command, model_dir, data, cache_dir, *extra):

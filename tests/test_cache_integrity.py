@@ -28,8 +28,6 @@ from dpocache.cache import CacheError, CacheStore, build_missing, namespace_for_
 from dpocache.cache.build import open_namespace_dir
 from dpocache.cache.fingerprint import FingerprintMemo, model_dir_fingerprint
 from dpocache.cache.store import MANIFEST, parse_manifest
-from dpocache.cli import main
-from dpocache.data import load_preference_data
 from dpocache.reference import ReferenceModel
 from train_fixtures import flags, run_json
 
@@ -37,28 +35,8 @@ HOSTILE_DEADLINE_S = 300  # only a regression (a hang) comes near it
 
 
 @pytest.fixture(scope="module")
-def data(tokenizer, pref_jsonl):
-    return load_preference_data(pref_jsonl, tokenizer, show_progress=False)
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    return ReferenceModel.from_pretrained(model_dir, "float32", device="cpu")
-
-
-@pytest.fixture(scope="module")
 def other_reference(other_model_dir):
     return ReferenceModel.from_pretrained(other_model_dir, "float32", device="cpu")
-
-
-@pytest.fixture
-def cli(capsys):
-    def run(*args):
-        rc = main([str(a) for a in args])
-        out, err = capsys.readouterr()
-        return rc, out, err
-
-    return run
 
 
 def _store(cache_dir, model_dir, repair=False):
