@@ -1,9 +1,9 @@
 """Host memory of the sharded reference pass and of ``train --fsdp``'s start-up (CPU, gloo).
 
-    python bench/bench_sharded.py --reps 3
+    python bench/bench_sharded.py --reps 3 [--config 300m|1b]
 
-Builds (once, under ``bench/work/``) a ~300M-parameter Llama from its config and a small
-preference set, then measures, each run in fresh processes, medians over ``--reps``:
+Builds (once, under ``bench/work/``) a ~300M-parameter Llama (``--config 1b``: TinyLlama's shape,
+1.1B) from its config and a small preference set, then measures, each run in fresh processes, medians over ``--reps``:
 
 - the peak resident memory of an unsharded ``cache build`` (one process) and of each process
   of a 2-process ``cache build --fsdp`` (the reference's weights sharded over the two);
@@ -14,7 +14,7 @@ preference set, then measures, each run in fresh processes, medians over ``--rep
 Each process records its peak RSS (``VmHWM``) after importing torch, transformers and
 dpocache (the interpreter's own share, the same in every process) and at the end; both raw
 peaks and peaks net of that import baseline are reported. Results go to
-``bench/results/sharded-<time>.json``.
+``bench/results/sharded-<config>-<time>.json``.
 """
 
 from __future__ import annotations
@@ -34,8 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import BENCH_DIR, BenchConfig, build_inputs  # noqa: E402
 
-CONFIG = BenchConfig("300m", hidden_size=1024, intermediate_size=2816, num_hidden_layers=20, num_attention_heads=16,
-                     num_key_value_heads=8, prompt_words=(20, 60), completion_words=(10, 40), pairs=8)
+CONFIGS = {
+    "300m": BenchConfig("300m", hidden_size=1024, intermediate_size=2816, num_hidden_layers=20, num_attention_heads=16,
+                        num_key_value_heads=8, prompt_words=(20, 60), completion_words=(10, 40), pairs=8),
+    # TinyLlama's shape (1.1B): the per-process floor of the imports is a smaller share of it.
+    "1b": BenchConfig("1b", hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                      num_key_value_heads=4, prompt_words=(20, 60), completion_words=(10, 40), pairs=8),
+}
 
 
 def _rss() -> int:
@@ -87,6 +92,7 @@ def _run(kind: str, argv: list[str], nproc: int, out: Path) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--config", choices=list(CONFIGS), default="300m")
     p.add_argument("--worker", choices=["build", "train"], help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -94,9 +100,10 @@ def main() -> None:
     if args.worker:
         return worker(args.worker, [a for a in args.rest if a != "--"], args.out)
 
-    inputs = build_inputs(CONFIG, CONFIG.pairs)
+    config = CONFIGS[args.config]
+    inputs = build_inputs(config, config.pairs)
     info = json.loads((inputs / "info.json").read_text())
-    model, data, work = inputs / "model", inputs / "data.jsonl", BENCH_DIR / "work" / "sharded"
+    model, data, work = inputs / "model", inputs / "data.jsonl", BENCH_DIR / "work" / f"sharded-{args.config}"
     common = ["--model", str(model), "--data", str(data), "--dtype", "float32", "--device", "cpu",
               "--max-length", "128"]
     runs: dict[str, list] = {"unsharded_build": [], "sharded_build": [], "fsdp_train_startup": []}
@@ -124,7 +131,7 @@ def main() -> None:
     train_sum = med([sum(x["peak"] for x in r) for r in runs["fsdp_train_startup"]])
     train_net = med([sum(x["peak"] - x["baseline"] for x in r) for r in runs["fsdp_train_startup"]])
     summary = {
-        "parameters": info["parameters"], "fp32_weight_bytes": fp32_bytes, "reps": args.reps,
+        "config": args.config, "parameters": info["parameters"], "fp32_weight_bytes": fp32_bytes, "reps": args.reps,
         "cpu_allocator": os.environ.get("DPOCACHE_CPU_ALLOCATOR", "retain"),
         "unsharded_build_peak": unsharded, "sharded_build_peak_per_process": sharded,
         "sharded_over_unsharded": sharded / unsharded,
@@ -132,7 +139,7 @@ def main() -> None:
         "fsdp_train_startup_summed_peak": train_sum, "fsdp_train_startup_over_fp32_weights": train_sum / fp32_bytes,
         "fsdp_train_startup_net_of_imports_over_fp32_weights": train_net / fp32_bytes,
     }
-    out = BENCH_DIR / "results" / f"sharded-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = BENCH_DIR / "results" / f"sharded-{args.config}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps({"summary": summary, "runs": runs}, indent=1))
     print(json.dumps(summary, indent=1))
     print(f"wrote {out}")

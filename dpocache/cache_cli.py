@@ -14,6 +14,7 @@ import torch
 from .cache import CacheError, CacheStore, default_cache_dir, export_rows, namespace_for_dir, verify
 from .cache.build import (DEFAULT_MAX_TOKENS, build_distributed, namespace_dirs, open_namespace_dir, reference_source,
                           reference_weights_dir)
+from .cache.probes import ProbeMemo
 from .data import PreferenceData, load_preference_data
 from .distributed import destroy, init_distributed
 from .preflight import UsageError, check_writable_dir, disk_errors, model_context
@@ -91,7 +92,7 @@ def cmd_build(args) -> int:
         store, dtype = _open_store(args, env.device, open_now=False, verbose=env.is_main)
         base, adapter = reference_source(args.model, args.reference)
         load = reference_loader(base, dtype, env, args.layout, sharded=args.fsdp, adapter=adapter,
-                                attention=args.attention)
+                                attention=args.attention, probe_memo=ProbeMemo(store.root))
         summary = build_distributed(
             store, pairs, load, env, pad_id=tokenizer.pad_token_id or 0,
             per_token=args.per_token, max_tokens=args.max_tokens or DEFAULT_MAX_TOKENS, shard_pairs=args.shard_size,

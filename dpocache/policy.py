@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .cache.build import adapter_base_dir
+from .cache.probes import ProbeMemo
 from .config import Config
 from .distributed import DistEnv
 from .reference import disable_dropout, load_causal_lm
@@ -46,7 +47,8 @@ def _prepare_policy(model: nn.Module, cfg: Config) -> None:
     model.config.use_cache = False
 
 
-def load_sharded_policy(cfg: Config, env: DistEnv, dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
+def load_sharded_policy(cfg: Config, env: DistEnv, dtype: torch.dtype,
+                        probe_memo: ProbeMemo | None = None) -> tuple[nn.Module, nn.Module]:
     """``train --fsdp``'s policy, created on the meta device on every rank and filled shard by
     shard from the files, each rank reading its own rows (``dpocache.loading.load_for_sharding``),
     sharded with FSDP2 in ``dtype``'s mixed precision. A collective. Returns ``(policy, scorer)``: the causal LM and
@@ -66,7 +68,9 @@ def load_sharded_policy(cfg: Config, env: DistEnv, dtype: torch.dtype) -> tuple[
 
     policy, scorer = load_for_sharding(cfg.model.path, env, lambda m: _prepare_policy(m, cfg), shard,
                                        cfg.model.attn_implementation)
-    probe_sharded(scorer, env, dtype)
+    # The fast-path verdict of the sharded reference pass when it ran on this architecture
+    # (dpocache.cache.probes): probing here would gather the whole output head and embeddings.
+    probe_sharded(scorer, env, dtype, probe_memo)
     report_shards("policy", policy, env)
     return policy, scorer
 

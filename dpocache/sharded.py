@@ -26,7 +26,8 @@ from torch import nn
 
 from .allocator import trim_heap
 from .data import TokenizedPair
-from .distributed import DistEnv, reduce_counts
+from .cache.probes import ProbeMemo, probe_key
+from .distributed import DistEnv, broadcast_object, reduce_counts
 from .loading import load_for_sharding, routes_bf16_through_fp32, store_frozen_matrices_
 from .logprobs import CompletionLogProbs, autocast, unwrap_causal_lm
 from .preflight import UsageError
@@ -132,30 +133,51 @@ def stream_vocabulary(scorer: CompletionLogProbs, env: DistEnv) -> None:
     scorer.register_forward_hook(lambda module, args, out: streamed.finish())
 
 
-def probe_sharded(scorer: CompletionLogProbs, env: DistEnv, dtype: torch.dtype) -> None:
-    """The fast-path probe of ``CompletionLogProbs`` on a sharded model (a collective).
-
-    A first forward through the root makes ``scorer`` FSDP's root (the first module to run
-    forward becomes it); the probe then calls the model's own forward, with the root's
-    parameters gathered around it and each layer gathering its own."""
+def make_root(scorer: CompletionLogProbs, env: DistEnv, dtype: torch.dtype) -> None:
+    """One tiny forward through ``scorer`` (a collective): FSDP makes the first module to run
+    forward its root, which then gathers the parameters no other unit owns. Needed before
+    anything calls the body or the model's own forward directly (the shared layout, the probe):
+    a layer whose forward ran first would make itself a root."""
     ids = torch.ones((1, 4), dtype=torch.long, device=env.device)
     mask = torch.zeros_like(ids)
     mask[:, 2:] = 1
     # Under the compute dtype's autocast: matrices stored in bf16 take no fp32 input.
     with torch.no_grad(), autocast(dtype, env.device):
         scorer(ids, torch.ones_like(ids), mask)
+
+
+def probe_sharded(scorer: CompletionLogProbs, env: DistEnv, dtype: torch.dtype, memo: ProbeMemo | None = None,
+                  rooted: bool = False) -> None:
+    """The fast-path probe of ``CompletionLogProbs`` on a sharded model (a collective), or its
+    verdict from ``memo`` (``dpocache.cache.probes``: the same architecture, dtype and versions
+    probed before, by a sharded reference pass), which costs no forward and no gathering.
+
+    The probe calls the model's own forward with the root's parameters gathered around it and
+    each layer gathering its own, after ``make_root`` (unless ``rooted``: done already)."""
+    key = probe_key(scorer.config, dtype, env.device) if memo is not None else None
+    known = broadcast_object(env, memo.get(key) if memo is not None and env.is_main else None)
+    if known is not None:
+        scorer.fast_path = known
+        return
+    if not rooted:
+        make_root(scorer, env, dtype)
+    with torch.no_grad(), autocast(dtype, env.device):
         scorer.unshard()
         try:
             scorer.fast_path = scorer.probe_fast_path()
         finally:
             scorer.reshard()
+    if memo is not None and env.is_main:
+        memo.put(key, scorer.fast_path)
 
 
 def load_sharded_reference(path: str | Path, dtype: torch.dtype, env: DistEnv, layout: str = "shared",
-                           attn_implementation: str | None = "sdpa", attention: str | None = None) -> ShardedReference:
+                           attn_implementation: str | None = "sdpa", attention: str | None = None,
+                           probe_memo: ProbeMemo | None = None) -> ShardedReference:
     """The reference of ``path`` sharded over ``env``'s ranks (a collective: every rank calls
     it). Values are those of ``ReferenceModel.from_pretrained``: bf16 matrices stored in bf16
-    where the native bf16 kernels run, the fp32-GEMM route on CPUs without AMX."""
+    where the native bf16 kernels run, the fp32-GEMM route on CPUs without AMX. ``probe_memo``:
+    where the fast-path probe's verdict is looked up and recorded (``dpocache.cache.probes``)."""
     routed = dtype == torch.bfloat16 and routes_bf16_through_fp32(env.device)
     storage = None if routed else dtype
 
@@ -177,7 +199,10 @@ def load_sharded_reference(path: str | Path, dtype: torch.dtype, env: DistEnv, l
 
         bf16_matmul.install(model)  # after loading: it skips a model whose weights are on meta
     stream_vocabulary(scorer, env)
-    probe_sharded(scorer, env, dtype)
+    # The shared layout calls the body, not the root's forward: make the root first. Its tables
+    # are streamed, so this forward gathers one layer at a time.
+    make_root(scorer, env, dtype)
+    probe_sharded(scorer, env, dtype, probe_memo, rooted=True)
     report_shards("reference", model, env)
     return ShardedReference(model, scorer, env, dtype, layout, attention)
 
@@ -212,14 +237,16 @@ def build_share_sharded(build_share, load_reference, todo: bool, pad_id: int):
 
 
 def reference_loader(path: str | Path, dtype: torch.dtype, env: DistEnv, layout: str = "shared",
-                     sharded: bool = False, adapter: str | Path | None = None, attention: str | None = None):
+                     sharded: bool = False, adapter: str | Path | None = None, attention: str | None = None,
+                     probe_memo: ProbeMemo | None = None):
     """What ``build_distributed`` calls to load the reference: sharded over ``env``'s ranks
     (``sharded`` and a world of several), else whole in every process; ``adapter``: a PEFT
-    adapter directory applied on top of ``path`` (the initial policy of an adapter run)."""
+    adapter directory applied on top of ``path`` (the initial policy of an adapter run);
+    ``probe_memo``: the sharded reference's probe verdicts (``dpocache.cache.probes``)."""
     if sharded and env.enabled:
         if adapter is not None:
             raise UsageError(f"--fsdp: a sharded reference with a PEFT adapter ({adapter}) is not supported; build "
                              "without --fsdp (the adapter's base is loaded whole) or with --reference base")
-        return lambda: load_sharded_reference(path, dtype, env, layout, attention=attention)
+        return lambda: load_sharded_reference(path, dtype, env, layout, attention=attention, probe_memo=probe_memo)
     return lambda: ReferenceModel.from_pretrained(path, dtype, env.device, layout=layout, adapter=adapter,
                                                   attention=attention)

@@ -33,6 +33,7 @@ from .batching import training_order
 from .cache import CacheStore, default_cache_dir, namespace_for_dir
 from .cache.build import adapter_base_dir, build_distributed, reference_source
 from .cache.fingerprint import default_memo_path
+from .cache.probes import ProbeMemo
 from .cache_cli import load_tokenizer
 from .checkpoint import checkpoint_dir, latest_checkpoint, load_model_weights, load_trainer_state, save_checkpoint
 from .config import Config, check_batch_fits
@@ -122,7 +123,7 @@ def setup(cfg: Config) -> Run:
     ref_train, ref_eval, ref_info = prepare_reference(cfg, env, dtype, spec, tokenizer, train_data, eval_data)
     fsdp = cfg.distributed.fsdp and env.enabled
     if fsdp:  # created on the meta device, filled shard by shard: never whole in every process
-        policy, scorer = load_sharded_policy(cfg, env, dtype)
+        policy, scorer = load_sharded_policy(cfg, env, dtype, ProbeMemo(cache_dir_of(cfg)))
     else:
         policy = load_policy(cfg, env.device)
         scorer = wrap_for_distributed(CompletionLogProbs(policy), policy, cfg, env)
@@ -174,6 +175,10 @@ def _load_data(cfg: Config, source: str, tokenizer, env: DistEnv) -> PreferenceD
     return data
 
 
+def cache_dir_of(cfg: Config) -> Path:
+    return Path(cfg.cache.dir) if cfg.cache.dir else default_cache_dir()
+
+
 def prepare_reference(cfg: Config, env: DistEnv, dtype: torch.dtype, spec, tokenizer, train_data: PreferenceData,
                       eval_data: PreferenceData | None):
     """Reference sums for every pair, from the cache; builds what is missing first, then frees
@@ -182,11 +187,11 @@ def prepare_reference(cfg: Config, env: DistEnv, dtype: torch.dtype, spec, token
         return None, None, {"source": "none (reference-free loss)", "forward_passes_during_training": 0}
     ref_path = cfg.model.ref_model or cfg.model.path
     ref_dir, adapter = reference_source(ref_path, cfg.model.reference)
-    cache_dir = Path(cfg.cache.dir) if cfg.cache.dir else default_cache_dir()
+    cache_dir = cache_dir_of(cfg)
     store = CacheStore(cache_dir, namespace_for_dir(ref_path, dtype, cache_dir, cfg.model.reference))
     pairs = train_data.pairs + (eval_data.pairs if eval_data else [])
     load = reference_loader(ref_dir, dtype, env, cfg.cache.layout, sharded=cfg.distributed.fsdp, adapter=adapter,
-                            attention=cfg.model.attention)
+                            attention=cfg.model.attention, probe_memo=ProbeMemo(cache_dir))
     # Every rank scores its token-balanced share of what is missing (one rank: all of it).
     summary = build_distributed(
         store, pairs, load, env,

@@ -278,3 +278,38 @@ def test_an_embedding_subclass_is_gathered_not_streamed(saved, world_of_one, mon
         want = CompletionLogProbs(full)(ids, torch.ones_like(ids), mask)
         got = sharded._scorer(ids, torch.ones_like(ids), mask)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_a_sharded_probe_verdict_is_recorded_by_the_reference_and_reused_by_the_policy(saved, world_of_one, tmp_path,
+                                                                                        monkeypatch):
+    """The sharded reference's fast-path probe records its verdict in the cache directory
+    (``dpocache.cache.probes``); the sharded policy of the same architecture and dtype takes it
+    from there without a probe (which would gather the whole head and embeddings), and a
+    verdict recorded as unusable is honoured, not re-derived."""
+    from dpocache.cache.probes import ProbeMemo, probe_key
+    from dpocache.config import Config
+    from dpocache.policy import load_sharded_policy
+    from dpocache.sharded import load_sharded_reference
+
+    calls = []
+    real_probe = CompletionLogProbs.probe_fast_path
+    monkeypatch.setattr(CompletionLogProbs, "probe_fast_path", lambda self: calls.append(1) or real_probe(self))
+    memo = ProbeMemo(tmp_path / "cache")
+    reference = load_sharded_reference(saved["llama"], torch.float32, world_of_one, probe_memo=memo)
+    assert calls == [1] and reference._scorer.fast_path
+    key = probe_key(reference.model.config, torch.float32, "cpu")
+    assert memo.get(key) is True and memo.get(probe_key(reference.model.config, torch.bfloat16, "cpu")) is None
+
+    cfg = Config()
+    cfg.model.path = str(saved["llama"])
+    _, scorer = load_sharded_policy(cfg, world_of_one, torch.float32, memo)
+    assert calls == [1] and scorer.fast_path  # no second probe
+    memo.put(key, False)
+    _, scorer = load_sharded_policy(cfg, world_of_one, torch.float32, memo)
+    assert calls == [1] and not scorer.fast_path
+    # Without a memo (or with another directory's) the policy probes, and finds the fast path.
+    _, scorer = load_sharded_policy(cfg, world_of_one, torch.float32, ProbeMemo(tmp_path / "other"))
+    assert calls == [1, 1] and scorer.fast_path
+
+    (tmp_path / "cache" / "probes.json").write_text("{not json")  # a damaged memo costs a probe, nothing else
+    assert memo.get(key) is None
