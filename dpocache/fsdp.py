@@ -72,8 +72,20 @@ def vocabulary_modules(policy: nn.Module) -> tuple[nn.Module | None, nn.Module |
     return embed, head if plain_linear(head) else None
 
 
+def matrix_units(layer: nn.Module) -> list[nn.Module]:
+    """The modules inside a decoder layer that hold a matrix of their own (``nn.Linear``, a
+    fused experts module's 3-D weights: at least 1/64 of the layer's parameters directly, so
+    norms stay with the layer), innermost first: the order ``fully_shard`` needs (a unit's
+    parameters are those not already in a unit below it)."""
+    least = sum(p.numel() for p in layer.parameters()) / 64
+    modules = [m for m in layer.modules() if m is not layer]
+    owning = [m for m in modules if sum(p.numel() for p in m.parameters(recurse=False)) >= least]
+    return list(reversed(owning))
+
+
 def shard_policy(scorer: nn.Module, policy: nn.Module, env: DistEnv, reshard_after_forward: bool = True,
-                 compute_dtype: torch.dtype | None = None, head_unit: bool = False) -> nn.Module:
+                 compute_dtype: torch.dtype | None = None, head_unit: bool = False,
+                 matrix_granularity: bool = False) -> nn.Module:
     """Shard ``policy`` (inside ``scorer``, a ``CompletionLogProbs``) over every rank, with
     ``mixed_precision(compute_dtype)``. Returns ``scorer``, the root.
 
@@ -83,7 +95,11 @@ def shard_policy(scorer: nn.Module, policy: nn.Module, env: DistEnv, reshard_aft
     forward: it is called once per row chunk; the sharded reference streams it from its shards,
     ``dpocache.sharded.stream_vocabulary``, or gathers it once around all the chunks,
     ``gather_head_around``); the root owns the rest (final norm, and the head unless
-    ``head_unit``).
+    ``head_unit``). With ``matrix_granularity`` (a frozen reference: no backward to batch
+    reductions for), each matrix of a layer is a unit of its own (``matrix_units``) and the
+    layer's unit keeps its norms: FSDP holds a gathered unit twice for a moment (its all-gather
+    buffer and the unsharded parameters), so what a process holds beyond its shards is two of
+    its largest matrices instead of two whole layers.
 
     The model may sit on the CPU: ``fully_shard`` moves each unit to ``env.device`` as it
     shards it, so a GPU never holds more than one full layer during set-up. It may also sit on
@@ -101,13 +117,17 @@ def shard_policy(scorer: nn.Module, policy: nn.Module, env: DistEnv, reshard_aft
     embed, head = vocabulary_modules(policy)
     if embed is not None:
         fully_shard(embed, mesh=mesh, reshard_after_forward=True, **kwargs)
+    units = []
     for layer in layers:
+        for unit in matrix_units(layer) if matrix_granularity else []:
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, **kwargs)
+            units.append(unit)
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, **kwargs)
     if head_unit and head is not None:
         fully_shard(head, mesh=mesh, reshard_after_forward=False, **kwargs)
     fully_shard(scorer, mesh=mesh, reshard_after_forward=reshard_after_forward, **kwargs)
     if env.device.type == "cpu":
-        trim_after_each(layers + ([embed] if embed is not None else []))
+        trim_after_each(layers + units + ([embed] if embed is not None else []))
         free_gathers_at_once(scorer)
     return scorer
 

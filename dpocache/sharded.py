@@ -87,14 +87,15 @@ class ShardedReference(ReferenceModel):
 
 
 def shard_reference(scorer: CompletionLogProbs, env: DistEnv) -> None:
-    """``fully_shard`` every decoder layer, the embeddings, the output head and the root
-    (``dpocache.fsdp.shard_policy``), the head gathered once around each forward's head
-    chunks (``gather_head_around``), and the root's parameters freed after each forward too
-    (FSDP2 keeps a root's gathered for the backward, and a reference has none). So besides its
-    shards a process holds one layer, or one of the two ``(vocab, hidden)`` tables, at a time."""
+    """``fully_shard`` every matrix of every decoder layer (and the layer, for its norms), the
+    embeddings, the output head and the root (``dpocache.fsdp.shard_policy``), the head
+    gathered once around each forward's head chunks (``gather_head_around``) unless streamed,
+    and the root's parameters freed after each forward too (FSDP2 keeps a root's gathered for
+    the backward, and a reference has none). So besides its shards a process holds one matrix
+    (twice, for the moment of its gather) at a time."""
     from .fsdp import shard_policy
 
-    shard_policy(scorer, scorer.model, env, head_unit=True)
+    shard_policy(scorer, scorer.model, env, head_unit=True, matrix_granularity=True)
     scorer.set_reshard_after_forward(True, recurse=False)
 
 

@@ -195,13 +195,14 @@ def test_sharded_loading_reads_only_each_shards_rows(saved, world_of_one, monkey
 
 def test_sharded_reference_never_gathers_its_vocabulary_tables(saved, world_of_one, monkeypatch):
     """The sharded reference streams its embeddings and output head from their shards
-    (``dpocache.vocab_stream``): FSDP gathers only the decoder layers and the root (final
-    norm), as many times per forward however many row chunks the head scores, nothing stays
-    gathered after a forward, and the values do not depend on the chunking."""
+    (``dpocache.vocab_stream``): FSDP gathers only the decoder layers' matrices one at a time,
+    the layers' norms and the root (final norm), as many times per forward however many row
+    chunks the head scores, nothing stays gathered after a forward, and the values do not
+    depend on the chunking."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group
     from torch.distributed.tensor import DTensor
 
-    from dpocache.fsdp import decoder_layers
+    from dpocache.fsdp import decoder_layers, matrix_units
     from dpocache.sharded import load_sharded_reference
     from dpocache.vocab_stream import StreamedEmbedding, StreamedHead
 
@@ -212,8 +213,8 @@ def test_sharded_reference_never_gathers_its_vocabulary_tables(saved, world_of_o
     gathers = []  # one per unit whose parameters go from sharded to gathered: an all-gather on several ranks
     group = _fsdp_param_group.FSDPParamGroup
     real_gather = group._to_unsharded
-    monkeypatch.setattr(group, "_to_unsharded", lambda self: gathers.extend([] if self.is_unsharded else [1])
-                        or real_gather(self))
+    monkeypatch.setattr(group, "_to_unsharded", lambda self: gathers.extend(
+        [] if self.is_unsharded else [sum(p._orig_size.numel() for p in self.fsdp_params)]) or real_gather(self))
 
     ids = torch.randint(3, 400, (2, 12))
     mask = torch.zeros_like(ids)
@@ -226,7 +227,11 @@ def test_sharded_reference_never_gathers_its_vocabulary_tables(saved, world_of_o
             outs.append(scorer(ids, torch.ones_like(ids), mask))
         counts.append(len(gathers))
         assert all(isinstance(p, DTensor) for n, p in lm.named_parameters() if not n.endswith(".shard"))
-    assert counts[0] == counts[1] == len(decoder_layers(lm)) + 1  # the layers and the root (final norm)
+    layers = decoder_layers(lm)
+    matrices = [m for layer in layers for m in matrix_units(layer)]
+    assert len(matrices) == 7 * len(layers)  # q, k, v, o, gate, up, down
+    assert counts[0] == counts[1] == len(matrices) + len(layers) + 1  # matrices, layers (norms), root (final norm)
+    assert max(gathers) == max(m.weight.numel() for m in matrices)  # never more than one matrix at a time
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-6)  # row chunks of another size: the GEMM's rounding
 
 
