@@ -31,6 +31,8 @@ and few distinct row widths, so the compiled kernel is reused instead of recompi
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -78,6 +80,25 @@ def use_attention(model: nn.Module, requested: str | None, device: torch.device 
 
 def is_flex(config) -> bool:
     return getattr(config, "_attn_implementation", None) == FLEX
+
+
+# Row shapes a CPU run compiles FlexAttention for before dynamo runs it uncompiled (with a warning).
+FLEX_CPU_SHAPES = 64
+
+
+def compile_settings(config, device: torch.device | str):
+    """The context a forward of a model that may run FlexAttention runs in: on the CPU, one
+    static compile per row shape (``(batch, heads, width)``), up to ``FLEX_CPU_SHAPES``.
+
+    transformers compiles ``flex_attention`` with dynamo's automatic dynamic shapes: the second
+    row width of a run recompiles it with the key length symbolic, and torch 2.13's inductor
+    fails to build that CPU kernel (a C++ compile error, ``cur_kvSplitSize8`` undeclared: the
+    third batch of a shared-layout reference pass on the 58m bench model). Compiled per shape
+    it runs (about 10 s per compile on a 2-core CPU; widths are multiples of ``FLEX_BLOCK``).
+    GPUs keep dynamic shapes."""
+    if not is_flex(config) or torch.device(device).type != "cpu":
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=FLEX_CPU_SHAPES)
 
 
 def row_multiple(config) -> int:

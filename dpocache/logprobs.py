@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from . import bf16_matmul
+from .attention import compile_settings
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,8 @@ class CompletionLogProbs(nn.Module):
             logps = self.head_logps(picked, labels)  # (M,)
         else:
             moe = {"output_router_logits": True} if self._router else {}
-            result = self.causal_lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **moe)
+            with compile_settings(self.config, input_ids.device):
+                result = self.causal_lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **moe)
             self.aux_loss = getattr(result, "aux_loss", None)
             logits = result.logits
             full = logits[:, :-1][target].float().log_softmax(-1)  # (M, V)
@@ -209,11 +211,12 @@ class CompletionLogProbs(nn.Module):
         lm = self.causal_lm
         positions = {} if position_ids is None else {"position_ids": position_ids}
         padding_mask = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
-        if self._router is None or not padding_mask:
-            out = lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **positions)
+        moe = {} if self._router is None or not padding_mask else {"output_router_logits": True}
+        with compile_settings(self.config, input_ids.device):
+            out = lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **positions,
+                                   **moe)
+        if not moe:
             return out[0]  # last_hidden_state (N, T, H), final norm applied
-        out = lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                               output_router_logits=True, **positions)
         # The model's own load-balancing loss (Switch Transformer, Fedus et al. 2021, eq. 4), from
         # the module that defines the architecture, so it is exactly what its forward computes.
         balance = getattr(sys.modules[type(lm).__module__], "load_balancing_loss_func", None)

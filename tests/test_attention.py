@@ -60,9 +60,8 @@ def _flex_values(lp, layout, pairs, pad):
         return split_per_token(shared_prompt_logps(lp, batch), batch)
 
 
-# Each shape compiles a kernel (3-30 s on 2 cores). The compile cache is reset before each
-# layout: once a second shape turns the compiled kernel dynamic, torch 2.13's CPU inductor fails
-# to build Gemma 2's (a C++ error), and a static kernel per shape is what a test needs.
+# Each shape compiles a kernel (3-30 s on 2 cores; static on CPU: attention.compile_settings).
+# The compile cache is reset before each layout, so each layout's kernel is its own.
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", FLEX_ARCHS)
 def test_flex_matches_padded(tokenizer, pairs, arch, flex_calls):
@@ -79,6 +78,35 @@ def test_flex_matches_padded(tokenizer, pairs, arch, flex_calls):
     assert flex_calls and set(flex_calls) == {"BlockMask"}  # flex ran, with a BlockMask
     use_attention(model, "sdpa", "cpu")
     assert model.config._attn_implementation == loaded
+
+
+@pytest.mark.slow
+def test_flex_on_cpu_runs_batches_of_several_row_widths(tokenizer, make_rows):
+    """A run's batches have rows of several widths. Left to transformers' compile (dynamo's
+    automatic dynamic shapes), the second width recompiled FlexAttention with a symbolic key
+    length, which torch 2.13's CPU inductor fails to build (a C++ error at the third batch);
+    ``attention.compile_settings`` compiles each shape statically on the CPU, and every batch
+    gives the padded sdpa values."""
+    model = _model("llama", tokenizer)
+    pad = tokenizer.pad_token_id
+    # (pairs, prompt words): the batch grows at one width (dynamo marks the batch dimension
+    # dynamic), then the width changes (the key length would go dynamic too).
+    shapes = ((2, 140), (3, 140), (4, 10))
+    rows = [make_rows(k, seed=20 + i, min_prompt=n, max_prompt=n, max_completion=8) for i, (k, n) in enumerate(shapes)]
+    batches = [load_preference_data(r, tokenizer, show_progress=False).pairs for r in rows]
+    wants = [padded_values(model, b, pad) for b in batches]
+    assert use_attention(model, "flex", "cpu") is None
+    lp = CompletionLogProbs(model)
+    torch._dynamo.reset()
+    widths = []
+    for batch_pairs, (want_c, want_r) in zip(batches, wants):
+        batch = collate_layout("shared", batch_pairs, pad, multiple=FLEX_BLOCK)
+        widths.append(batch.input_ids.shape[1])
+        with torch.no_grad():
+            got_c, got_r = split_per_token(shared_prompt_logps(lp, batch), batch)
+        assert _max_diff(want_c, got_c) < TOL and _max_diff(want_r, got_r) < TOL
+    assert widths[0] == widths[1] != widths[2], widths
+    use_attention(model, "sdpa", "cpu")
 
 
 def test_auto_is_sdpa_on_cpu_and_flex_falls_back_with_a_reason(tokenizer):
