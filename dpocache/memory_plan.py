@@ -9,15 +9,17 @@ against its formula. The parts follow what dpocache runs:
   activations at a time; the output head runs on completion positions in chunks of
   ``DEFAULT_LOGITS_BUDGET`` fp32 logits (``dpocache.logprobs``). ``weight_bytes`` is 4 for the
   fp32 master weights loaded today, 2 for weights held in bf16. Sharded (FSDP2), a device holds
-  1/N of the weights plus the units gathered at once: two decoder layers (the running one and
-  the prefetched next) and, with an untied head, one tile of a vocabulary table (the embeddings
-  and the head are streamed from their shards, ``dpocache.vocab_stream``); with a tied head the
-  root (embeddings, final norm, head: ``dpocache.fsdp``) is gathered too.
+  1/N of the weights plus the units gathered at once: each matrix of a layer is a unit of its
+  own (``dpocache.fsdp.matrix_units``), so two of the largest matrix (a gathered unit is held
+  twice for a moment: its all-gather buffer and the parameters) and, with an untied head, one
+  tile of a vocabulary table (the embeddings and the head are streamed from their shards,
+  ``dpocache.vocab_stream``); with a tied head the root (embeddings, final norm, head:
+  ``dpocache.fsdp``) is gathered too.
 - **Training** (full fine-tuning, FSDP2 over N devices, AdamW): fp32 master weights, fp32
   gradients and the two fp32 Adam moments, each sharded 1/N (16 bytes per parameter in all,
-  ZeRO-3's accounting: Rajbhandari et al. 2020, section 3); gathered units in fp32 (dpocache's
-  FSDP2 has no mixed-precision policy yet, so it all-gathers the fp32 weights; ``gather_bytes=2``
-  models bf16 gathers), plus one layer's unsharded fp32 gradient before its reduce-scatter; activations with
+  ZeRO-3's accounting: Rajbhandari et al. 2020, section 3); gathered units in the compute dtype
+  (``gather_bytes``: 4 with fp32 compute, 2 with bf16, FSDP2's ``MixedPrecisionPolicy``), plus one
+  layer's unsharded fp32 gradient before its reduce-scatter; activations with
   per-layer checkpointing (each layer keeps its input, one layer's internals are live at a
   time); the checkpointed head chunk's logits and their gradient.
 
@@ -93,6 +95,11 @@ class ModelShape:
         return attention + 3 * h * self.intermediate + 2 * h
 
     @property
+    def largest_matrix_params(self) -> int:
+        """The largest matrix of a decoder block: an MLP projection, or the q/o projection."""
+        return max(self.hidden * self.intermediate, self.hidden * self.heads * self.head_dim)
+
+    @property
     def root_params(self) -> int:
         """What no layer owns: embeddings, final norm and (untied) output head."""
         return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
@@ -131,10 +138,11 @@ def reference_memory(shape: ModelShape, devices: int = 1, tokens: int = 4096, we
     parts: dict[str, float] = {}
     if sharded:
         parts["weights (1/N shard)"] = shape.params * weight_bytes / devices
+        matrices = 2 * shape.largest_matrix_params * weight_bytes  # dpocache.fsdp.matrix_units
         if shape.tied:
-            parts["gathered units (root + 2 layers)"] = (shape.root_params + 2 * shape.layer_params) * weight_bytes
+            parts["gathered units (root + 2 matrices)"] = shape.root_params * weight_bytes + matrices
         else:  # the embeddings and the head are used a tile at a time, never gathered (dpocache.vocab_stream)
-            parts["gathered units (2 layers + a vocabulary tile)"] = 2 * shape.layer_params * weight_bytes + TILE_BYTES
+            parts["gathered units (2 matrices + a vocabulary tile)"] = matrices + TILE_BYTES
     else:
         parts["weights"] = shape.params * weight_bytes
     per_token = INFERENCE_HIDDEN_COEF * shape.hidden + INFERENCE_INTERMEDIATE_COEF * shape.intermediate
@@ -172,8 +180,8 @@ class PlanRow:
 
 def plan(shape: ModelShape, device_counts=(1, 8, 16), device_gib: float = 80.0, tokens: int = 4096,
          usable: float = 0.9) -> list[PlanRow]:
-    """Rows for the reference pass (today's fp32 unsharded load, bf16 unsharded, bf16 sharded)
-    and FSDP2 training (today's fp32 gathers, bf16 gathers) on each device count. ``usable`` leaves room
+    """Rows for the reference pass (fp32 unsharded, bf16 unsharded, bf16 sharded)
+    and FSDP2 training (fp32 compute, bf16 compute) on each device count. ``usable`` leaves room
     for the CUDA context, allocator fragmentation and communication buffers."""
     rows = []
     for n in device_counts:
@@ -181,8 +189,8 @@ def plan(shape: ModelShape, device_counts=(1, 8, 16), device_gib: float = 80.0, 
             "reference, fp32 weights, whole model per device": reference_memory(shape, n, tokens, 4, sharded=False),
             "reference, bf16 weights, whole model per device": reference_memory(shape, n, tokens, 2, sharded=False),
             "reference, bf16 weights, FSDP2-sharded": reference_memory(shape, n, tokens, 2, sharded=True),
-            "training, FSDP2 (fp32 gathers, as today)": training_memory(shape, n, tokens, gather_bytes=4),
-            "training, FSDP2 (bf16 gathers)": training_memory(shape, n, tokens, gather_bytes=2),
+            "training, FSDP2 (fp32 compute)": training_memory(shape, n, tokens, gather_bytes=4),
+            "training, FSDP2 (bf16 compute)": training_memory(shape, n, tokens, gather_bytes=2),
         }
         for job, parts in jobs.items():
             if "sharded" in job and n == 1:

@@ -71,19 +71,20 @@ def test_sharding_divides_the_state_and_keeps_the_gathered_units():
     assert eight["gathered units (root + 2 layers)"] == one["gathered units (root + 2 layers)"]
 
 
-def test_sharded_reference_gathers_two_layers_and_streams_the_vocabulary_tables():
+def test_sharded_reference_gathers_two_matrices_and_streams_the_vocabulary_tables():
     """An untied reference's embeddings and head are streamed from their shards a tile at a
-    time (dpocache.vocab_stream): only two layers and a tile are gathered; a tied one still
-    gathers its root (embeddings = head, final norm)."""
+    time (dpocache.vocab_stream), and each matrix of a layer is a unit of its own
+    (dpocache.fsdp.matrix_units): two of the largest (Llama 3.1 8B's MLP projections, 4096 x
+    14336) and a tile are gathered at once; a tied one also gathers its root."""
     from dataclasses import replace
 
     from dpocache.vocab_stream import TILE_BYTES
 
     untied = reference_memory(LLAMA_3_8B, 8, weight_bytes=2, sharded=True)
-    assert untied["gathered units (2 layers + a vocabulary tile)"] == 2 * LLAMA_3_8B.layer_params * 2 + TILE_BYTES
+    assert untied["gathered units (2 matrices + a vocabulary tile)"] == 2 * 4096 * 14336 * 2 + TILE_BYTES
     tied_shape = replace(LLAMA_3_8B, tied=True)
     tied = reference_memory(tied_shape, 8, weight_bytes=2, sharded=True)
-    assert tied["gathered units (root + 2 layers)"] == (tied_shape.root_params + 2 * tied_shape.layer_params) * 2
+    assert tied["gathered units (root + 2 matrices)"] == (tied_shape.root_params + 2 * 4096 * 14336) * 2
 
 
 def test_plan_table_names_what_fits(capsys):
