@@ -18,10 +18,13 @@ supports it (``_supports_flex_attn``), and a requested ``flex`` that cannot run 
 ``sdpa`` and says why. Measured on an H100 (1.1B Llama, bf16, rows up to 2,600 tokens,
 bench/README.md): the attention kernel alone is 2.7x faster under flex (0.96 against 2.61 ms
 for 12 shared rows), and a training step that reuses a compiled shape 1.1x (0.41 against
-0.45 s at batch 4), but every new row shape compiles anew (16-20 s each), so a 256-pair
-reference pass ran at 12,659 tokens/s under flex against 90,511 under sdpa, and a 6-step run
-paid 37 s of compiles for 0.2 s saved. ``auto`` picks flex once its shapes are bucketed so that
-it compiles a handful of times per run. The model is switched in place
+0.45 s at batch 4), but compiling costs 16-20 s: the first batch compiles a kernel for its
+shape, and the first batch of another shape recompiles it with dynamic shapes (dynamo's
+automatic dynamic; the 6-step training run's step times show exactly these two compiles, at
+steps 1 and 4), so a 256-pair reference pass ran at 12,659 tokens/s under flex against 90,511
+under sdpa, and the 6-step run paid 37 s of compiles for 0.2 s saved. ``auto`` stays sdpa
+until a run long enough to amortise the compiles is measured on a GPU. On the CPU each shape
+compiles statically instead (``compile_settings``). The model is switched in place
 (``set_attn_implementation``), so its config names the backend that runs and
 ``dpocache.layouts.LayoutChoice.attention`` records it.
 
