@@ -128,6 +128,7 @@ def shard_policy(scorer: nn.Module, policy: nn.Module, env: DistEnv, reshard_aft
     fully_shard(scorer, mesh=mesh, reshard_after_forward=reshard_after_forward, **kwargs)
     if env.device.type == "cpu":
         trim_after_each(layers + units + ([embed] if embed is not None else []))
+        free_gathers_at_once(scorer)
     return scorer
 
 
@@ -158,6 +159,19 @@ def gather_head_around(scorer: nn.Module) -> None:
     # Without the fast path the model's own forward calls the head, whose pre-forward hook
     # gathers it: free it after the root's forward then.
     scorer.register_forward_hook(lambda module, args, out: head.reshard())
+
+
+def free_gathers_at_once(root: nn.Module) -> None:
+    """On the CPU, free each unit's all-gather buffer as soon as its parameters are copied out
+    of it. In forward FSDP2 keeps that buffer until the next unit's all-gather, so that on a
+    GPU the copy-out overlaps the next collective on another stream; a CPU has no streams to
+    overlap, and the buffer (one whole unit) would sit beside the gathered unit and the next
+    unit's buffer, three units in flight instead of two. FSDP2 skips the deferral for an
+    asynchronous unshard (``_set_unshard_async_op``, documented, not yet public), which on
+    gloo is the same collective, waited for at the unit's pre-forward."""
+    set_async = getattr(root, "_set_unshard_async_op", None)
+    if set_async is not None:
+        set_async(True)
 
 
 def trim_after_each(layers: list[nn.Module]) -> None:
