@@ -155,12 +155,11 @@ def probe_sharded(scorer: CompletionLogProbs, env: DistEnv, dtype: torch.dtype, 
 
     The probe calls the model's own forward with the root's parameters gathered around it and
     each layer gathering its own, after ``make_root`` (unless ``rooted``: done already)."""
-    if memo is not None:
-        key = probe_key(scorer.config, dtype, env.device)
-        known = broadcast_object(env, memo.get(key) if env.is_main else None)  # every rank takes rank 0's choice
-        if known is not None:
-            scorer.fast_path = known
-            return
+    key = probe_key(scorer.config, dtype, env.device) if memo is not None else None
+    known = broadcast_object(env, memo.get(key) if memo is not None and env.is_main else None)
+    if known is not None:
+        scorer.fast_path = known
+        return
     if not rooted:
         make_root(scorer, env, dtype)
     with torch.no_grad(), autocast(dtype, env.device):
