@@ -76,7 +76,7 @@ def _load_reference(args, dtype, device) -> ReferenceModel:
     with its adapter on, or its base)."""
     base, adapter = reference_source(args.model, args.reference)
     return ReferenceModel.from_pretrained(base, dtype, device, layout=args.layout, adapter=adapter,
-                                          attention=args.attention)
+                                          attention=args.attention, compile=args.compile)
 
 
 def cmd_build(args) -> int:
@@ -92,7 +92,7 @@ def cmd_build(args) -> int:
         store, dtype = _open_store(args, env.device, open_now=False, verbose=env.is_main)
         base, adapter = reference_source(args.model, args.reference)
         load = reference_loader(base, dtype, env, args.layout, sharded=args.fsdp, adapter=adapter,
-                                attention=args.attention, probe_memo=ProbeMemo(store.root))
+                                attention=args.attention, probe_memo=ProbeMemo(store.root), compile=args.compile)
         summary = build_distributed(
             store, pairs, load, env, pad_id=tokenizer.pad_token_id or 0,
             per_token=args.per_token, max_tokens=args.max_tokens or DEFAULT_MAX_TOKENS, shard_pairs=args.shard_size,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .layouts import ATTENTIONS, LAYOUTS
+from .layouts import ATTENTIONS, COMPILES, LAYOUTS
 
 # torch (and dpocache.losses, which needs it) is imported by validate() and help_text() only:
 # 1.5 s of imports that reading the options and checking the paths they name do not need.
@@ -32,6 +32,7 @@ class ModelConfig:
     device: str | None = None  # cpu | cuda (default: cuda if available)
     attn_implementation: str = "sdpa"  # attention kernel passed to transformers (sdpa | eager | flash_attention_2)
     attention: str = "auto"  # shared/packed layouts: auto (sdpa for now) | sdpa | flex (dpocache.attention)
+    compile: str = "auto"  # reference pass: compile each decoder layer, auto (CUDA, long passes) | on | off
     gradient_checkpointing: bool = False  # recompute activations in the backward pass (less memory, slower)
 
 
@@ -169,7 +170,7 @@ ALIASES = {
     "logging_steps": "train.logging_steps", "eval_steps": "train.eval_steps", "save_steps": "train.save_steps",
     "resume": "train.resume", "push_to_hub": "train.push_to_hub", "cache_dir": "cache.dir", "fsdp": "distributed.fsdp",
     "skip_invalid": "data.skip_invalid", "max_tokens": "cache.max_tokens", "shard_size": "cache.shard_size",
-    "report_to": "train.report_to", "attention": "model.attention",
+    "report_to": "train.report_to", "attention": "model.attention", "compile": "model.compile",
 }
 
 SCHEDULES = ("linear", "cosine", "constant")
@@ -235,7 +236,8 @@ def _validate_data(data: DataConfig) -> None:
 
 def _validate_choices(cfg: Config) -> None:
     choices = {"model.dtype": DTYPE_NAMES, "model.reference": ("initial", "base"), "optim.schedule": SCHEDULES,
-               "train.layout": LAYOUTS, "cache.layout": LAYOUTS, "model.attention": ATTENTIONS}
+               "train.layout": LAYOUTS, "cache.layout": LAYOUTS, "model.attention": ATTENTIONS,
+               "model.compile": COMPILES}
     for dotted, allowed in choices.items():
         if _get(cfg, dotted) not in allowed:
             raise ConfigError(f"{_flag_name(dotted)}: must be one of {', '.join(allowed)}; got {_get(cfg, dotted)!r}")

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 
 LAYOUTS = ("auto", "padded", "shared", "packed")
 ATTENTIONS = ("auto", "sdpa", "flex")  # attention backends of the shared and packed layouts (dpocache.attention)
+COMPILES = ("auto", "on", "off")  # the reference pass's decoder layers compiled (dpocache.compiling)
 # Attentions that take the shared and packed layouts' custom mask: a dense one (sdpa, eager) or
 # a BlockMask (flex_attention, dpocache.attention).
 BLOCK_MASK_ATTENTION = ("sdpa", "eager", "flex_attention")

@@ -19,7 +19,8 @@ from torch import nn
 from . import bf16_matmul
 from .bf16_matmul import cpu_has_amx_bf16
 from .attention import use_attention
-from .layouts import LAYOUTS, select_layout
+from .compiling import compile_layers, should_compile
+from .layouts import COMPILES, LAYOUTS, select_layout
 from .loading import store_frozen_matrices_
 from .logprobs import CompletionLogProbs, autocast, unwrap_causal_lm
 from .prefix import shared_prompt_logps
@@ -83,11 +84,13 @@ def load_causal_lm(path: str | Path, device: torch.device | str = "cpu",
 class ReferenceModel:
     """Frozen log-prob scorer. ``logprobs`` runs under ``inference_mode`` and counts its work."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.float32, compile: bool = False,
+    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.float32, compile: str = "off",
                  adapter_disabled: bool = False, layout: str = "auto", scorer: CompletionLogProbs | None = None,
                  attention: str | None = None):
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got '{layout}'")
+        if compile not in COMPILES:
+            raise ValueError(f"compile must be one of {', '.join(COMPILES)}; got '{compile}'")
         self.model = model
         self.dtype = dtype
         self.device = next(model.parameters()).device
@@ -104,9 +107,11 @@ class ReferenceModel:
         self.layout_choice = select_layout(layout, self._scorer.config, fast_path=self._scorer.fast_path,
                                            attention_reason=why)
         self.layout = self.layout_choice.used
-        # Optional torch.compile, for both layouts (measured no faster on a 2-core CPU: bench/README.md).
-        self._run = torch.compile(self._scorer, dynamic=True) if compile else self._scorer
-        self._run_shared = torch.compile(shared_prompt_logps, dynamic=True) if compile else shared_prompt_logps
+        # Decoder layers compiled (dpocache.compiling): "on" now, "auto" once the pass's size is
+        # known (``prepare``), "off" never.
+        self.compile = compile
+        self.compiled_layers = compile_layers(model) if compile == "on" else 0
+        self._run_shared = shared_prompt_logps  # a sharded reference wraps it (dpocache.sharded)
         self.forward_passes = 0
         self.tokens = 0
         self.seconds = 0.0
@@ -114,7 +119,7 @@ class ReferenceModel:
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype = "float32",
                         device: str | torch.device | None = None,
-                        compile: bool = False, layout: str = "auto",
+                        compile: str = "off", layout: str = "auto",
                         adapter: str | Path | None = None, attention: str | None = None) -> "ReferenceModel":
         """The model in ``path``; with ``adapter`` (a PEFT adapter directory whose base is
         ``path``), that adapter on top, unmerged: the same layers the policy loaded from the
@@ -143,14 +148,25 @@ class ReferenceModel:
             raise TypeError("from_peft_policy needs a PEFT model (with disable_adapter)")
         return cls(policy, dtype, adapter_disabled=True)
 
+    def prepare(self, tokens: int) -> None:
+        """Before a pass over ``tokens`` (each prompt once): compile the decoder layers if
+        ``compile`` is ``auto`` and the pass is long enough to repay it (``dpocache.compiling``)."""
+        if self.compile != "auto" or self.compiled_layers:
+            return
+        parameters = sum(p.numel() for p in self.model.parameters())
+        if should_compile("auto", self.device.type, tokens, parameters):
+            self.compiled_layers = compile_layers(self.model)
+            log.info("compiled the reference's %d decoder layers for a pass of %d tokens", self.compiled_layers,
+                     tokens)
+
     def _adapter_context(self):
         return self.model.disable_adapter() if self.adapter_disabled else contextlib.nullcontext()
 
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  completion_mask: torch.Tensor) -> torch.Tensor:
         """``(N, T)`` inputs → ``(N, T)`` fp32 per-token log-probs, 0 at prompt and padding."""
-        return self._call(lambda: self._run(input_ids.to(self.device), attention_mask.to(self.device),
-                                            completion_mask.to(self.device)), int(attention_mask.sum()))
+        return self._call(lambda: self._scorer(input_ids.to(self.device), attention_mask.to(self.device),
+                                               completion_mask.to(self.device)), int(attention_mask.sum()))
 
     def shared_prompt_logprobs(self, batch) -> torch.Tensor:
         """``(M,)`` fp32 log-probs of the scored tokens of a ``dpocache.prefix.SharedPromptBatch``

@@ -124,6 +124,8 @@ class ReferenceService:
         dtype: float32, or bfloat16/float16 under autocast (``ReferenceModel``).
         max_tokens: token slots per forward (rows x widest row).
         cache_dir: where the look-aside cache lives (None: no cache).
+        compile: compile each decoder layer once, at start (``dpocache.compiling``): worth it on
+            a GPU for a service that runs a whole training job.
         namespace: the cache namespace; by default the model's weights and config by content.
         stats_file: a JSONL file that gets ``stats()`` after every ``score`` call.
     """
@@ -131,8 +133,8 @@ class ReferenceService:
     def __init__(self, model: nn.Module | ReferenceModel, dtype: torch.dtype = torch.float32,
                  max_tokens: int = DEFAULT_MAX_TOKENS, cache_dir: str | Path | None = None, compile: bool = False,
                  namespace: Namespace | None = None, stats_file: str | Path | None = None, layout: str = "shared"):
-        self.reference = model if isinstance(model, ReferenceModel) else ReferenceModel(model, dtype, compile,
-                                                                                        layout=layout)
+        self.reference = model if isinstance(model, ReferenceModel) else ReferenceModel(
+            model, dtype, "on" if compile else "off", layout=layout)
         config = unwrap_causal_lm(self.reference.model).config.get_text_config()
         self.vocab_size = int(config.vocab_size)
         self.context = getattr(config, "max_position_embeddings", None)
@@ -153,7 +155,8 @@ class ReferenceService:
         base + that adapter (``reference="base"``: the bare base), as in ``dpocache train``."""
         base, adapter = reference_source(path, reference)
         layout = kwargs.pop("layout", "shared")
-        model = ReferenceModel.from_pretrained(base, dtype, device, compile=compile, layout=layout, adapter=adapter)
+        model = ReferenceModel.from_pretrained(base, dtype, device, compile="on" if compile else "off",
+                                               layout=layout, adapter=adapter)
         namespace = (namespace_for_dir(path, model.dtype, Path(cache_dir), reference) if cache_dir is not None
                      else None)
         return cls(model, max_tokens=max_tokens, cache_dir=cache_dir, namespace=namespace, **kwargs)

@@ -191,7 +191,7 @@ def prepare_reference(cfg: Config, env: DistEnv, dtype: torch.dtype, spec, token
     store = CacheStore(cache_dir, namespace_for_dir(ref_path, dtype, cache_dir, cfg.model.reference))
     pairs = train_data.pairs + (eval_data.pairs if eval_data else [])
     load = reference_loader(ref_dir, dtype, env, cfg.cache.layout, sharded=cfg.distributed.fsdp, adapter=adapter,
-                            attention=cfg.model.attention, probe_memo=ProbeMemo(cache_dir))
+                            attention=cfg.model.attention, probe_memo=ProbeMemo(cache_dir), compile=cfg.model.compile)
     # Every rank scores its token-balanced share of what is missing (one rank: all of it).
     summary = build_distributed(
         store, pairs, load, env,

@@ -143,6 +143,7 @@ class BuildSummary:
     # The reference pass's layout (dpocache.layouts.LayoutChoice.to_json: requested, used,
     # attention, reason); None when no pass ran (every pair was cached).
     layout: dict | None = None
+    compiled_layers: int = 0  # decoder layers the reference pass ran compiled (dpocache.compiling)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -223,6 +224,8 @@ def score_missing(
     by_key = unique_pairs(pairs)
     todo = [by_key[k] for k in store.missing(by_key, per_token)]
     reference = load_reference() if todo else None
+    if reference is not None:
+        reference.prepare(sum(p.unique_tokens for p in todo))  # --compile auto: compile if the pass repays it
     tokens, computed, skipped, non_finite = 0, 0, 0, []
     if todo:
         writer = store.writer(shard_pairs, flush_seconds, update_manifest)
@@ -265,6 +268,7 @@ def score_missing(
         forward_passes=reference.forward_passes if reference is not None else 0,
         corrupt_shards=[str(c) for c in store.corrupt], interrupted=stop.signum or 0,
         layout=reference.layout_choice.to_json() if reference is not None else None,
+        compiled_layers=reference.compiled_layers if reference is not None else 0,
     )
 
 
@@ -421,6 +425,7 @@ def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_refere
         forward_passes=int(passes),
         corrupt_shards=corrupt, world_size=env.world_size, interrupted=int(signum),
         layout=_any_rank_layout(env, local.layout if local else None),
+        compiled_layers=local.compiled_layers if local else 0,  # this rank's (each rank decides alike)
     )
     if signum:
         raise stop.interrupted(interrupted_message(summary), signum=int(signum))

@@ -1,0 +1,97 @@
+"""The reference pass on a GPU under torch.compile variants, one variant per process (no TRL).
+
+    python bench/gpu_compile_probe.py --variant sdpa|flex|flex-layers|sdpa-layers [--layout shared|packed]
+
+- ``sdpa``: today's default (the shared layout's dense boolean mask through SDPA), eager.
+- ``flex``: FlexAttention with a ``BlockMask`` (transformers compiles the attention call alone).
+- ``*-layers``: the same, with each decoder layer compiled (``nn.Module.compile``: the layers
+  share one code object, so dynamo compiles the layer once and reuses it for every layer, the
+  "regional compilation" recipe), so the layer's element-wise work (RMSNorm, RoPE, SiLU, casts,
+  residual adds) is fused into a few kernels instead of tens of launches per layer.
+
+Prints one JSON line per variant: each pass's tokens/s (prompt once) and MFU against the
+device's nominal bf16 peak (the convention of ``bench_vs_trl.flops_of_build``), the first pass
+(which includes every compile) and the later ones apart, and dynamo's compile counters.
+``--config tiny`` runs it on the CPU on a small model (a smoke test of the code path only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_vs_trl import flops_of_build, nominal_peaks  # noqa: E402
+from common import CONFIGS, BenchConfig, build_inputs  # noqa: E402
+
+from dpocache.batching import token_budget_batches  # noqa: E402
+from dpocache.cache.build import score_batch  # noqa: E402
+from dpocache.cache_cli import load_tokenizer  # noqa: E402
+from dpocache.data import load_preference_data  # noqa: E402
+from dpocache.logprobs import unwrap_causal_lm  # noqa: E402
+from dpocache.reference import ReferenceModel  # noqa: E402
+
+TINY = BenchConfig("tiny", vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, prompt_words=(60, 200), completion_words=(20, 60),
+                   pairs=24)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--variant", required=True, choices=["sdpa", "flex", "flex-layers", "sdpa-layers"])
+    parser.add_argument("--layout", default="shared", choices=["shared", "packed", "padded"])
+    parser.add_argument("--config", default="1b-2048", choices=["1b-2048", "tiny"])
+    parser.add_argument("--budget", type=int, default=32768)
+    parser.add_argument("--passes", type=int, default=3)
+    args = parser.parse_args()
+
+    cfg = TINY if args.config == "tiny" else CONFIGS[args.config]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    inputs = build_inputs(cfg, cfg.pairs)
+    info = json.loads((inputs / "info.json").read_text())
+    flops = flops_of_build(inputs, info)
+    tok = load_tokenizer(inputs / "model")
+    pairs = load_preference_data(str(inputs / "data.jsonl"), tok, None, None, False, show_progress=False).pairs
+
+    attention = "flex" if args.variant.startswith("flex") else "sdpa"
+    ref = ReferenceModel.from_pretrained(inputs / "model", "bfloat16", device, layout=args.layout,
+                                         attention=attention)
+    if args.variant.endswith("-layers"):
+        for layer in unwrap_causal_lm(ref.model).model.layers:
+            layer.compile()
+    batches = token_budget_batches(pairs, args.budget, layout=ref.layout)
+    peak = next(iter(nominal_peaks("cuda").values()), None) if device.type == "cuda" else None
+    passes = []
+    for _ in range(args.passes):
+        synchronize(device)
+        start = time.perf_counter()
+        for b in batches:
+            score_batch(ref, b, 0)
+        synchronize(device)
+        seconds = time.perf_counter() - start
+        passes.append({"seconds": round(seconds, 3), "tokens_per_s": round(flops["unique_tokens"] / seconds),
+                       "mfu": round(flops["convention"] / seconds / peak, 4) if peak else None})
+    from torch._dynamo.utils import counters
+
+    print(json.dumps({
+        "variant": args.variant, "layout": ref.layout_choice.used, "attention": ref.layout_choice.attention,
+        "budget": args.budget, "batches": len(batches), "device": torch.cuda.get_device_name() if peak else "cpu",
+        "torch": torch.__version__, "passes": passes,
+        "peak_gpu_allocated_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
+        "dynamo": {k: dict(v) for k, v in counters.items() if k in ("stats", "frames", "recompiles")},
+    }), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""``--compile``: the reference pass with its decoder layers compiled (dpocache.compiling)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dpocache.batching import token_budget_batches
+from dpocache.cache.build import score_batch
+from dpocache.cli import main
+from dpocache.compiling import AUTO_MIN_WORK, compile_layers, decoder_layers, should_compile
+from dpocache.reference import ReferenceModel
+
+
+def test_auto_compiles_only_a_long_pass_on_cuda():
+    big = int(AUTO_MIN_WORK // 10**9) + 1  # tokens that make the work of a 1e9-parameter model reach the threshold
+    assert should_compile("auto", "cuda", big, 10**9)
+    assert not should_compile("auto", "cuda", big // 4, 10**9)  # repays less than twice its compile
+    assert not should_compile("auto", "cpu", 100 * big, 10**9)  # measured no faster on a CPU
+    assert should_compile("on", "cpu", 1, 1) and not should_compile("off", "cuda", 100 * big, 10**9)
+    with pytest.raises(ValueError, match="compile must be one of auto, on, off"):
+        should_compile("yes", "cuda", 1, 1)
+
+
+def test_compile_layers_compiles_every_decoder_layer_in_place(tokenizer):
+    from dpocache.tiny import build_model
+
+    model = build_model("llama", tokenizer)  # its own: the session's tiny models must not be compiled
+    layers = decoder_layers(model)
+    before = [id(layer) for layer in layers]
+    assert compile_layers(model) == len(layers) > 0
+    # In place: the same modules (their parameters and state dict unchanged), calls go through the compiled forward.
+    assert [id(layer) for layer in decoder_layers(model)] == before
+    assert all(layer._compiled_call_impl is not None for layer in layers)
+    assert compile_layers(torch.nn.Linear(2, 2)) == 0  # no decoder: nothing to compile
+
+
+@pytest.mark.slow
+def test_compiled_reference_pass_equals_eager_in_fp32(model_dir, data):
+    """The compiled layers (inductor, CPU) against the eager model, per pair, in both layouts;
+    batches of several shapes, so the dynamic-shape recompile is exercised too."""
+    torch._dynamo.reset()
+    for layout in ("shared", "padded"):
+        eager = ReferenceModel.from_pretrained(model_dir, "float32", "cpu", layout=layout)
+        compiled = ReferenceModel.from_pretrained(model_dir, "float32", "cpu", layout=layout, compile="on")
+        assert eager.compiled_layers == 0 and compiled.compiled_layers == len(decoder_layers(compiled.model))
+        batches = token_budget_batches(data.pairs[:24], 256, layout=compiled.layout)[:3]
+        assert len({max(p.num_tokens for p in b) for b in batches}) > 1  # several shapes
+        for batch in batches:
+            want, got = score_batch(eager, batch, 0), score_batch(compiled, batch, 0)
+            for side in ("chosen_token_logps", "rejected_token_logps"):  # per token, as every layout test
+                torch.testing.assert_close(torch.cat(getattr(got, side)), torch.cat(getattr(want, side)),
+                                           rtol=0, atol=1e-5)
+
+
+def test_build_summary_names_compiled_layers_and_bad_value_is_status_2(tmp_path, model_dir, pref_jsonl, capsys):
+    args = ["cache", "build", "--model", str(model_dir), "--data", str(pref_jsonl), "--cache-dir", str(tmp_path),
+            "--dtype", "float32", "--device", "cpu", "--json"]
+    assert main([*args, "--compile", "sometimes"]) == 2
+    assert "--compile (model.compile): must be one of auto, on, off; got 'sometimes'" in capsys.readouterr().err
+    assert main(args) == 0  # auto on a CPU: eager
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["compiled_layers"] == 0
