@@ -36,6 +36,7 @@ from .cache.fingerprint import default_memo_path
 from .cache.probes import ProbeMemo
 from .cache_cli import load_tokenizer
 from .checkpoint import checkpoint_dir, latest_checkpoint, load_model_weights, load_trainer_state, save_checkpoint
+from .compiling import compile_layers
 from .config import Config, check_batch_fits
 from .data import PreferenceData, TokenizedPair, load_preference_data
 from .divergence import ProgressMonitor
@@ -84,6 +85,7 @@ class Run:
     steps_per_epoch: int
     writer: MetricsWriter
     layout: LayoutChoice  # the layout the scorer runs (dpocache.layouts)
+    compiled_layers: int = 0  # the policy's decoder layers compiled (--compile on; dpocache.compiling)
     info: dict = field(default_factory=dict)  # what run.json records
     step: int = 0
     saved_step: int | None = None  # the step of the newest checkpoint (None: none yet)
@@ -127,6 +129,9 @@ def setup(cfg: Config) -> Run:
     else:
         policy = load_policy(cfg, env.device)
         scorer = wrap_for_distributed(CompletionLogProbs(policy), policy, cfg, env)
+    # After the scorer's fast-path probe (a compile for its few tokens would be wasted). Training
+    # compiles with "on" only: "auto" is measured for the reference pass; FSDP2's units stay eager.
+    compiled_layers = compile_layers(policy) if cfg.model.compile == "on" and not fsdp else 0
     # WPO (dpocache.wpo): the policy's head also returns log sum_v p(v)^2 per scored token.
     scorer_core(scorer).sum_sq_probs = cfg.loss.use_weighting
     # dpocache.layouts: packed where supported, else padded; the attention backend by dpocache.attention
@@ -141,7 +146,7 @@ def setup(cfg: Config) -> Run:
     writer = MetricsWriter(out, cfg.train.tensorboard, enabled=env.is_main, report_to=cfg.train.report_to,
                            config=cfg.to_dict())
     run = Run(cfg, env, out, dtype, tokenizer, train_data, eval_data, ref_train, ref_eval, spec, policy, scorer,
-              optimizer, scheduler, total, steps_per_epoch, writer, layout)
+              optimizer, scheduler, total, steps_per_epoch, writer, layout, compiled_layers)
     run.info = _run_info(run, ref_info)
     if cfg.train.resume:
         resume(run)
@@ -297,7 +302,8 @@ def _run_info(run: Run, ref_info: dict) -> dict:
         "data": {"train_pairs": len(run.train_data), "train_skipped": len(run.train_data.skipped),
                  "train_truncated": run.train_data.truncated, "train_identical": run.train_data.identical,
                  "eval_pairs": len(run.eval_data) if run.eval_data else 0},
-        "policy": {"parameters": count_params(run.policy), "trainable": count_params(run.policy, trainable_only=True)},
+        "policy": {"parameters": count_params(run.policy), "trainable": count_params(run.policy, trainable_only=True),
+                   "compiled_layers": run.compiled_layers},
         "loss": str(run.spec), "total_steps": run.total_steps, "layout": run.layout.to_json(),
         "reference": ref_info,
     }

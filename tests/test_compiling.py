@@ -12,6 +12,7 @@ from dpocache.cache.build import score_batch
 from dpocache.cli import main
 from dpocache.compiling import AUTO_MIN_WORK, compile_layers, decoder_layers, should_compile
 from dpocache.reference import ReferenceModel
+from train_fixtures import base_model, flags, one_thread, run_json, run_training, train_jsonl, train_records  # noqa: F401
 
 
 def test_auto_compiles_only_a_long_pass_on_cuda():
@@ -62,3 +63,23 @@ def test_build_summary_names_compiled_layers_and_bad_value_is_status_2(tmp_path,
     assert "--compile (model.compile): must be one of auto, on, off; got 'sometimes'" in capsys.readouterr().err
     assert main(args) == 0  # auto on a CPU: eager
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["compiled_layers"] == 0
+
+
+@pytest.mark.slow
+def test_training_with_compiled_layers_follows_the_eager_run(tmp_path, base_model, train_jsonl):
+    """Three fp32 steps with the policy's layers compiled (forward and backward through inductor)
+    against the same run eager: the same losses and gradient norms, up to fp32 rounding."""
+    from transformers import AutoConfig
+
+    torch._dynamo.reset()
+    layers = AutoConfig.from_pretrained(base_model).num_hidden_layers
+    runs = {}
+    for mode in ("off", "on"):
+        out = tmp_path / mode
+        run_training(*flags(base_model, train_jsonl, out, tmp_path / "cache", "--max-steps", "3", "--compile", mode))
+        runs[mode] = train_records(out)
+        assert run_json(out)["policy"]["compiled_layers"] == (0 if mode == "off" else layers)
+    assert len(runs["on"]) == len(runs["off"]) == 3
+    for eager, compiled in zip(runs["off"], runs["on"]):
+        assert compiled["loss"] == pytest.approx(eager["loss"], abs=1e-5)
+        assert compiled["grad_norm"] == pytest.approx(eager["grad_norm"], rel=1e-4)
