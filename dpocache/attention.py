@@ -23,7 +23,9 @@ shape, and the first batch of another shape recompiles it with dynamic shapes (d
 automatic dynamic; the 6-step training run's step times show exactly these two compiles, at
 steps 1 and 4), so a 256-pair reference pass ran at 12,659 tokens/s under flex against 90,511
 under sdpa, and the 6-step run paid 37 s of compiles for 0.2 s saved. ``auto`` stays sdpa
-until a run long enough to amortise the compiles is measured on a GPU. On the CPU each shape
+until a run long enough to amortise the compiles is measured on a GPU; inside compiled
+decoder layers (``--compile on``, ``bench/gpu_compile_probe.py --variant flex-layers``) no
+256-pair pass finished in 170 s on an H100, where SDPA's took 25.6 s. On the CPU each shape
 compiles statically instead (``compile_settings``). The model is switched in place
 (``set_attn_implementation``), so its config names the backend that runs and
 ``dpocache.layouts.LayoutChoice.attention`` records it.
