@@ -12,7 +12,8 @@
 Prints one JSON line per variant: each pass's tokens/s (prompt once) and MFU against the
 device's nominal bf16 peak (the convention of ``bench_vs_trl.flops_of_build``), the first pass
 (which includes every compile) and the later ones apart, and dynamo's compile counters.
-``--config tiny`` runs it on the CPU on a small model (a smoke test of the code path only).
+Without CUDA it runs on the CPU (``--config tiny``: a smoke test of the code path; ``--config
+58m --dtype float32``: the CPU bench model).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--variant", required=True, choices=["sdpa", "flex", "flex-layers", "sdpa-layers"])
     parser.add_argument("--layout", default="shared", choices=["shared", "packed", "padded"])
-    parser.add_argument("--config", default="1b-2048", choices=["1b-2048", "tiny"])
+    parser.add_argument("--config", default="1b-2048", choices=[*CONFIGS, "tiny"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--budget", type=int, default=32768)
     parser.add_argument("--passes", type=int, default=3)
     args = parser.parse_args()
@@ -65,7 +67,7 @@ def main() -> None:
     pairs = load_preference_data(str(inputs / "data.jsonl"), tok, None, None, False, show_progress=False).pairs
 
     attention = "flex" if args.variant.startswith("flex") else "sdpa"
-    ref = ReferenceModel.from_pretrained(inputs / "model", "bfloat16", device, layout=args.layout,
+    ref = ReferenceModel.from_pretrained(inputs / "model", args.dtype, device, layout=args.layout,
                                          attention=attention)
     if args.variant.endswith("-layers"):
         for layer in unwrap_causal_lm(ref.model).model.layers:
@@ -86,7 +88,8 @@ def main() -> None:
 
     print(json.dumps({
         "variant": args.variant, "layout": ref.layout_choice.used, "attention": ref.layout_choice.attention,
-        "budget": args.budget, "batches": len(batches), "device": torch.cuda.get_device_name() if peak else "cpu",
+        "dtype": args.dtype, "budget": args.budget, "batches": len(batches),
+        "device": torch.cuda.get_device_name() if peak else "cpu",
         "torch": torch.__version__, "passes": passes,
         "peak_gpu_allocated_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
         "dynamo": {k: dict(v) for k, v in counters.items() if k in ("stats", "frames", "recompiles")},

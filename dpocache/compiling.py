@@ -1,4 +1,4 @@
-"""``--compile auto|on|off``: the reference pass with each decoder layer compiled.
+"""``--compile auto|on|off``: each decoder layer compiled, in the reference pass and in training.
 
 Why layers, not the model: a decoder's layers share one code object, so dynamo compiles the
 layer once and reuses the code for every layer (the "regional compilation" recipe of the
@@ -17,7 +17,9 @@ parameters; the saving grows with the layer's size, the compile time does not.
 ``auto`` compiles on CUDA when the pass's work (tokens x parameters) is at least
 ``AUTO_MIN_WORK``: twice that break-even, so a compile is never a net loss on the measured
 shape. On the CPU ``auto`` never compiles (a 2-core CPU measured no faster compiled). A
-sharded reference (FSDP2 units with their gather hooks) stays eager.
+sharded reference (FSDP2 units with their gather hooks) stays eager. Training compiles the
+policy's layers with ``on`` only (``auto`` there is eager until eager and compiled training are
+measured side by side), and not under FSDP2.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def compile_layers(model: nn.Module) -> int:
     """Compile each decoder layer of ``model`` in place (``nn.Module.compile``: the module keeps
     its parameters, state dict and hooks; its calls go through the compiled forward). Shapes
     are static for the first batch and dynamic from the first batch of another shape on
-    (dynamo's automatic dynamic shapes): two compiles per run, whatever the batch shapes.
+    (dynamo's automatic dynamic shapes), so a run compiles a few times, not once per shape
+    (on the H100: two graphs in a reference pass, three slow first steps in training).
     Returns the number of layers compiled (0: the model has no decoder layers to compile)."""
     layers = decoder_layers(model)
     if layers is None:

@@ -32,7 +32,7 @@ class ModelConfig:
     device: str | None = None  # cpu | cuda (default: cuda if available)
     attn_implementation: str = "sdpa"  # attention kernel passed to transformers (sdpa | eager | flash_attention_2)
     attention: str = "auto"  # shared/packed layouts: auto (sdpa for now) | sdpa | flex (dpocache.attention)
-    compile: str = "auto"  # reference pass: compile each decoder layer, auto (CUDA, long passes) | on | off
+    compile: str = "auto"  # decoder layers compiled: auto (long reference passes on CUDA) | on (training too) | off
     gradient_checkpointing: bool = False  # recompute activations in the backward pass (less memory, slower)
 
 
