@@ -27,19 +27,11 @@ from __future__ import annotations
 from torch import nn
 
 from .layouts import COMPILES
-from .logprobs import unwrap_causal_lm
+from .logprobs import decoder_layers
 
 # tokens x parameters of a pass from which ``auto`` compiles: 2 x (16 s compile / 2.4e-15 s saved
 # per token-parameter), the module docstring's H100 measurement.
 AUTO_MIN_WORK = 1.3e16
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
-    """The decoder's repeated layers of a transformers causal LM (inside DDP / PEFT wrappers), or None."""
-    lm = unwrap_causal_lm(model)
-    decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else None
-    layers = getattr(decoder, "layers", None)
-    return layers if isinstance(layers, nn.ModuleList) and len(layers) else None
 
 
 def compile_layers(model: nn.Module) -> int:
@@ -48,10 +40,9 @@ def compile_layers(model: nn.Module) -> int:
     are static for the first batch and dynamic from the first batch of another shape on
     (dynamo's automatic dynamic shapes), so a run compiles a few times, not once per shape
     (on the H100: two graphs in a reference pass, three slow first steps in training).
-    Returns the number of layers compiled (0: the model has no decoder layers to compile)."""
+    The layers are FSDP2's units (``logprobs.decoder_layers``). Returns how many were compiled
+    (0: the model has none)."""
     layers = decoder_layers(model)
-    if layers is None:
-        return 0
     for layer in layers:
         layer.compile()
     return len(layers)

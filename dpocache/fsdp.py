@@ -26,25 +26,13 @@ from .allocator import trim_heap
 from .bf16_matmul import plain_linear
 from .checkpoint import check_loaded_keys, read_full_weights
 from .distributed import DistEnv
-from .logprobs import unwrap_causal_lm
+from .logprobs import decoder_layers, unwrap_causal_lm
 
 
 def _full_options(**kwargs):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(full_state_dict=True, **kwargs)
-
-
-def decoder_layers(policy: nn.Module) -> list[nn.Module]:
-    """The transformer blocks: the modules whose class transformers lists in
-    ``_no_split_modules`` (what accelerate and TRL shard on); else the largest ModuleList."""
-    lm = unwrap_causal_lm(policy)
-    names = set(getattr(lm, "_no_split_modules", None) or [])
-    layers = [m for m in lm.modules() if type(m).__name__ in names]
-    if layers:
-        return layers
-    lists = [m for m in lm.modules() if isinstance(m, nn.ModuleList)]
-    return list(max(lists, key=len)) if lists else []
 
 
 def mixed_precision(dtype: torch.dtype | None):

@@ -57,6 +57,19 @@ def unwrap_causal_lm(model: nn.Module) -> nn.Module:
     return model
 
 
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a causal LM (FSDP2's units; what ``--compile`` compiles): the
+    modules whose class transformers lists in ``_no_split_modules`` (what accelerate and TRL
+    shard on); else the largest ModuleList."""
+    lm = unwrap_causal_lm(model)
+    names = set(getattr(lm, "_no_split_modules", None) or [])
+    layers = [m for m in lm.modules() if type(m).__name__ in names]
+    if layers:
+        return layers
+    lists = [m for m in lm.modules() if isinstance(m, nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
 def logit_transform(config) -> Callable[[torch.Tensor], torch.Tensor]:
     """What the model's own forward does to ``lm_head``'s output, from its config."""
     softcap = getattr(config, "final_logit_softcapping", None)

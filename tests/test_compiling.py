@@ -10,7 +10,8 @@ import torch
 from dpocache.batching import token_budget_batches
 from dpocache.cache.build import score_batch
 from dpocache.cli import main
-from dpocache.compiling import AUTO_MIN_WORK, compile_layers, decoder_layers, should_compile
+from dpocache.compiling import AUTO_MIN_WORK, compile_layers, should_compile
+from dpocache.logprobs import decoder_layers
 from dpocache.reference import ReferenceModel
 from train_fixtures import base_model, flags, one_thread, run_json, run_training, train_jsonl, train_records  # noqa: F401
 
