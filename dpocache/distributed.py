@@ -10,13 +10,19 @@ is shared through the file system, and the model through DDP/FSDP's own collecti
 from __future__ import annotations
 
 import datetime
+import gc
 import heapq
 import os
+import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
+# Imported before any process group exists: its functions take ``group=group.WORLD`` as a
+# default argument, evaluated at import (``torch.distributed.fsdp`` imports it). Imported after
+# ``init_distributed`` they would hold the group for the life of the process (see ``destroy``).
+import torch.distributed.nn  # noqa: F401
 
 T = TypeVar("T")
 
@@ -110,9 +116,30 @@ def broadcast_object(env: DistEnv, obj):
 
 def destroy(env: DistEnv) -> None:
     """Leave the process group, if ``init_distributed`` created it (a caller's own group is
-    left alone)."""
+    left alone), and end it: its threads are joined here, not at interpreter exit.
+
+    ``destroy_process_group`` only forgets the group; the group ends (gloo joins its worker
+    threads) when its last reference goes. A group that outlives it ends at interpreter exit,
+    or never: a gloo worker that then drops a finished collective's tensors needs the GIL, which
+    a finalizing interpreter answers by ending the thread, and that unwinds through C++ code
+    that may not throw: "terminate called without an active exception", SIGABRT, after all the
+    work is done. So no reference may outlive it (``release_group_references``)."""
     if env.enabled and env.owns_group and dist.is_initialized():
+        release_group_references()
         dist.destroy_process_group()
+
+
+def release_group_references() -> None:
+    """Drop what still refers to the process groups once the models that used them are gone:
+    DTensor's sharding-propagation caches (its Python one and its C++ fast path's) keep the
+    specs of the DTensor ops that ran (FSDP2 runs some while sharding), each spec its
+    ``DeviceMesh``, and a mesh its process groups. Only caches: the next DTensor op refills them."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return  # no DTensor was ever made (DDP, a whole reference): nothing cached
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    gc.collect()  # a flattened submesh and its root refer to each other: a cycle
 
 
 def split_by_weight(items: Sequence[T], world_size: int, weight: Callable[[T], float],
