@@ -13,7 +13,7 @@ import datetime
 import gc
 import heapq
 import os
-import sys
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
@@ -25,6 +25,9 @@ import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401
 
 T = TypeVar("T")
+
+# The meshes ``device_mesh`` made, weakly: ``destroy`` cuts those still alive from the group.
+_meshes: list[weakref.ref] = []
 
 
 @dataclass(frozen=True)
@@ -129,17 +132,27 @@ def destroy(env: DistEnv) -> None:
         dist.destroy_process_group()
 
 
-def release_group_references() -> None:
-    """Drop what still refers to the process groups once the models that used them are gone:
-    DTensor's sharding-propagation caches (its Python one and its C++ fast path's) keep the
-    specs of the DTensor ops that ran (FSDP2 runs some while sharding), each spec its
-    ``DeviceMesh``, and a mesh its process groups. Only caches: the next DTensor op refills them."""
-    if "torch.distributed.tensor" not in sys.modules:
-        return  # no DTensor was ever made (DDP, a whole reference): nothing cached
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+def device_mesh(env: DistEnv):
+    """A 1-D ``DeviceMesh`` over every rank (FSDP2's), remembered so that ``destroy`` can cut
+    it from the process group."""
+    from torch.distributed.device_mesh import init_device_mesh
 
-    _clear_sharding_prop_cache()
-    gc.collect()  # a flattened submesh and its root refer to each other: a cycle
+    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    _meshes.append(weakref.ref(mesh))
+    return mesh
+
+
+def release_group_references() -> None:
+    """Cut every mesh of ``device_mesh`` still alive from its process groups. A ``DeviceMesh``
+    holds them (``_pg_registry``; its submeshes share their root's), and outlives the models
+    sharded over it in DTensor's caches (sharding propagation, redistribution plans, mesh
+    topology), which torch keeps for the life of the process."""
+    gc.collect()  # a model or mesh in a reference cycle (a flattened submesh and its root) goes now
+    for ref in _meshes:
+        mesh = ref()
+        if mesh is not None:
+            mesh._pg_registry.clear()  # torch 2.13's attribute: tests/test_distributed.py checks the threads end
+    _meshes.clear()
 
 
 def split_by_weight(items: Sequence[T], world_size: int, weight: Callable[[T], float],

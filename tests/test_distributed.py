@@ -479,18 +479,22 @@ raise SystemExit(code)
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="names a process's threads from /proc")
-def test_sharded_build_ends_its_process_group_before_the_interpreter_exits(assets, tmp_path, monkeypatch):
-    """``cache build --fsdp``'s teardown ends the gloo group, its threads joined, on every rank.
-    A group that outlives ``destroy_process_group`` (held by DTensor's caches through the
-    ``DeviceMesh``, or by ``torch.distributed.nn``'s default arguments) ends at interpreter exit,
-    where a gloo worker that drops a finished collective's tensors aborted the process
-    ("terminate called without an active exception"), now and then."""
+@pytest.mark.parametrize("command", ["build", "train"])
+def test_fsdp_runs_end_their_process_group_before_the_interpreter_exits(assets, tmp_path, monkeypatch, command):
+    """``cache build --fsdp`` and ``train --fsdp`` end their gloo group at teardown, its threads
+    joined, on every rank. A group that outlives ``destroy_process_group`` (held by a model, by
+    a ``DeviceMesh`` that DTensor's caches keep, or by ``torch.distributed.nn``'s default
+    arguments) ends at interpreter exit, where a gloo worker that drops a finished collective's
+    tensors aborted the process now and then ("terminate called without an active exception")."""
     driver = tmp_path / "driver.py"
     driver.write_text(GLOO_THREADS_AT_DESTROY)
     monkeypatch.setenv("THREADS_REPORT", str(tmp_path))  # torchrun's processes inherit it
-    torchrun("cache", "build", "--model", str(assets["model"]), "--data", str(assets["pairs37"]), "--dtype",
-             "float32", "--device", "cpu", "--max-length", "64", "--cache-dir", str(tmp_path / "cache"), "--fsdp",
-             script=driver)
+    if command == "build":
+        args = ["cache", "build", "--model", str(assets["model"]), "--data", str(assets["pairs37"]), "--dtype",
+                "float32", "--device", "cpu", "--max-length", "64", "--cache-dir", str(tmp_path / "cache"), "--fsdp"]
+    else:
+        args = ["train", *train_args(assets, tmp_path / "run", 4, None, "--fsdp", "--max-steps", "2")]
+    torchrun(*args, script=driver)
     for rank in (0, 1):
         seen = json.loads((tmp_path / f"{rank}.json").read_text())
         assert seen["before"], seen  # the group's threads, by the names gloo gives them
