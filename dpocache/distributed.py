@@ -10,15 +10,24 @@ is shared through the file system, and the model through DDP/FSDP's own collecti
 from __future__ import annotations
 
 import datetime
+import gc
 import heapq
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
+# Imported before any process group exists: its functions take ``group=group.WORLD`` as a
+# default argument, evaluated at import (``torch.distributed.fsdp`` imports it). Imported after
+# ``init_distributed`` they would hold the group for the life of the process (see ``destroy``).
+import torch.distributed.nn  # noqa: F401
 
 T = TypeVar("T")
+
+# The meshes ``device_mesh`` made, weakly: ``destroy`` cuts those still alive from the group.
+_meshes: list[weakref.ref] = []
 
 
 @dataclass(frozen=True)
@@ -110,9 +119,40 @@ def broadcast_object(env: DistEnv, obj):
 
 def destroy(env: DistEnv) -> None:
     """Leave the process group, if ``init_distributed`` created it (a caller's own group is
-    left alone)."""
+    left alone), and end it: its threads are joined here, not at interpreter exit.
+
+    ``destroy_process_group`` only forgets the group; the group ends (gloo joins its worker
+    threads) when its last reference goes. A group that outlives it ends at interpreter exit,
+    or never: a gloo worker that then drops a finished collective's tensors needs the GIL, which
+    a finalizing interpreter answers by ending the thread, and that unwinds through C++ code
+    that may not throw: "terminate called without an active exception", SIGABRT, after all the
+    work is done. So no reference may outlive it (``release_group_references``)."""
     if env.enabled and env.owns_group and dist.is_initialized():
+        release_group_references()
         dist.destroy_process_group()
+
+
+def device_mesh(env: DistEnv):
+    """A 1-D ``DeviceMesh`` over every rank (FSDP2's), remembered so that ``destroy`` can cut
+    it from the process group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    _meshes.append(weakref.ref(mesh))
+    return mesh
+
+
+def release_group_references() -> None:
+    """Cut every mesh of ``device_mesh`` still alive from its process groups. A ``DeviceMesh``
+    holds them (``_pg_registry``; its submeshes share their root's), and outlives the models
+    sharded over it in DTensor's caches (sharding propagation, redistribution plans, mesh
+    topology), which torch keeps for the life of the process."""
+    gc.collect()  # a model or mesh in a reference cycle (a flattened submesh and its root) goes now
+    for ref in _meshes:
+        mesh = ref()
+        if mesh is not None:
+            mesh._pg_registry.clear()  # torch 2.13's attribute: tests/test_distributed.py checks the threads end
+    _meshes.clear()
 
 
 def split_by_weight(items: Sequence[T], world_size: int, weight: Callable[[T], float],

@@ -25,7 +25,7 @@ from torch import nn
 from .allocator import trim_heap
 from .bf16_matmul import plain_linear
 from .checkpoint import check_loaded_keys, read_full_weights
-from .distributed import DistEnv
+from .distributed import DistEnv, device_mesh
 from .logprobs import decoder_layers, unwrap_causal_lm
 
 
@@ -93,10 +93,9 @@ def shard_policy(scorer: nn.Module, policy: nn.Module, env: DistEnv, reshard_aft
     shards it, so a GPU never holds more than one full layer during set-up. It may also sit on
     the meta device (``dpocache.loading.load_for_sharding`` fills the shards afterwards).
     """
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    mesh = device_mesh(env)
     layers = decoder_layers(policy)
     if not layers:
         raise ValueError(f"{type(unwrap_causal_lm(policy)).__name__}: found no decoder layers to shard")

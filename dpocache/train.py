@@ -553,10 +553,14 @@ def train(cfg: Config) -> dict:
     configure_cuda_allocator()
     with stop_signals() as stop:
         run = setup(cfg)
+        env = run.env
         try:
             return _train(run, stop)
         finally:
-            destroy(run.env)
+            # The models (DDP's reducer, FSDP's state) hold the process group: gone first, so
+            # that destroy ends the group while the interpreter is alive (``distributed.destroy``).
+            run = None  # noqa: F841 - the last reference to the run
+            destroy(env)
 
 
 def _train(run: Run, stop: StopRequest) -> dict:

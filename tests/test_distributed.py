@@ -44,12 +44,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(*args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``python -m torch.distributed.run --nproc-per-node N -m dpocache ARGS`` on CPU/gloo."""
+def torchrun(*args: str, nproc: int = 2, timeout: float = 300,
+             script: Path | None = None) -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run --nproc-per-node N -m dpocache ARGS`` on CPU/gloo
+    (``script``: a driver of ``dpocache ARGS`` instead of ``-m dpocache``)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
                CUDA_VISIBLE_DEVICES="")
+    entry = [str(script)] if script is not None else ["-m", "dpocache"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "dpocache", *args]
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *entry, *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, (f"{' '.join(cmd)}\nexit {proc.returncode}\n"
                                   f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -446,6 +449,56 @@ def test_sharded_build_on_two_ranks_matches_one_process_in_fp32(assets, tmp_path
     for p in pairs:
         for x, y in zip(got.token_logps(p.key), want.token_logps(p.key), strict=True):
             assert torch.allclose(x, y, atol=TOL, rtol=0)
+
+
+# Names the gloo threads of the process just before and just after dpocache's teardown calls
+# destroy_process_group, one JSON file per rank in THREADS_REPORT.
+GLOO_THREADS_AT_DESTROY = r"""
+import json, os, sys
+import torch.distributed as dist
+from dpocache.cli import main
+
+def gloo_threads():
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    return sorted(n for n in names if "gloo" in n)
+
+seen = {}
+destroy_process_group = dist.destroy_process_group
+
+def recorded(*args, **kwargs):
+    seen["before"] = gloo_threads()
+    destroy_process_group(*args, **kwargs)
+    seen["after"] = gloo_threads()
+
+dist.destroy_process_group = recorded
+code = main(sys.argv[1:])
+with open(os.path.join(os.environ["THREADS_REPORT"], os.environ["RANK"] + ".json"), "w") as f:
+    json.dump(seen, f)
+raise SystemExit(code)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="names a process's threads from /proc")
+@pytest.mark.parametrize("command", ["build", "train"])
+def test_fsdp_runs_end_their_process_group_before_the_interpreter_exits(assets, tmp_path, monkeypatch, command):
+    """``cache build --fsdp`` and ``train --fsdp`` end their gloo group at teardown, its threads
+    joined, on every rank. A group that outlives ``destroy_process_group`` (held by a model, by
+    a ``DeviceMesh`` that DTensor's caches keep, or by ``torch.distributed.nn``'s default
+    arguments) ends at interpreter exit, where a gloo worker that drops a finished collective's
+    tensors aborted the process now and then ("terminate called without an active exception")."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(GLOO_THREADS_AT_DESTROY)
+    monkeypatch.setenv("THREADS_REPORT", str(tmp_path))  # torchrun's processes inherit it
+    if command == "build":
+        args = ["cache", "build", "--model", str(assets["model"]), "--data", str(assets["pairs37"]), "--dtype",
+                "float32", "--device", "cpu", "--max-length", "64", "--cache-dir", str(tmp_path / "cache"), "--fsdp"]
+    else:
+        args = ["train", *train_args(assets, tmp_path / "run", 4, None, "--fsdp", "--max-steps", "2")]
+    torchrun(*args, script=driver)
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert seen["before"], seen  # the group's threads, by the names gloo gives them
+        assert seen["after"] == [], (rank, seen)
 
 
 @pytest.mark.parametrize("name,mode", [("tied", "native"), ("model", "native"), ("model", "fp32-gemm")])
