@@ -14,24 +14,33 @@ first pass, compiles included, 11.7 s eager against 25.6 s compiled. So compilin
 16 s once (beyond eager's own first-pass warm-up) and saves 2.7 µs per token at 1.1B
 parameters; the saving grows with the layer's size, the compile time does not.
 
-``auto`` compiles on CUDA when the pass's work (tokens x parameters) is at least
-``AUTO_MIN_WORK``: twice that break-even, so a compile is never a net loss on the measured
-shape. On the CPU ``auto`` never compiles (a 2-core CPU measured no faster compiled). A
-sharded reference (FSDP2 units with their gather hooks) stays eager. Training compiles the
+On a 2-core AVX2 CPU (``python bench/gpu_compile_probe.py --config 58m --dtype float32
+--budget 4096 --variant sdpa|sdpa-layers``, the 58M bench model, 256 pairs, two runs of each):
+1,424-1,586 tokens/s eager against 1,763-1,872 compiled after the first pass (medians 1,539 and
+1,804: 1.17x), the compiles 10-14 s of the first pass.
+
+``auto`` compiles where it was measured to pay, when the pass's work (tokens x parameters) is at
+least ``AUTO_MIN_WORK`` for the device and dtype: twice the break-even measured there, so the
+compile is never a net loss on the measured shape (CUDA bf16: from about 12M tokens at 1.1B
+parameters; CPU fp32: from about 310k tokens at 58M). Elsewhere (CPU bf16, whose linear layers
+take the fp32 GEMM through a custom autograd function, ``dpocache.bf16_matmul``, CUDA fp32)
+``auto`` stays eager. A sharded reference (FSDP2 units with their gather hooks) stays eager. Training compiles the
 policy's layers with ``on`` only (``auto`` there is eager until eager and compiled training are
 measured side by side), and not under FSDP2.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .layouts import COMPILES
 from .logprobs import decoder_layers
 
-# tokens x parameters of a pass from which ``auto`` compiles: 2 x (16 s compile / 2.4e-15 s saved
-# per token-parameter), the module docstring's H100 measurement.
-AUTO_MIN_WORK = 1.3e16
+# tokens x parameters of a pass from which ``auto`` compiles, per (device type, dtype): twice the
+# break-even compile time / time saved per token-parameter, from the module docstring's figures:
+# H100 16 s / 2.4e-15 s, 2-core CPU 14 s / 1.6e-12 s.
+AUTO_MIN_WORK = {("cuda", torch.bfloat16): 1.3e16, ("cpu", torch.float32): 1.8e13}
 
 
 def compile_layers(model: nn.Module) -> int:
@@ -48,10 +57,12 @@ def compile_layers(model: nn.Module) -> int:
     return len(layers)
 
 
-def should_compile(requested: str, device_type: str, tokens: int, parameters: int) -> bool:
-    """Whether a pass over ``tokens`` with a model of ``parameters`` compiles its layers."""
+def should_compile(requested: str, device_type: str, dtype: torch.dtype, tokens: int, parameters: int) -> bool:
+    """Whether a pass over ``tokens`` with a model of ``parameters`` computing in ``dtype`` on
+    ``device_type`` compiles its layers."""
     if requested not in COMPILES:
         raise ValueError(f"compile must be one of {', '.join(COMPILES)}; got '{requested}'")
     if requested != "auto":
         return requested == "on"
-    return device_type == "cuda" and tokens * parameters >= AUTO_MIN_WORK
+    threshold = AUTO_MIN_WORK.get((device_type, dtype))
+    return threshold is not None and tokens * parameters >= threshold

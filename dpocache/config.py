@@ -32,7 +32,7 @@ class ModelConfig:
     device: str | None = None  # cpu | cuda (default: cuda if available)
     attn_implementation: str = "sdpa"  # attention kernel passed to transformers (sdpa | eager | flash_attention_2)
     attention: str = "auto"  # shared/packed layouts: auto (sdpa for now) | sdpa | flex (dpocache.attention)
-    compile: str = "auto"  # decoder layers compiled: auto (long reference passes on CUDA) | on (training too) | off
+    compile: str = "auto"  # decoder layers compiled: auto (reference passes that repay it) | on (training too) | off
     gradient_checkpointing: bool = False  # recompute activations in the backward pass (less memory, slower)
 
 

@@ -154,7 +154,7 @@ class ReferenceModel:
         if self.compile != "auto" or self.compiled_layers:
             return
         parameters = sum(p.numel() for p in self.model.parameters())
-        if should_compile("auto", self.device.type, tokens, parameters):
+        if should_compile("auto", self.device.type, self.dtype, tokens, parameters):
             self.compiled_layers = compile_layers(self.model)
             log.info("compiled the reference's %d decoder layers for a pass of %d tokens", self.compiled_layers,
                      tokens)

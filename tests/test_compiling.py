@@ -16,14 +16,19 @@ from dpocache.reference import ReferenceModel
 from train_fixtures import base_model, flags, one_thread, run_json, run_training, train_jsonl, train_records  # noqa: F401
 
 
-def test_auto_compiles_only_a_long_pass_on_cuda():
-    big = int(AUTO_MIN_WORK // 10**9) + 1  # tokens that make the work of a 1e9-parameter model reach the threshold
-    assert should_compile("auto", "cuda", big, 10**9)
-    assert not should_compile("auto", "cuda", big // 4, 10**9)  # repays less than twice its compile
-    assert not should_compile("auto", "cpu", 100 * big, 10**9)  # measured no faster on a CPU
-    assert should_compile("on", "cpu", 1, 1) and not should_compile("off", "cuda", 100 * big, 10**9)
+def test_auto_compiles_only_a_pass_long_enough_where_it_was_measured_to_pay():
+    bf16, fp32 = torch.bfloat16, torch.float32
+    gpu = int(AUTO_MIN_WORK["cuda", bf16] // 10**9) + 1  # tokens whose work at 1e9 parameters reaches it
+    assert should_compile("auto", "cuda", bf16, gpu, 10**9)
+    assert not should_compile("auto", "cuda", bf16, gpu // 4, 10**9)  # repays less than twice its compile
+    cpu = int(AUTO_MIN_WORK["cpu", fp32] // 10**8) + 1
+    assert should_compile("auto", "cpu", fp32, cpu, 10**8) and not should_compile("auto", "cpu", fp32, cpu // 4, 10**8)
+    # Not measured: CPU bf16 (its linear layers go through dpocache.bf16_matmul) and CUDA fp32.
+    assert not should_compile("auto", "cpu", bf16, 100 * cpu, 10**8)
+    assert not should_compile("auto", "cuda", fp32, 100 * gpu, 10**9)
+    assert should_compile("on", "cpu", bf16, 1, 1) and not should_compile("off", "cuda", bf16, 100 * gpu, 10**9)
     with pytest.raises(ValueError, match="compile must be one of auto, on, off"):
-        should_compile("yes", "cuda", 1, 1)
+        should_compile("yes", "cuda", bf16, 1, 1)
 
 
 def test_compile_layers_compiles_every_decoder_layer_in_place(tokenizer):
@@ -62,7 +67,7 @@ def test_build_summary_names_compiled_layers_and_bad_value_is_status_2(tmp_path,
             "--dtype", "float32", "--device", "cpu", "--json"]
     assert main([*args, "--compile", "sometimes"]) == 2
     assert "--compile (model.compile): must be one of auto, on, off; got 'sometimes'" in capsys.readouterr().err
-    assert main(args) == 0  # auto on a CPU: eager
+    assert main(args) == 0  # auto, a short pass: eager
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["compiled_layers"] == 0
 
 
