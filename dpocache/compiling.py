@@ -24,9 +24,9 @@ least ``AUTO_MIN_WORK`` for the device and dtype: twice the break-even measured 
 compile is never a net loss on the measured shape (CUDA bf16: from about 12M tokens at 1.1B
 parameters; CPU fp32: from about 310k tokens at 58M). Elsewhere (CPU bf16, whose linear layers
 take the fp32 GEMM through a custom autograd function, ``dpocache.bf16_matmul``, CUDA fp32)
-``auto`` stays eager. A sharded reference (FSDP2 units with their gather hooks) stays eager. Training compiles the
-policy's layers with ``on`` only (``auto`` there is eager until eager and compiled training are
-measured side by side), and not under FSDP2.
+``auto`` stays eager. A sharded reference (FSDP2 units with their gather hooks) stays eager.
+Training compiles the policy's layers with ``on`` only (``auto`` there is eager until eager and
+compiled training are measured side by side), and not under FSDP2.
 """
 
 from __future__ import annotations
