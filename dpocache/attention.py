@@ -25,8 +25,11 @@ steps 1 and 4), so a 256-pair reference pass ran at 12,659 tokens/s under flex a
 under sdpa, and the 6-step run paid 37 s of compiles for 0.2 s saved. ``auto`` stays sdpa
 until a run long enough to amortise the compiles is measured on a GPU; inside compiled
 decoder layers (``--compile on``, ``bench/gpu_compile_probe.py --variant flex-layers``) no
-256-pair pass finished in 170 s on an H100, where SDPA's took 25.6 s. On the CPU each shape
-compiles statically instead (``compile_settings``). The model is switched in place
+256-pair pass finished in 170 s on an H100, where SDPA's took 25.6 s, and with the layers
+eager a 1,024-pair pass gave no result in 150 s, where SDPA's took 30 s. Varlen flash attention
+(two unmasked causal sequences per pair) was measured there too and is not offered: 1.31x the
+masked SDPA kernel, torch 2.11's having no grouped-query support (README, "On a GPU"). On the
+CPU each shape compiles statically instead (``compile_settings``). The model is switched in place
 (``set_attn_implementation``), so its config names the backend that runs and
 ``dpocache.layouts.LayoutChoice.attention`` records it.
 
