@@ -56,6 +56,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--budget", type=int, default=32768)
     parser.add_argument("--passes", type=int, default=3)
+    parser.add_argument("--dynamic", action="store_true", help="*-layers: compile with dynamic shapes from the start")
     args = parser.parse_args()
 
     cfg = TINY if args.config == "tiny" else CONFIGS[args.config]
@@ -71,7 +72,7 @@ def main() -> None:
                                          attention=attention)
     if args.variant.endswith("-layers"):
         for layer in unwrap_causal_lm(ref.model).model.layers:
-            layer.compile()
+            layer.compile(dynamic=True if args.dynamic else None)
     batches = token_budget_batches(pairs, args.budget, layout=ref.layout)
     peak = next(iter(nominal_peaks("cuda").values()), None) if device.type == "cuda" else None
     passes = []
@@ -87,7 +88,8 @@ def main() -> None:
     from torch._dynamo.utils import counters
 
     print(json.dumps({
-        "variant": args.variant, "layout": ref.layout_choice.used, "attention": ref.layout_choice.attention,
+        "variant": args.variant, "dynamic": args.dynamic, "layout": ref.layout_choice.used,
+        "attention": ref.layout_choice.attention,
         "dtype": args.dtype, "budget": args.budget, "batches": len(batches),
         "device": torch.cuda.get_device_name() if peak else "cpu",
         "torch": torch.__version__, "passes": passes,

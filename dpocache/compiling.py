@@ -45,15 +45,20 @@ AUTO_MIN_WORK = {("cuda", torch.bfloat16): 1.3e16, ("cpu", torch.float32): 1.8e1
 
 def compile_layers(model: nn.Module) -> int:
     """Compile each decoder layer of ``model`` in place (``nn.Module.compile``: the module keeps
-    its parameters, state dict and hooks; its calls go through the compiled forward). Shapes
-    are static for the first batch and dynamic from the first batch of another shape on
-    (dynamo's automatic dynamic shapes), so a run compiles a few times, not once per shape
-    (on the H100: two graphs in a reference pass, three slow first steps in training).
-    The layers are FSDP2's units (``logprobs.decoder_layers``). Returns how many were compiled
-    (0: the model has none)."""
+    its parameters, state dict and hooks; its calls go through the compiled forward), with
+    dynamic shapes from the first batch, so a run compiles once, whatever its batch shapes.
+    Left to dynamo's automatic dynamic shapes, the first batch compiled a static graph and the
+    first batch of another shape a dynamic one, which every later batch ran (on the H100: two
+    or three graphs in a reference pass, three slow first steps in training); compiling the
+    dynamic graph at once skips the static one. Measured on the 2-core CPU
+    (``python bench/gpu_compile_probe.py --variant sdpa-layers --config 58m --dtype float32
+    --budget 4096 [--dynamic]``, a cold inductor cache each, two runs of each): 1 graph instead of
+    2, the first pass 10.0-10.6 s slower than the later ones instead of 12.3-19.9 s, the later
+    passes at the same speed (1,912-1,978 against 1,891-1,988 tokens/s). The layers are FSDP2's
+    units (``logprobs.decoder_layers``). Returns how many were compiled (0: the model has none)."""
     layers = decoder_layers(model)
     for layer in layers:
-        layer.compile()
+        layer.compile(dynamic=True)
     return len(layers)
 
 

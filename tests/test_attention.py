@@ -109,6 +109,35 @@ def test_flex_on_cpu_runs_batches_of_several_row_widths(tokenizer, make_rows):
     use_attention(model, "sdpa", "cpu")
 
 
+def test_the_cuda_block_mask_builder_compiles_once_and_builds_the_eager_masks(tokenizer, make_rows, monkeypatch):
+    """On CUDA the ``BlockMask`` comes from ``create_block_mask`` compiled with dynamic shapes
+    (``prefix._compiled_block_mask_builder``). Run here on the CPU over batches whose row count,
+    then row width, change, it compiles one graph (automatic dynamic shapes compiled three) and
+    builds the blocks the eager builder does."""
+    from torch._dynamo.utils import counters
+
+    from dpocache import prefix
+
+    config = _model("llama", tokenizer).config
+    pad = tokenizer.pad_token_id
+    # (pairs, prompt words): rows of several blocks (a row of one block compiles its own graph).
+    shapes = ((2, 140), (3, 140), (4, 300))
+    rows = [make_rows(k, seed=30 + i, min_prompt=n, max_prompt=n, max_completion=8) for i, (k, n) in enumerate(shapes)]
+    batches = [collate_layout("shared", load_preference_data(r, tokenizer, show_progress=False).pairs, pad,
+                              multiple=FLEX_BLOCK) for r in rows]
+    assert len({b.input_ids.shape for b in batches}) == 3
+    want = [prefix.flex_block_masks(b, config) for b in batches]  # the CPU's eager builder
+    monkeypatch.setattr(prefix, "_block_mask_builder", lambda device_type: prefix._compiled_block_mask_builder())
+    torch._dynamo.reset()
+    prefix._compiled_block_mask_builder.cache_clear()
+    graphs = counters["stats"]["unique_graphs"]
+    got = [prefix.flex_block_masks(b, config) for b in batches]
+    assert counters["stats"]["unique_graphs"] - graphs == 1
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and torch.equal(g.to_dense(), w.to_dense())
+        assert torch.equal(g.full_kv_num_blocks, w.full_kv_num_blocks)  # fully allowed blocks skip the mask
+
+
 def test_auto_is_sdpa_on_cpu_and_flex_falls_back_with_a_reason(tokenizer):
     model = build_model("llama", tokenizer).eval()
     assert use_attention(model, "auto", "cpu") is None and model.config._attn_implementation == "sdpa"

@@ -47,8 +47,11 @@ def test_compile_layers_compiles_every_decoder_layer_in_place(tokenizer):
 @pytest.mark.slow
 def test_compiled_reference_pass_equals_eager_in_fp32(model_dir, data):
     """The compiled layers (inductor, CPU) against the eager model, per pair, in both layouts;
-    batches of several shapes, so the dynamic-shape recompile is exercised too."""
+    batches of several shapes, which the one dynamic-shape graph serves without a recompile."""
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    graphs = counters["stats"]["unique_graphs"]
     for layout in ("shared", "padded"):
         eager = ReferenceModel.from_pretrained(model_dir, "float32", "cpu", layout=layout)
         compiled = ReferenceModel.from_pretrained(model_dir, "float32", "cpu", layout=layout, compile="on")
@@ -60,6 +63,8 @@ def test_compiled_reference_pass_equals_eager_in_fp32(model_dir, data):
             for side in ("chosen_token_logps", "rejected_token_logps"):  # per token, as every layout test
                 torch.testing.assert_close(torch.cat(getattr(got, side)), torch.cat(getattr(want, side)),
                                            rtol=0, atol=1e-5)
+        if layout == "shared":  # compiled once for its three shapes (automatic dynamic compiled twice)
+            assert counters["stats"]["unique_graphs"] - graphs == 1
 
 
 def test_build_summary_names_compiled_layers_and_bad_value_is_status_2(tmp_path, model_dir, pref_jsonl, capsys):
