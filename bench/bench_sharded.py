@@ -27,12 +27,11 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import BENCH_DIR, BenchConfig, build_inputs  # noqa: E402
+from common import BENCH_DIR, BenchConfig, build_inputs, write_results  # noqa: E402
 
 CONFIGS = {
     "300m": BenchConfig("300m", hidden_size=1024, intermediate_size=2816, num_hidden_layers=20, num_attention_heads=16,
@@ -139,10 +138,7 @@ def main() -> None:
         "fsdp_train_startup_summed_peak": train_sum, "fsdp_train_startup_over_fp32_weights": train_sum / fp32_bytes,
         "fsdp_train_startup_net_of_imports_over_fp32_weights": train_net / fp32_bytes,
     }
-    out = BENCH_DIR / "results" / f"sharded-{args.config}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps({"summary": summary, "runs": runs}, indent=1))
-    print(json.dumps(summary, indent=1))
-    print(f"wrote {out}")
+    write_results(f"sharded-{args.config}", summary, runs)
 
 
 if __name__ == "__main__":

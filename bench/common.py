@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -101,4 +102,13 @@ def build_inputs(cfg: BenchConfig, pairs: int, root: Path | None = None, seed: i
     write_jsonl(make_rows(cfg, pairs, seed), out / "data.jsonl")
     info = {"config": asdict(cfg), "pairs": pairs, "parameters": n_params, "tokenizer_vocab": len(tokenizer)}
     info_path.write_text(json.dumps(info, indent=1))
+    return out
+
+
+def write_results(name: str, summary: dict, runs: dict) -> Path:
+    """``bench/results/<name>-<time>.json``: the summary and every run; prints the summary."""
+    out = BENCH_DIR / "results" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps({"summary": summary, "runs": runs}, indent=1))
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {out}")
     return out

@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import BENCH_DIR, CONFIGS, build_inputs  # noqa: E402
+from common import BENCH_DIR, CONFIGS, build_inputs, write_results  # noqa: E402
 
 
 def worker(backend: str, report: Path, argv: list[str]) -> None:
@@ -157,10 +157,7 @@ def main() -> None:
             "sequences": int(one.numel()),
         },
     }
-    out = BENCH_DIR / "results" / f"gpu-sharded-{args.config}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps({"summary": summary, "runs": runs}, indent=1))
-    print(json.dumps(summary, indent=1))
-    print(f"wrote {out}")
+    write_results(f"gpu-sharded-{args.config}", summary, runs)
 
 
 if __name__ == "__main__":
