@@ -35,7 +35,7 @@ from dpocache.batching import token_budget_batches  # noqa: E402
 from dpocache.cache.build import score_batch  # noqa: E402
 from dpocache.cache_cli import load_tokenizer  # noqa: E402
 from dpocache.data import load_preference_data  # noqa: E402
-from dpocache.logprobs import unwrap_causal_lm  # noqa: E402
+from dpocache.logprobs import decoder_layers  # noqa: E402
 from dpocache.reference import ReferenceModel  # noqa: E402
 
 TINY = BenchConfig("tiny", vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -71,7 +71,7 @@ def main() -> None:
     ref = ReferenceModel.from_pretrained(inputs / "model", args.dtype, device, layout=args.layout,
                                          attention=attention)
     if args.variant.endswith("-layers"):
-        for layer in unwrap_causal_lm(ref.model).model.layers:
+        for layer in decoder_layers(ref.model):  # dpocache.compiling.compile_layers, with the old default as an option
             layer.compile(dynamic=True if args.dynamic else None)
     batches = token_budget_batches(pairs, args.budget, layout=ref.layout)
     peak = next(iter(nominal_peaks("cuda").values()), None) if device.type == "cuda" else None

@@ -48,6 +48,7 @@ def worker(backend: str, report: Path, argv: list[str]) -> None:
     import torch.distributed as dist
 
     from dpocache.cli import main
+    from dpocache.distributed import release_group_references
 
     cuda = torch.cuda.is_available()
     os.environ["LOCAL_RANK"] = "0"  # every rank on the one GPU (dpocache puts rank r on cuda:LOCAL_RANK)
@@ -59,6 +60,7 @@ def worker(backend: str, report: Path, argv: list[str]) -> None:
     peaks = ({"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved()} if cuda
              else {})
     (report / f"rank-{dist.get_rank()}.json").write_text(json.dumps(peaks))
+    release_group_references()  # the group is this worker's, so dpocache's destroy leaves it to us
     dist.destroy_process_group()
     raise SystemExit(code)
 
@@ -83,16 +85,21 @@ def _build(argv: list[str], nproc: int, backend: str, report: Path) -> dict:
     return {"summary": summary, "ranks": ranks, "wall_s": wall}
 
 
-def _values(cache: Path, model: Path, data: Path, max_length: int):
-    import torch
-
-    from dpocache.cache import CacheStore, namespace_for_dir
+def _pair_keys(model: Path, data: Path, max_length: int) -> list[bytes]:
     from dpocache.cache_cli import load_tokenizer
     from dpocache.data import load_preference_data
 
     pairs = load_preference_data(str(data), load_tokenizer(model), max_length=max_length, show_progress=False).pairs
-    store = CacheStore(cache, namespace_for_dir(model, torch.bfloat16, cache)).open()
-    got = store.lookup([p.key for p in pairs])
+    return [p.key for p in pairs]
+
+
+def _values(cache: Path, model: Path, keys: list[bytes]):
+    """``(2P,)`` the chosen then the rejected sums of ``keys`` in the bf16 cache under ``cache``."""
+    import torch
+
+    from dpocache.cache import CacheStore, namespace_for_dir
+
+    got = CacheStore(cache, namespace_for_dir(model, torch.bfloat16, cache)).open().lookup(keys)
     return torch.cat([got.chosen_logps, got.rejected_logps])
 
 
@@ -140,7 +147,8 @@ def main() -> None:
         return max(ranks) if ranks else r["summary"]["peak_memory_bytes"]
 
     med = {name: statistics.median(peak(r) for r in rs) for name, rs in runs.items()}
-    one, two, fsdp = (_values(work / f"cache-{n}", model, data, args.max_length) for n in builds)
+    keys = _pair_keys(model, data, args.max_length)
+    one, two, fsdp = (_values(work / f"cache-{n}", model, keys) for n in builds)
     summary = {
         "config": args.config, "parameters": info["parameters"], "pairs": args.pairs, "reps": args.reps,
         "max_tokens": args.max_tokens, "backend": args.backend,
