@@ -1,6 +1,7 @@
 """The reference pass on a GPU under torch.compile variants, one variant per process (no TRL).
 
     python bench/gpu_compile_probe.py --variant sdpa|flex|flex-layers|sdpa-layers [--layout shared|packed]
+        [--dynamic] [--unpadded-rows] [--profile]
 
 - ``sdpa``: today's default (the shared layout's dense boolean mask through SDPA), eager.
 - ``flex``: FlexAttention with a ``BlockMask`` (transformers compiles the attention call alone).
@@ -36,6 +37,7 @@ from dpocache.cache.build import score_batch  # noqa: E402
 from dpocache.cache_cli import load_tokenizer  # noqa: E402
 from dpocache.data import load_preference_data  # noqa: E402
 from dpocache.logprobs import decoder_layers  # noqa: E402
+from dpocache.prefix import reference_row_width  # noqa: E402
 from dpocache.reference import ReferenceModel  # noqa: E402
 
 TINY = BenchConfig("tiny", vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -57,6 +59,9 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=32768)
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--dynamic", action="store_true", help="*-layers: compile with dynamic shapes from the start")
+    parser.add_argument("--unpadded-rows", action="store_true",
+                        help="packed flex: rows as wide as their pairs, not padded to --budget (reference_row_width)")
+    parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of the last pass")
     args = parser.parse_args()
 
     cfg = TINY if args.config == "tiny" else CONFIGS[args.config]
@@ -74,21 +79,33 @@ def main() -> None:
         for layer in decoder_layers(ref.model):  # dpocache.compiling.compile_layers, with the old default as an option
             layer.compile(dynamic=True if args.dynamic else None)
     batches = token_budget_batches(pairs, args.budget, layout=ref.layout)
+    max_tokens = None if args.unpadded_rows else args.budget  # packed flex rows padded to it, as the cache build does
     peak = next(iter(nominal_peaks("cuda").values()), None) if device.type == "cuda" else None
     passes = []
-    for _ in range(args.passes):
+    for index in range(args.passes):
+        profiler = None
+        if args.profile and index == args.passes - 1:
+            from torch.profiler import ProfilerActivity, profile
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            profiler = profile(activities=activities)
+            profiler.__enter__()
         synchronize(device)
         start = time.perf_counter()
         for b in batches:
-            score_batch(ref, b, 0)
+            score_batch(ref, b, 0, max_tokens)
         synchronize(device)
         seconds = time.perf_counter() - start
+        if profiler is not None:
+            profiler.__exit__(None, None, None)
+            key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+            print(profiler.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70), flush=True)
         passes.append({"seconds": round(seconds, 3), "tokens_per_s": round(flops["unique_tokens"] / seconds),
                        "mfu": round(flops["convention"] / seconds / peak, 4) if peak else None})
     from torch._dynamo.utils import counters
 
     print(json.dumps({
         "variant": args.variant, "dynamic": args.dynamic, "layout": ref.layout_choice.used,
+        "row_width": reference_row_width(ref, max_tokens),
         "attention": ref.layout_choice.attention,
         "dtype": args.dtype, "budget": args.budget, "batches": len(batches),
         "device": torch.cuda.get_device_name() if peak else "cpu",

@@ -143,13 +143,14 @@ def collate_packed(pairs: Sequence[TokenizedPair], pad_id: int = 0, width: int |
 
 
 def collate_layout(layout: str, pairs: Sequence[TokenizedPair], pad_id: int = 0, multiple: int = 1,
-                   one_row: bool = False) -> SharedPromptBatch:
+                   one_row: bool = False, width: int | None = None) -> SharedPromptBatch:
     """``pairs`` in the ``shared`` layout (one pair per row) or the ``packed`` one (rows of the
     longest pair's width; ``one_row``: all in one row, a reference batch of
-    ``packing.budget_batches``); rows padded to a multiple of ``multiple`` tokens
-    (FlexAttention: one compiled kernel per width bucket)."""
+    ``packing.budget_batches``, at least ``width`` tokens wide); rows padded to a multiple of
+    ``multiple`` tokens (FlexAttention: one compiled kernel per width bucket)."""
     if layout == "packed":
-        return collate_packed(pairs, pad_id, sum(p.unique_tokens for p in pairs) if one_row else None, multiple)
+        one = max(width or 0, sum(p.unique_tokens for p in pairs)) if one_row else None
+        return collate_packed(pairs, pad_id, one, multiple)
     width = packing.round_up(max(p.unique_tokens for p in pairs), multiple)
     return collate_shared(pairs, pad_id, width=width)
 
@@ -224,30 +225,65 @@ def _block_mask_builder(device_type: str):
     return create_block_mask
 
 
+def key_ranges(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``attention_mask``'s rule as two ranges of keys per query token, ``(B, T)`` int32 each:
+    ``(lo, pe, ss, shift)``. A query ``q`` attends the keys ``[lo, pe)`` (its pair's or group's
+    prompt) and ``[ss, q]`` (its own run of one segment of one pair); a padding query attends
+    itself alone (``lo == pe == ss == q``). ``shift`` is ``q``'s position minus the row index
+    its prompt's positions count from, so a prompt key ``k`` is ``shift - k`` positions back
+    (sliding windows). Assumes what the collates write: each pair (or group) contiguous, its
+    prompt first, each segment one run of consecutive positions.
+
+    Why int32 ranges: FlexAttention evaluates the ``mask_mod`` on every element of the blocks
+    that are neither empty nor full, so what it loads there sets the kernel's speed. Measured
+    on an H100 (``bench/gpu_flex_mask_probe.py``; one packed row of 32,768 tokens, 32 heads;
+    ``bench/results/gpu-h100-flex-mask-probe-20261122.jsonl``): the rule read from the int8
+    segments and int16 pair ids of both tokens took 18.6 ms, slower than a dense causal kernel
+    over the whole row (11.3 ms); the same rule on int32 copies 3.5 ms; these ranges 2.9 ms
+    (12 shared rows: 14.6, 3.2 and 2.7 ms).
+    """
+    seg = batch.segments.long()  # (B, T)
+    docs = getattr(batch, "documents", None)
+    docs = torch.zeros_like(seg) if docs is None else docs.long()
+    b, t = seg.shape
+    idx = torch.arange(t, device=seg.device).expand(b, t)
+    first = torch.ones(b, 1, dtype=torch.bool, device=seg.device)
+    new_doc = torch.cat([first, docs[:, 1:] != docs[:, :-1]], 1)
+    new_run = new_doc | torch.cat([first, seg[:, 1:] != seg[:, :-1]], 1)
+    ss = torch.where(new_run, idx, 0).cummax(1).values  # start of the token's run
+    lo = torch.where(new_doc, idx, 0).cummax(1).values  # start of the token's pair: its prompt's first token
+    ends_run = torch.cat([new_run[:, 1:], first], 1)
+    run_end = torch.where(ends_run, idx + 1, t).flip(1).cummin(1).values.flip(1)  # one past the token's run
+    pe = run_end.gather(1, lo)  # the pair's first run is its prompt (never empty: collate_shared)
+    pad = seg == PAD
+    lo, pe, ss = (torch.where(pad, idx, x) for x in (lo, pe, ss))
+    pos = batch.position_ids.long()
+    shift = pos - pos.gather(1, lo) + lo
+    return lo.int(), pe.int(), ss.int(), shift.int()
+
+
 def flex_block_masks(batch, config):
     """``attention_mask``'s rule as a FlexAttention ``BlockMask`` (``dpocache.attention``), or
     ``{layer type: BlockMask}`` for models with sliding layers; built on the batch's device.
     ``batch``: a ``SharedPromptBatch`` or a ``groups.GroupBatch`` (no ``documents``: one
-    pair or group per row)."""
-    seg, pos = batch.segments, batch.position_ids  # (B, T)
-    create_block_mask = _block_mask_builder(seg.device.type)
-    docs = getattr(batch, "documents", None)
-    docs = torch.zeros_like(seg) if docs is None else docs
-    b, t = seg.shape
+    pair or group per row). The ``mask_mod`` reads the query's ``key_ranges`` alone."""
+    lo, pe, ss, shift = key_ranges(batch)  # (B, T) each
+    create_block_mask = _block_mask_builder(lo.device.type)
+    b, t = lo.shape
 
     def allowed(bi, h, q, k):  # scalars: batch row, head, query index, key index
-        sq, sk = seg[bi, q], seg[bi, k]
-        attend = (k <= q) & (sk != PAD) & ((sk == PROMPT) | (sk == sq)) & (docs[bi, q] == docs[bi, k])
-        return attend | ((sq == PAD) & (q == k))
+        return (k <= q) & (((k >= lo[bi, q]) & (k < pe[bi, q])) | (k >= ss[bi, q]))
 
-    masks = {"full_attention": create_block_mask(allowed, b, None, t, t, device=seg.device)}
+    masks = {"full_attention": create_block_mask(allowed, b, None, t, t, device=lo.device)}
     layer_types = getattr(config, "layer_types", None)
     window = getattr(config, "sliding_window", None)
     if layer_types and "sliding_attention" in layer_types and window:
-        def sliding(bi, h, q, k):
-            return allowed(bi, h, q, k) & (pos[bi, q] - pos[bi, k] < window)
+        def sliding(bi, h, q, k):  # query position - key position < window
+            prompt = (k >= lo[bi, q]) & (k < pe[bi, q]) & (shift[bi, q] - k < window)
+            own = (k >= ss[bi, q]) & (q - k < window)
+            return (k <= q) & (prompt | own)
 
-        masks["sliding_attention"] = create_block_mask(sliding, b, None, t, t, device=seg.device)
+        masks["sliding_attention"] = create_block_mask(sliding, b, None, t, t, device=lo.device)
     if layer_types:
         return {lt: masks.get(lt, masks["full_attention"]) for lt in set(layer_types)}
     return masks["full_attention"]
@@ -288,12 +324,31 @@ def split_per_token(logps: torch.Tensor, batch: SharedPromptBatch,
 # ------------------------------------------------------------------------------- reference
 
 
-def score_batch_shared(reference, pairs: Sequence[TokenizedPair], pad_id: int = 0) -> PairValues:
+def reference_row_width(reference, max_tokens: int | None) -> int | None:
+    """The width every packed reference row is padded to under FlexAttention: ``max_tokens``
+    (rounded up to ``FLEX_BLOCK``), so every batch of the pass has one shape and its kernels
+    (and compiled layers) compile once; None elsewhere (rows as wide as their pairs).
+
+    Measured on an H100 (1.1B Llama, bf16, 256 pairs, ``--max-tokens 32768``, decoder layers
+    compiled, passes after the first; ``bench/results/gpu-h100-compile-flex-20261122.jsonl``):
+    149,000 tokens/s with rows padded to the budget against 134,000 with rows as wide as their
+    pairs (one dynamic compile). The padding is the budget's unfilled tail: the rows are
+    filled first fit, longest pairs first, so only the last few have room left."""
+    if max_tokens is None or getattr(reference, "layout", None) != "packed":
+        return None
+    config = unwrap_causal_lm(reference.model).config
+    return packing.round_up(max_tokens, row_multiple(config)) if is_flex(config) else None
+
+
+def score_batch_shared(reference, pairs: Sequence[TokenizedPair], pad_id: int = 0,
+                       max_tokens: int | None = None) -> PairValues:
     """Reference values of one batch in the reference's layout (``shared``, or ``packed``: the
-    batch in one row, as ``packing.budget_batches`` planned it), per-token values included, as
-    ``dpocache.cache.build.score_batch`` returns them."""
+    batch in one row, as ``packing.budget_batches`` planned it under ``max_tokens``, padded to
+    ``reference_row_width``), per-token values included, as ``dpocache.cache.build.score_batch``
+    returns them."""
     multiple = row_multiple(unwrap_causal_lm(reference.model).config)
-    batch = collate_layout(reference.layout, pairs, pad_id, multiple, one_row=True)
+    batch = collate_layout(reference.layout, pairs, pad_id, multiple, one_row=True,
+                           width=reference_row_width(reference, max_tokens))
     logps = reference.shared_prompt_logprobs(batch).cpu()  # (M,)
     chosen, rejected = sequence_sums(logps, batch)
     cpt, rpt = split_per_token(logps, batch, pairs)

@@ -138,6 +138,44 @@ def test_the_cuda_block_mask_builder_compiles_once_and_builds_the_eager_masks(to
         assert torch.equal(g.full_kv_num_blocks, w.full_kv_num_blocks)  # fully allowed blocks skip the mask
 
 
+def _dense_mask_mod(block_mask, b: int, t: int) -> torch.Tensor:
+    """``block_mask.mask_mod`` evaluated on every (row, query, key): ``(B, T, T)`` bool."""
+    rows, q, k = torch.arange(b)[:, None, None], torch.arange(t)[None, :, None], torch.arange(t)[None, None, :]
+    return block_mask.mask_mod(rows, None, q, k).expand(b, t, t)
+
+
+def test_the_flex_mask_rule_equals_the_dense_mask_element_by_element(tokenizer, make_rows):
+    """The ``mask_mod`` reads two key ranges per query (``prefix.key_ranges``), not the segments of
+    both tokens; it must allow exactly what the dense SDPA mask allows: shared rows, packed rows
+    with padding, rows of a group (G completions), and a sliding
+    window shorter than the rows (counted on positions). A padding query attends itself alone (the
+    dense mask of a row without ``documents`` lets it see the prompt too; its output is never read)."""
+    from dpocache import prefix
+    from dpocache.groups import Group, collate_groups
+
+    pad = tokenizer.pad_token_id
+    pairs = load_preference_data(make_rows(9, seed=41, min_prompt=1, max_prompt=20, max_completion=9), tokenizer,
+                                 show_progress=False).pairs
+    batches = {
+        "shared": collate_layout("shared", pairs, pad),
+        "packed": collate_layout("packed", pairs, pad, multiple=FLEX_BLOCK),
+        "packed, one row": collate_layout("packed", pairs, pad, multiple=FLEX_BLOCK, one_row=True),
+        "groups": collate_groups([Group(0, (5, 6, 7), ((1, 2), (3,), (4, 4, 4)), (0, 1, 2)),
+                                  Group(1, tuple(range(9, 20)), ((1,), (2, 3, 4, 5, 6, 7)), (0, 1))], pad),
+    }
+    for window in (None, 3):
+        kinds = ["full_attention", "sliding_attention"] if window else ["full_attention"]
+        config = type("C", (), {"_attn_implementation": "sdpa", "layer_types": kinds, "sliding_window": window})()
+        for name, batch in batches.items():
+            b, t = batch.input_ids.shape
+            dense, flex = prefix.attention_mask(batch, config), prefix.flex_block_masks(batch, config)
+            real = batch.segments != prefix.PAD  # (B, T): padding queries' outputs are never read
+            for kind in kinds:
+                got, want = _dense_mask_mod(flex[kind], b, t), dense[kind][:, 0]
+                assert torch.equal(got[real], want[real]), (name, window, kind)
+                assert torch.equal(got[~real], torch.eye(t, dtype=torch.bool).expand(b, t, t)[~real])  # itself only
+
+
 def test_auto_is_sdpa_on_cpu_and_flex_falls_back_with_a_reason(tokenizer):
     model = build_model("llama", tokenizer).eval()
     assert use_attention(model, "auto", "cpu") is None and model.config._attn_implementation == "sdpa"
@@ -153,6 +191,31 @@ def test_auto_is_sdpa_on_cpu_and_flex_falls_back_with_a_reason(tokenizer):
     # Training differentiates through attention: no FlexAttention backward on CPU.
     choice = training_layout(CompletionLogProbs(build_model("llama", tokenizer)), "packed", "flex")
     assert (choice.used, choice.attention) == ("packed", "sdpa") and "no backward on CPU" in choice.reason
+
+
+@pytest.mark.slow
+def test_packed_flex_reference_rows_are_padded_to_the_budget(tokenizer, pairs):
+    """A packed reference pass under FlexAttention pads every row to the token budget (one
+    shape, so one compile for the whole pass); the padding changes no value. Other layouts and
+    backends keep rows as wide as their pairs."""
+    from dpocache.cache.build import score_batch
+    from dpocache.prefix import reference_row_width
+
+    model = _model("llama", tokenizer)
+    sdpa_packed, flex_shared = ReferenceModel(model, layout="packed"), ReferenceModel(model, layout="shared")
+    assert reference_row_width(sdpa_packed, 1000) is None
+    ref = ReferenceModel(model, layout="packed", attention="flex")
+    assert reference_row_width(ref, 1000) == 1024 and reference_row_width(ref, None) is None
+    assert reference_row_width(flex_shared, 1000) is None
+    widths = []
+    model.get_input_embeddings().register_forward_pre_hook(lambda module, args: widths.append(tuple(args[0].shape)))
+    budget = sum(p.unique_tokens for p in pairs) + 200
+    pad = tokenizer.pad_token_id
+    want, got = score_batch(ref, pairs, pad), score_batch(ref, pairs, pad, budget)
+    assert widths == [(1, FLEX_BLOCK * -(-(budget - 200) // FLEX_BLOCK)), (1, FLEX_BLOCK * -(-budget // FLEX_BLOCK))]
+    for w, g in ((want.chosen_logps, got.chosen_logps), (want.rejected_logps, got.rejected_logps)):
+        assert torch.allclose(w, g, atol=TOL, rtol=0)
+    use_attention(model, "sdpa", "cpu")
 
 
 def test_cache_build_with_flex_stores_the_sdpa_values(tmp_path, model_dir, pref_jsonl, capsys):

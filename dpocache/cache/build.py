@@ -156,11 +156,13 @@ def unique_pairs(pairs: Sequence[TokenizedPair]) -> dict[bytes, TokenizedPair]:
     return out
 
 
-def score_batch(reference: ReferenceModel, batch: Sequence[TokenizedPair], pad_id: int) -> PairValues:
+def score_batch(reference: ReferenceModel, batch: Sequence[TokenizedPair], pad_id: int,
+                max_tokens: int | None = None) -> PairValues:
     """Reference values of one batch ``(B,)``, per-token values included, on the CPU, in the
-    reference's layout (``ReferenceModel.layout``)."""
+    reference's layout (``ReferenceModel.layout``); ``max_tokens``: the budget the batch was
+    planned under (packed FlexAttention rows are padded to it: ``prefix.reference_row_width``)."""
     if getattr(reference, "layout", "padded") in ("shared", "packed"):
-        return score_batch_shared(reference, batch, pad_id)
+        return score_batch_shared(reference, batch, pad_id, max_tokens)
     pb: PairBatch = collate_pairs(batch, pad_id)
     token_logps = reference.logprobs(pb.input_ids, pb.attention_mask, pb.completion_mask).cpu()  # (2B, T)
     mask = pb.completion_mask.bool()
@@ -242,7 +244,7 @@ def score_missing(
                     scored = [p for p in batch if not store.has(p.key, per_token)]
                     skipped += len(batch) - len(scored)
                     if scored:
-                        values = score_batch(reference, scored, pad_id)
+                        values = score_batch(reference, scored, pad_id, max_tokens)
                         scored, values, bad = _finite_only(scored, values)
                         non_finite += bad
                         if scored:
@@ -477,7 +479,7 @@ def verify(store: CacheStore, pairs: Sequence[TokenizedPair], reference: Referen
     mismatches: list[str] = []
     max_diff = 0.0
     for batch in reference_batches(reference, chosen, max_tokens):
-        new_values = score_batch(reference, batch, pad_id)
+        new_values = score_batch(reference, batch, pad_id, max_tokens)
         cs, rs = new_values.chosen_logps, new_values.rejected_logps
         stored = store.lookup([p.key for p in batch])
         for i, p in enumerate(batch):
