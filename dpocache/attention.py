@@ -5,36 +5,32 @@
   row, masked or not.
 - ``flex``: ``torch.nn.attention.flex_attention`` (compiled by transformers' flex integration)
   with a ``BlockMask`` (``prefix.flex_block_masks``) from ``create_block_mask`` over the same
-  rule, written as a ``mask_mod`` over the segment, pair (document) and position ids: causal,
-  same pair, prompt or same completion, and the sliding window on positions where a layer
-  type has one. Blocks of 128 x 128 that the rule masks entirely are skipped, so the cost
+  rule, written as a ``mask_mod`` over two int32 key ranges per query (``prefix.key_ranges``:
+  its pair's prompt, and its own completion up to itself), and the sliding window on
+  positions where a layer type has one. Blocks of 128 x 128 that the rule masks entirely are skipped, so the cost
   follows the tokens that attend, not ``T**2``. Gemma 2's attention soft-capping is a
   ``score_mod`` that transformers' ``flex_attention_forward`` applies from the model's
   ``softcap`` argument. Torch 2.13 runs it compiled on CPU too, forward only (no backward:
   training on CPU keeps ``sdpa``).
 
-``auto`` is ``sdpa`` for now, on GPUs too; ``flex`` runs when asked for where the architecture
+``auto`` is ``sdpa``, on GPUs too; ``flex`` runs when asked for where the architecture
 supports it (``_supports_flex_attn``), and a requested ``flex`` that cannot run falls back to
-``sdpa`` and says why. Measured on an H100 (1.1B Llama, bf16, rows up to 2,600 tokens,
-bench/README.md): the attention kernel alone is 2.7x faster under flex (0.96 against 2.61 ms
-for 12 shared rows), and a training step that reuses a compiled shape 1.1x (0.41 against
-0.45 s at batch 4), but compiling costs 16-20 s: the first batch compiles a kernel for its
-shape, and the first batch of another shape recompiles it with dynamic shapes (dynamo's
-automatic dynamic; the 6-step training run's step times show exactly these two compiles, at
-steps 1 and 4), so a 256-pair reference pass ran at 12,659 tokens/s under flex against 90,511
-under sdpa, and the 6-step run paid 37 s of compiles for 0.2 s saved. ``auto`` stays sdpa
-until a run long enough to amortise the compiles is measured on a GPU; inside compiled
-decoder layers (``--compile on``, ``bench/gpu_compile_probe.py --variant flex-layers``) no
-256-pair pass finished in 170 s on an H100, where SDPA's took 25.6 s, and with the layers
-eager a 1,024-pair pass gave no result in 150 s, where SDPA's took 30 s. Varlen flash attention
-(two unmasked causal sequences per pair) was measured there too and is not offered: 1.31x the
-masked SDPA kernel, torch 2.11's having no grouped-query support (README, "On a GPU"). On the
-CPU each shape compiles statically instead (``compile_settings``). The model is switched in place
+``sdpa`` and says why. Measured on an H100 (1.1B Llama, bf16, 256 pairs up to 2,600 tokens,
+``--max-tokens 32768``; README, "On a GPU"): with the mask rule of ``prefix.key_ranges`` the
+kernel on a packed row of 32,768 tokens takes 2.9 ms (the rule it replaced 18.6 ms), and the
+reference pass with its decoder layers compiled runs at 149,000 tokens/s under flex (packed
+rows padded to the budget, ``prefix.reference_row_width``) against 145,500 under sdpa (shared
+rows), 1.02x, for 3 s more of compiles; a whole 1,024-pair ``cache build --compile on`` ran at
+45,800 tokens/s under flex against 60,600 under sdpa. Not enough to make flex the default.
+Varlen flash attention (two unmasked causal sequences per pair) was measured there too and is
+not offered: 1.31x the masked SDPA kernel, torch 2.11's having no grouped-query support. On the
+CPU flex compiles each shape statically (``compile_settings``). The model is switched in place
 (``set_attn_implementation``), so its config names the backend that runs and
 ``dpocache.layouts.LayoutChoice.attention`` records it.
 
 Rows are padded to a multiple of ``FLEX_BLOCK`` tokens for flex: the BlockMask's block size,
-and few distinct row widths, so the compiled kernel is reused instead of recompiled per batch.
+and few distinct row widths, so the compiled kernel is reused instead of recompiled per batch;
+packed reference rows all to the token budget (one width: ``prefix.reference_row_width``).
 """
 
 from __future__ import annotations
