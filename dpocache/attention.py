@@ -7,8 +7,8 @@
   with a ``BlockMask`` (``prefix.flex_block_masks``) from ``create_block_mask`` over the same
   rule, written as a ``mask_mod`` over two int32 key ranges per query (``prefix.key_ranges``:
   its pair's prompt, and its own completion up to itself), and the sliding window on
-  positions where a layer type has one. Blocks of 128 x 128 that the rule masks entirely are skipped, so the cost
-  follows the tokens that attend, not ``T**2``. Gemma 2's attention soft-capping is a
+  positions where a layer type has one. Blocks of 128 x 128 that the rule masks entirely are
+  skipped, so the cost follows the tokens that attend, not ``T**2``. Gemma 2's attention soft-capping is a
   ``score_mod`` that transformers' ``flex_attention_forward`` applies from the model's
   ``softcap`` argument. Torch 2.13 runs it compiled on CPU too, forward only (no backward:
   training on CPU keeps ``sdpa``).

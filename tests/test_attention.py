@@ -145,11 +145,11 @@ def _dense_mask_mod(block_mask, b: int, t: int) -> torch.Tensor:
 
 
 def test_the_flex_mask_rule_equals_the_dense_mask_element_by_element(tokenizer, make_rows):
-    """The ``mask_mod`` reads two key ranges per query (``prefix.key_ranges``), not the segments of
-    both tokens; it must allow exactly what the dense SDPA mask allows: shared rows, packed rows
-    with padding, rows of a group (G completions), and a sliding
-    window shorter than the rows (counted on positions). A padding query attends itself alone (the
-    dense mask of a row without ``documents`` lets it see the prompt too; its output is never read)."""
+    """The ``mask_mod`` reads two key ranges per query (``prefix.key_ranges``), not the segments
+    of both tokens; it must allow exactly what the dense SDPA mask allows: shared rows, packed
+    rows with padding, rows of a group (G completions), and a sliding window shorter than the
+    rows (counted on positions). A padding query attends itself alone (the dense mask of a row
+    without ``documents`` lets it see the prompt too; its output is never read)."""
     from dpocache import prefix
     from dpocache.groups import Group, collate_groups
 
@@ -202,11 +202,10 @@ def test_packed_flex_reference_rows_are_padded_to_the_budget(tokenizer, pairs):
     from dpocache.prefix import reference_row_width
 
     model = _model("llama", tokenizer)
-    sdpa_packed, flex_shared = ReferenceModel(model, layout="packed"), ReferenceModel(model, layout="shared")
-    assert reference_row_width(sdpa_packed, 1000) is None
-    ref = ReferenceModel(model, layout="packed", attention="flex")
+    assert reference_row_width(ReferenceModel(model, layout="packed"), 1000) is None  # sdpa
+    ref = ReferenceModel(model, layout="packed", attention="flex")  # switches the model to flex
     assert reference_row_width(ref, 1000) == 1024 and reference_row_width(ref, None) is None
-    assert reference_row_width(flex_shared, 1000) is None
+    assert reference_row_width(ReferenceModel(model, layout="shared"), 1000) is None  # flex, shared
     widths = []
     model.get_input_embeddings().register_forward_pre_hook(lambda module, args: widths.append(tuple(args[0].shape)))
     budget = sum(p.unique_tokens for p in pairs) + 200
