@@ -20,12 +20,14 @@ Without CUDA it runs on the CPU (``--config tiny``: a smoke test of the code pat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -81,22 +83,18 @@ def main() -> None:
     batches = token_budget_batches(pairs, args.budget, layout=ref.layout)
     max_tokens = None if args.unpadded_rows else args.budget  # packed flex rows padded to it, as the cache build does
     peak = next(iter(nominal_peaks("cuda").values()), None) if device.type == "cuda" else None
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     passes = []
     for index in range(args.passes):
-        profiler = None
-        if args.profile and index == args.passes - 1:
-            from torch.profiler import ProfilerActivity, profile
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-            profiler = profile(activities=activities)
-            profiler.__enter__()
-        synchronize(device)
-        start = time.perf_counter()
-        for b in batches:
-            score_batch(ref, b, 0, max_tokens)
-        synchronize(device)
-        seconds = time.perf_counter() - start
-        if profiler is not None:
-            profiler.__exit__(None, None, None)
+        profiling = args.profile and index == args.passes - 1
+        with profile(activities=activities) if profiling else contextlib.nullcontext() as profiler:
+            synchronize(device)
+            start = time.perf_counter()
+            for b in batches:
+                score_batch(ref, b, 0, max_tokens)
+            synchronize(device)
+            seconds = time.perf_counter() - start
+        if profiling:
             key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
             print(profiler.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70), flush=True)
         passes.append({"seconds": round(seconds, 3), "tokens_per_s": round(flops["unique_tokens"] / seconds),

@@ -16,7 +16,7 @@ compiled ``flex_attention`` call per rule:
 - ``segments``: the layouts' rule read from the segment and pair of both the query and the key
   (dpocache's ``mask_mod`` before this probe: int8 segments, int16 pair ids), and
   ``segments-int32`` from the same tensors widened to int32;
-- ``ranges``: the same rule as two key ranges per query (``prefix.key_ranges``, today's).
+- ``ranges``: today's rule, two key ranges per query: the ``mask_mod`` of ``prefix.flex_block_masks``.
 
 It checks that ``segments`` and ``ranges`` mark the same blocks. Prints one JSON line per batch.
 Runs on a CPU too (slowly; ``--config 58m --budget 2048`` is a smoke test).
@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from transformers import AutoConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -61,10 +62,9 @@ def median_ms(fn, device: torch.device, n: int = 10) -> float:
     return statistics.median(times) * 1000
 
 
-def rules(batch):
-    """``{name: mask_mod}`` over ``batch``'s ``(B, T)`` tensors."""
-    lo, pe, ss, _ = prefix.key_ranges(batch)
-
+def rules(batch, config):
+    """``{name: mask_mod}`` over ``batch``'s ``(B, T)`` tensors; ``ranges`` is the one
+    ``prefix.flex_block_masks`` builds for the model's ``config``."""
     def segments(seg, docs):
         def mask_mod(b, h, q, k):
             sq, sk = seg[b, q], seg[b, k]
@@ -82,7 +82,7 @@ def rules(batch):
         "document-int32": document(docs.int()),
         "segments": segments(seg, docs),
         "segments-int32": segments(seg.int(), docs.int()),
-        "ranges": lambda b, h, q, k: (k <= q) & (((k >= lo[b, q]) & (k < pe[b, q])) | (k >= ss[b, q])),
+        "ranges": prefix.flex_block_masks(batch, config).mask_mod,
     }
 
 
@@ -97,6 +97,7 @@ def main() -> None:
     cfg = CONFIGS[args.config]
     inputs = build_inputs(cfg, cfg.pairs)
     tok = load_tokenizer(inputs / "model")
+    config = AutoConfig.from_pretrained(inputs / "model")  # a Llama: one BlockMask, no sliding layers
     pairs = load_preference_data(str(inputs / "data.jsonl"), tok, None, None, False, show_progress=False).pairs
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = cfg.hidden_size // heads
@@ -113,7 +114,7 @@ def main() -> None:
         result = {"batch": name, "shape": [b, t], "pairs": batch.num_pairs, "device": str(device),
                   "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "torch": torch.__version__}
         masks = {}
-        for rule, mask_mod in rules(batch).items():
+        for rule, mask_mod in rules(batch, config).items():
             torch._dynamo.reset()
             masks[rule] = mask = create_block_mask(mask_mod, b, None, t, t, device=device)
             flex = torch.compile(flex_attention, dynamic=False)

@@ -149,10 +149,9 @@ def collate_layout(layout: str, pairs: Sequence[TokenizedPair], pad_id: int = 0,
     ``packing.budget_batches``, at least ``width`` tokens wide); rows padded to a multiple of
     ``multiple`` tokens (FlexAttention: one compiled kernel per width bucket)."""
     if layout == "packed":
-        one = max(width or 0, sum(p.unique_tokens for p in pairs)) if one_row else None
-        return collate_packed(pairs, pad_id, one, multiple)
-    width = packing.round_up(max(p.unique_tokens for p in pairs), multiple)
-    return collate_shared(pairs, pad_id, width=width)
+        row = max(width or 0, sum(p.unique_tokens for p in pairs)) if one_row else None  # None: the longest pair's
+        return collate_packed(pairs, pad_id, row, multiple)
+    return collate_shared(pairs, pad_id, width=packing.round_up(max(p.unique_tokens for p in pairs), multiple))
 
 
 # ---------------------------------------------------------------------------------- masks
