@@ -18,8 +18,13 @@ compiled ``flex_attention`` call per rule:
   ``segments-int32`` from the same tensors widened to int32;
 - ``ranges``: today's rule, two key ranges per query: the ``mask_mod`` of ``prefix.flex_block_masks``.
 
-It checks that ``segments`` and ``ranges`` mark the same blocks. Prints one JSON line per batch.
-Runs on a CPU too (slowly; ``--config 58m --budget 2048`` is a smoke test).
+It checks that ``segments`` and ``ranges`` mark the same blocks. It also times how the
+``BlockMask`` itself is built (median of 10, ``block_mask_build``): ``prefix.flex_block_masks``,
+which counts the blocks from the key ranges with no compile, against ``create_block_mask``
+compiled with dynamic shapes (the builder it replaced on GPUs: ``compile_s`` is its first call,
+the compile included), and checks the two give the same blocks. ``--build-only`` skips the
+kernels. Prints one JSON line per batch. Runs on a CPU too (slowly; ``--config 58m --budget
+2048`` is a smoke test).
 """
 
 from __future__ import annotations
@@ -86,10 +91,37 @@ def rules(batch, config):
     }
 
 
+BLOCK_TENSORS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+def time_builders(batch, config, device: torch.device) -> dict:
+    """Milliseconds to build ``batch``'s ``BlockMask``: from the key ranges (today), and with
+    ``create_block_mask`` compiled with dynamic shapes (before); whether their blocks are equal."""
+    b, t = batch.input_ids.shape
+    ranges = prefix.flex_block_masks(batch, config)
+    torch._dynamo.reset()
+    compiled = torch.compile(create_block_mask, dynamic=True)
+
+    def before():
+        return compiled(ranges.mask_mod, b, None, t, t, device=device)
+
+    start = time.perf_counter()
+    first = before()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    compile_s = time.perf_counter() - start
+    return {"ranges_ms": round(median_ms(lambda: prefix.flex_block_masks(batch, config), device), 3),
+            "create_block_mask_compiled_ms": round(median_ms(before, device), 3),
+            "create_block_mask_compile_s": round(compile_s, 2),
+            "same_blocks": all(torch.equal(getattr(first, f), getattr(ranges, f)) for f in BLOCK_TENSORS)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="1b-2048", choices=list(CONFIGS))
     parser.add_argument("--budget", type=int, default=32768)
+    parser.add_argument("--build-only", action="store_true", help="time the BlockMask builders alone")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":  # torch 2.13's CPU flex kernel fails to build with dynamic shapes (dpocache.attention)
@@ -113,6 +145,10 @@ def main() -> None:
         v = torch.randn(b, kv_heads, t, head_dim, device=device, dtype=torch.bfloat16)
         result = {"batch": name, "shape": [b, t], "pairs": batch.num_pairs, "device": str(device),
                   "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "torch": torch.__version__}
+        result["block_mask_build"] = time_builders(batch, config, device)
+        if args.build_only:
+            print(json.dumps(result), flush=True)
+            continue
         masks = {}
         for rule, mask_mod in rules(batch, config).items():
             torch._dynamo.reset()

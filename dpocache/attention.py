@@ -4,10 +4,11 @@
   block mask ``(B, 1, T, T)`` of ``prefix.attention_mask``; every query scores every key of its
   row, masked or not.
 - ``flex``: ``torch.nn.attention.flex_attention`` (compiled by transformers' flex integration)
-  with a ``BlockMask`` (``prefix.flex_block_masks``) from ``create_block_mask`` over the same
-  rule, written as a ``mask_mod`` over two int32 key ranges per query (``prefix.key_ranges``:
-  its pair's prompt, and its own completion up to itself), and the sliding window on
-  positions where a layer type has one. Blocks of 128 x 128 that the rule masks entirely are
+  with a ``BlockMask`` (``prefix.flex_block_masks``) over the same rule, written as a
+  ``mask_mod`` over two int32 key ranges per query (``prefix.key_ranges``: its pair's prompt,
+  and its own completion up to itself), and the sliding window on positions where a layer type
+  has one; its blocks are counted from the same ranges, with no compile
+  (``prefix.block_mask_from_ranges``). Blocks of 128 x 128 that the rule masks entirely are
   skipped, so the cost follows the tokens that attend, not ``T**2``. Gemma 2's attention soft-capping is a
   ``score_mod`` that transformers' ``flex_attention_forward`` applies from the model's
   ``softcap`` argument. Torch 2.13 runs it compiled on CPU too, forward only (no backward:

@@ -350,7 +350,10 @@ class CompletionLogProbs(nn.Module):
         was_training = lm.training
         lm.eval()
         try:
-            logits = lm(input_ids=ids, attention_mask=attn, use_cache=False).logits.float()  # (1, 12, V)
+            # Under the settings of every other forward: a model already run under FlexAttention on
+            # the CPU would otherwise recompile its kernel for this shape with dynamic sizes.
+            with compile_settings(self.config, device):
+                logits = lm(input_ids=ids, attention_mask=attn, use_cache=False).logits.float()  # (1, 12, V)
         finally:
             hook.remove()
             lm.train(was_training)

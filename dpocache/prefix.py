@@ -33,15 +33,15 @@ position ids and the flat positions to score), so a DDP- or FSDP2-wrapped scorer
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import packing
-from .attention import is_flex, row_multiple, use_attention
+from .attention import FLEX_BLOCK, is_flex, row_multiple, use_attention
 from .batching import collate_pairs, pair_logprobs
 from .data import TokenizedPair
 from .layouts import BLOCK_MASK_ATTENTION, LayoutChoice, select_layout
@@ -198,32 +198,6 @@ def attention_mask(batch: SharedPromptBatch, config, dtype: torch.dtype = torch.
     return masks["full_attention"]
 
 
-@functools.cache
-def _compiled_block_mask_builder():
-    """``create_block_mask`` compiled once for the process, with dynamic shapes from the start.
-    Left to dynamo's automatic dynamic shapes it compiles three times in a run: for the first
-    batch's shape, then again when the row count and again when the row width first change
-    (measured by running this builder on a CPU over 12 batch shapes: 3 graphs and 22 s of
-    compiles, against 1 graph and 15 s with ``dynamic=True``; rows of a single block, 128
-    tokens or fewer, get a graph of their own)."""
-    from torch.nn.attention.flex_attention import create_block_mask  # optional: torch >= 2.5
-
-    return torch.compile(create_block_mask, dynamic=True)
-
-
-def _block_mask_builder(device_type: str):
-    """``create_block_mask``, compiled on CUDA: run eagerly it materialises the ``(B, T, T)``
-    mask (and temporaries of that size) before summarising it into blocks, which a packed row
-    of a large ``--max-tokens`` cannot afford on a GPU; compiled, it writes the blocks directly
-    (the recipe of torch's FlexAttention documentation, and transformers' own). On CPU it runs
-    eagerly: its rows are short, and a compile costs seconds there."""
-    if device_type == "cuda":
-        return _compiled_block_mask_builder()
-    from torch.nn.attention.flex_attention import create_block_mask  # optional: torch >= 2.5
-
-    return create_block_mask
-
-
 def key_ranges(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``attention_mask``'s rule as two ranges of keys per query token, ``(B, T)`` int32 each:
     ``(lo, pe, ss, shift)``. A query ``q`` attends the keys ``[lo, pe)`` (its pair's or group's
@@ -261,19 +235,22 @@ def key_ranges(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.T
     return lo.int(), pe.int(), ss.int(), shift.int()
 
 
-def flex_block_masks(batch, config):
+def flex_block_masks(batch, config, block: int = FLEX_BLOCK):
     """``attention_mask``'s rule as a FlexAttention ``BlockMask`` (``dpocache.attention``), or
     ``{layer type: BlockMask}`` for models with sliding layers; built on the batch's device.
     ``batch``: a ``SharedPromptBatch`` or a ``groups.GroupBatch`` (no ``documents``: one
-    pair or group per row). The ``mask_mod`` reads the query's ``key_ranges`` alone."""
+    pair or group per row). The ``mask_mod`` reads the query's ``key_ranges`` alone, and the
+    blocks come from the same ranges (``block_mask_from_ranges``). ``block``: the block size."""
     lo, pe, ss, shift = key_ranges(batch)  # (B, T) each
-    create_block_mask = _block_mask_builder(lo.device.type)
-    b, t = lo.shape
+    q = torch.arange(lo.shape[1], device=lo.device, dtype=lo.dtype)  # (T,) query index
+    after = q + 1  # (T,) one past the last key a query may attend (k <= q)
 
     def allowed(bi, h, q, k):  # scalars: batch row, head, query index, key index
         return (k <= q) & (((k >= lo[bi, q]) & (k < pe[bi, q])) | (k >= ss[bi, q]))
 
-    masks = {"full_attention": create_block_mask(allowed, b, None, t, t, device=lo.device)}
+    # The same rule as key intervals: the prompt [lo, min(pe, q + 1)) and the own run [ss, q + 1).
+    masks = {"full_attention": block_mask_from_ranges((lo, torch.minimum(pe, after)), (ss, after.expand_as(ss)),
+                                                      allowed, block)}
     layer_types = getattr(config, "layer_types", None)
     window = getattr(config, "sliding_window", None)
     if layer_types and "sliding_attention" in layer_types and window:
@@ -282,10 +259,66 @@ def flex_block_masks(batch, config):
             own = (k >= ss[bi, q]) & (q - k < window)
             return (k <= q) & (prompt | own)
 
-        masks["sliding_attention"] = create_block_mask(sliding, b, None, t, t, device=lo.device)
+        prompt = (torch.maximum(lo, shift - window + 1), torch.minimum(pe, after))
+        own = (torch.maximum(ss, q - window + 1), after.expand_as(ss))
+        masks["sliding_attention"] = block_mask_from_ranges(prompt, own, sliding, block)
     if layer_types:
         return {lt: masks.get(lt, masks["full_attention"]) for lt in set(layer_types)}
     return masks["full_attention"]
+
+
+def block_mask_from_ranges(first: tuple[torch.Tensor, torch.Tensor], second: tuple[torch.Tensor, torch.Tensor],
+                           mask_mod, block: int = FLEX_BLOCK, max_elements: int = 1 << 24):
+    """The ``BlockMask`` of a rule under which each query attends two intervals of keys,
+    ``[first[0], first[1]) | [second[0], second[1])`` (``(B, T)`` int32 bounds each; an empty
+    interval has its end at or before its start), with ``mask_mod`` the same rule element by
+    element (FlexAttention applies it on the blocks that are neither empty nor full).
+
+    The blocks are those of ``create_block_mask(mask_mod, B, None, T, T, BLOCK_SIZE=block)``,
+    tensor for tensor (``tests/test_attention.py`` compares them), counted from the intervals
+    instead of from the ``(B, T, T)`` mask: for each query and each block of keys, how many of
+    the block's keys the query attends (``|A ∩ J| + |B ∩ J| - |A ∩ B ∩ J|``), then the least and
+    the most over the block's queries: a block is full when every query attends all of its
+    ``block`` keys, partial when some query attends some key and it is not full. That is
+    ``B x T x T / block`` integers instead of ``B x T x T`` evaluations of ``mask_mod``, with no
+    compile: ``create_block_mask`` run eagerly materialises the dense mask (4 GiB of booleans for
+    one row of 65,536 tokens), and compiled, as transformers runs it on GPUs, it costs a compile
+    in the pass's first batch. Queries past ``T`` in the last block (``T`` not a multiple of
+    ``block``) count as attending nothing, as the padding of ``create_block_mask`` does."""
+    from torch.nn.attention.flex_attention import BlockMask  # optional: torch >= 2.5
+
+    (a0, a1), (b0, b1) = first, second
+    rows, t = a0.shape
+    n = -(-t // block)  # blocks per side
+    k0 = torch.arange(n, device=a0.device, dtype=a0.dtype) * block  # (n,) first key of each block
+    k1 = (k0 + block).clamp_(max=t)  # (n,) one past its last key
+    c0, c1 = torch.maximum(a0, b0), torch.minimum(a1, b1)  # A ∩ B, counted twice by the sum
+    partial = torch.empty(rows, n, n, dtype=torch.bool, device=a0.device)  # (B, query block, key block)
+    full = torch.empty_like(partial)
+    step = max(1, max_elements // (rows * block * n))  # query blocks per chunk: bounded temporaries
+
+    def keys(lo: torch.Tensor, hi: torch.Tensor, queries: slice) -> torch.Tensor:
+        """(B, queries, n): how many keys of each block lie in [lo, hi) for each query."""
+        return (torch.minimum(hi[:, queries, None], k1) - torch.maximum(lo[:, queries, None], k0)).clamp_(min=0)
+
+    for i in range(0, n, step):
+        j = min(n, i + step)
+        queries = slice(i * block, min(t, j * block))
+        count = keys(a0, a1, queries) + keys(b0, b1, queries) - keys(c0, c1, queries)  # (B, queries, n)
+        missing = (j - i) * block - count.shape[1]  # queries past T in the last block attend nothing
+        count = F.pad(count, (0, 0, 0, missing)).view(rows, j - i, block, n)
+        least, most = count.amin(2), count.amax(2)  # (B, j - i, n)
+        full[:, i:j] = least == block
+        partial[:, i:j] = (most > 0) & (least < block)
+
+    def ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, n, n) bool → (B, 1, n) block counts and (B, 1, n, n) their key-block indices first."""
+        blocks = blocks.to(torch.int32)
+        indices = torch.argsort(blocks, dim=-1, descending=True, stable=True)
+        return blocks.sum(-1, dtype=torch.int32)[:, None], indices.to(torch.int32)[:, None]
+
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=block, mask_mod=mask_mod,
+                                    seq_lengths=(t, t))
 
 
 # ------------------------------------------------------------------------------- log-probs

@@ -106,36 +106,55 @@ def test_flex_on_cpu_runs_batches_of_several_row_widths(tokenizer, make_rows):
             got_c, got_r = split_per_token(shared_prompt_logps(lp, batch), batch)
         assert _max_diff(want_c, got_c) < TOL and _max_diff(want_r, got_r) < TOL
     assert widths[0] == widths[1] != widths[2], widths
+    # A second scorer of the same model (a reference beside a policy) probes its head with a
+    # forward of another shape: under the same settings, or the kernel recompiles dynamic and fails.
+    assert CompletionLogProbs(model).fast_path
     use_attention(model, "sdpa", "cpu")
 
 
-def test_the_cuda_block_mask_builder_compiles_once_and_builds_the_eager_masks(tokenizer, make_rows, monkeypatch):
-    """On CUDA the ``BlockMask`` comes from ``create_block_mask`` compiled with dynamic shapes
-    (``prefix._compiled_block_mask_builder``). Run here on the CPU over batches whose row count,
-    then row width, change, it compiles one graph (automatic dynamic shapes compiled three) and
-    builds the blocks the eager builder does."""
-    from torch._dynamo.utils import counters
+def test_block_masks_from_key_ranges_equal_create_block_mask(tokenizer, make_rows):
+    """``prefix.flex_block_masks`` counts its blocks from each query's key ranges
+    (``block_mask_from_ranges``); ``create_block_mask`` evaluates the same ``mask_mod`` on every
+    (row, query, key) and sums the blocks. Every tensor of the two ``BlockMask``s must be equal
+    (partial and full blocks, by key block and by query block): shared, packed (with padding,
+    and one row) and group rows, with and without a sliding window, at blocks of 16 (many
+    blocks per row, a row width not a multiple of 16) and of 128 (rows of several blocks)."""
+    from torch.nn.attention.flex_attention import create_block_mask
 
     from dpocache import prefix
+    from dpocache.groups import Group, collate_groups
 
-    config = _model("llama", tokenizer).config
     pad = tokenizer.pad_token_id
-    # (pairs, prompt words): rows of several blocks (a row of one block compiles its own graph).
-    shapes = ((2, 140), (3, 140), (4, 300))
-    rows = [make_rows(k, seed=30 + i, min_prompt=n, max_prompt=n, max_completion=8) for i, (k, n) in enumerate(shapes)]
-    batches = [collate_layout("shared", load_preference_data(r, tokenizer, show_progress=False).pairs, pad,
-                              multiple=FLEX_BLOCK) for r in rows]
-    assert len({b.input_ids.shape for b in batches}) == 3
-    want = [prefix.flex_block_masks(b, config) for b in batches]  # the CPU's eager builder
-    monkeypatch.setattr(prefix, "_block_mask_builder", lambda device_type: prefix._compiled_block_mask_builder())
-    torch._dynamo.reset()
-    prefix._compiled_block_mask_builder.cache_clear()
-    graphs = counters["stats"]["unique_graphs"]
-    got = [prefix.flex_block_masks(b, config) for b in batches]
-    assert counters["stats"]["unique_graphs"] - graphs == 1
-    for g, w in zip(got, want, strict=True):
-        assert g.shape == w.shape and torch.equal(g.to_dense(), w.to_dense())
-        assert torch.equal(g.full_kv_num_blocks, w.full_kv_num_blocks)  # fully allowed blocks skip the mask
+    short = load_preference_data(make_rows(9, seed=41, min_prompt=1, max_prompt=20, max_completion=9), tokenizer,
+                                 show_progress=False).pairs
+    long = load_preference_data(make_rows(4, seed=31, min_prompt=140, max_prompt=300, max_completion=40), tokenizer,
+                                show_progress=False).pairs
+    batches = {
+        "shared": collate_layout("shared", short, pad),
+        "shared, long": collate_layout("shared", long, pad, multiple=FLEX_BLOCK),
+        "packed": collate_layout("packed", short, pad, multiple=FLEX_BLOCK),
+        "packed, one row": collate_layout("packed", long + short, pad, multiple=FLEX_BLOCK, one_row=True),
+        "groups": collate_groups([Group(0, (5, 6, 7), ((1, 2), (3,), (4, 4, 4)), (0, 1, 2)),
+                                  Group(1, tuple(range(9, 20)), ((1,), (2, 3, 4, 5, 6, 7)), (0, 1))], pad),
+    }
+    names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+             "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+    compared = {"full": 0, "partial": 0}
+    for window in (None, 3, 40):
+        kinds = ["full_attention", "sliding_attention"] if window else ["full_attention"]
+        config = type("C", (), {"_attn_implementation": "sdpa", "layer_types": kinds, "sliding_window": window})()
+        for block in (16, FLEX_BLOCK):
+            for name, batch in batches.items():
+                b, t = batch.input_ids.shape
+                got = prefix.flex_block_masks(batch, config, block=block)
+                for kind in kinds:
+                    want = create_block_mask(got[kind].mask_mod, b, None, t, t, device="cpu", BLOCK_SIZE=block)
+                    for attr in names:
+                        g, w = getattr(got[kind], attr), getattr(want, attr)
+                        assert g.shape == w.shape and torch.equal(g, w), (name, window, block, kind, attr)
+                    compared["full"] += int(want.full_kv_num_blocks.sum())
+                    compared["partial"] += int(want.kv_num_blocks.sum())
+    assert compared["full"] > 0 and compared["partial"] > 0  # both kinds of block occur
 
 
 def _dense_mask_mod(block_mask, b: int, t: int) -> torch.Tensor:
