@@ -34,8 +34,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .attention import is_flex
 from .layouts import COMPILES
-from .logprobs import decoder_layers
+from .logprobs import decoder_layers, unwrap_causal_lm
 
 # tokens x parameters of a pass from which ``auto`` compiles, per (device type, dtype): twice the
 # break-even compile time / time saved per token-parameter, from the module docstring's figures:
@@ -54,12 +55,26 @@ def compile_layers(model: nn.Module) -> int:
     (``python bench/gpu_compile_probe.py --variant sdpa-layers --config 58m --dtype float32
     --budget 4096 [--dynamic]``, a cold inductor cache each, two runs of each): 1 graph instead of
     2, the first pass 10.0-10.6 s slower than the later ones instead of 12.3-19.9 s, the later
-    passes at the same speed (1,912-1,978 against 1,891-1,988 tokens/s). The layers are FSDP2's
-    units (``logprobs.decoder_layers``). Returns how many were compiled (0: the model has none)."""
+    passes at the same speed (1,912-1,978 against 1,891-1,988 tokens/s). Under FlexAttention on
+    the CPU the layers compile statically instead, one graph per batch shape (``flex_on_cpu``).
+    The layers are FSDP2's units (``logprobs.decoder_layers``). Returns how many were compiled
+    (0: the model has none)."""
     layers = decoder_layers(model)
+    dynamic = not flex_on_cpu(model)
     for layer in layers:
-        layer.compile(dynamic=True)
+        layer.compile(dynamic=dynamic)
     return len(layers)
+
+
+def flex_on_cpu(model: nn.Module) -> bool:
+    """Whether ``model`` runs FlexAttention on the CPU, where torch 2.13's inductor cannot build
+    the flex kernel with a symbolic key length (``attention.compile_settings``): a compiled layer
+    holds that kernel, so it compiles one static graph per batch shape there, up to
+    ``attention.FLEX_CPU_SHAPES`` (dynamic, ``cache build --attention flex --layout shared
+    --compile on`` failed with a C++ compile error at its second batch shape)."""
+    config = getattr(unwrap_causal_lm(model), "config", None)
+    parameter = next(model.parameters(), None)
+    return config is not None and is_flex(config) and parameter is not None and parameter.device.type == "cpu"
 
 
 def should_compile(requested: str, device_type: str, dtype: torch.dtype, tokens: int, parameters: int) -> bool:

@@ -252,6 +252,32 @@ def test_cache_build_with_flex_stores_the_sdpa_values(tmp_path, model_dir, pref_
     assert "checked 48 pairs" in out and float(out.split("= ")[1].split()[0]) < 1e-4
 
 
+@pytest.mark.slow
+def test_compiled_layers_under_flex_on_cpu_build_every_row_width(tmp_path, model_dir, make_rows, capsys):
+    """``cache build --attention flex --layout shared --compile on`` on the CPU: compiled with
+    dynamic shapes, the decoder layer's graph held FlexAttention with a symbolic key length, which
+    torch 2.13's CPU inductor fails to build (a C++ compile error at the second batch shape);
+    compiled per shape (``compiling.flex_on_cpu``) every batch runs, and the values are those a
+    default build verifies."""
+    from dpocache.compiling import flex_on_cpu
+    from dpocache.data import write_jsonl
+
+    # Two batch shapes under a budget of 256: one row of 256 tokens, then two rows of 128.
+    rows = make_rows(1, seed=1, min_prompt=140, max_prompt=140, max_completion=8) + make_rows(2, max_prompt=10)
+    data = write_jsonl(rows, tmp_path / "prefs.jsonl")
+    args = ["--model", str(model_dir), "--data", str(data), "--dtype", "float32", "--device", "cpu"]
+    flex = ("--attention", "flex", "--layout", "shared", "--compile", "on", "--max-tokens", "256")
+    assert main(["cache", "build", *args, "--cache-dir", str(tmp_path / "c"), "--json", *flex]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["layout"]["attention"] == FLEX and summary["compiled_layers"] > 0
+    assert (summary["computed"], summary["forward_passes"]) == (3, 2)
+    assert main(["cache", "verify", *args, "--cache-dir", str(tmp_path / "c"), "--samples", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "checked 3 pairs" in out and float(out.split("= ")[1].split()[0]) < 1e-4
+    model = ReferenceModel.from_pretrained(model_dir, "float32", "cpu", attention="flex").model
+    assert flex_on_cpu(model) and not flex_on_cpu(ReferenceModel.from_pretrained(model_dir, "float32", "cpu").model)
+
+
 # ---------------------------------------------------------------------------------- CUDA
 
 
