@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import packing
-from .attention import FLEX_BLOCK, is_flex, row_multiple, use_attention
+from .attention import FLEX_BLOCK, is_flex, padded_runs_loaded_attention, row_multiple, use_attention
 from .batching import collate_pairs, pair_logprobs
 from .data import TokenizedPair
 from .layouts import BLOCK_MASK_ATTENTION, LayoutChoice, select_layout
@@ -403,8 +403,9 @@ def training_layout(scorer: nn.Module, requested: str, attention: str = "auto") 
     core = scorer_core(scorer)
     lm = unwrap_causal_lm(core.model)
     why = use_attention(lm, attention, next(lm.parameters()).device, backward=True)
-    return select_layout(requested, core.config, fast_path=core.fast_path, router_loss=core.router_loss,
-                         attention_reason=why, training=True)
+    choice = select_layout(requested, core.config, fast_path=core.fast_path, router_loss=core.router_loss,
+                           attention_reason=why, training=True)
+    return padded_runs_loaded_attention(lm, choice)
 
 
 def layout_logprobs(scorer: nn.Module, layout: str, pairs: Sequence[TokenizedPair], pad_id: int, device,

@@ -212,6 +212,27 @@ def test_auto_is_sdpa_on_cpu_and_flex_falls_back_with_a_reason(tokenizer):
     assert (choice.used, choice.attention) == ("packed", "sdpa") and "no backward on CPU" in choice.reason
 
 
+def test_the_padded_layout_runs_the_loaded_attention(tokenizer):
+    """FlexAttention serves the shared and packed layouts' block masks. A reference that runs
+    the padded layout (asked for, or a fallback) puts a model switched to flex back on its
+    loaded attention and says so; a later shared reference of the same model switches it again."""
+    model = build_model("llama", tokenizer).eval()
+    assert ReferenceModel(model, layout="shared", attention="flex").layout_choice.attention == FLEX
+    padded = ReferenceModel(model, layout="padded", attention="flex")
+    assert model.config._attn_implementation == "sdpa"
+    choice = padded.layout_choice.to_json()
+    assert (choice["used"], choice["attention"]) == ("padded", "sdpa")
+    assert "padded layout runs the model's loaded attention" in choice["reason"]
+    assert ReferenceModel(model, layout="shared", attention="flex").layout_choice.to_json() == {
+        "requested": "shared", "used": "shared", "attention": FLEX, "reason": None}
+    use_attention(model, "sdpa", "cpu")
+    # Asked for sdpa, or flex on a model without it: nothing to switch back, no added reason.
+    assert ReferenceModel(model, layout="padded", attention="sdpa").layout_choice.reason is None
+    gpt2 = build_model("gpt2", tokenizer).eval()
+    reason = ReferenceModel(gpt2, layout="padded", attention="flex").layout_choice.reason
+    assert "does not support flex_attention" in reason and "loaded attention" not in reason
+
+
 @pytest.mark.slow
 def test_packed_flex_reference_rows_are_padded_to_the_budget(tokenizer, pairs):
     """A packed reference pass under FlexAttention pads every row to the token budget (one
