@@ -159,7 +159,7 @@ def main() -> None:
                             "partial_blocks": int(mask.kv_num_blocks.sum()),
                             "full_blocks": int(mask.full_kv_num_blocks.sum())}
         result["same_blocks"] = all(torch.equal(getattr(masks["segments"], f), getattr(masks["ranges"], f))
-                                    for f in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"))
+                                    for f in BLOCK_TENSORS)
         print(json.dumps(result), flush=True)
 
 

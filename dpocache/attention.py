@@ -17,7 +17,7 @@
 ``auto`` is ``sdpa``, on GPUs too; ``flex`` runs when asked for where the architecture
 supports it (``_supports_flex_attn``), and a requested ``flex`` that cannot run falls back to
 ``sdpa`` and says why; a run on the padded layout keeps the model's loaded attention, and says
-so too (``padded_runs_loaded_attention``). Measured on an H100 (1.1B Llama, bf16, 256 pairs up to 2,600 tokens,
+so too (``choose_layout``). Measured on an H100 (1.1B Llama, bf16, 256 pairs up to 2,600 tokens,
 ``--max-tokens 32768``; README, "On a GPU"): with the mask rule of ``prefix.key_ranges`` the
 kernel on a packed row of 32,768 tokens takes 2.9 ms (the rule it replaced 18.6 ms), and the
 reference pass with its decoder layers compiled runs at 149,000 tokens/s under flex (packed
@@ -43,7 +43,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from .layouts import ATTENTIONS, LayoutChoice
+from .layouts import ATTENTIONS, LayoutChoice, select_layout
 
 FLEX = "flex_attention"  # transformers' name of the implementation
 FLEX_BLOCK = 128  # torch's default BlockMask block size
@@ -85,17 +85,26 @@ def use_attention(model: nn.Module, requested: str | None, device: torch.device 
     return f"{why_not}; {ran} ran" if wants_flex and why_not else None
 
 
-def padded_runs_loaded_attention(model: nn.Module, choice: LayoutChoice) -> LayoutChoice:
-    """``choice`` once ``model`` (a transformers causal LM, switched by ``use_attention``) runs
-    what the layout needs: the padded layout has no block mask, so a model switched to flex for
-    the shared or packed layouts goes back to its loaded attention when the padded layout runs
-    (requested, or a fallback), and the choice says so. Left on flex, transformers built a
-    ``BlockMask`` from the padding and compiled the kernel for every batch shape on the CPU:
-    a 24-pair ``cache build --layout padded --attention flex`` of a tiny model took 260 s
-    against 14 s under sdpa."""
+def choose_layout(model: nn.Module, scorer: nn.Module, requested: str, attention: str | None,
+                  training: bool = False) -> LayoutChoice:
+    """The layout and attention that run, for the reference pass and for training alike:
+    ``model`` (a transformers causal LM) switched to the ``attention`` backend first
+    (``use_attention``; ``training``: a backward runs through it), then
+    ``layouts.select_layout``'s rule for ``scorer`` (a ``CompletionLogProbs``: its head probe
+    and, in training, its router loss).
+
+    The padded layout has no block mask, so when it runs (requested, or a fallback) a model
+    switched to flex goes back to its loaded attention, and the choice says so. Left on flex,
+    transformers built a ``BlockMask`` from the padding and compiled the kernel for every batch
+    shape on the CPU: a 24-pair ``cache build --layout padded --attention flex`` of a tiny model
+    took 260 s against 14 s under sdpa."""
+    device = next(model.parameters()).device
+    why = use_attention(model, attention, device, backward=training)
+    choice = select_layout(requested, scorer.config, fast_path=scorer.fast_path,
+                           router_loss=training and scorer.router_loss, attention_reason=why, training=training)
     if choice.used != "padded" or not is_flex(model.config):
         return choice
-    use_attention(model, "sdpa", next(model.parameters()).device)
+    use_attention(model, "sdpa", device)
     note = "the padded layout runs the model's loaded attention (flex serves the shared and packed layouts)"
     return replace(choice, attention=str(model.config._attn_implementation),
                    reason="; ".join(r for r in (choice.reason, note) if r))

@@ -41,10 +41,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import packing
-from .attention import FLEX_BLOCK, is_flex, padded_runs_loaded_attention, row_multiple, use_attention
+from .attention import FLEX_BLOCK, choose_layout, is_flex, row_multiple
 from .batching import collate_pairs, pair_logprobs
 from .data import TokenizedPair
-from .layouts import BLOCK_MASK_ATTENTION, LayoutChoice, select_layout
+from .layouts import BLOCK_MASK_ATTENTION, LayoutChoice
 from .logprobs import CompletionLogProbs, unwrap_causal_lm
 from .values import PairValues
 
@@ -243,14 +243,13 @@ def flex_block_masks(batch, config, block: int = FLEX_BLOCK):
     blocks come from the same ranges (``block_mask_from_ranges``). ``block``: the block size."""
     lo, pe, ss, shift = key_ranges(batch)  # (B, T) each
     q = torch.arange(lo.shape[1], device=lo.device, dtype=lo.dtype)  # (T,) query index
-    after = q + 1  # (T,) one past the last key a query may attend (k <= q)
+    after = (q + 1).expand_as(lo)  # (B, T) one past the last key a query may attend (k <= q)
 
     def allowed(bi, h, q, k):  # scalars: batch row, head, query index, key index
         return (k <= q) & (((k >= lo[bi, q]) & (k < pe[bi, q])) | (k >= ss[bi, q]))
 
     # The same rule as key intervals: the prompt [lo, min(pe, q + 1)) and the own run [ss, q + 1).
-    masks = {"full_attention": block_mask_from_ranges((lo, torch.minimum(pe, after)), (ss, after.expand_as(ss)),
-                                                      allowed, block)}
+    masks = {"full_attention": block_mask_from_ranges((lo, torch.minimum(pe, after)), (ss, after), allowed, block)}
     layer_types = getattr(config, "layer_types", None)
     window = getattr(config, "sliding_window", None)
     if layer_types and "sliding_attention" in layer_types and window:
@@ -260,7 +259,7 @@ def flex_block_masks(batch, config, block: int = FLEX_BLOCK):
             return (k <= q) & (prompt | own)
 
         prompt = (torch.maximum(lo, shift - window + 1), torch.minimum(pe, after))
-        own = (torch.maximum(ss, q - window + 1), after.expand_as(ss))
+        own = (torch.maximum(ss, q - window + 1), after)
         masks["sliding_attention"] = block_mask_from_ranges(prompt, own, sliding, block)
     if layer_types:
         return {lt: masks.get(lt, masks["full_attention"]) for lt in set(layer_types)}
@@ -402,10 +401,7 @@ def training_layout(scorer: nn.Module, requested: str, attention: str = "auto") 
     a mixture-of-experts model kept (padded)."""
     core = scorer_core(scorer)
     lm = unwrap_causal_lm(core.model)
-    why = use_attention(lm, attention, next(lm.parameters()).device, backward=True)
-    choice = select_layout(requested, core.config, fast_path=core.fast_path, router_loss=core.router_loss,
-                           attention_reason=why, training=True)
-    return padded_runs_loaded_attention(lm, choice)
+    return choose_layout(lm, core, requested, attention, training=True)
 
 
 def layout_logprobs(scorer: nn.Module, layout: str, pairs: Sequence[TokenizedPair], pad_id: int, device,

@@ -18,9 +18,9 @@ from torch import nn
 
 from . import bf16_matmul
 from .bf16_matmul import cpu_has_amx_bf16
-from .attention import padded_runs_loaded_attention, use_attention
+from .attention import choose_layout
 from .compiling import compile_layers, should_compile
-from .layouts import COMPILES, LAYOUTS, select_layout
+from .layouts import COMPILES, LAYOUTS
 from .loading import store_frozen_matrices_
 from .logprobs import CompletionLogProbs, autocast, unwrap_causal_lm
 from .prefix import shared_prompt_logps
@@ -103,9 +103,7 @@ class ReferenceModel:
         # once for both completions; "padded" runs prompt + chosen and prompt + rejected rows.
         # Models whose attention takes no custom mask, or whose head is unknown, run "padded".
         # The attention backend first (dpocache.attention: auto | sdpa | flex; None: as loaded).
-        why = use_attention(unwrap_causal_lm(model), attention, self.device)
-        choice = select_layout(layout, self._scorer.config, fast_path=self._scorer.fast_path, attention_reason=why)
-        self.layout_choice = padded_runs_loaded_attention(unwrap_causal_lm(model), choice)
+        self.layout_choice = choose_layout(unwrap_causal_lm(model), self._scorer, layout, attention)
         self.layout = self.layout_choice.used
         # Decoder layers compiled (dpocache.compiling): "on" now, "auto" once the pass's size is
         # known (``prepare``), "off" never.
