@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from .cache import CacheError, CacheStore, default_cache_dir, export_rows, namespace_for_dir, verify
-from .cache.build import (DEFAULT_MAX_TOKENS, build_distributed, namespace_dirs, open_namespace_dir, reference_source,
+from .cache.build import (build_distributed, namespace_dirs, open_namespace_dir, reference_source,
                           reference_weights_dir)
 from .cache.probes import ProbeMemo
 from .data import PreferenceData, load_preference_data
@@ -95,7 +95,7 @@ def cmd_build(args) -> int:
                                 attention=args.attention, probe_memo=ProbeMemo(store.root), compile=args.compile)
         summary = build_distributed(
             store, pairs, load, env, pad_id=tokenizer.pad_token_id or 0,
-            per_token=args.per_token, max_tokens=args.max_tokens or DEFAULT_MAX_TOKENS, shard_pairs=args.shard_size,
+            per_token=args.per_token, max_tokens=args.max_tokens, shard_pairs=args.shard_size,
             sharded=args.fsdp,
         )
         if env.is_main:
@@ -149,7 +149,7 @@ def cmd_verify(args) -> int:
     store, dtype = _open_store(args, device)
     reference = _load_reference(args, dtype, device)
     report = verify(store, data.pairs, reference, args.samples, args.seed, tokenizer.pad_token_id or 0,
-                    args.max_tokens or DEFAULT_MAX_TOKENS)
+                    args.max_tokens)
     print(f"checked {report.checked} pairs: max |stored - recomputed| = {report.max_abs_diff:.3g}")
     for line in report.mismatches:
         print(f"MISMATCH {line}")

@@ -22,7 +22,6 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .config import CacheConfig
 from .data import DataError, RawRow, read_rows, special_prefix, with_eos, with_prefix
 
 
@@ -37,7 +36,7 @@ def add_score_parser(sub) -> None:
     s.add_argument("--dtype", default="auto", help="auto (bf16 where the hardware has it), float32, bfloat16")
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     s.add_argument("--max-tokens", type=int, default=None,
-                   help=f"token slots per forward (default {CacheConfig.max_tokens})")
+                   help="token slots per forward (default: 4096 on a CPU, 32768 on a GPU)")
     s.add_argument("--chunk-rows", type=int, default=256, help="rows scored (and cached) at a time")
     s.add_argument("--stats", type=Path, default=None, help="append the service's counters to this JSONL file")
 
@@ -123,7 +122,6 @@ def cmd_score(args) -> int:
     # The model machinery (torch, transformers) is imported when the command runs, as cli.py
     # does for its other commands: building the parser stays light.
     from .cache import default_cache_dir
-    from .cache.build import DEFAULT_MAX_TOKENS
     from .cache_cli import load_tokenizer
     from .service import ReferenceService
 
@@ -140,7 +138,7 @@ def cmd_score(args) -> int:
     requests = [to_request(r, tokenizer, prefix) for r in rows]
     check_rows(rows, requests, args.model)
     service = ReferenceService.from_pretrained(args.model, args.dtype, args.device,
-                                               max_tokens=args.max_tokens or DEFAULT_MAX_TOKENS,
+                                               max_tokens=args.max_tokens,
                                                cache_dir=args.cache_dir or default_cache_dir(), stats_file=args.stats)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     partial = args.out.with_name(args.out.name + ".partial")

@@ -32,7 +32,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .cache.build import DEFAULT_MAX_TOKENS, namespace_for_dir, namespace_for_module, peak_memory_bytes
+from .cache.build import default_max_tokens, namespace_for_dir, namespace_for_module, peak_memory_bytes
 from .cache.build import reference_source
 from .cache.fingerprint import config_sha256
 from .cache.sequences import SequenceStore, sequence_key
@@ -122,7 +122,8 @@ class ReferenceService:
     Args:
         model: a causal LM (frozen here), or a ``ReferenceModel``.
         dtype: float32, or bfloat16/float16 under autocast (``ReferenceModel``).
-        max_tokens: token slots per forward (rows x widest row).
+        max_tokens: token slots per forward (rows x widest row); default by device
+            (``cache.build.default_max_tokens``).
         cache_dir: where the look-aside cache lives (None: no cache).
         compile: compile each decoder layer once, at start (``dpocache.compiling``): worth it on
             a GPU for a service that runs a whole training job.
@@ -131,14 +132,14 @@ class ReferenceService:
     """
 
     def __init__(self, model: nn.Module | ReferenceModel, dtype: torch.dtype = torch.float32,
-                 max_tokens: int = DEFAULT_MAX_TOKENS, cache_dir: str | Path | None = None, compile: bool = False,
+                 max_tokens: int | None = None, cache_dir: str | Path | None = None, compile: bool = False,
                  namespace: Namespace | None = None, stats_file: str | Path | None = None, layout: str = "shared"):
         self.reference = model if isinstance(model, ReferenceModel) else ReferenceModel(
             model, dtype, "on" if compile else "off", layout=layout)
         config = unwrap_causal_lm(self.reference.model).config.get_text_config()
         self.vocab_size = int(config.vocab_size)
         self.context = getattr(config, "max_position_embeddings", None)
-        self.max_tokens = max_tokens
+        self.max_tokens = max_tokens or default_max_tokens(self.reference.device)
         self.store = None
         if cache_dir is not None:
             namespace = namespace or namespace_for_module(unwrap_causal_lm(self.reference.model), self.reference.dtype)
@@ -148,7 +149,7 @@ class ReferenceService:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype = "auto",
-                        device: str | torch.device | None = None, max_tokens: int = DEFAULT_MAX_TOKENS,
+                        device: str | torch.device | None = None, max_tokens: int | None = None,
                         cache_dir: str | Path | None = None, compile: bool = False, reference: str = "initial",
                         **kwargs) -> "ReferenceService":
         """A model directory. For a PEFT adapter directory the reference is the initial policy,

@@ -84,11 +84,14 @@ def test_dead_config_and_globals_are_gone():
     a process-global counter. Cache defaults live once, in the config. (``model.compile``, once
     an unread field, is read now: tests/test_compiling.py.)"""
     import dpocache.reference
-    from dpocache.cache.build import DEFAULT_MAX_TOKENS, build_missing
+    from dpocache.cache.build import CPU_MAX_TOKENS, GPU_MAX_TOKENS, build_missing, default_max_tokens
     from dpocache.cache.store import DEFAULT_SHARD_PAIRS, CacheStore
     from dpocache.config import CacheConfig
 
     assert not hasattr(dpocache.reference, "FORWARD_PASSES")
-    assert DEFAULT_SHARD_PAIRS == CacheConfig.shard_size and DEFAULT_MAX_TOKENS == CacheConfig.max_tokens
+    assert DEFAULT_SHARD_PAIRS == CacheConfig.shard_size
+    # The token budget has no one default: each device's is chosen where the reference is loaded.
+    assert CacheConfig.max_tokens is None and inspect.signature(build_missing).parameters["max_tokens"].default is None
+    assert (default_max_tokens("cpu"), default_max_tokens(torch.device("cuda", 1))) == (CPU_MAX_TOKENS, GPU_MAX_TOKENS)
     assert inspect.signature(CacheStore.writer).parameters["shard_pairs"].default == DEFAULT_SHARD_PAIRS
     assert inspect.signature(build_missing).parameters["shard_pairs"].default == DEFAULT_SHARD_PAIRS

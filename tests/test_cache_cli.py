@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from dpocache.cache import CacheStore, namespace_for_dir
+from dpocache.cache.build import CPU_MAX_TOKENS
 from dpocache.data import write_jsonl
 
 SUMMARY_KEYS = {"computed", "reused", "tokens", "tokens_per_s", "cache_dir", "namespace"}
@@ -64,8 +65,11 @@ def test_build_reuses_by_content(tmp_path, build, model_dir, pref_rows, pref_jso
     assert first["namespace"] == namespace_for_dir(model_dir, torch.float32, cache).id
     assert first["cache_dir"] == str(cache / first["namespace"])
 
+    # No --max-tokens: the budget of the device (a CPU's), named in the summary; none when no pass ran.
+    assert first["max_tokens"] == CPU_MAX_TOKENS
     second = build(pref_jsonl, cache)
     assert (second["computed"], second["reused"], second["forward_passes"]) == (0, len(pref_rows), 0)
+    assert second["max_tokens"] is None
 
     rows = list(pref_rows)
     random.Random(1).shuffle(rows)
@@ -74,8 +78,9 @@ def test_build_reuses_by_content(tmp_path, build, model_dir, pref_rows, pref_jso
     third = build(shuffled, cache)
     assert (third["computed"], third["reused"]) == (3, len(pref_rows))
 
-    # Another cache root gets the same namespace: nothing but weights and dtype enter it.
-    assert build(pref_jsonl, tmp_path / "elsewhere")["namespace"] == first["namespace"]
+    # Another cache root gets the same namespace: nothing but weights and dtype enter it (nor the budget).
+    elsewhere = build(pref_jsonl, tmp_path / "elsewhere", "--max-tokens", "300")
+    assert (elsewhere["namespace"], elsewhere["max_tokens"]) == (first["namespace"], 300)
 
 
 def test_max_length_recomputes_exactly_the_truncated_pairs(tmp_path, build, tokenizer, pref_rows, pref_jsonl):

@@ -24,7 +24,6 @@ import torch
 from tqdm.auto import tqdm
 
 from ..batching import PairBatch, collate_pairs, token_budget_batches
-from ..config import CacheConfig
 from ..data import TokenizedPair
 from ..distributed import DistEnv, barrier, broadcast_object, reduce_counts, same_on_all_ranks, split_by_weight
 from ..prefix import score_batch_shared
@@ -34,7 +33,18 @@ from ..values import PairValues
 from .fingerprint import FingerprintMemo, default_memo_path, model_dir_fingerprint, module_fingerprint
 from .store import DEFAULT_SHARD_PAIRS, CacheError, CacheStore, CorruptShard, Namespace
 
-DEFAULT_MAX_TOKENS = CacheConfig.max_tokens  # padded token slots per reference forward: the config's default
+# Padded token slots per reference forward when none is given (``--max-tokens``), by device.
+# The CPU's: on the 2-core bench CPU the 58m fp32 pass ran about 1.15x faster at 4096 than at 8192
+# and 1.3x than at 16384; 1024 and 2048 were no faster over the whole data (same-process A/Bs,
+# bench/token_budget_ab.py). The GPU's: every H100 figure (1B, bf16) was measured at 32768, and
+# 65536 was no faster. Both are in bench/README.md.
+CPU_MAX_TOKENS = 4096
+GPU_MAX_TOKENS = 32768
+
+
+def default_max_tokens(device: torch.device | str | None) -> int:
+    """The token budget of a reference forward on ``device`` when the user gives none."""
+    return CPU_MAX_TOKENS if torch.device(device or "cpu").type == "cpu" else GPU_MAX_TOKENS
 
 
 def default_cache_dir() -> Path:
@@ -144,6 +154,7 @@ class BuildSummary:
     # attention, reason); None when no pass ran (every pair was cached).
     layout: dict | None = None
     compiled_layers: int = 0  # decoder layers the reference pass ran compiled (dpocache.compiling)
+    max_tokens: int | None = None  # the token budget of its forwards (None when no pass ran)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -185,7 +196,7 @@ def build_missing(
     load_reference: Callable[[], ReferenceModel],
     pad_id: int = 0,
     per_token: bool = False,
-    max_tokens: int = DEFAULT_MAX_TOKENS,
+    max_tokens: int | None = None,
     shard_pairs: int = DEFAULT_SHARD_PAIRS,
     flush_seconds: float = 60.0,
     show_progress: bool = True,
@@ -213,7 +224,7 @@ def score_missing(
     stop: StopRequest,
     pad_id: int = 0,
     per_token: bool = False,
-    max_tokens: int = DEFAULT_MAX_TOKENS,
+    max_tokens: int | None = None,
     shard_pairs: int = DEFAULT_SHARD_PAIRS,
     flush_seconds: float = 60.0,
     show_progress: bool = True,
@@ -227,6 +238,7 @@ def score_missing(
     todo = [by_key[k] for k in store.missing(by_key, per_token)]
     reference = load_reference() if todo else None
     if reference is not None:
+        max_tokens = max_tokens or default_max_tokens(reference.device)
         reference.prepare(sum(p.unique_tokens for p in todo))  # --compile auto: compile if the pass repays it
     tokens, computed, skipped, non_finite = 0, 0, 0, []
     if todo:
@@ -271,6 +283,7 @@ def score_missing(
         corrupt_shards=[str(c) for c in store.corrupt], interrupted=stop.signum or 0,
         layout=reference.layout_choice.to_json() if reference is not None else None,
         compiled_layers=reference.compiled_layers if reference is not None else 0,
+        max_tokens=max_tokens if reference is not None else None,
     )
 
 
@@ -338,7 +351,7 @@ def build_distributed(
     env: DistEnv,
     pad_id: int = 0,
     per_token: bool = False,
-    max_tokens: int = DEFAULT_MAX_TOKENS,
+    max_tokens: int | None = None,
     shard_pairs: int = DEFAULT_SHARD_PAIRS,
     flush_seconds: float = 60.0,
     show_progress: bool = True,
@@ -428,6 +441,7 @@ def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_refere
         corrupt_shards=corrupt, world_size=env.world_size, interrupted=int(signum),
         layout=_any_rank_layout(env, local.layout if local else None),
         compiled_layers=local.compiled_layers if local else 0,  # this rank's (each rank decides alike)
+        max_tokens=local.max_tokens if local else None,
     )
     if signum:
         raise stop.interrupted(interrupted_message(summary), signum=int(signum))
@@ -470,7 +484,7 @@ def tolerance(dtype: str, value: float) -> float:
 
 
 def verify(store: CacheStore, pairs: Sequence[TokenizedPair], reference: ReferenceModel, samples: int = 32,
-           seed: int = 0, pad_id: int = 0, max_tokens: int = DEFAULT_MAX_TOKENS) -> VerifyReport:
+           seed: int = 0, pad_id: int = 0, max_tokens: int | None = None) -> VerifyReport:
     """Recompute ``samples`` cached pairs (chosen at random) and compare with the store."""
     by_key = unique_pairs(pairs)
     cached = [p for k, p in by_key.items() if k in store]
@@ -478,6 +492,7 @@ def verify(store: CacheStore, pairs: Sequence[TokenizedPair], reference: Referen
     chosen = random.Random(seed).sample(cached, min(samples, len(cached)))
     mismatches: list[str] = []
     max_diff = 0.0
+    max_tokens = max_tokens or default_max_tokens(reference.device)
     for batch in reference_batches(reference, chosen, max_tokens):
         new_values = score_batch(reference, batch, pad_id, max_tokens)
         cs, rs = new_values.chosen_logps, new_values.rejected_logps

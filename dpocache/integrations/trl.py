@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..cache.build import (DEFAULT_MAX_TOKENS, build_missing, default_cache_dir, namespace_for_dir,
+from ..cache.build import (build_missing, default_cache_dir, namespace_for_dir,
                            reference_weights_dir)
 from ..cache.store import CacheStore
 from ..data import TokenizedPair, example_key
@@ -75,12 +75,13 @@ class CachedDPOTrainer(DPOTrainer):
         cache_dir: the cache root (default: ``$DPOCACHE_CACHE_DIR`` or ``~/.cache/dpocache``).
         cache_dtype: dtype of the reference pass: ``float32`` (default), ``bfloat16`` or ``auto``;
             it is part of the cache namespace.
-        cache_max_tokens: padded tokens per reference forward when building missing values.
+        cache_max_tokens: padded tokens per reference forward when building missing values
+            (default by device: ``cache.build.default_max_tokens``).
         cache_device: device of the reference pass (default: CUDA if available).
     """
 
     def __init__(self, model: Any, ref_model: Any = None, args: Any = None, *, cache_dir: str | Path | None = None,
-                 cache_dtype: str = "float32", cache_max_tokens: int = DEFAULT_MAX_TOKENS,
+                 cache_dtype: str = "float32", cache_max_tokens: int | None = None,
                  cache_device: str | None = None, **kwargs: Any):
         check_trl_version()
         if args is None:
