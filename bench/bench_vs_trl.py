@@ -158,9 +158,10 @@ def bench_config(args, config_name: str, dtype: str, log: Path) -> dict:
     inputs = build_inputs(cfg, pairs)
     info = json.loads((inputs / "info.json").read_text())
     model, data = str(inputs / "model"), str(inputs / "data.jsonl")
-    reps = []
+    reps, scratch_dirs = [], {}
     for rep in range(args.reps):
         scratch = Path(tempfile.mkdtemp(prefix=f"bench-{config_name}-{dtype}-{rep}-", dir=args.scratch))
+        scratch_dirs[str(scratch)] = f"<scratch-{rep}>"
         hf_cache = scratch / "hf-datasets"  # TRL's precompute cache: fresh per repetition, hit by its training run
         cache_dir = scratch / "dpocache"
         common = {"model": model, "data": data, "dtype": dtype, "batch_size": args.batch_size, "device": args.device}
@@ -206,11 +207,24 @@ def bench_config(args, config_name: str, dtype: str, log: Path) -> dict:
         r["loadavg"] = os.getloadavg()
         reps.append(r)
         # Every finished repetition on disk at once: a run stopped later (a time limit) keeps them.
-        (log.parent / f"{log.stem}-{dtype}-partial.json").write_text(json.dumps(reps, default=str))
+        (log.parent / f"{log.stem}-{dtype}-partial.json").write_text(portable(json.dumps(reps, default=str),
+                                                                              scratch_dirs))
         print(f"  rep {rep + 1}/{args.reps} done (load average {r['loadavg'][0]:.1f})", flush=True)
         if not args.keep_scratch:
             shutil.rmtree(scratch, ignore_errors=True)
-    return {"config": config_name, "dtype": dtype, "pairs": pairs, "inputs": info, "reps": reps}
+    return {"config": config_name, "dtype": dtype, "pairs": pairs, "inputs": info, "reps": reps,
+            "scratch_dirs": scratch_dirs}
+
+
+def portable(text: str, names: dict[str, str]) -> str:
+    """``text`` with this machine's directories named by their role: the results are committed,
+    and the temporary or home directories of the machine that ran them mean nothing elsewhere.
+    ``names``: directory -> name (the repetitions' scratch directories); the repository's own
+    directory becomes ``.``."""
+    names = {**names, str(BENCH_DIR.parent): "."}
+    for path in sorted(names, key=len, reverse=True):  # a scratch directory may lie inside the repository
+        text = text.replace(path, names[path])
+    return text
 
 
 def summarise(res: dict, peaks: dict, batch: int) -> list[tuple[str, float | None, float | None, str]]:
@@ -361,7 +375,8 @@ def main(argv=None) -> int:
         res["markdown"] = print_table(title, rows)
         tables.append(res["markdown"])
         path = out / f"{args.config}-{dtype}-{stamp}.json"
-        path.write_text(json.dumps(res, indent=1, default=str))
+        scratch_dirs = res.pop("scratch_dirs")
+        path.write_text(portable(json.dumps(res, indent=1, default=str), scratch_dirs))
         print(f"wrote {path}", flush=True)
     return 0
 

@@ -34,11 +34,12 @@ from .fingerprint import FingerprintMemo, default_memo_path, model_dir_fingerpri
 from .store import DEFAULT_SHARD_PAIRS, CacheError, CacheStore, CorruptShard, Namespace
 
 # Padded token slots per reference forward when none is given (``--max-tokens``), by device.
-# The CPU's: on the 2-core bench CPU the 58m fp32 pass ran about 1.15x faster at 4096 than at 8192
-# and 1.3x than at 16384; 1024 and 2048 were no faster over the whole data (same-process A/Bs,
-# bench/token_budget_ab.py). The GPU's: every H100 figure (1B, bf16) was measured at 32768, and
-# 65536 was no faster. Both are in bench/README.md.
-CPU_MAX_TOKENS = 4096
+# The CPU's: on the 2-core bench CPU (32 MiB L3) the 58m fp32 pass ran 1.18x faster at 1024 than
+# at 4096 (512: 1.12x, 2048: 1.02x; the long-prompt data 1.16x, bf16 1.06x), interleaved in one
+# process (bench/token_budget_ab.py): a batch's activations stay in the cache between the
+# layer's products. The GPU's: every H100 figure (1B, bf16) was measured at 32768, and 65536 was
+# no faster. Both are in bench/README.md.
+CPU_MAX_TOKENS = 1024
 GPU_MAX_TOKENS = 32768
 
 
