@@ -116,14 +116,21 @@ class _Work:
     group_keys: list[list[bytes]]  # the key of each completion of each group
 
 
+# A request's completions share one run of their prompt only within a row of the budget
+# (``groups.split_group``): a smaller budget splits the group and runs the prompt again. So the
+# service's default budget is never below the one it was measured at, even where the offline
+# pass takes a smaller one (a CPU's 1024).
+GROUP_MAX_TOKENS = 4096
+
+
 class ReferenceService:
     """A frozen reference model behind ``score`` and ``forward``.
 
     Args:
         model: a causal LM (frozen here), or a ``ReferenceModel``.
         dtype: float32, or bfloat16/float16 under autocast (``ReferenceModel``).
-        max_tokens: token slots per forward (rows x widest row); default by device
-            (``cache.build.default_max_tokens``).
+        max_tokens: token slots per forward (rows x widest row); default: the device's budget
+            (``cache.build.default_max_tokens``), at least ``GROUP_MAX_TOKENS``.
         cache_dir: where the look-aside cache lives (None: no cache).
         compile: compile each decoder layer once, at start (``dpocache.compiling``): worth it on
             a GPU for a service that runs a whole training job.
@@ -139,7 +146,7 @@ class ReferenceService:
         config = unwrap_causal_lm(self.reference.model).config.get_text_config()
         self.vocab_size = int(config.vocab_size)
         self.context = getattr(config, "max_position_embeddings", None)
-        self.max_tokens = max_tokens or default_max_tokens(self.reference.device)
+        self.max_tokens = max_tokens or max(GROUP_MAX_TOKENS, default_max_tokens(self.reference.device))
         self.store = None
         if cache_dir is not None:
             namespace = namespace or namespace_for_module(unwrap_causal_lm(self.reference.model), self.reference.dtype)

@@ -371,3 +371,20 @@ def test_pool_without_ray_says_how_to_install(monkeypatch, model_dir):
     monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed
     with pytest.raises(ImportError, match=r"pip install 'dpocache\[ray\]'"):
         ReferencePool(model_dir, num_replicas=2)
+
+
+def test_default_budget_keeps_a_wide_group_in_one_row(tiny_models):
+    """A group shares its prompt only within one row of the budget: the service's default on a
+    CPU is not the offline pass's 1024, which would split this 1,100-token group in two and run
+    its prompt twice."""
+    from dpocache.cache.build import CPU_MAX_TOKENS
+    from dpocache.service import GROUP_MAX_TOKENS
+
+    prompt, completions = 400, 7
+    request = make_requests(1, completions, seed=3, prompt=(prompt, prompt), completion=(100, 100))
+    assert CPU_MAX_TOKENS < prompt + 100 * completions <= GROUP_MAX_TOKENS
+    service = ReferenceService(tiny_models["llama"])
+    values = service.score(request)
+    assert service.stats()["prompt_tokens_saved"] == prompt * (completions - 1)  # the prompt ran once
+    for c, v in zip(request[0]["completion_ids"], values[0]):  # values equal the model's own forward
+        assert torch.allclose(v, naive(tiny_models["llama"], request[0]["prompt_ids"], c), atol=TOL, rtol=0)
