@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import CONFIGS, build_inputs  # noqa: E402
+from gpu_compile_probe import synchronize  # noqa: E402
 
 from dpocache.cache.build import reference_batches, score_batch  # noqa: E402
 from dpocache.cache_cli import load_tokenizer  # noqa: E402
@@ -91,13 +92,11 @@ def segments(batches: list, count: int) -> list[list]:
 
 def timed_pass(reference, batches: list, budget: int, device: torch.device) -> float:
     """Seconds to score ``batches`` (planned under ``budget``)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(device)
     start = time.perf_counter()
     for batch in batches:
         score_batch(reference, batch, 0, budget)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(device)
     return time.perf_counter() - start
 
 

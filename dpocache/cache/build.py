@@ -43,9 +43,9 @@ CPU_MAX_TOKENS = 1024
 GPU_MAX_TOKENS = 32768
 
 
-def default_max_tokens(device: torch.device | str | None) -> int:
+def default_max_tokens(device: torch.device | str) -> int:
     """The token budget of a reference forward on ``device`` when the user gives none."""
-    return CPU_MAX_TOKENS if torch.device(device or "cpu").type == "cpu" else GPU_MAX_TOKENS
+    return CPU_MAX_TOKENS if torch.device(device).type == "cpu" else GPU_MAX_TOKENS
 
 
 def default_cache_dir() -> Path:
