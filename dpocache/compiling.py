@@ -14,19 +14,24 @@ first pass, compiles included, 11.7 s eager against 25.6 s compiled. So compilin
 16 s once (beyond eager's own first-pass warm-up) and saves 2.7 µs per token at 1.1B
 parameters; the saving grows with the layer's size, the compile time does not.
 
-On a 2-core AVX2 CPU (``python bench/gpu_compile_probe.py --config 58m --dtype float32
---budget 4096 --variant sdpa|sdpa-layers``, the 58M bench model, 256 pairs, two runs of each):
-1,424-1,586 tokens/s eager against 1,763-1,872 compiled after the first pass (medians 1,539 and
-1,804: 1.17x), the compiles 10-14 s of the first pass.
+On a 2-core AVX2 CPU, fp32, the 58M bench model, 256 pairs: at a token budget of 4096
+(``python bench/gpu_compile_probe.py --config 58m --dtype float32 --budget 4096 --variant
+sdpa|sdpa-layers``, two runs of each) 1,424-1,586 tokens/s eager against 1,763-1,872 compiled
+after the first pass (1.17x), the compiles 10-14 s. At the CPU's budget of 1024 since
+(``python bench/compile_ab.py [--warm-cache]``: eager and compiled copies interleaved in one
+process, medians of 3 rounds) eager keeps its element-wise work in cache and the compile gains
+less: 1.05x with the compile in a fresh inductor cache (11.2 s), 1.08x and 1.09x with torch's
+cache warm (3.8 s and 6.7 s), so a break-even of about 235k tokens (fresh) and 120k (warm).
 
 ``auto`` compiles where it was measured to pay, when the pass's work (tokens x parameters) is at
 least ``AUTO_MIN_WORK`` for the device and dtype: twice the break-even measured there, so the
 compile is never a net loss on the measured shape (CUDA bf16: from about 12M tokens at 1.1B
-parameters; CPU fp32: from about 310k tokens at 58M). Elsewhere (CPU bf16, whose linear layers
-take the fp32 GEMM through a custom autograd function, ``dpocache.bf16_matmul``, CUDA fp32)
-``auto`` stays eager. A sharded reference (FSDP2 units with their gather hooks) stays eager.
-Training compiles the policy's layers with ``on`` only (``auto`` there is eager until eager and
-compiled training are measured side by side), and not under FSDP2.
+parameters; CPU fp32: from about 470k tokens at 58M, twice the fresh-cache break-even).
+Elsewhere (CPU bf16, whose linear layers take the fp32 GEMM through a custom autograd function,
+``dpocache.bf16_matmul``, CUDA fp32) ``auto`` stays eager. A sharded reference (FSDP2 units
+with their gather hooks) stays eager. Training compiles the policy's layers with ``on`` only
+(``auto`` there is eager until eager and compiled training are measured side by side), and not
+under FSDP2.
 """
 
 from __future__ import annotations
@@ -40,8 +45,10 @@ from .logprobs import decoder_layers, unwrap_causal_lm
 
 # tokens x parameters of a pass from which ``auto`` compiles, per (device type, dtype): twice the
 # break-even compile time / time saved per token-parameter, from the module docstring's figures:
-# H100 16 s / 2.4e-15 s, 2-core CPU 14 s / 1.6e-12 s.
-AUTO_MIN_WORK = {("cuda", torch.bfloat16): 1.3e16, ("cpu", torch.float32): 1.8e13}
+# H100 16 s / 2.4e-15 s; 2-core CPU at its 1024 budget 235k tokens x 58.1M parameters
+# (bench/results/cpu-compile-ab-58m-float32-20261123.jsonl; 155k at the 4096 budget before: a
+# threshold of 310k tokens).
+AUTO_MIN_WORK = {("cuda", torch.bfloat16): 1.3e16, ("cpu", torch.float32): 2.7e13}
 
 
 def compile_layers(model: nn.Module) -> int:
