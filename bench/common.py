@@ -105,6 +105,19 @@ def build_inputs(cfg: BenchConfig, pairs: int, root: Path | None = None, seed: i
     return out
 
 
+def bench_pairs(name: str, limit: int | None = None) -> tuple[Path, list]:
+    """The model directory of configuration ``name`` and its tokenized pairs (the first
+    ``limit``; all by default), built on first use."""
+    from dpocache.cache_cli import load_tokenizer
+    from dpocache.data import load_preference_data
+
+    cfg = CONFIGS[name]
+    inputs = build_inputs(cfg, cfg.pairs)
+    tokenizer = load_tokenizer(inputs / "model")
+    data = load_preference_data(str(inputs / "data.jsonl"), tokenizer, None, None, False, show_progress=False)
+    return inputs / "model", data.pairs[:limit]
+
+
 def write_results(name: str, summary: dict, runs: dict) -> Path:
     """``bench/results/<name>-<time>.json``: the summary and every run; prints the summary."""
     out = BENCH_DIR / "results" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"

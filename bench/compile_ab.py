@@ -25,45 +25,34 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import CONFIGS, build_inputs  # noqa: E402
+from common import bench_pairs  # noqa: E402
+from token_budget_ab import add_pass_arguments, segments, timed_pass  # noqa: E402
+
+from dpocache.cache.build import default_max_tokens, reference_batches  # noqa: E402
+from dpocache.compiling import compile_layers  # noqa: E402
+from dpocache.reference import ReferenceModel, default_device  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--budget", type=int, default=None, help="--max-tokens (default: the device's)")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--segments", type=int, default=8, help="interleaved stretches per pass")
-    parser.add_argument("--pairs", type=int, default=None, help="the first N pairs (default: the configuration's)")
-    parser.add_argument("--config", default="58m", choices=list(CONFIGS))
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--layout", default="shared", choices=["shared", "packed", "padded"])
+    add_pass_arguments(parser)
     parser.add_argument("--warm-cache", action="store_true",
                         help="use torch's default inductor cache (else a fresh one: the first compile on a machine)")
     args = parser.parse_args()
-    if not args.warm_cache:  # before torch reads it
+    if not args.warm_cache:  # inductor reads it at each compile (cache_dir_utils.cache_dir)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="dpocache-compile-ab-")
 
-    import torch  # imported here, after the cache directory is set
-    from token_budget_ab import segments, timed_pass
-
-    from dpocache.cache.build import default_max_tokens, reference_batches
-    from dpocache.cache_cli import load_tokenizer
-    from dpocache.compiling import compile_layers
-    from dpocache.data import load_preference_data
-    from dpocache.reference import ReferenceModel, default_device
-
-    cfg = CONFIGS[args.config]
-    inputs = build_inputs(cfg, cfg.pairs)
-    tokenizer = load_tokenizer(inputs / "model")
-    pairs = load_preference_data(str(inputs / "data.jsonl"), tokenizer, None, None, False,
-                                 show_progress=False).pairs[:args.pairs]
+    model, pairs = bench_pairs(args.config, args.pairs)
     tokens = sum(p.unique_tokens for p in pairs)
     device = default_device()
     budget = args.budget or default_max_tokens(device)
-    copies = {name: ReferenceModel.from_pretrained(inputs / "model", args.dtype, device, layout=args.layout,
-                                                   attention="sdpa") for name in ("eager", "compiled")}
+    copies = {name: ReferenceModel.from_pretrained(model, args.dtype, device, layout=args.layout, attention="sdpa")
+              for name in ("eager", "compiled")}
     batches = reference_batches(copies["eager"], pairs, budget)
     for reference in copies.values():  # eager warm-up of both copies (allocator, first-call costs)
         timed_pass(reference, batches[-1:], budget, device)

@@ -1,6 +1,6 @@
 """Reference-pass token budgets (``--max-tokens``) side by side in one process, no TRL.
 
-    python bench/token_budget_ab.py --budgets 2048,4096 [--rounds 4] [--segments 8] [--pairs N]
+    python bench/token_budget_ab.py --budgets 2048,4096 [--rounds 3] [--segments 8] [--pairs N]
         [--config 58m] [--dtype float32] [--layout shared]
 
 The model is loaded once and each budget's batches are planned over the same pairs. A round runs
@@ -27,36 +27,24 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import CONFIGS, build_inputs  # noqa: E402
+from common import CONFIGS, bench_pairs  # noqa: E402
 from gpu_compile_probe import synchronize  # noqa: E402
 
 from dpocache.cache.build import reference_batches, score_batch  # noqa: E402
-from dpocache.cache_cli import load_tokenizer  # noqa: E402
-from dpocache.data import load_preference_data  # noqa: E402
 from dpocache.reference import ReferenceModel, default_device  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--budgets", required=True, help="comma-separated token budgets, e.g. 2048,4096")
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--segments", type=int, default=8, help="interleaved stretches per pass")
-    parser.add_argument("--pairs", type=int, default=None, help="the first N pairs (default: the configuration's)")
-    parser.add_argument("--config", default="58m", choices=list(CONFIGS))
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--layout", default="shared", choices=["shared", "packed", "padded"])
+    add_pass_arguments(parser)
     args = parser.parse_args()
     budgets = [int(b) for b in args.budgets.split(",")]
 
-    cfg = CONFIGS[args.config]
-    inputs = build_inputs(cfg, cfg.pairs)
-    tokenizer = load_tokenizer(inputs / "model")
-    pairs = load_preference_data(str(inputs / "data.jsonl"), tokenizer, None, None, False,
-                                 show_progress=False).pairs[:args.pairs]
+    model, pairs = bench_pairs(args.config, args.pairs)
     tokens = sum(p.unique_tokens for p in pairs)
     device = default_device()
-    reference = ReferenceModel.from_pretrained(inputs / "model", args.dtype, device, layout=args.layout,
-                                               attention="sdpa")
+    reference = ReferenceModel.from_pretrained(model, args.dtype, device, layout=args.layout, attention="sdpa")
     stretches = {b: segments(reference_batches(reference, pairs, b), args.segments) for b in budgets}
     passes: dict[int, list[int]] = {b: [] for b in budgets}
     for round_ in range(args.rounds):
@@ -78,6 +66,16 @@ def main() -> None:
         f"ratio_to_{first}": {b: round(statistics.median(x / y for x, y in zip(passes[b], passes[first])), 3)
                               for b in budgets},
     }), flush=True)
+
+
+def add_pass_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that say which reference pass an A/B runs (this script's and compile_ab.py's)."""
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--segments", type=int, default=8, help="interleaved stretches per pass")
+    parser.add_argument("--pairs", type=int, default=None, help="the first N pairs (default: the configuration's)")
+    parser.add_argument("--config", default="58m", choices=list(CONFIGS))
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--layout", default="shared", choices=["shared", "packed", "padded"])
 
 
 def segments(batches: list, count: int) -> list[list]:
