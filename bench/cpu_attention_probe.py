@@ -47,7 +47,7 @@ def masked(q, k, v, mask, lengths):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def math(q, k, v, mask, lengths):
+def math_backend(q, k, v, mask, lengths):
     with sdpa_kernel(SDPBackend.MATH):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
@@ -95,7 +95,7 @@ def main() -> None:
         lengths = tuple(torch.tensor([len(getattr(p, f)) for p in batch])
                         for f in ("prompt_ids", "chosen_ids", "rejected_ids"))
         work.append((q, k, v, attention_mask(rows, _Sdpa()), lengths))
-    ways = {"masked": masked, "split": split, "math": math}
+    ways = {"masked": masked, "split": split, "math": math_backend}
     for q, k, v, mask, lengths in work:
         want = masked(q, k, v, mask, lengths)
         for name in ("split", "math"):

@@ -117,7 +117,7 @@ class TrainLoopConfig:
 @dataclass
 class CacheConfig:
     dir: str | None = None  # default: $DPOCACHE_CACHE_DIR or ~/.cache/dpocache
-    max_tokens: int | None = None  # padded tokens per reference forward (default: 1024 on CPU, 32768 on GPU)
+    max_tokens: int | None = None  # padded tokens per reference forward (None: cache.build.default_max_tokens)
     layout: str = "auto"  # reference pass: auto | shared (each prompt once) | packed | padded (dpocache.layouts)
     shard_size: int = 4096  # pairs per cache shard (a shard is also flushed every 60 s)
 
