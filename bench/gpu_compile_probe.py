@@ -5,6 +5,7 @@
 
 - ``sdpa``: today's default (the shared layout's dense boolean mask through SDPA), eager.
 - ``flex``: FlexAttention with a ``BlockMask`` (transformers compiles the attention call alone).
+- ``causal``: each prompt + completion gathered into a row of its own, SDPA's causal kernel, no mask.
 - ``*-layers``: the same, with each decoder layer compiled (``nn.Module.compile``: the layers
   share one code object, so dynamo compiles the layer once and reuses it for every layer, the
   "regional compilation" recipe), so the layer's element-wise work (RMSNorm, RoPE, SiLU, casts,
@@ -54,7 +55,8 @@ def synchronize(device: torch.device) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--variant", required=True, choices=["sdpa", "flex", "flex-layers", "sdpa-layers"])
+    parser.add_argument("--variant", required=True,
+                        choices=["sdpa", "flex", "causal", "flex-layers", "sdpa-layers", "causal-layers"])
     parser.add_argument("--layout", default="shared", choices=["shared", "packed", "padded"])
     parser.add_argument("--config", default="1b-2048", choices=[*CONFIGS, "tiny"])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -64,7 +66,11 @@ def main() -> None:
     parser.add_argument("--unpadded-rows", action="store_true",
                         help="packed flex: rows as wide as their pairs, not padded to --budget (reference_row_width)")
     parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of the last pass")
+    parser.add_argument("--no-cudnn-sdp", action="store_true",
+                        help="keep SDPA off its cuDNN kernel (torch.backends.cuda.enable_cudnn_sdp(False))")
     args = parser.parse_args()
+    if args.no_cudnn_sdp:
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
     cfg = TINY if args.config == "tiny" else CONFIGS[args.config]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -74,7 +80,7 @@ def main() -> None:
     tok = load_tokenizer(inputs / "model")
     pairs = load_preference_data(str(inputs / "data.jsonl"), tok, None, None, False, show_progress=False).pairs
 
-    attention = "flex" if args.variant.startswith("flex") else "sdpa"
+    attention = args.variant.removesuffix("-layers")
     ref = ReferenceModel.from_pretrained(inputs / "model", args.dtype, device, layout=args.layout,
                                          attention=attention)
     if args.variant.endswith("-layers"):

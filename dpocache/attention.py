@@ -1,4 +1,4 @@
-"""Attention backends behind the shared and packed layouts (``--attention auto|sdpa|flex``).
+"""Attention backends behind the shared and packed layouts (``--attention auto|sdpa|flex|causal``).
 
 - ``sdpa``: the model's attention as loaded (``sdpa``, or ``eager``) with the dense boolean
   block mask ``(B, 1, T, T)`` of ``prefix.attention_mask``; every query scores every key of its
@@ -13,12 +13,23 @@
   ``score_mod`` that transformers' ``flex_attention_forward`` applies from the model's
   ``softcap`` argument. Torch 2.13 runs it compiled on CPU too, forward only (no backward:
   training on CPU keeps ``sdpa``).
+- ``causal``: each sequence (a pair's prompt, then one of its completions) gathered into a row
+  of its own (``SequenceRows``, built by the collate) and run through SDPA's causal kernel with
+  no mask (flash or cuDNN), outputs taken back to the batch's rows. Only the prompt's attention
+  to itself runs twice; no ``T x T`` mask is built or read. It needs transformers' attention
+  interface and plain causal layers (no sliding window, no soft-capping: ``causal_supported``).
 
-``auto`` is ``sdpa``, on GPUs too; ``flex`` runs when asked for where the architecture
-supports it (``_supports_flex_attn``), and a requested ``flex`` that cannot run falls back to
-``sdpa`` and says why; a run on the padded layout keeps the model's loaded attention, and says
-so too (``choose_layout``). Measured on an H100 (1.1B Llama, bf16, 256 pairs up to 2,600 tokens,
-``--max-tokens 32768``; README, "On a GPU"): with the mask rule of ``prefix.key_ranges`` the
+``auto`` is ``causal`` on GPUs where it serves the model, else ``sdpa``. Measured on an H100
+(1.1B Llama, bf16, 256 pairs up to 2,600 tokens, ``--max-tokens 32768``, eager layers, passes
+after the first; ``bench/gpu_compile_probe.py --variant causal|sdpa``): causal 131,200-131,500
+tokens/s against sdpa's masked kernel 103,900-104,000 (1.26x); in a compiled training step of
+4 pairs, causal 0.314 s against 0.418 for sdpa (with SDPA's cuDNN kernel kept off in training:
+``use_attention``). On the 2-core CPU the masked flash kernel measured fastest
+(``bench/cpu_attention_probe.py``), so ``auto`` stays ``sdpa`` there. ``flex`` runs when asked
+for where the architecture supports it (``_supports_flex_attn``), and a requested ``flex`` or
+``causal`` that cannot run falls back to ``sdpa`` and says why; a run on the padded layout keeps
+the model's loaded attention, and says so too (``choose_layout``). Flex, measured on an H100
+(the same model and pass; README, "On a GPU"): with the mask rule of ``prefix.key_ranges`` the
 kernel on a packed row of 32,768 tokens takes 2.9 ms (the rule it replaced 18.6 ms), and the
 reference pass with its decoder layers compiled runs at 149,000 tokens/s under flex (packed
 rows padded to the budget, ``prefix.reference_row_width``) against 145,500 under sdpa (shared
@@ -39,14 +50,85 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from .layouts import ATTENTIONS, LayoutChoice, select_layout
+from .layouts import ATTENTIONS, CAUSAL, LayoutChoice, select_layout
 
 FLEX = "flex_attention"  # transformers' name of the implementation
 FLEX_BLOCK = 128  # torch's default BlockMask block size
+
+
+class SequenceRows(NamedTuple):
+    """Each sequence of a shared or packed batch (its pair's prompt, then one completion)
+    gathered into a row of its own, for an unmasked causal kernel (the ``causal`` backend).
+    ``S`` sequences in rows of ``W`` slots; the batch has ``B`` rows of ``T`` tokens.
+
+    A NamedTuple, so DDP and FSDP2 move and cast its tensors like any input's."""
+
+    # (S, W) long: flat index b*T + t of the batch token in each slot (past a sequence's end: its last token again)
+    gather: torch.Tensor
+    scatter: torch.Tensor  # (B*T,) long: flat index s*W + j of the slot whose attention output each token takes
+
+
+def causal_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask, dpocache_gather: torch.Tensor | None = None,
+                             dpocache_scatter: torch.Tensor | None = None, **kwargs):
+    """transformers' attention interface for the ``causal`` backend: ``query (B, H, T, D)``,
+    ``key``/``value (B, Hkv, T, D)`` gathered into the sequence rows ``(S, H, W, D)``, SDPA with
+    ``is_causal`` and no mask over them (``sdpa_attention_forward``: grouped-query heads, scale,
+    dropout as for sdpa), each batch token's output taken back → ``((B, T, H, D), None)``.
+
+    Why it is exact: in a sequence row a completion token sees, causally, its pair's prompt and
+    its own completion: the block mask's rule (``prefix.attention_mask``). A prompt token's
+    output comes from its pair's first row; the copies in the other rows are discarded (their
+    gradient is zero), and keys and values used by several rows sum their gradients.
+
+    Without the rows (a plain forward of a switched model, such as a head probe) it is sdpa,
+    with the mask transformers built (``register_causal``)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if dpocache_gather is None or dpocache_scatter is None:  # a plain forward (a head probe): sdpa with its mask
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    s, w = dpocache_gather.shape
+    b, t = query.shape[0], query.shape[2]
+    slots = dpocache_gather.reshape(-1)
+
+    def rows(x: torch.Tensor) -> torch.Tensor:  # (B, h, T, D) -> (S, h, W, D)
+        h, d = x.shape[1], x.shape[3]
+        return x.transpose(1, 2).reshape(b * t, h, d).index_select(0, slots).view(s, w, h, d).transpose(1, 2)
+
+    kwargs.pop("is_causal", None)
+    out, _ = sdpa_attention_forward(module, rows(query), rows(key), rows(value), None, is_causal=True,
+                                    **kwargs)  # (S, W, H, D)
+    h, d = out.shape[2], out.shape[3]
+    return out.reshape(s * w, h, d).index_select(0, dpocache_scatter).view(b, t, h, d), None
+
+
+def causal_supported(model: nn.Module) -> str | None:
+    """Why ``model`` (a transformers causal LM) cannot run the ``causal`` backend (None: it can):
+    it needs transformers' attention interface and plain causal attention in every layer (SDPA
+    takes no sliding window and no soft-capping)."""
+    config = model.config
+    if not getattr(type(model), "_supports_attention_backend", False):
+        return f"{type(model).__name__} does not take a custom attention function in transformers"
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention layers (SDPA's causal kernel has no window)"
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "attention soft-capping (SDPA's causal kernel has none)"
+    return None
+
+
+def register_causal() -> None:
+    """Register the backend with transformers, its masks for plain forwards those of sdpa."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if CAUSAL not in AttentionInterface._global_mapping:
+        AttentionInterface.register(CAUSAL, causal_attention_forward)
+        AttentionMaskInterface.register(CAUSAL, sdpa_mask)
 
 
 def flex_supported(model: nn.Module) -> str | None:
@@ -60,29 +142,48 @@ def flex_supported(model: nn.Module) -> str | None:
     return None
 
 
+# The implementations dpocache switches a model to, and back from (to the one it was loaded with).
+SWITCHED = (FLEX, CAUSAL)
+
+
 def use_attention(model: nn.Module, requested: str | None, device: torch.device | str,
                   backward: bool = False) -> str | None:
     """Switch ``model`` (a transformers causal LM) to the backend ``requested`` resolves to on
     ``device`` (None: leave it as loaded); ``backward``: training will differentiate through
-    it. Returns why a requested ``flex`` did not run (None: no fallback)."""
+    it. Returns why a requested ``flex`` or ``causal`` did not run (None: no fallback)."""
     if requested is None:
         return None
     if requested not in ATTENTIONS:
         raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}; got '{requested}'")
     on_cuda = torch.device(device).type == "cuda"
-    why_not = flex_supported(model)
-    if why_not is None and backward and not on_cuda:
-        why_not = "FlexAttention has no backward on CPU (torch 2.13)"
-    wants_flex = requested == "flex"  # auto: sdpa (the module docstring says why)
-    flex = wants_flex and why_not is None
+    if requested == "auto":  # causal on GPUs where it serves the model (the module docstring says why)
+        wanted = CAUSAL if on_cuda and causal_supported(model) is None else None
+    else:
+        wanted = {"flex": FLEX, "causal": CAUSAL}.get(requested)  # sdpa: the loaded attention
+    why_not = None
+    if wanted == FLEX:
+        why_not = flex_supported(model)
+        if why_not is None and backward and not on_cuda:
+            why_not = "FlexAttention has no backward on CPU (torch 2.13)"
+    elif wanted == CAUSAL:
+        why_not = causal_supported(model)
+    target = wanted if why_not is None else None
     current = getattr(model.config, "_attn_implementation", None)
-    if flex and current != FLEX:
-        model._dpocache_loaded_attention = current  # to switch back to (Gemma 2 has eager, no sdpa)
-        model.set_attn_implementation(FLEX)
-    elif not flex and current == FLEX:  # a model switched to flex earlier in this process
+    if target is not None and current != target:
+        if current not in SWITCHED:
+            model._dpocache_loaded_attention = current  # to switch back to (Gemma 2 has eager, no sdpa)
+        if target == CAUSAL:
+            register_causal()
+        model.set_attn_implementation(target)
+    if target == CAUSAL and backward and on_cuda:
+        # SDPA's cuDNN kernel costs 3.6 ms (forward) and 4.2 ms (backward) of host time per call
+        # in training, where its graphs are rebuilt: an H100's compiled 1.1B step was bound by
+        # it. Flash attention instead: 0.314 s a step against 0.394 (bench/README.md).
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    elif target is None and current in SWITCHED:  # a model switched earlier in this process
         model.set_attn_implementation(getattr(model, "_dpocache_loaded_attention", None) or "sdpa")
     ran = model.config._attn_implementation
-    return f"{why_not}; {ran} ran" if wants_flex and why_not else None
+    return f"{why_not}; {ran} ran" if why_not else None
 
 
 def choose_layout(model: nn.Module, scorer: nn.Module, requested: str, attention: str | None,
@@ -102,16 +203,20 @@ def choose_layout(model: nn.Module, scorer: nn.Module, requested: str, attention
     why = use_attention(model, attention, device, backward=training)
     choice = select_layout(requested, scorer.config, fast_path=scorer.fast_path,
                            router_loss=training and scorer.router_loss, attention_reason=why, training=training)
-    if choice.used != "padded" or not is_flex(model.config):
+    if choice.used != "padded" or model.config._attn_implementation not in SWITCHED:
         return choice
     use_attention(model, "sdpa", device)
-    note = "the padded layout runs the model's loaded attention (flex serves the shared and packed layouts)"
+    note = "the padded layout runs the model's loaded attention (flex and causal serve the shared and packed layouts)"
     return replace(choice, attention=str(model.config._attn_implementation),
                    reason="; ".join(r for r in (choice.reason, note) if r))
 
 
 def is_flex(config) -> bool:
     return getattr(config, "_attn_implementation", None) == FLEX
+
+
+def is_causal(config) -> bool:
+    return getattr(config, "_attn_implementation", None) == CAUSAL
 
 
 # Row shapes a CPU run compiles FlexAttention for before dynamo runs it uncompiled (with a warning).

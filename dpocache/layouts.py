@@ -38,11 +38,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 LAYOUTS = ("auto", "padded", "shared", "packed")
-ATTENTIONS = ("auto", "sdpa", "flex")  # attention backends of the shared and packed layouts (dpocache.attention)
+ATTENTIONS = ("auto", "sdpa", "flex", "causal")  # backends of the shared and packed layouts (dpocache.attention)
 COMPILES = ("auto", "on", "off")  # the reference pass's decoder layers compiled (dpocache.compiling)
-# Attentions that take the shared and packed layouts' custom mask: a dense one (sdpa, eager) or
-# a BlockMask (flex_attention, dpocache.attention).
-BLOCK_MASK_ATTENTION = ("sdpa", "eager", "flex_attention")
+CAUSAL = "dpocache_causal"  # transformers' name of dpocache.attention's causal backend
+# Attentions that serve the shared and packed layouts: with their custom mask, a dense one (sdpa,
+# eager) or a BlockMask (flex_attention), or with their sequence rows (causal; dpocache.attention).
+BLOCK_MASK_ATTENTION = ("sdpa", "eager", "flex_attention", CAUSAL)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from . import bf16_matmul
-from .attention import compile_settings
+from .attention import SequenceRows, compile_settings
 
 log = logging.getLogger(__name__)
 
@@ -218,11 +218,16 @@ class CompletionLogProbs(nn.Module):
     def body(self, input_ids: torch.Tensor, attention_mask, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The model's decoder on ``input_ids (N, T)`` → last hidden states ``(N, T, H)``, final
         norm applied. ``attention_mask``: ``(N, T)`` padding mask, or a layout's custom mask
-        (``(N, 1, T, T)`` or ``{layer type: mask}``) with ``position_ids (N, T)``. For a
+        (``(N, 1, T, T)``, ``{layer type: mask}``, or the causal backend's ``SequenceRows``) with
+        ``position_ids (N, T)``. For a
         mixture-of-experts model under a padding mask, the router loss goes to ``aux_loss``
         (the model's loss takes the 2D mask; a custom-mask layout never needs it: ``layouts``)."""
         lm = self.causal_lm
         positions = {} if position_ids is None else {"position_ids": position_ids}
+        if isinstance(attention_mask, SequenceRows):  # the causal backend: its rows reach it as attention kwargs
+            positions |= {"dpocache_gather": attention_mask.gather, "dpocache_scatter": attention_mask.scatter}
+            # A 4D mask is passed through as it is (transformers builds none); the backend ignores it.
+            attention_mask = attention_mask.gather.new_ones((1, 1, 1, 1), dtype=torch.bool)
         padding_mask = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
         moe = {} if self._router is None or not padding_mask else {"output_router_logits": True}
         with compile_settings(self.config, input_ids.device):
@@ -349,10 +354,17 @@ class CompletionLogProbs(nn.Module):
         hook = lm.get_decoder().register_forward_hook(lambda module, args, out: captured.append(out[0]))
         was_training = lm.training
         lm.eval()
+        # A frozen reference whose matrices are stored in bf16 (dpocache.loading) beside fp32
+        # embeddings runs under autocast only, as every forward of it does.
+        lower = {p.dtype for p in lm.parameters()} - {torch.float32}
+
+        def mixed():
+            return autocast(next(iter(lower)), device) if len(lower) == 1 else contextlib.nullcontext()
+
         try:
             # Under the settings of every other forward: a model already run under FlexAttention on
             # the CPU would otherwise recompile its kernel for this shape with dynamic sizes.
-            with compile_settings(self.config, device):
+            with compile_settings(self.config, device), mixed():
                 logits = lm(input_ids=ids, attention_mask=attn, use_cache=False).logits.float()  # (1, 12, V)
         finally:
             hook.remove()
@@ -362,9 +374,9 @@ class CompletionLogProbs(nn.Module):
         if len(captured) != 1:
             log.warning("%s: its forward does not call its decoder once; using the full forward", type(lm).__name__)
             return False
-        fast = self.head_logps(captured[0][:, :-1][target], labels)  # (9,)
-        dtype = next(lm.parameters()).dtype
-        tol = 1e-3 if dtype == torch.float32 else 5e-2
+        with mixed():
+            fast = self.head_logps(captured[0][:, :-1][target], labels)  # (9,)
+        tol = 1e-3 if not lower and next(lm.parameters()).dtype == torch.float32 else 5e-2
         err = (fast - naive).abs().max().item()
         if err > tol:
             log.warning(

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import packing
-from .attention import FLEX_BLOCK, choose_layout, is_flex, row_multiple
+from .attention import FLEX_BLOCK, SequenceRows, choose_layout, is_causal, is_flex, row_multiple
 from .batching import collate_pairs, pair_logprobs
 from .data import TokenizedPair
 from .layouts import BLOCK_MASK_ATTENTION, LayoutChoice
@@ -70,6 +70,7 @@ class SharedPromptBatch:
     chosen_tokens: torch.Tensor  # (P,) long
     rejected_tokens: torch.Tensor  # (P,)
     documents: torch.Tensor  # (B, T) int16: which pair of its row a token belongs to (PAD on padding)
+    rows: SequenceRows | None = None  # each sequence in a row of its own: the causal backend's input
 
     @property
     def num_pairs(self) -> int:
@@ -81,16 +82,17 @@ class SharedPromptBatch:
         return int((self.segments != PAD).sum())
 
     def to(self, device) -> "SharedPromptBatch":
+        rows = None if self.rows is None else SequenceRows(*(t.to(device, non_blocking=True) for t in self.rows))
         return SharedPromptBatch(*(t.to(device, non_blocking=True) for t in (
             self.input_ids, self.position_ids, self.segments, self.source, self.labels, self.sequence,
-            self.chosen_tokens, self.rejected_tokens, self.documents)))
+            self.chosen_tokens, self.rejected_tokens, self.documents)), rows=rows)
 
 
 def collate_shared(pairs: Sequence[TokenizedPair], pad_id: int = 0, placement: Sequence[tuple[int, int]] | None = None,
-                   width: int | None = None) -> SharedPromptBatch:
+                   width: int | None = None, rows: bool = False) -> SharedPromptBatch:
     """The shared-prompt layout of ``pairs`` (see the module docstring): pair ``i`` at
     ``placement[i] = (row, offset)`` (default: row ``i``, offset 0) in rows of ``width`` tokens
-    (default: as wide as the fullest row)."""
+    (default: as wide as the fullest row); ``rows``: with its ``SequenceRows`` (``sequence_rows``)."""
     n = len(pairs)
     placement = [(i, 0) for i in range(n)] if placement is None else list(placement)
     rows = 1 + max(row for row, _ in placement)
@@ -129,29 +131,68 @@ def collate_shared(pairs: Sequence[TokenizedPair], pad_id: int = 0, placement: S
     return SharedPromptBatch(
         input_ids, position_ids, segments, as_long(source), as_long(labels), as_long(sequence),
         as_long([len(p.chosen_ids) for p in pairs]), as_long([len(p.rejected_ids) for p in pairs]), documents,
+        rows=sequence_rows(pairs, placement, width) if rows else None,
     )
 
 
+def sequence_rows(pairs: Sequence[TokenizedPair], placement: Sequence[tuple[int, int]], width: int) -> SequenceRows:
+    """The ``SequenceRows`` of pairs placed at ``placement`` (``(row, offset)`` each) in rows of
+    ``width`` tokens: ``prompt + chosen`` and ``prompt + rejected`` of each pair (one of them
+    when the other completion is empty; the prompt alone when both are), ``S`` rows of ``W``
+    slots, ``W`` the longest sequence. A prompt token takes its output from its pair's first
+    row, a completion token from its own; a padding token from slot 0 (never read)."""
+    spans = []  # per sequence: (prompt's flat start, prompt length, completion's flat start, completion length)
+    prompts = []  # per pair: (prompt's flat start, prompt length, its first sequence)
+    for pair, (row, start) in zip(pairs, placement):
+        p, c, r = len(pair.prompt_ids), len(pair.chosen_ids), len(pair.rejected_ids)
+        base = row * width + start
+        first = len(spans)
+        spans.extend((base, p, at, n) for at, n in ((base + p, c), (base + p + c, r)) if n)
+        if len(spans) == first:  # both completions empty: the prompt still needs a row
+            spans.append((base, p, base + p, 0))
+        prompts.append((base, p, first))
+    w = max(p + n for _, p, _, n in spans)
+    gather = torch.empty(len(spans), w, dtype=torch.long)
+    scatter = torch.zeros((1 + max(row for row, _ in placement)) * width, dtype=torch.long)
+    for s, (base, p, at, n) in enumerate(spans):
+        gather[s, :p] = torch.arange(base, base + p)
+        gather[s, p:p + n] = torch.arange(at, at + n)
+        gather[s, p + n:] = base + p - 1 if n == 0 else at + n - 1  # past the sequence: its last token
+        scatter[at:at + n] = torch.arange(s * w + p, s * w + p + n)
+    for base, p, s in prompts:
+        scatter[base:base + p] = torch.arange(s * w, s * w + p)
+    return SequenceRows(gather, scatter)
+
+
 def collate_packed(pairs: Sequence[TokenizedPair], pad_id: int = 0, width: int | None = None,
-                   multiple: int = 1) -> SharedPromptBatch:
+                   multiple: int = 1, rows: bool = False) -> SharedPromptBatch:
     """The packed layout: ``pairs`` first fit, longest first, into rows of ``width`` tokens
     (default: the longest pair's) rounded up to a multiple of ``multiple``. The scored tokens
     come in the pairs' order, as in the shared layout."""
     lengths = [p.unique_tokens for p in pairs]
     width = packing.round_up(width or max(lengths), multiple)
-    return collate_shared(pairs, pad_id, packing.place(lengths, width), width)
+    return collate_shared(pairs, pad_id, packing.place(lengths, width), width, rows)
 
 
 def collate_layout(layout: str, pairs: Sequence[TokenizedPair], pad_id: int = 0, multiple: int = 1,
-                   one_row: bool = False, width: int | None = None) -> SharedPromptBatch:
+                   one_row: bool = False, width: int | None = None, rows: bool = False) -> SharedPromptBatch:
     """``pairs`` in the ``shared`` layout (one pair per row) or the ``packed`` one (rows of the
     longest pair's width; ``one_row``: all in one row, a reference batch of
     ``packing.budget_batches``, at least ``width`` tokens wide); rows padded to a multiple of
-    ``multiple`` tokens (FlexAttention: one compiled kernel per width bucket)."""
+    ``multiple`` tokens (FlexAttention: one compiled kernel per width bucket); ``rows``: with the
+    batch's ``SequenceRows`` (the causal backend's input)."""
     if layout == "packed":
         row = max(width or 0, sum(p.unique_tokens for p in pairs)) if one_row else None  # None: the longest pair's
-        return collate_packed(pairs, pad_id, row, multiple)
-    return collate_shared(pairs, pad_id, width=packing.round_up(max(p.unique_tokens for p in pairs), multiple))
+        return collate_packed(pairs, pad_id, row, multiple, rows)
+    return collate_shared(pairs, pad_id, width=packing.round_up(max(p.unique_tokens for p in pairs), multiple),
+                          rows=rows)
+
+
+def layout_batch(layout: str, pairs: Sequence[TokenizedPair], pad_id: int, config, one_row: bool = False,
+                 width: int | None = None) -> SharedPromptBatch:
+    """``collate_layout`` for a model with ``config``: rows padded to its backend's multiple
+    (``attention.row_multiple``), with the sequence rows its backend runs on if it is ``causal``."""
+    return collate_layout(layout, pairs, pad_id, row_multiple(config), one_row, width, rows=is_causal(config))
 
 
 # ---------------------------------------------------------------------------------- masks
@@ -329,7 +370,12 @@ def shared_prompt_logps(lp: nn.Module, batch: SharedPromptBatch) -> torch.Tensor
     body with the block mask, then its chunked, completion-only output head (the same code the
     padded layout runs)."""
     config = scorer_core(lp).config
-    mask = flex_block_masks(batch, config) if is_flex(config) else attention_mask(batch, config)
+    if is_causal(config):
+        if batch.rows is None:
+            raise ValueError("the causal attention backend needs the batch's sequence rows (layout_batch)")
+        mask = batch.rows
+    else:
+        mask = flex_block_masks(batch, config) if is_flex(config) else attention_mask(batch, config)
     return lp(batch.input_ids, mask, position_ids=batch.position_ids, source=batch.source, labels=batch.labels)
 
 
@@ -377,9 +423,8 @@ def score_batch_shared(reference, pairs: Sequence[TokenizedPair], pad_id: int = 
     batch in one row, as ``packing.budget_batches`` planned it under ``max_tokens``, padded to
     ``reference_row_width``), per-token values included, as ``dpocache.cache.build.score_batch``
     returns them."""
-    multiple = row_multiple(unwrap_causal_lm(reference.model).config)
-    batch = collate_layout(reference.layout, pairs, pad_id, multiple, one_row=True,
-                           width=reference_row_width(reference, max_tokens))
+    batch = layout_batch(reference.layout, pairs, pad_id, unwrap_causal_lm(reference.model).config, one_row=True,
+                         width=reference_row_width(reference, max_tokens))
     logps = reference.shared_prompt_logprobs(batch).cpu()  # (M,)
     chosen, rejected = sequence_sums(logps, batch)
     cpt, rpt = split_per_token(logps, batch, pairs)
@@ -411,7 +456,7 @@ def layout_logprobs(scorer: nn.Module, layout: str, pairs: Sequence[TokenizedPai
     (``PairValues`` carrying the graph, per-token values only if ``per_token``; real tokens
     run). Nothing here waits for the device: counts and offsets come from ``pairs``."""
     if layout in ("shared", "packed"):
-        batch = collate_layout(layout, pairs, pad_id, row_multiple(scorer_core(scorer).config)).to(device)
+        batch = layout_batch(layout, pairs, pad_id, scorer_core(scorer).config).to(device)
         logps = shared_prompt_logps(scorer, batch)  # (M,)
         chosen, rejected = sequence_sums(logps, batch)
         cpt, rpt = split_per_token(logps, batch, pairs) if per_token else (None, None)

@@ -125,12 +125,19 @@ class ReferenceModel:
         device = torch.device(device) if device is not None else default_device()
         if isinstance(dtype, str):
             dtype = resolve_dtype(dtype, device)
-        model = load_causal_lm(path, device)
+        # Off the CPU, the matrices are stored in the compute dtype (below) before the weights
+        # move to the device, so the fp32 copy never takes device memory (it set the whole peak
+        # of the 1.1B bench model's cache build on an H100: 4,420 MiB).
+        staged = device.type != "cpu" and dtype != torch.float32
+        model = load_causal_lm(path, "cpu" if staged else device)
         if adapter is not None:
             from peft import PeftModel
 
-            model = PeftModel.from_pretrained(model, str(adapter), is_trainable=False).to(device)
+            model = PeftModel.from_pretrained(model, str(adapter), is_trainable=False).to(model.device)
             disable_dropout(model)
+        if staged:
+            store_frozen_matrices_(model, dtype)
+            model.to(device)
         reference = cls(model, dtype, compile, layout=layout, attention=attention)
         if dtype == torch.bfloat16:
             # This model is ours and frozen: its fp32 weights are only ever used as bf16 values.

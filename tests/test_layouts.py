@@ -77,7 +77,8 @@ def test_bad_attention_or_layout_is_one_line_and_status_2(command, tmp_path, mod
     if command != "train":
         args = args[:-2]
     assert main([*args, "--attention", "flash"]) == 2
-    assert "--attention (model.attention): must be one of auto, sdpa, flex; got 'flash'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--attention (model.attention): must be one of auto, sdpa, flex, causal; got 'flash'" in err
     flag = "--train.layout" if command == "train" else "--layout"
     assert main([*args, flag, "bogus"]) == 2
     assert "must be one of auto, padded, shared, packed" in capsys.readouterr().err

@@ -11,7 +11,7 @@ from dpocache.cache import CacheStore, namespace_for_dir
 from dpocache.cache.build import reference_batches, score_batch
 from dpocache.cache_cli import load_tokenizer
 from dpocache.data import load_preference_data
-from dpocache.loading import parameter_bytes
+from dpocache.loading import parameter_bytes, store_frozen_matrices_
 from dpocache.logprobs import CompletionLogProbs
 from dpocache.reference import ReferenceModel, load_causal_lm
 from dpocache.tiny import save_tiny_model
@@ -318,3 +318,18 @@ def test_a_sharded_probe_verdict_is_recorded_by_the_reference_and_reused_by_the_
 
     (tmp_path / "cache" / "probes.json").write_text("{not json")  # a damaged memo costs a probe, nothing else
     assert memo.get(key) is None
+
+
+def test_probe_of_a_reference_stored_in_bf16_runs_under_autocast(tokenizer, monkeypatch):
+    """Off the CPU a bf16 reference's matrices are stored in bf16 before its weights move to the
+    device (``ReferenceModel.from_pretrained``), so its head probe meets bf16 matrices beside
+    fp32 embeddings: it runs under autocast, as every forward of that model does, and finds the
+    fast path."""
+    from dpocache.logprobs import CompletionLogProbs
+    from dpocache.tiny import build_model
+
+    monkeypatch.setenv("DPOCACHE_BF16_MATMUL", "native")  # the fp32-GEMM route needs fp32 storage
+    model = build_model("llama", tokenizer).eval()
+    assert store_frozen_matrices_(model, torch.bfloat16) > 0
+    assert {p.dtype for p in model.parameters()} == {torch.float32, torch.bfloat16}
+    assert CompletionLogProbs(model).fast_path

@@ -1,0 +1,104 @@
+"""Where a training step's time goes: ``dpocache train`` steps with torch.profiler over a few.
+
+    python bench/gpu_train_profile.py [--config 1b-2048] [--batch-size 4] [--warmup 4] [--profile-steps 2]
+        [--train-args "--compile on ..."]
+
+Runs ``dpocache.train`` on the configuration's model and pairs (its cache built first, by the
+run itself), times every step with the device synchronised, and wraps steps ``warmup + 1`` to
+``warmup + profile-steps`` in torch.profiler. Prints the kernel table (sorted by device time)
+and one JSON line: the step times, the useful FLOPs of a step (``bench_vs_trl.flops_of_build``'s
+convention) and the median step's MFU against the device's nominal bf16 peak. Without CUDA it
+runs on the CPU (``--config 58m --dtype float32``: a smoke test of the code path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_vs_trl import flops_of_build, nominal_peaks  # noqa: E402
+from common import CONFIGS, build_inputs  # noqa: E402
+
+import dpocache.train as train_mod  # noqa: E402
+from dpocache.config import build_config  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", default="1b-2048", choices=list(CONFIGS))
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=4, help="steps before the profiled ones (compiles included)")
+    parser.add_argument("--profile-steps", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=40, help="rows of the kernel table")
+    parser.add_argument("--train-args", default="", help="more dpocache train options, one string")
+    parser.add_argument("--no-cudnn-sdp", action="store_true",
+                        help="keep SDPA off its cuDNN kernel (torch.backends.cuda.enable_cudnn_sdp(False))")
+    args = parser.parse_args()
+    if args.no_cudnn_sdp:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+    cfg = CONFIGS[args.config]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    inputs = build_inputs(cfg, cfg.pairs)
+    info = json.loads((inputs / "info.json").read_text())
+    flops = flops_of_build(inputs, info)
+    peak = next(iter(nominal_peaks("cuda").values()), None) if device == "cuda" else None
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+
+    def synchronize() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    steps: list[float] = []
+    profiled = range(args.warmup, args.warmup + args.profile_steps)
+    original_step = train_mod.train_step
+    profiler = profile(activities=activities)
+
+    def timed_step(run, window):
+        index = len(steps)
+        if index == profiled.start:
+            profiler.__enter__()
+        synchronize()
+        start = time.perf_counter()
+        original_step(run, window)
+        synchronize()
+        steps.append(time.perf_counter() - start)
+        if index == profiled.stop - 1:
+            profiler.__exit__(None, None, None)
+
+    train_mod.train_step = timed_step
+    scratch = Path(tempfile.mkdtemp(prefix="train-profile-"))
+    overrides = ["--model", str(inputs / "model"), "--data", str(inputs / "data.jsonl"), "--dtype", args.dtype,
+                 "--device", device, "--cache-dir", str(scratch / "cache"), "--output-dir", str(scratch / "run"),
+                 "--batch-size", str(args.batch_size), "--max-steps", str(profiled.stop), "--lr", "1e-6",
+                 "--optim.warmup_ratio", "0", "--logging-steps", "10000", "--train.progress", "false",
+                 "--max-length", "none", *shlex.split(args.train_args)]
+    train_mod.train(build_config(None, overrides))
+    key = "cuda_time_total" if device == "cuda" else "cpu_time_total"
+    print(profiler.key_averages().table(sort_by=key, row_limit=args.rows, max_name_column_width=70), flush=True)
+    median = statistics.median(steps[args.warmup:] or steps)
+    step_flops = flops["train_per_pair"] * args.batch_size
+    print(json.dumps({
+        "config": args.config, "dtype": args.dtype, "batch_size": args.batch_size, "train_args": args.train_args,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+        "step_s": [round(s, 4) for s in steps], "median_profiled_step_s": round(median, 4),
+        "step_tflop": round(step_flops / 1e12, 2),
+        "mfu_nominal": round(step_flops / median / peak, 4) if peak else None,
+        "peak_gpu_allocated_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
+    }), flush=True)
+
+
+if __name__ == "__main__":
+    main()
