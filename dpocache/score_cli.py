@@ -36,7 +36,7 @@ def add_score_parser(sub) -> None:
     s.add_argument("--dtype", default="auto", help="auto (bf16 where the hardware has it), float32, bfloat16")
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     s.add_argument("--max-tokens", type=int, default=None,
-                   help="token slots per forward (default: 4096 on a CPU, 32768 on a GPU)")
+                   help="token slots per forward (default: 4096 on a CPU, 16384 on a GPU)")
     s.add_argument("--chunk-rows", type=int, default=256, help="rows scored (and cached) at a time")
     s.add_argument("--stats", type=Path, default=None, help="append the service's counters to this JSONL file")
 
