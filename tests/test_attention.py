@@ -15,7 +15,7 @@ from dpocache.attention import FLEX, FLEX_BLOCK, use_attention
 from dpocache.cli import main
 from dpocache.data import load_preference_data
 from dpocache.logprobs import CompletionLogProbs
-from dpocache.prefix import collate_layout, layout_logprobs, shared_prompt_logps, split_per_token, training_layout
+from dpocache.prefix import collate_layout, shared_prompt_logps, split_per_token, training_layout
 from dpocache.reference import ReferenceModel
 from dpocache.tiny import build_model
 from test_prefix import _max_diff, padded_values
@@ -310,16 +310,10 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_flex_on_cuda_equals_sdpa_on_cuda_with_gradients(tokenizer, pairs, arch):
     """flex on CUDA: the packed layout's sums and gradients equal sdpa's."""
+    from test_causal_attention import packed_sums_and_grads
+
     model = _model(arch, tokenizer).to("cuda").train()
-    lp = CompletionLogProbs(model)
-    out = {}
-    for attention in ("sdpa", "flex"):
-        choice = training_layout(lp, "packed", attention)
-        assert choice.attention == ("sdpa" if attention == "sdpa" else FLEX) and choice.reason is None
-        model.zero_grad()
-        logps, _ = layout_logprobs(lp, "packed", pairs, tokenizer.pad_token_id, "cuda")
-        (logps.chosen_logps.sum() - 0.5 * logps.rejected_logps.sum()).backward()
-        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-        out[attention] = (logps.chosen_logps.detach(), logps.rejected_logps.detach(), grads)
+    out = {a: packed_sums_and_grads(model, pairs, tokenizer.pad_token_id, a, "cuda") for a in ("sdpa", "flex")}
+    assert model.config._attn_implementation == FLEX
     for a, b in zip(out["flex"], out["sdpa"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -75,18 +75,23 @@ def test_causal_gradients_equal_masked_sdpa(tokenizer, pairs):
     gradient equal the masked sdpa backend's (prompt keys shared by two rows sum their
     gradients; the discarded copies of prompt queries add nothing)."""
     model = build_model("llama", tokenizer).train()
-    lp = CompletionLogProbs(model)
-    out = {}
-    for attention in ("sdpa", "causal"):
-        choice = training_layout(lp, "packed", attention)
-        assert choice.attention == ("sdpa" if attention == "sdpa" else CAUSAL) and choice.reason is None
-        model.zero_grad()
-        logps, _ = layout_logprobs(lp, "packed", pairs, tokenizer.pad_token_id, "cpu")
-        (logps.chosen_logps.sum() - 0.5 * logps.rejected_logps.sum()).backward()
-        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-        out[attention] = (logps.chosen_logps.detach(), logps.rejected_logps.detach(), grads)
+    out = {a: packed_sums_and_grads(model, pairs, tokenizer.pad_token_id, a, "cpu") for a in ("sdpa", "causal")}
     for a, b in zip(out["causal"], out["sdpa"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def packed_sums_and_grads(model, pairs, pad_id, attention, device):
+    """``model``'s packed-layout chosen and rejected sums of ``pairs`` under ``attention`` (which
+    must run, with no fallback), and every parameter's gradient of a mix of them, flattened."""
+    lp = CompletionLogProbs(model)
+    choice = training_layout(lp, "packed", attention)
+    assert choice.reason is None and choice.attention == {"causal": CAUSAL, "flex": "flex_attention"}.get(attention,
+                                                                                                    attention)
+    model.zero_grad()
+    logps, _ = layout_logprobs(lp, "packed", pairs, pad_id, device)
+    (logps.chosen_logps.sum() - 0.5 * logps.rejected_logps.sum()).backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    return logps.chosen_logps.detach(), logps.rejected_logps.detach(), grads
 
 
 def test_sequence_rows_point_every_token_at_itself(tokenizer, pairs):
@@ -158,16 +163,8 @@ def test_causal_on_cuda_equals_sdpa_on_cuda_with_gradients(tokenizer, pairs):
     """causal on CUDA (SDPA's causal kernel) in bf16 autocast: the packed layout's sums and
     gradients equal the masked sdpa backend's."""
     model = build_model("llama", tokenizer).to("cuda").train()
-    lp = CompletionLogProbs(model)
-    out = {}
-    for attention in ("sdpa", "causal"):
-        assert training_layout(lp, "packed", attention).reason is None
-        model.zero_grad()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logps, _ = layout_logprobs(lp, "packed", pairs, tokenizer.pad_token_id, "cuda")
-        (logps.chosen_logps.sum() - 0.5 * logps.rejected_logps.sum()).backward()
-        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-        out[attention] = (logps.chosen_logps.detach(), logps.rejected_logps.detach(), grads)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = {a: packed_sums_and_grads(model, pairs, tokenizer.pad_token_id, a, "cuda") for a in ("sdpa", "causal")}
     for a, b in zip(out["causal"], out["sdpa"]):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
 
