@@ -41,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import BENCH_DIR, CONFIGS, build_inputs  # noqa: E402
+from common import BENCH_DIR, CONFIGS, BenchConfig, build_inputs  # noqa: E402
 
 WORKERS = BENCH_DIR / "workers.py"
 
@@ -129,6 +129,16 @@ def flops_of_build(inputs: Path, info: dict) -> dict:
         "train_per_pair": 3.0 * unique / len(pairs) * forward_flops_per_token(n, layers, hidden, mean_seq),
         "unique_tokens_per_pair": unique / len(pairs),
     }
+
+
+def probe_inputs(cfg: BenchConfig, on_cuda: bool) -> tuple[Path, dict, float | None]:
+    """A probe's start: ``cfg``'s inputs directory (built on first use), its reference-pass
+    FLOPs (``flops_of_build``) and the CUDA device's nominal bf16 peak (None off CUDA or for an
+    unknown GPU)."""
+    inputs = build_inputs(cfg, cfg.pairs)
+    flops = flops_of_build(inputs, json.loads((inputs / "info.json").read_text()))
+    peak = next(iter(nominal_peaks("cuda").values()), None) if on_cuda else None
+    return inputs, flops, peak
 
 
 def median(xs):

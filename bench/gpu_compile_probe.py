@@ -32,8 +32,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_vs_trl import flops_of_build, nominal_peaks  # noqa: E402
-from common import CONFIGS, BenchConfig, build_inputs  # noqa: E402
+from bench_vs_trl import probe_inputs  # noqa: E402
+from common import CONFIGS, BenchConfig  # noqa: E402
 
 from dpocache.batching import token_budget_batches  # noqa: E402
 from dpocache.cache.build import score_batch  # noqa: E402
@@ -74,9 +74,7 @@ def main() -> None:
 
     cfg = TINY if args.config == "tiny" else CONFIGS[args.config]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    inputs = build_inputs(cfg, cfg.pairs)
-    info = json.loads((inputs / "info.json").read_text())
-    flops = flops_of_build(inputs, info)
+    inputs, flops, peak = probe_inputs(cfg, device.type == "cuda")
     tok = load_tokenizer(inputs / "model")
     pairs = load_preference_data(str(inputs / "data.jsonl"), tok, None, None, False, show_progress=False).pairs
 
@@ -88,7 +86,6 @@ def main() -> None:
             layer.compile(dynamic=True if args.dynamic else None)
     batches = token_budget_batches(pairs, args.budget, layout=ref.layout)
     max_tokens = None if args.unpadded_rows else args.budget  # packed flex rows padded to it, as the cache build does
-    peak = next(iter(nominal_peaks("cuda").values()), None) if device.type == "cuda" else None
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     passes = []
     for index in range(args.passes):

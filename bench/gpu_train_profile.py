@@ -27,8 +27,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_vs_trl import flops_of_build, nominal_peaks  # noqa: E402
-from common import CONFIGS, build_inputs  # noqa: E402
+from bench_vs_trl import probe_inputs  # noqa: E402
+from common import CONFIGS  # noqa: E402
 
 import dpocache.train as train_mod  # noqa: E402
 from dpocache.config import build_config  # noqa: E402
@@ -51,10 +51,7 @@ def main() -> None:
 
     cfg = CONFIGS[args.config]
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    inputs = build_inputs(cfg, cfg.pairs)
-    info = json.loads((inputs / "info.json").read_text())
-    flops = flops_of_build(inputs, info)
-    peak = next(iter(nominal_peaks("cuda").values()), None) if device == "cuda" else None
+    inputs, flops, peak = probe_inputs(cfg, device == "cuda")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
 
     def synchronize() -> None:

@@ -175,13 +175,13 @@ def use_attention(model: nn.Module, requested: str | None, device: torch.device 
         if target == CAUSAL:
             register_causal()
         model.set_attn_implementation(target)
+    elif target is None and current in SWITCHED:  # a model switched earlier in this process
+        model.set_attn_implementation(getattr(model, "_dpocache_loaded_attention", None) or "sdpa")
     if target == CAUSAL and backward and on_cuda:
         # SDPA's cuDNN kernel costs 3.6 ms (forward) and 4.2 ms (backward) of host time per call
         # in training, where its graphs are rebuilt: an H100's compiled 1.1B step was bound by
         # it. Flash attention instead: 0.314 s a step against 0.394 (bench/README.md).
         torch.backends.cuda.enable_cudnn_sdp(False)
-    elif target is None and current in SWITCHED:  # a model switched earlier in this process
-        model.set_attn_implementation(getattr(model, "_dpocache_loaded_attention", None) or "sdpa")
     ran = model.config._attn_implementation
     return f"{why_not}; {ran} ran" if why_not else None
 

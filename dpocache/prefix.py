@@ -95,14 +95,14 @@ def collate_shared(pairs: Sequence[TokenizedPair], pad_id: int = 0, placement: S
     (default: as wide as the fullest row); ``rows``: with its ``SequenceRows`` (``sequence_rows``)."""
     n = len(pairs)
     placement = [(i, 0) for i in range(n)] if placement is None else list(placement)
-    rows = 1 + max(row for row, _ in placement)
+    n_rows = 1 + max(row for row, _ in placement)
     width = width or max(offset + p.unique_tokens for (_, offset), p in zip(placement, pairs))
-    input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
-    position_ids = torch.zeros((rows, width), dtype=torch.long)
-    segments = torch.full((rows, width), PAD, dtype=torch.int8)
-    documents = torch.full((rows, width), PAD, dtype=torch.int16)
+    input_ids = torch.full((n_rows, width), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((n_rows, width), dtype=torch.long)
+    segments = torch.full((n_rows, width), PAD, dtype=torch.int8)
+    documents = torch.full((n_rows, width), PAD, dtype=torch.int16)
     source, labels, sequence = [], [], []
-    docs_in_row = [0] * rows
+    docs_in_row = [0] * n_rows
     for i, (pair, (row, start)) in enumerate(zip(pairs, placement)):
         p, c, r = len(pair.prompt_ids), len(pair.chosen_ids), len(pair.rejected_ids)
         if p == 0:
@@ -131,13 +131,14 @@ def collate_shared(pairs: Sequence[TokenizedPair], pad_id: int = 0, placement: S
     return SharedPromptBatch(
         input_ids, position_ids, segments, as_long(source), as_long(labels), as_long(sequence),
         as_long([len(p.chosen_ids) for p in pairs]), as_long([len(p.rejected_ids) for p in pairs]), documents,
-        rows=sequence_rows(pairs, placement, width) if rows else None,
+        rows=sequence_rows(pairs, placement, n_rows, width) if rows else None,
     )
 
 
-def sequence_rows(pairs: Sequence[TokenizedPair], placement: Sequence[tuple[int, int]], width: int) -> SequenceRows:
-    """The ``SequenceRows`` of pairs placed at ``placement`` (``(row, offset)`` each) in rows of
-    ``width`` tokens: ``prompt + chosen`` and ``prompt + rejected`` of each pair (one of them
+def sequence_rows(pairs: Sequence[TokenizedPair], placement: Sequence[tuple[int, int]], n_rows: int,
+                  width: int) -> SequenceRows:
+    """The ``SequenceRows`` of pairs placed at ``placement`` (``(row, offset)`` each) in
+    ``n_rows`` rows of ``width`` tokens: ``prompt + chosen`` and ``prompt + rejected`` of each pair (one of them
     when the other completion is empty; the prompt alone when both are), ``S`` rows of ``W``
     slots, ``W`` the longest sequence. A prompt token takes its output from its pair's first
     row, a completion token from its own; a padding token from slot 0 (never read)."""
@@ -153,7 +154,7 @@ def sequence_rows(pairs: Sequence[TokenizedPair], placement: Sequence[tuple[int,
         prompts.append((base, p, first))
     w = max(p + n for _, p, _, n in spans)
     gather = torch.empty(len(spans), w, dtype=torch.long)
-    scatter = torch.zeros((1 + max(row for row, _ in placement)) * width, dtype=torch.long)
+    scatter = torch.zeros(n_rows * width, dtype=torch.long)
     for s, (base, p, at, n) in enumerate(spans):
         gather[s, :p] = torch.arange(base, base + p)
         gather[s, p:p + n] = torch.arange(at, at + n)
