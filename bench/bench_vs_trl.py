@@ -131,6 +131,19 @@ def flops_of_build(inputs: Path, info: dict) -> dict:
     }
 
 
+def parse_probe_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """A GPU probe's arguments, with ``--no-cudnn-sdp`` (SDPA kept off its cuDNN kernel for the
+    whole process) added and applied."""
+    parser.add_argument("--no-cudnn-sdp", action="store_true",
+                        help="keep SDPA off its cuDNN kernel (torch.backends.cuda.enable_cudnn_sdp(False))")
+    args = parser.parse_args()
+    if args.no_cudnn_sdp:
+        import torch
+
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    return args
+
+
 def probe_inputs(cfg: BenchConfig, on_cuda: bool) -> tuple[Path, dict, float | None]:
     """A probe's start: ``cfg``'s inputs directory (built on first use), its reference-pass
     FLOPs (``flops_of_build``) and the CUDA device's nominal bf16 peak (None off CUDA or for an

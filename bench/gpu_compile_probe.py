@@ -32,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_vs_trl import probe_inputs  # noqa: E402
+from bench_vs_trl import parse_probe_args, probe_inputs  # noqa: E402
 from common import CONFIGS, BenchConfig  # noqa: E402
 
 from dpocache.batching import token_budget_batches  # noqa: E402
@@ -66,11 +66,7 @@ def main() -> None:
     parser.add_argument("--unpadded-rows", action="store_true",
                         help="packed flex: rows as wide as their pairs, not padded to --budget (reference_row_width)")
     parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of the last pass")
-    parser.add_argument("--no-cudnn-sdp", action="store_true",
-                        help="keep SDPA off its cuDNN kernel (torch.backends.cuda.enable_cudnn_sdp(False))")
-    args = parser.parse_args()
-    if args.no_cudnn_sdp:
-        torch.backends.cuda.enable_cudnn_sdp(False)
+    args = parse_probe_args(parser)
 
     cfg = TINY if args.config == "tiny" else CONFIGS[args.config]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_vs_trl import probe_inputs  # noqa: E402
+from bench_vs_trl import parse_probe_args, probe_inputs  # noqa: E402
 from common import CONFIGS  # noqa: E402
 
 import dpocache.train as train_mod  # noqa: E402
@@ -43,11 +43,7 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=2)
     parser.add_argument("--rows", type=int, default=40, help="rows of the kernel table")
     parser.add_argument("--train-args", default="", help="more dpocache train options, one string")
-    parser.add_argument("--no-cudnn-sdp", action="store_true",
-                        help="keep SDPA off its cuDNN kernel (torch.backends.cuda.enable_cudnn_sdp(False))")
-    args = parser.parse_args()
-    if args.no_cudnn_sdp:
-        torch.backends.cuda.enable_cudnn_sdp(False)
+    args = parse_probe_args(parser)
 
     cfg = CONFIGS[args.config]
     device = "cuda" if torch.cuda.is_available() else "cpu"
