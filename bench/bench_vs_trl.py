@@ -141,6 +141,10 @@ def parse_probe_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
         import torch
 
         torch.backends.cuda.enable_cudnn_sdp(False)
+        # torch's AOTAutograd cache does not key on the SDPA flags: a compiled run would reuse
+        # graphs an earlier run traced with cuDNN (one did, 2026-11-23). Inductor's own cache
+        # keys on the traced graph, which names the kernel, so it stays on.
+        torch._functorch.config.enable_autograd_cache = False
     return args
 
 

@@ -23,9 +23,10 @@
 (1.1B Llama, bf16, 256 pairs up to 2,600 tokens, ``--max-tokens 32768``, eager layers, passes
 after the first; ``bench/gpu_compile_probe.py --variant causal|sdpa``): causal 131,200-131,500
 tokens/s against sdpa's masked kernel 103,900-104,000 (1.26x); in a compiled training step of
-4 pairs, causal 0.314 s against 0.418 for sdpa (with SDPA's cuDNN kernel kept off in training:
-``use_attention``). On the 2-core CPU the masked flash kernel measured fastest
-(``bench/cpu_attention_probe.py``), so ``auto`` stays ``sdpa`` there. ``flex`` runs when asked
+4 pairs (profiled), causal 0.394 s against 0.418 for sdpa, both on SDPA's cuDNN kernel (with
+gradients on, the causal rows now keep off cuDNN: ``sdpa_kernels``; not yet measured). On the
+2-core CPU the masked flash kernel measured fastest (``bench/cpu_attention_probe.py``), so
+``auto`` stays ``sdpa`` there. ``flex`` runs when asked
 for where the architecture supports it (``_supports_flex_attn``), and a requested ``flex`` or
 ``causal`` that cannot run falls back to ``sdpa`` and says why; a run on the padded layout keeps
 the model's loaded attention, and says so too (``choose_layout``). Flex, measured on an H100
@@ -54,6 +55,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .layouts import ATTENTIONS, CAUSAL, LayoutChoice, select_layout
 
@@ -101,10 +103,35 @@ def causal_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
         return x.transpose(1, 2).reshape(b * t, h, d).index_select(0, slots).view(s, w, h, d).transpose(1, 2)
 
     kwargs.pop("is_causal", None)
-    out, _ = sdpa_attention_forward(module, rows(query), rows(key), rows(value), None, is_causal=True,
-                                    **kwargs)  # (S, W, H, D)
+    with sdpa_kernels():
+        out, _ = sdpa_attention_forward(module, rows(query), rows(key), rows(value), None, is_causal=True,
+                                        **kwargs)  # (S, W, H, D)
     h, d = out.shape[2], out.shape[3]
     return out.reshape(s * w, h, d).index_select(0, dpocache_scatter).view(b, t, h, d), None
+
+
+# SDPA's kernels for the causal rows when a backward will run: flash, or memory-efficient and
+# math where flash cannot (fp32, head sizes past 256); not cuDNN. On an H100, cuDNN's SDPA cost
+# 3.6 ms (forward) and 4.3 ms (backward) of host time per call in a compiled 1.1B training step,
+# against 0.36 and 1.1 ms of its kernels, and the step was bound by the host
+# (bench/results/gpu-h100-causal-attention-20261123.txt). CPUs have no cuDNN: there this picks
+# what SDPA would pick anyway.
+TRAINING_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
+def sdpa_kernels() -> contextlib.AbstractContextManager:
+    """The SDPA kernels the causal rows may use: ``TRAINING_SDPA_BACKENDS`` with gradients on,
+    any otherwise (the reference pass: cuDNN measured fastest there, 131,200 against 122,200
+    tokens/s with flash on an H100).
+
+    A context inside the attention function, not ``torch.backends.cuda.enable_cudnn_sdp``:
+    it touches nothing else in the process (a library's user may run other models beside
+    ours), and under ``torch.compile`` it is traced into the graph. A process-wide flag is not:
+    torch's AOTAutograd cache does not key on the SDPA flags, and a graph traced with cuDNN
+    was reused from it after the flag was switched off (2026-11-23, bench/README.md)."""
+    if torch.is_grad_enabled():
+        return sdpa_kernel(list(TRAINING_SDPA_BACKENDS))
+    return contextlib.nullcontext()
 
 
 def causal_supported(model: nn.Module) -> str | None:
@@ -177,11 +204,6 @@ def use_attention(model: nn.Module, requested: str | None, device: torch.device 
         model.set_attn_implementation(target)
     elif target is None and current in SWITCHED:  # a model switched earlier in this process
         model.set_attn_implementation(getattr(model, "_dpocache_loaded_attention", None) or "sdpa")
-    if target == CAUSAL and backward and on_cuda:
-        # SDPA's cuDNN kernel costs 3.6 ms (forward) and 4.2 ms (backward) of host time per call
-        # in training, where its graphs are rebuilt: an H100's compiled 1.1B step was bound by
-        # it. Flash attention instead: 0.314 s a step against 0.394 (bench/README.md).
-        torch.backends.cuda.enable_cudnn_sdp(False)
     ran = model.config._attn_implementation
     return f"{why_not}; {ran} ran" if why_not else None
 

@@ -80,6 +80,53 @@ def test_causal_gradients_equal_masked_sdpa(tokenizer, pairs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_training_keeps_the_causal_rows_off_cudnn_and_the_process_flags_alone(tokenizer, pairs, monkeypatch):
+    """With gradients on, the causal rows' SDPA runs with cuDNN excluded (``sdpa_kernels``);
+    without them (the reference pass, a head probe) SDPA keeps its own choice. The process's
+    SDPA flags are the same afterwards: a library user's other models are untouched."""
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append((torch.is_grad_enabled(), torch.backends.cuda.cudnn_sdp_enabled(),
+                     torch.backends.cuda.flash_sdp_enabled()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    flags = (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled())
+    assert flags == (True, True)  # torch's defaults, so the checks below could fail
+    model = build_model("llama", tokenizer).train()
+    packed_sums_and_grads(model, pairs, tokenizer.pad_token_id, "causal", "cpu")
+    with torch.no_grad():
+        layout_logprobs(CompletionLogProbs(model), "packed", pairs, tokenizer.pad_token_id, "cpu")
+    with_grad = [(cudnn, flash) for grad, cudnn, flash in seen if grad]
+    without = [(cudnn, flash) for grad, cudnn, flash in seen if not grad]
+    assert with_grad and set(with_grad) == {(False, True)}
+    assert without and set(without) == {flags}
+    assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()) == flags
+
+
+@pytest.mark.slow
+def test_compiled_training_through_the_causal_rows_has_no_graph_break(tokenizer, pairs):
+    """The layers compiled (training's ``--compile on``): the kernel choice is traced into the
+    graph with no break, and the sums and gradients equal the eager run's."""
+    from torch._dynamo.utils import counters
+
+    from dpocache.compiling import compile_layers
+
+    eager = build_model("llama", tokenizer).train()
+    compiled = build_model("llama", tokenizer).train()
+    compiled.load_state_dict(eager.state_dict())
+    want = packed_sums_and_grads(eager, pairs, tokenizer.pad_token_id, "causal", "cpu")
+    torch._dynamo.reset()
+    breaks = sum(counters["graph_break"].values())
+    compile_layers(compiled)
+    got = packed_sums_and_grads(compiled, pairs, tokenizer.pad_token_id, "causal", "cpu")
+    assert sum(counters["graph_break"].values()) == breaks
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 def packed_sums_and_grads(model, pairs, pad_id, attention, device):
     """``model``'s packed-layout chosen and rejected sums of ``pairs`` under ``attention`` (which
     must run, with no fallback), and every parameter's gradient of a mix of them, flattened."""
