@@ -31,7 +31,7 @@ class ModelConfig:
     dtype: str = "auto"  # compute dtype: auto | float32 | bfloat16 (autocast over fp32 master weights)
     device: str | None = None  # cpu | cuda (default: cuda if available)
     attn_implementation: str = "sdpa"  # attention kernel passed to transformers (sdpa | eager | flash_attention_2)
-    attention: str = "auto"  # shared/packed layouts: auto (sdpa for now) | sdpa | flex (dpocache.attention)
+    attention: str = "auto"  # shared/packed layouts: auto (GPU: causal, else sdpa) | sdpa | flex | causal
     compile: str = "auto"  # decoder layers compiled: auto (reference passes that repay it) | on (training too) | off
     gradient_checkpointing: bool = False  # recompute activations in the backward pass (less memory, slower)
 
