@@ -21,6 +21,7 @@ import torch
 from dpocache.cache.build import split_by_tokens
 from dpocache.data import write_jsonl
 from dpocache.demo import sorting_pairs
+from dpocache.layouts import CAUSAL
 from dpocache.metrics import read_metrics
 from dpocache.tiny import save_tiny_model
 
@@ -320,7 +321,9 @@ def mixed(assets, make_rows) -> dict:
 def test_packed_layout_in_ddp_and_fsdp2_matches_one_process(mixed):
     """The packed layout (each rank packs its micro-batch of 4 into rows of its longest pair;
     the reference pass packs rows of the token budget) under DDP and under FSDP2 with a
-    sharded reference build gives the losses of the one-process padded run with batch 8."""
+    sharded reference build gives the losses of the one-process padded run with batch 8. Both
+    run the causal attention backend (``auto``'s choice on GPUs): its sequence rows go through
+    DDP's and FSDP2's input handling with the batch."""
     root = mixed["root"]
 
     def run(name: str, *extra: str) -> list[str]:
@@ -330,8 +333,8 @@ def test_packed_layout_in_ddp_and_fsdp2_matches_one_process(mixed):
         return [*args, "--train.layout", layout, "--cache.layout", layout, *extra[1:]]
 
     train_in_process(run("mixed-single", "padded"))
-    torchrun("train", *run("mixed-ddp", "packed"))
-    proc = torchrun("train", *run("mixed-fsdp", "packed", "--fsdp"))
+    torchrun("train", *run("mixed-ddp", "packed", "--model.attention", "causal"))
+    proc = torchrun("train", *run("mixed-fsdp", "packed", "--fsdp", "--model.attention", "causal"))
     assert "reference: FSDP2-sharded over 2 processes" in proc.stderr
     want = losses(root / "mixed-single")
     for name in ("mixed-ddp", "mixed-fsdp"):
@@ -343,7 +346,7 @@ def test_packed_layout_in_ddp_and_fsdp2_matches_one_process(mixed):
                              keys=("eval/loss", "eval/rewards/margins"))
         info = json.loads((root / name / "run.json").read_text())
         assert info["world_size"] == 2 and info["reference"]["built_on_ranks"] == 2
-        assert info["layout"] == {"requested": "packed", "used": "packed", "attention": "sdpa", "reason": None}
+        assert info["layout"] == {"requested": "packed", "used": "packed", "attention": CAUSAL, "reason": None}
 
 
 # ------------------------------------------------------------------------------ stop signals
