@@ -310,16 +310,24 @@ def summarise(res: dict, peaks: dict, batch: int) -> list[tuple[str, float | Non
     flops = res.get("flops")
     if flops and tp_dpo:
         secs = median(get("dpo_build", "compute_s"))
+        pass_peaks = {pd: peak for pd, peak in peaks.items() if pass_peak_applies(pd, res)}
         for kind in ("convention", "executed"):
             achieved = flops[kind] / secs
-            for pd, peak in peaks.items():
+            for pd, peak in pass_peaks.items():
                 rows.append((f"cache-pass MFU vs {pd} peak ({kind} FLOPs)", None, achieved / peak, "%"))
         tp_trl_secs = median(get("trl_precompute", "precompute_s"))
         if tp_trl_secs:
-            for pd, peak in peaks.items():
+            for pd, peak in pass_peaks.items():
                 rows.append((f"TRL precompute MFU vs {pd} peak (convention FLOPs)", None,
                              flops["convention"] / tp_trl_secs / peak, "%"))
     return rows
+
+
+def pass_peak_applies(peak_name: str, res: dict) -> bool:
+    """Whether a reference pass's MFU is read against the peak ``peak_name``: its own dtype's,
+    and on a CPU the fp32 GEMM's as well, since bf16 runs there go through it
+    (``dpocache.bf16_matmul``); a GPU's bf16 pass against its fp32 peak means nothing."""
+    return res["dtype"] in peak_name or res.get("args", {}).get("device", "cpu") == "cpu"
 
 
 def _mib(x):
