@@ -7,7 +7,9 @@ Runs ``dpocache.train`` on the configuration's model and pairs (its cache built 
 run itself), times every step with the device synchronised, and wraps steps ``warmup + 1`` to
 ``warmup + profile-steps`` in torch.profiler. Prints the kernel table (sorted by device time)
 and one JSON line: the step times, the useful FLOPs of a step (``bench_vs_trl.flops_of_build``'s
-convention) and the median step's MFU against the device's nominal bf16 peak. Without CUDA it
+convention), the median step's MFU against the device's nominal bf16 peak, and per profiled step
+the ops' host time against the device's busy time (a step whose host time is the larger is bound
+by the host). Without CUDA it
 runs on the CPU (``--config 58m --dtype float32``: a smoke test of the code path).
 """
 
@@ -80,7 +82,13 @@ def main() -> None:
                  "--max-length", "none", *shlex.split(args.train_args)]
     train_mod.train(build_config(None, overrides))
     key = "cuda_time_total" if device == "cuda" else "cpu_time_total"
-    print(profiler.key_averages().table(sort_by=key, row_limit=args.rows, max_name_column_width=70), flush=True)
+    averages = profiler.key_averages()
+    print(averages.table(sort_by=key, row_limit=args.rows, max_name_column_width=70), flush=True)
+    # A step is bound by the host when the ops' host time exceeds the device's busy time
+    # (profiled, so the host side is inflated by the profiler's own cost).
+    host_s = sum(e.self_cpu_time_total for e in averages) / 1e6 / args.profile_steps
+    device_s = (sum(e.self_device_time_total for e in averages) / 1e6 / args.profile_steps
+                if device == "cuda" else None)
     median = statistics.median(steps[args.warmup:] or steps)
     step_flops = flops["train_per_pair"] * args.batch_size
     print(json.dumps({
@@ -88,6 +96,8 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
         "step_s": [round(s, 4) for s in steps], "median_profiled_step_s": round(median, 4),
         "step_tflop": round(step_flops / 1e12, 2),
+        "profiled_host_op_s_per_step": round(host_s, 4),
+        "profiled_device_busy_s_per_step": None if device_s is None else round(device_s, 4),
         "mfu_nominal": round(step_flops / median / peak, 4) if peak else None,
         "peak_gpu_allocated_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
     }), flush=True)
