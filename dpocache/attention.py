@@ -128,7 +128,7 @@ def sdpa_kernels() -> contextlib.AbstractContextManager:
     it touches nothing else in the process (a library's user may run other models beside
     ours), and under ``torch.compile`` it is traced into the graph. A process-wide flag is not:
     torch's AOTAutograd cache does not key on the SDPA flags, and a graph traced with cuDNN
-    was reused from it after the flag was switched off (2026-11-23, bench/README.md)."""
+    was reused from it after the flag was switched off (README.md, "On a GPU": the correction)."""
     if torch.is_grad_enabled():
         return sdpa_kernel(list(TRAINING_SDPA_BACKENDS))
     return contextlib.nullcontext()
