@@ -15,18 +15,19 @@
   training on CPU keeps ``sdpa``).
 - ``causal``: each sequence (a pair's prompt, then one of its completions) gathered into a row
   of its own (``SequenceRows``, built by the collate) and run through SDPA's causal kernel with
-  no mask (flash or cuDNN), outputs taken back to the batch's rows. Only the prompt's attention
-  to itself runs twice; no ``T x T`` mask is built or read. It needs transformers' attention
-  interface and plain causal layers (no sliding window, no soft-capping: ``causal_supported``).
+  no mask (flash, not cuDNN: ``sdpa_kernels``), outputs taken back to the batch's rows. Only
+  the prompt's attention to itself runs twice; no ``T x T`` mask is built or read. It needs
+  transformers' attention interface and plain causal layers (no sliding window, no
+  soft-capping: ``causal_supported``).
 
 ``auto`` is ``causal`` on GPUs where it serves the model, else ``sdpa``. Measured on an H100
-(1.1B Llama, bf16, 256 pairs up to 2,600 tokens, ``--max-tokens 32768``, eager layers, passes
-after the first; ``bench/gpu_compile_probe.py --variant causal|sdpa``): causal 131,200-131,500
-tokens/s against sdpa's masked kernel 103,900-104,000 (1.26x); in a compiled training step of
-4 pairs (profiled), causal 0.394 s against 0.418 for sdpa, both on SDPA's cuDNN kernel (with
-gradients on, the causal rows now keep off cuDNN: ``sdpa_kernels``; not yet measured). On the
-2-core CPU the masked flash kernel measured fastest (``bench/cpu_attention_probe.py``), so
-``auto`` stays ``sdpa`` there. ``flex`` runs when asked
+(1.1B Llama, bf16, 256 pairs up to 2,600 tokens, ``--max-tokens 32768``, eager layers;
+``bench/gpu_compile_probe.py --variant causal|sdpa [--no-cudnn-sdp]``): a first pass, every
+batch shape new as in a cache build, ran at 120,218 tokens/s causal on flash, 111,540 causal on
+cuDNN and 86,200 under sdpa's masked kernel; the passes after it at 122,200-122,800, 131,200-131,500
+and 103,900-104,000. In a compiled training step of 4 pairs (profiled), causal 0.394 s against
+0.418 for sdpa, both on SDPA's cuDNN kernel. On the 2-core CPU the masked flash kernel measured
+fastest (``bench/cpu_attention_probe.py``), so ``auto`` stays ``sdpa`` there. ``flex`` runs when asked
 for where the architecture supports it (``_supports_flex_attn``), and a requested ``flex`` or
 ``causal`` that cannot run falls back to ``sdpa`` and says why; a run on the padded layout keeps
 the model's loaded attention, and says so too (``choose_layout``). Flex, measured on an H100
@@ -110,28 +111,27 @@ def causal_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     return out.reshape(s * w, h, d).index_select(0, dpocache_scatter).view(b, t, h, d), None
 
 
-# SDPA's kernels for the causal rows when a backward will run: flash, or memory-efficient and
-# math where flash cannot (fp32, head sizes past 256); not cuDNN. On an H100, cuDNN's SDPA cost
-# 3.6 ms (forward) and 4.3 ms (backward) of host time per call in a compiled 1.1B training step,
-# against 0.36 and 1.1 ms of its kernels, and the step was bound by the host
-# (bench/results/gpu-h100-causal-attention-20261123.txt). CPUs have no cuDNN: there this picks
-# what SDPA would pick anyway.
-TRAINING_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+# SDPA's kernels for the causal rows: flash, or memory-efficient and math where flash cannot
+# (fp32, head sizes past 256); not cuDNN. cuDNN builds an execution plan for each new shape of
+# its inputs, and the rows' shape (sequences x longest sequence) is new in almost every batch
+# of a cache build and every training step. Measured on an H100 (1.1B Llama, bf16, eager
+# reference pass over 256 pairs, bench/results/gpu-h100-causal-attention-20261123.txt): the
+# first pass, every shape new as in a cache build, 120,218 tokens/s on flash against 111,540 on
+# cuDNN; only passes over shapes already planned ran cuDNN faster (131,200-131,500 against
+# 122,200-122,800). In a compiled training step cuDNN's calls cost 3.6 ms (forward) and 4.3 ms
+# (backward) of host time each against 0.36 and 1.1 ms of its kernels, and the step was bound
+# by the host. CPUs have no cuDNN: there this picks what SDPA would pick anyway.
+CAUSAL_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
 def sdpa_kernels() -> contextlib.AbstractContextManager:
-    """The SDPA kernels the causal rows may use: ``TRAINING_SDPA_BACKENDS`` with gradients on,
-    any otherwise (the reference pass: cuDNN measured fastest there, 131,200 against 122,200
-    tokens/s with flash on an H100).
-
-    A context inside the attention function, not ``torch.backends.cuda.enable_cudnn_sdp``:
-    it touches nothing else in the process (a library's user may run other models beside
-    ours), and under ``torch.compile`` it is traced into the graph. A process-wide flag is not:
-    torch's AOTAutograd cache does not key on the SDPA flags, and a graph traced with cuDNN
-    was reused from it after the flag was switched off (README.md, "On a GPU": the correction)."""
-    if torch.is_grad_enabled():
-        return sdpa_kernel(list(TRAINING_SDPA_BACKENDS))
-    return contextlib.nullcontext()
+    """The SDPA kernels the causal rows may use (``CAUSAL_SDPA_BACKENDS``), as a context inside
+    the attention function rather than ``torch.backends.cuda.enable_cudnn_sdp``: it touches
+    nothing else in the process (a library's user may run other models beside ours), and under
+    ``torch.compile`` it is traced into the graph. A process-wide flag is not: torch's
+    AOTAutograd cache does not key on the SDPA flags, and a graph traced with cuDNN was reused
+    from it after the flag was switched off (README.md, "On a GPU": the correction)."""
+    return sdpa_kernel(list(CAUSAL_SDPA_BACKENDS))
 
 
 def causal_supported(model: nn.Module) -> str | None:

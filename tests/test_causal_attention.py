@@ -80,29 +80,41 @@ def test_causal_gradients_equal_masked_sdpa(tokenizer, pairs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_training_keeps_the_causal_rows_off_cudnn_and_the_process_flags_alone(tokenizer, pairs, monkeypatch):
-    """With gradients on, the causal rows' SDPA runs with cuDNN excluded (``sdpa_kernels``);
-    without them (the reference pass, a head probe) SDPA keeps its own choice. The process's
-    SDPA flags are the same afterwards: a library user's other models are untouched."""
-    seen = []
-    real = torch.nn.functional.scaled_dot_product_attention
+def test_the_causal_rows_keep_off_cudnn_and_leave_the_process_flags_alone(tokenizer, pairs, monkeypatch):
+    """The causal rows' SDPA calls run with cuDNN excluded (``sdpa_kernels``), in training and
+    in the reference pass; a plain forward of the switched model (a head probe: sdpa with its
+    mask) keeps SDPA's own choice. The process's SDPA flags are the same afterwards: a library
+    user's other models are untouched."""
+    seen = []  # per SDPA call: (on sequence rows, with gradients, cuDNN allowed, flash allowed)
+    on_rows = [False]
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+    register_causal()
+    real_backend = AttentionInterface._global_mapping[CAUSAL]
 
     def spy(*args, **kwargs):
-        seen.append((torch.is_grad_enabled(), torch.backends.cuda.cudnn_sdp_enabled(),
+        seen.append((on_rows[0], torch.is_grad_enabled(), torch.backends.cuda.cudnn_sdp_enabled(),
                      torch.backends.cuda.flash_sdp_enabled()))
-        return real(*args, **kwargs)
+        return real_sdpa(*args, **kwargs)
+
+    def backend(*args, **kwargs):
+        on_rows[0] = kwargs.get("dpocache_gather") is not None
+        try:
+            return real_backend(*args, **kwargs)
+        finally:
+            on_rows[0] = False
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    monkeypatch.setitem(AttentionInterface._global_mapping, CAUSAL, backend)
     flags = (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled())
     assert flags == (True, True)  # torch's defaults, so the checks below could fail
     model = build_model("llama", tokenizer).train()
-    packed_sums_and_grads(model, pairs, tokenizer.pad_token_id, "causal", "cpu")
+    packed_sums_and_grads(model, pairs, tokenizer.pad_token_id, "causal", "cpu")  # its head probe first
     with torch.no_grad():
         layout_logprobs(CompletionLogProbs(model), "packed", pairs, tokenizer.pad_token_id, "cpu")
-    with_grad = [(cudnn, flash) for grad, cudnn, flash in seen if grad]
-    without = [(cudnn, flash) for grad, cudnn, flash in seen if not grad]
-    assert with_grad and set(with_grad) == {(False, True)}
-    assert without and set(without) == {flags}
+    rows_calls = {(grad, cudnn, flash) for rows, grad, cudnn, flash in seen if rows}
+    plain_calls = {(cudnn, flash) for rows, _, cudnn, flash in seen if not rows}
+    assert rows_calls == {(True, False, True), (False, False, True)}  # training and the reference pass
+    assert plain_calls == {flags}
     assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()) == flags
 
 
