@@ -51,6 +51,7 @@ packed reference rows all to the token budget (one width: ``prefix.reference_row
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -58,7 +59,7 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .layouts import ATTENTIONS, CAUSAL, LayoutChoice, select_layout
+from .layouts import ATTENTIONS, CAUSAL, CAUSAL_SDPA_ENV, CAUSAL_SDPA_MODES, LayoutChoice, select_layout
 
 FLEX = "flex_attention"  # transformers' name of the implementation
 FLEX_BLOCK = 128  # torch's default BlockMask block size
@@ -122,15 +123,22 @@ def causal_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
 # (backward) of host time each against 0.36 and 1.1 ms of its kernels, and the step was bound
 # by the host. CPUs have no cuDNN: there this picks what SDPA would pick anyway.
 CAUSAL_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+# ``$DPOCACHE_CAUSAL_SDPA=any`` leaves the causal rows to SDPA's own choice (cuDNN first on
+# Hopper GPUs), to measure the choice again; checked by ``Config.validate``. Read once, at
+# import: a compiled layer traces the choice into its graph.
+CAUSAL_SDPA = os.environ.get(CAUSAL_SDPA_ENV, CAUSAL_SDPA_MODES[0])
 
 
 def sdpa_kernels() -> contextlib.AbstractContextManager:
-    """The SDPA kernels the causal rows may use (``CAUSAL_SDPA_BACKENDS``), as a context inside
-    the attention function rather than ``torch.backends.cuda.enable_cudnn_sdp``: it touches
+    """The SDPA kernels the causal rows may use (``CAUSAL_SDPA_BACKENDS``; all of them with
+    ``$DPOCACHE_CAUSAL_SDPA=any``), as a context inside the attention function rather than
+    ``torch.backends.cuda.enable_cudnn_sdp``: it touches
     nothing else in the process (a library's user may run other models beside ours), and under
     ``torch.compile`` it is traced into the graph. A process-wide flag is not: torch's
     AOTAutograd cache does not key on the SDPA flags, and a graph traced with cuDNN was reused
     from it after the flag was switched off (README.md, "On a GPU": the correction)."""
+    if CAUSAL_SDPA == "any":
+        return contextlib.nullcontext()
     return sdpa_kernel(list(CAUSAL_SDPA_BACKENDS))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import os
 import re
 import types
 import typing
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .layouts import ATTENTIONS, COMPILES, LAYOUTS
+from .layouts import ATTENTIONS, CAUSAL_SDPA_ENV, CAUSAL_SDPA_MODES, COMPILES, LAYOUTS
 
 # torch (and dpocache.losses, which needs it) is imported by validate() and help_text() only:
 # 1.5 s of imports that reading the options and checking the paths they name do not need.
@@ -155,6 +156,7 @@ class Config:
         _validate_choices(self)
         _validate_counts(self)
         _validate_device(self.model.device)
+        _validate_environment()
         return self
 
 
@@ -268,6 +270,13 @@ def _validate_counts(cfg: Config) -> None:
         raise ConfigError(f"{_flag_name('optim.lr')}: must be a finite number >= 0, got {cfg.optim.lr}")
     if not 0 <= cfg.optim.warmup_ratio <= 1:
         raise ConfigError(f"--optim.warmup_ratio: must be in [0, 1], got {cfg.optim.warmup_ratio}")
+
+
+def _validate_environment() -> None:
+    """The environment variables dpocache reads whose values are a choice."""
+    value = os.environ.get(CAUSAL_SDPA_ENV)
+    if value is not None and value not in CAUSAL_SDPA_MODES:
+        raise ConfigError(f"${CAUSAL_SDPA_ENV} must be {' or '.join(CAUSAL_SDPA_MODES)}; got '{value}'")
 
 
 def _validate_device(device: str | None) -> None:

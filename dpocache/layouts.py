@@ -41,6 +41,10 @@ LAYOUTS = ("auto", "padded", "shared", "packed")
 ATTENTIONS = ("auto", "sdpa", "flex", "causal")  # backends of the shared and packed layouts (dpocache.attention)
 COMPILES = ("auto", "on", "off")  # the reference pass's decoder layers compiled (dpocache.compiling)
 CAUSAL = "dpocache_causal"  # transformers' name of dpocache.attention's causal backend
+# Which SDPA kernels the causal backend's rows may use (dpocache.attention.sdpa_kernels): not
+# cuDNN (the default), or any (SDPA's own choice; to measure the choice again).
+CAUSAL_SDPA_ENV = "DPOCACHE_CAUSAL_SDPA"
+CAUSAL_SDPA_MODES = ("no-cudnn", "any")
 # Attentions that serve the shared and packed layouts: with their custom mask, a dense one (sdpa,
 # eager) or a BlockMask (flex_attention), or with their sequence rows (causal; dpocache.attention).
 BLOCK_MASK_ATTENTION = ("sdpa", "eager", "flex_attention", CAUSAL)

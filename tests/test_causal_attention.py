@@ -210,6 +210,24 @@ def test_cache_build_names_the_causal_backend(tmp_path, model_dir, pref_jsonl, c
     torch.testing.assert_close(values["causal"], values["sdpa"], rtol=1e-5, atol=1e-5)
 
 
+def test_causal_sdpa_switch_leaves_the_choice_to_sdpa_and_a_bad_value_is_status_2(tmp_path, model_dir, pref_jsonl,
+                                                                                   monkeypatch, capsys):
+    """``$DPOCACHE_CAUSAL_SDPA=any`` (read at import) leaves the rows to SDPA's own choice; a
+    value that is neither mode stops the command with one line and status 2, before any model
+    loads."""
+    import dpocache.attention as attention
+
+    monkeypatch.setattr(attention, "CAUSAL_SDPA", "any")
+    with attention.sdpa_kernels():
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+    monkeypatch.setenv("DPOCACHE_CAUSAL_SDPA", "cudnn")
+    assert main(["cache", "build", "--model", str(model_dir), "--data", str(pref_jsonl),
+                 "--cache-dir", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert "$DPOCACHE_CAUSAL_SDPA must be no-cudnn or any; got 'cudnn'" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "c").exists()
+
+
 # ---------------------------------------------------------------------------------- CUDA
 
 
