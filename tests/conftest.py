@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,13 @@ import torch
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# SIGINT as an interactive shell leaves it. A test run started in the background (nohup, or `&`
+# in a script) inherits SIGINT ignored, and dpocache rightly leaves an ignored signal ignored
+# (signals.stop_signals), so the stop-signal tests would test that path instead. A handler set
+# here reaches subprocesses as SIGINT's default (exec resets a caught signal, not an ignored one).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 WORDS = (
     "the of and to in is that for it as was with be by on not this are or from at which but have "
