@@ -132,11 +132,11 @@ CAUSAL_SDPA = os.environ.get(CAUSAL_SDPA_ENV, CAUSAL_SDPA_MODES[0])
 def sdpa_kernels() -> contextlib.AbstractContextManager:
     """The SDPA kernels the causal rows may use (``CAUSAL_SDPA_BACKENDS``; all of them with
     ``$DPOCACHE_CAUSAL_SDPA=any``), as a context inside the attention function rather than
-    ``torch.backends.cuda.enable_cudnn_sdp``: it touches
-    nothing else in the process (a library's user may run other models beside ours), and under
-    ``torch.compile`` it is traced into the graph. A process-wide flag is not: torch's
-    AOTAutograd cache does not key on the SDPA flags, and a graph traced with cuDNN was reused
-    from it after the flag was switched off (README.md, "On a GPU": the correction)."""
+    ``torch.backends.cuda.enable_cudnn_sdp``: it touches nothing else in the process (a
+    library's user may run other models beside ours), and under ``torch.compile`` it is traced
+    into the graph. A process-wide flag is not: torch's AOTAutograd cache does not key on the
+    SDPA flags, and a graph traced with cuDNN was reused from it after the flag was switched
+    off (README.md, "On a GPU": the correction)."""
     if CAUSAL_SDPA == "any":
         return contextlib.nullcontext()
     return sdpa_kernel(list(CAUSAL_SDPA_BACKENDS))
