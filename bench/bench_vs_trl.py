@@ -20,6 +20,8 @@ counted the same way for both: each prompt once, plus chosen and rejected. Print
 ratios and writes everything to bench/results/.
 
 ``--config 1b --startup-only`` measures the cache-hit start-up of a ~1.1B model only.
+``--merge A.json B.json`` makes one table of the repetitions of the same run split over several
+calls (a lent GPU machine runs at most 10 minutes a call).
 
 On a GPU (``--device cuda``, e.g. ``--config 1b-2048 --dtype bfloat16``) each worker also records
 its peak GPU memory, and MFU is given against the measured bf16 matmul peak and against the
@@ -334,7 +336,8 @@ def _mib(x):
     return None if x is None else x / 2**20
 
 
-def print_table(title: str, rows) -> str:
+def format_table(title: str, rows) -> str:
+    """The markdown table of ``summarise``'s rows."""
     lines = [f"### {title}", "", "| metric | TRL 1.16 | dpocache | ratio |", "| --- | ---: | ---: | ---: |"]
     for name, trl, dpo, kind in rows:
         if kind == "%":
@@ -343,9 +346,49 @@ def print_table(title: str, rows) -> str:
         f = lambda v: "" if v is None else (f"{v:,.0f}" if v >= 100 else f"{v:.2f}")  # noqa: E731
         ratio = f"{dpo / trl:.2f}x" if kind == "x" and trl and dpo else ""
         lines.append(f"| {name} | {f(trl)} | {f(dpo)} | {ratio} |")
-    text = "\n".join(lines)
-    print(text, flush=True)
-    return text
+    return "\n".join(lines)
+
+
+# What makes two results repetitions of one run: anything else differing (the time, the peaks
+# measured around it) is the machine's, not the run's.
+SAME_RUN_FIELDS = ("config", "dtype", "pairs", "startup_only")
+SAME_RUN_ARGS = ("batch_size", "train_steps", "trl_precompute_batch_size", "trl_gradient_checkpointing", "skip_trl",
+                 "startup_only", "no_startup", "device", "build_args", "train_args")
+
+
+def merge_results(paths: list[Path]) -> dict:
+    """One result over the repetitions of several results of the same run: a GPU machine lent for
+    10 minutes a call runs one or two of the 1b-2048 repetitions per call (about 200 s each).
+    The peaks are each the highest measured; ``merged_from`` names the files. Raises
+    ``ValueError`` naming the first field in which a result differs from the first."""
+    results = [json.loads(p.read_text()) for p in paths]
+    first = results[0]
+    for path, res in zip(paths[1:], results[1:]):
+        for field in SAME_RUN_FIELDS:
+            if res.get(field) != first.get(field):
+                raise ValueError(f"{path}: {field} {res.get(field)!r}, not {first.get(field)!r} as in {paths[0]}")
+        for field in SAME_RUN_ARGS:
+            if res["args"].get(field) != first["args"].get(field):
+                raise ValueError(f"{path}: --{field.replace('_', '-')} {res['args'].get(field)!r}, "
+                                 f"not {first['args'].get(field)!r} as in {paths[0]}")
+    merged = dict(first)
+    merged["reps"] = [rep for res in results for rep in res["reps"]]
+    names = list(dict.fromkeys(name for res in results for name in res["peaks"]))
+    merged["peaks"] = {name: max(res["peaks"][name] for res in results if name in res["peaks"]) for name in names}
+    merged["merged_from"] = [p.name for p in paths]
+    merged["table"] = summarise(merged, merged["peaks"], merged["args"]["batch_size"])
+    merged["markdown"] = table_markdown(merged)
+    return merged
+
+
+def table_title(res: dict) -> str:
+    return (f"{res['config']}, {res['dtype']}, {res['pairs']} pairs, batch {res['args']['batch_size']}, "
+            f"medians of {len(res['reps'])} "
+            f"(load average {statistics.median(r['loadavg'][0] for r in res['reps']):.1f})")
+
+
+def table_markdown(res: dict) -> str:
+    return format_table(table_title(res), summarise(res, res["peaks"], res["args"]["batch_size"]))
 
 
 def main(argv=None) -> int:
@@ -372,14 +415,24 @@ def main(argv=None) -> int:
     p.add_argument("--keep-scratch", action="store_true")
     p.add_argument("--out", default=str(BENCH_DIR / "results"))
     p.add_argument("--summarise", nargs="+", metavar="JSON", help="only re-print the tables of earlier results")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="one table over the repetitions of several results of the same run (written to --out)")
     args = p.parse_args(argv)
+    if args.merge:
+        try:
+            res = merge_results([Path(x) for x in args.merge])
+        except ValueError as e:
+            print(f"--merge: {e}", file=sys.stderr)
+            return 2
+        print(res["markdown"], flush=True)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        path = Path(args.out) / f"{res['config']}-{res['dtype']}-{time.strftime('%Y%m%d-%H%M%S')}-merged.json"
+        path.write_text(json.dumps(res, indent=1, default=str))
+        print(f"wrote {path}", flush=True)
+        return 0
     if args.summarise:
         for path in args.summarise:
-            res = json.loads(Path(path).read_text())
-            rows = summarise(res, res["peaks"], res["args"]["batch_size"])
-            print_table(f"{res['config']}, {res['dtype']}, {res['pairs']} pairs, "
-                        f"batch {res['args']['batch_size']}, medians of {len(res['reps'])} "
-                        f"(load average {statistics.median(r['loadavg'][0] for r in res['reps']):.1f})", rows)
+            print(table_markdown(json.loads(Path(path).read_text())), flush=True)
             print()
         return 0
     args.train_args = args.train_args.split()
@@ -405,9 +458,8 @@ def main(argv=None) -> int:
         res["args"] = vars(args)
         rows = summarise(res, res["peaks"], args.batch_size)
         res["table"] = rows
-        title = (f"{args.config}, {dtype}, {res['pairs']} pairs, batch {args.batch_size}, medians of {args.reps} "
-                 f"(load average {statistics.median(r['loadavg'][0] for r in res['reps']):.1f})")
-        res["markdown"] = print_table(title, rows)
+        res["markdown"] = format_table(table_title(res), rows)
+        print(res["markdown"], flush=True)
         tables.append(res["markdown"])
         path = out / f"{args.config}-{dtype}-{stamp}.json"
         scratch_dirs = res.pop("scratch_dirs")
