@@ -377,7 +377,7 @@ def merge_results(paths: list[Path]) -> dict:
     merged["peaks"] = {name: max(res["peaks"][name] for res in results if name in res["peaks"]) for name in names}
     merged["merged_from"] = [p.name for p in paths]
     merged["table"] = summarise(merged, merged["peaks"], merged["args"]["batch_size"])
-    merged["markdown"] = table_markdown(merged)
+    merged["markdown"] = format_table(table_title(merged), merged["table"])
     return merged
 
 
