@@ -351,7 +351,7 @@ def format_table(title: str, rows) -> str:
 
 # What makes two results repetitions of one run: anything else differing (the time, the peaks
 # measured around it) is the machine's, not the run's.
-SAME_RUN_FIELDS = ("config", "dtype", "pairs", "startup_only")
+SAME_RUN_FIELDS = ("config", "dtype", "pairs")  # and the flags below (--startup-only among them)
 SAME_RUN_ARGS = ("batch_size", "train_steps", "trl_precompute_batch_size", "trl_gradient_checkpointing", "skip_trl",
                  "startup_only", "no_startup", "device", "build_args", "train_args")
 
