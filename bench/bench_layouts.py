@@ -63,7 +63,7 @@ def trainers(args, inputs, variants):
     """``{(layout, attention): run(pairs) -> (seconds, sums)}`` over one policy in train mode."""
     from dpocache.logprobs import CompletionLogProbs
     from dpocache.prefix import training_layout
-    from dpocache.reference import disable_dropout, load_causal_lm
+    from dpocache.loading import disable_dropout, load_causal_lm
 
     model = load_causal_lm(inputs / "model", args.device).train()
     disable_dropout(model)

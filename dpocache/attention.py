@@ -168,10 +168,6 @@ def register_causal() -> None:
 
 def flex_supported(model: nn.Module) -> str | None:
     """Why ``model`` (a transformers causal LM) cannot run FlexAttention here (None: it can)."""
-    try:
-        from torch.nn.attention.flex_attention import create_block_mask  # noqa: F401
-    except ImportError:
-        return "this torch has no torch.nn.attention.flex_attention"
     if not getattr(type(model), "_supports_flex_attn", False):
         return f"{type(model).__name__} does not support flex_attention in transformers"
     return None

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from .layouts import ATTENTIONS, CAUSAL_SDPA_ENV, CAUSAL_SDPA_MODES, COMPILES, LAYOUTS
 
 # torch (and dpocache.losses, which needs it) is imported by validate() and help_text() only:
@@ -208,7 +210,9 @@ def _flag_name(dotted: str) -> str:
 
 
 def _validate_loss(loss: LossConfig) -> None:
-    from .losses import check_loss_values, parse_loss_spec  # the checks preference_loss makes
+    # The checks preference_loss makes. Imported here, as torch below: this module is on the
+    # command line's path, which checks every flag before it imports torch (seconds).
+    from .losses import check_loss_values, parse_loss_spec  # noqa: PLC0415
 
     if not loss.beta > 0:  # also catches NaN
         raise ConfigError(f"{_flag_name('loss.beta')}: must be > 0, got {loss.beta}")
@@ -282,7 +286,7 @@ def _validate_environment() -> None:
 def _validate_device(device: str | None) -> None:
     if device is None:
         return
-    import torch
+    import torch  # noqa: PLC0415 - only once a device is named (see _validate_loss)
 
     try:
         dev = torch.device(device)
@@ -369,8 +373,6 @@ def _set_from(cfg: Config, dotted: str, value: Any, source: str, aliases: dict[s
 
 
 def load_yaml(path: str | Path) -> dict:
-    import yaml
-
     try:
         data = yaml.safe_load(Path(path).read_text()) or {}
     except yaml.YAMLError as e:
@@ -447,7 +449,7 @@ def help_text(sections: tuple[str, ...] | None = None) -> str:
         if dotted in described:
             lines.append(f"      {described[dotted]}")
     if sections is None or "loss" in sections:
-        from .losses import LOSSES
+        from .losses import LOSSES  # noqa: PLC0415 - it imports torch (see _validate_loss)
 
         lines += ["", "Losses (--loss NAME, or a weighted sum such as sigmoid:1,sft:0.1):", "  " + ", ".join(LOSSES)]
     return "\n".join(lines)

@@ -19,6 +19,7 @@ from typing import Callable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 # Imported before any process group exists: its functions take ``group=group.WORLD`` as a
 # default argument, evaluated at import (``torch.distributed.fsdp`` imports it). Imported after
 # ``init_distributed`` they would hold the group for the life of the process (see ``destroy``).
@@ -135,8 +136,6 @@ def destroy(env: DistEnv) -> None:
 def device_mesh(env: DistEnv):
     """A 1-D ``DeviceMesh`` over every rank (FSDP2's), remembered so that ``destroy`` can cut
     it from the process group."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     mesh = init_device_mesh(env.device.type, (env.world_size,))
     _meshes.append(weakref.ref(mesh))
     return mesh

@@ -26,6 +26,7 @@ from .allocator import trim_heap
 from .bf16_matmul import plain_linear
 from .checkpoint import check_loaded_keys, read_full_weights
 from .distributed import DistEnv, device_mesh
+from .loading import tied_aliases
 from .logprobs import decoder_layers, unwrap_causal_lm
 
 
@@ -206,18 +207,6 @@ def full_optimizer_state(policy: nn.Module, optimizer: torch.optim.Optimizer) ->
     for group in by_name["param_groups"]:
         groups.append({**group, "params": [index[n] for n in group["params"]]})
     return {"state": {index[n]: v for n, v in by_name["state"].items()}, "param_groups": groups}
-
-
-def tied_aliases(model: nn.Module) -> list[str]:
-    """Names under which an already-named parameter appears again (``lm_head.weight`` when
-    the embeddings are tied), in ``named_parameters`` order."""
-    seen: set[int] = set()
-    aliases = []
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            aliases.append(name)
-        seen.add(id(p))
-    return aliases
 
 
 class GatheredModel:

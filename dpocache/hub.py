@@ -12,10 +12,8 @@ class HubError(RuntimeError):
 def push_folder(folder: Path, repo_id: str) -> str:
     """Upload ``folder`` to model repo ``repo_id``; a clear error when the Hub is unreachable
     or the token is missing. The local checkpoint is written first and is never at risk."""
-    try:
-        from huggingface_hub import HfApi
-    except ImportError as e:
-        raise HubError("push_to_hub needs huggingface_hub (pip install huggingface_hub)") from e
+    from huggingface_hub import HfApi  # it comes with transformers
+
     api = HfApi()
     try:
         api.create_repo(repo_id, exist_ok=True)

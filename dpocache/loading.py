@@ -1,6 +1,6 @@
-"""How models get into memory: a frozen reference stored in its compute dtype, and models
-created on the meta device and filled shard by shard under ``torchrun`` (never whole in every
-process).
+"""How models get into memory: a whole causal LM (fp32, dropout off), a frozen reference stored
+in its compute dtype, and models created on the meta device and filled shard by shard under
+``torchrun`` (never whole in every process).
 
 Storage dtype of a frozen bf16 reference (``store_frozen_matrices_``): under bf16 autocast
 every matrix product casts its fp32 weight to bf16 on each call, so storing the matrix weights
@@ -29,11 +29,42 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from . import bf16_matmul
 from .allocator import trim_heap
 from .distributed import DistEnv
+
+
+# ------------------------------------------------------------------------- a whole model
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """DPO compares log-probs of the same sequence under two models; dropout would make them
+    random. TRL and open-instruct disable it too."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
+def load_causal_lm(path: str | Path, device: torch.device | str = "cpu",
+                   attn_implementation: str | None = "sdpa") -> nn.Module:
+    """Load a causal LM in fp32 (the master weights; lower precision is applied by autocast,
+    so the reference and the training forward compute the same numbers)."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"dtype": torch.float32}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    except (ValueError, ImportError):
+        # Some architectures have no SDPA kernel; their own default is the right choice.
+        kwargs.pop("attn_implementation", None)
+        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    disable_dropout(model)
+    return model.to(device)
 
 
 # ------------------------------------------------------------------ frozen reference storage
@@ -80,9 +111,7 @@ def parameter_bytes(model: nn.Module) -> int:
 def routes_bf16_through_fp32(device: torch.device | str) -> bool:
     """Whether bf16 linear layers on ``device`` take ``dpocache.bf16_matmul``'s fp32-GEMM
     route (CPUs without AMX tiles, unless ``$DPOCACHE_BF16_MATMUL`` says otherwise)."""
-    from .bf16_matmul import resolve_mode
-
-    return torch.device(device).type == "cpu" and resolve_mode() == "fp32-gemm"
+    return torch.device(device).type == "cpu" and bf16_matmul.resolve_mode() == "fp32-gemm"
 
 
 # ------------------------------------------------------------------------ loading for sharding
@@ -123,8 +152,6 @@ def meta_model(path: str | Path, attn_implementation: str | None = "sdpa") -> nn
         except (ValueError, ImportError):  # no SDPA kernel: the architecture's default, as load_causal_lm
             kwargs.pop("attn_implementation", None)
             model = AutoModelForCausalLM.from_config(config, **kwargs)
-    from .reference import disable_dropout
-
     disable_dropout(model)
     return model
 
@@ -148,8 +175,6 @@ def _unit_of(key: str) -> str:
 def _file_units(path: Path) -> tuple[dict[str, list[tuple[Path, str]]], set[str]]:
     """Every weight of the checkpoint grouped by FSDP unit, and the set of names (read from
     the files' headers only)."""
-    from safetensors import safe_open
-
     units: dict[str, list[tuple[Path, str]]] = {}
     for file in _weight_files(path):
         with safe_open(str(file), "pt") as f:
@@ -181,7 +206,6 @@ def _read_unit(entries: list[tuple[Path, str]], targets: dict[str, torch.Tensor]
     """One unit's tensors as this rank holds them: of each sharded parameter only its own rows
     (read with ``get_slice``, so the file's other rows are never copied), as a ``DTensor``
     shard in the dtype the model stores it in; anything else (a persistent buffer) whole."""
-    from safetensors import safe_open
     from torch.distributed.tensor import DTensor
 
     out = {}
@@ -201,9 +225,19 @@ def _read_unit(entries: list[tuple[Path, str]], targets: dict[str, torch.Tensor]
     return out
 
 
-def _check_names(path: Path, model: nn.Module, in_files: set[str]) -> str | None:
-    from .fsdp import tied_aliases
+def tied_aliases(model: nn.Module) -> list[str]:
+    """Names under which an already-named parameter appears again (``lm_head.weight`` when
+    the embeddings are tied), in ``named_parameters`` order."""
+    seen: set[int] = set()
+    aliases = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            aliases.append(name)
+        seen.add(id(p))
+    return aliases
 
+
+def _check_names(path: Path, model: nn.Module, in_files: set[str]) -> str | None:
     expected = set(model.state_dict()) - set(tied_aliases(model))
     missing, unexpected = sorted(expected - in_files), sorted(in_files - set(model.state_dict()))
     if missing or unexpected:

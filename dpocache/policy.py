@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .cache.build import adapter_base_dir
 from .cache.probes import ProbeMemo
 from .config import Config
 from .distributed import DistEnv
-from .reference import disable_dropout, load_causal_lm
+from .fsdp import shard_policy
+from .loading import disable_dropout, load_causal_lm, load_for_sharding
+from .logprobs import CompletionLogProbs
+from .sharded import probe_sharded, report_shards
 
 
 def load_policy(cfg: Config, device: torch.device) -> nn.Module:
@@ -53,11 +58,6 @@ def load_sharded_policy(cfg: Config, env: DistEnv, dtype: torch.dtype,
     shard from the files, each rank reading its own rows (``dpocache.loading.load_for_sharding``),
     sharded with FSDP2 in ``dtype``'s mixed precision. A collective. Returns ``(policy, scorer)``: the causal LM and
     the ``CompletionLogProbs`` that is FSDP's root."""
-    from .fsdp import shard_policy
-    from .loading import load_for_sharding
-    from .logprobs import CompletionLogProbs
-    from .sharded import probe_sharded, report_shards
-
     if (Path(cfg.model.path) / "adapter_config.json").exists():
         raise ValueError(f"{cfg.model.path}: distributed.fsdp trains full weights; a PEFT adapter directory "
                          "is a LoRA run (use DDP: no --fsdp)")
@@ -129,16 +129,10 @@ def wrap_for_distributed(scorer: nn.Module, policy: nn.Module, cfg: Config, env:
     if not env.enabled:
         return scorer
     if cfg.distributed.fsdp:
-        from .fsdp import shard_policy
-
         return shard_policy(scorer, policy, env)
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     device_ids = [env.device.index] if env.device.type == "cuda" else None
     # The only buffers are constants (rotary frequencies): no need to broadcast them before
     # every forward, and without that collective an eval forward needs no other rank.
-    import inspect
-
     no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
                       else {"broadcast_buffers": False})  # the name before torch 2.13
     return DDP(scorer, device_ids=device_ids, **no_buffer_sync)

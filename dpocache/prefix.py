@@ -39,6 +39,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
 
 from . import packing
 from .attention import FLEX_BLOCK, SequenceRows, choose_layout, is_causal, is_flex, row_multiple
@@ -326,8 +327,6 @@ def block_mask_from_ranges(first: tuple[torch.Tensor, torch.Tensor], second: tup
     one row of 65,536 tokens), and compiled, as transformers runs it on GPUs, it costs a compile
     in the pass's first batch. Queries past ``T`` in the last block (``T`` not a multiple of
     ``block``) count as attending nothing, as the padding of ``create_block_mask`` does."""
-    from torch.nn.attention.flex_attention import BlockMask  # optional: torch >= 2.5
-
     (a0, a1), (b0, b1) = first, second
     rows, t = a0.shape
     n = -(-t // block)  # blocks per side

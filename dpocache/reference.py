@@ -21,7 +21,7 @@ from .bf16_matmul import cpu_has_amx_bf16
 from .attention import choose_layout
 from .compiling import compile_layers, should_compile
 from .layouts import COMPILES, LAYOUTS
-from .loading import store_frozen_matrices_
+from .loading import disable_dropout, load_causal_lm, store_frozen_matrices_
 from .logprobs import CompletionLogProbs, autocast, unwrap_causal_lm
 from .prefix import shared_prompt_logps
 
@@ -52,33 +52,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
-def disable_dropout(model: nn.Module) -> None:
-    """DPO compares log-probs of the same sequence under two models; dropout would make them
-    random. TRL and open-instruct disable it too."""
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-
-
-def load_causal_lm(path: str | Path, device: torch.device | str = "cpu",
-                   attn_implementation: str | None = "sdpa") -> nn.Module:
-    """Load a causal LM in fp32 (the master weights; lower precision is applied by autocast,
-    so the reference and the training forward compute the same numbers)."""
-    from transformers import AutoModelForCausalLM
-
-    kwargs = {"dtype": torch.float32}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
-    except (ValueError, ImportError):
-        # Some architectures have no SDPA kernel; their own default is the right choice.
-        kwargs.pop("attn_implementation", None)
-        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
-    disable_dropout(model)
-    return model.to(device)
 
 
 class ReferenceModel:

@@ -24,14 +24,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import bf16_matmul
 from .allocator import trim_heap
-from .data import TokenizedPair
+from .cache.build import score_batch
 from .cache.probes import ProbeMemo, probe_key
+from .data import TokenizedPair
 from .distributed import DistEnv, broadcast_object, reduce_counts
-from .loading import load_for_sharding, routes_bf16_through_fp32, store_frozen_matrices_
+from .fsdp import gather_head_around, shard_policy, vocabulary_modules
+from .loading import disable_dropout, load_for_sharding, routes_bf16_through_fp32, store_frozen_matrices_
 from .logprobs import CompletionLogProbs, autocast, unwrap_causal_lm
 from .preflight import UsageError
-from .reference import ReferenceModel, disable_dropout
+from .reference import ReferenceModel
+from .vocab_stream import StreamedEmbedding, StreamedHead
 
 # One tiny pair for the padding forwards: a prompt token and one token per completion.
 _DUMMY_PAIR = TokenizedPair(index=-1, prompt_ids=(1, 1), chosen_ids=(1,), rejected_ids=(1,), key=b"\0" * 16)
@@ -74,8 +78,6 @@ class ShardedReference(ReferenceModel):
     def drain(self, pad_id: int = 0) -> None:
         """Padding forwards until every rank's share is done (a collective; call it on every
         rank once its own batches are scored, also after an error)."""
-        from .cache.build import score_batch
-
         while self._round(working=False):
             self._padding = True  # this round's flag is already sent
             try:
@@ -93,8 +95,6 @@ def shard_reference(scorer: CompletionLogProbs, env: DistEnv) -> None:
     and the root's parameters freed after each forward too (FSDP2 keeps a root's gathered for
     the backward, and a reference has none). So besides its shards a process holds one matrix
     (twice, for the moment of its gather) at a time."""
-    from .fsdp import shard_policy
-
     shard_policy(scorer, scorer.model, env, head_unit=True, matrix_granularity=True)
     scorer.set_reshard_after_forward(True, recurse=False)
 
@@ -106,8 +106,6 @@ def stream_vocabulary(scorer: CompletionLogProbs, env: DistEnv) -> None:
     After the routing of ``bf16_matmul.install``, which the streamed head keeps."""
     from torch.distributed.fsdp import FSDPModule
 
-    from .fsdp import gather_head_around, vocabulary_modules
-    from .vocab_stream import StreamedEmbedding, StreamedHead
 
     lm = unwrap_causal_lm(scorer.model)
     embed, head = vocabulary_modules(lm)
@@ -196,8 +194,6 @@ def load_sharded_reference(path: str | Path, dtype: torch.dtype, env: DistEnv, l
 
     model, scorer = load_for_sharding(path, env, prepare, shard, attn_implementation)
     if routed:
-        from . import bf16_matmul
-
         bf16_matmul.install(model)  # after loading: it skips a model whose weights are on meta
     stream_vocabulary(scorer, env)
     # The shared layout calls the body, not the root's forward: make the root first. Its tables

@@ -10,6 +10,9 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
 # A chat template in the style of most instruct models: role markers, an end-of-turn token,
 # and a generation prompt. The BOS token comes from the template, as in Llama 3's.
 CHAT_TEMPLATE = (
@@ -54,7 +57,6 @@ def build_tokenizer(vocab_size: int = 512):
 
     Returns a ``transformers.PreTrainedTokenizerFast``; save it with ``save_pretrained``.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -110,7 +112,6 @@ ARCHITECTURES = tuple(_ARCH_CONFIGS)
 def build_model(arch: str, tokenizer, seed: int = 0, **overrides):
     """A randomly initialised causal LM of family ``arch`` sized for tests, with the
     tokenizer's vocabulary and special tokens. ``overrides`` change config fields."""
-    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     fields = dict(_ARCH_CONFIGS[arch])

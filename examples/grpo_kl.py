@@ -26,8 +26,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dpocache.groups import Group, collate_sequences, per_sequence
 from dpocache.logprobs import CompletionLogProbs
-from dpocache.reference import disable_dropout
-from dpocache.service import ReferenceService
+from dpocache.loading import disable_dropout
+from dpocache.service import ReferencePool, ReferenceService
 from dpocache.tiny import save_tiny_model
 
 
@@ -113,8 +113,6 @@ def main() -> None:
     # The reference is the initial policy, read from the same directory: frozen, fp32.
     service_args = dict(dtype="float32", device="cpu", cache_dir=args.cache_dir)
     if args.ray:
-        from dpocache.service import ReferencePool
-
         reference = ReferencePool(model_dir, num_replicas=2, **service_args)
     else:
         reference = ReferenceService.from_pretrained(model_dir, **service_args)

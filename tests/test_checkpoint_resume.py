@@ -79,7 +79,7 @@ def test_resume_without_a_checkpoint_starts_at_step_zero(tmp_path, base_model, t
 def test_load_model_weights_reads_sharded_checkpoints(tmp_path, base_model):
     """Big models are saved as shards plus an index; resume must load those too."""
     from dpocache.checkpoint import load_model_weights
-    from dpocache.reference import load_causal_lm
+    from dpocache.loading import load_causal_lm
 
     trained = load_causal_lm(base_model)
     for p in trained.parameters():

@@ -48,7 +48,7 @@ def test_bf16_training_on_cuda_starts_at_the_cached_reference(tmp_path, base_mod
 
 
 def test_fast_path_head_on_cuda_matches_the_models_forward(base_model):  # noqa: F811
-    from dpocache.reference import load_causal_lm
+    from dpocache.loading import load_causal_lm
 
     model = load_causal_lm(base_model, "cuda")
     scorer = CompletionLogProbs(model)

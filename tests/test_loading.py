@@ -13,7 +13,8 @@ from dpocache.cache_cli import load_tokenizer
 from dpocache.data import load_preference_data
 from dpocache.loading import parameter_bytes, store_frozen_matrices_
 from dpocache.logprobs import CompletionLogProbs
-from dpocache.reference import ReferenceModel, load_causal_lm
+from dpocache.loading import load_causal_lm
+from dpocache.reference import ReferenceModel
 from dpocache.tiny import save_tiny_model
 
 MODELS = {

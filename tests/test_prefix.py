@@ -170,7 +170,7 @@ def test_training_layout_same_values_and_gradients(tokenizer, pairs, arch):
     prompt's gradient is the sum of what its two sequences send it."""
     from dpocache.prefix import layout_logprobs, training_layout
 
-    from dpocache.reference import disable_dropout
+    from dpocache.loading import disable_dropout
 
     model = build_model(arch, tokenizer).train()
     disable_dropout(model)  # as training does; GPT-2's dropout would make the two passes differ

@@ -210,7 +210,8 @@ def test_lora_reference_is_the_base_model(tmp_path, base_model, train_jsonl, mon
     from dpocache.cache import CacheStore, export_rows, namespace_for_dir
     from dpocache.cache_cli import load_tokenizer
     from dpocache.data import load_preference_data
-    from dpocache.reference import ReferenceModel, load_causal_lm
+    from dpocache.loading import load_causal_lm
+    from dpocache.reference import ReferenceModel
 
     cache, out = tmp_path / "cache", tmp_path / "lora"
     run_training(*flags(base_model, train_jsonl, out, cache, "--lora-r", "4", "--lr", "1e-2", "--max-steps", "6"))

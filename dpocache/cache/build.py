@@ -411,7 +411,8 @@ def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_refere
             return score_missing(store, mine, load, stop, update_manifest=not env.enabled, **kwargs)
 
         if sharded and env.enabled:
-            from ..sharded import build_share_sharded
+            # Here, not at the top: dpocache.sharded imports this package (its probes and score_batch).
+            from ..sharded import build_share_sharded  # noqa: PLC0415
 
             local = build_share_sharded(build_share, load_reference, bool(todo_keys), kwargs["pad_id"])
         else:
