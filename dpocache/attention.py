@@ -59,7 +59,7 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .layouts import ATTENTIONS, CAUSAL, CAUSAL_SDPA_ENV, CAUSAL_SDPA_MODES, LayoutChoice, select_layout
+from .layouts import ATTENTIONS, CAUSAL, CAUSAL_SDPA_ENV, CAUSAL_SDPA_MODES, PADDED, LayoutChoice, select_layout
 
 FLEX = "flex_attention"  # transformers' name of the implementation
 FLEX_BLOCK = 128  # torch's default BlockMask block size
@@ -229,7 +229,7 @@ def choose_layout(model: nn.Module, scorer: nn.Module, requested: str, attention
     why = use_attention(model, attention, device, backward=training)
     choice = select_layout(requested, scorer.config, fast_path=scorer.fast_path,
                            router_loss=training and scorer.router_loss, attention_reason=why, training=training)
-    if choice.used != "padded" or model.config._attn_implementation not in SWITCHED:
+    if choice.used != PADDED or model.config._attn_implementation not in SWITCHED:
         return choice
     use_attention(model, "sdpa", device)
     note = "the padded layout runs the model's loaded attention (flex and causal serve the shared and packed layouts)"

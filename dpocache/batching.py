@@ -16,6 +16,7 @@ import torch
 
 from . import packing
 from .data import TokenizedPair
+from .layouts import PACKED, PADDED, SHARED
 from .logprobs import CompletionLogProbs
 from .values import PairValues
 
@@ -81,12 +82,12 @@ def _row_cost(layout: str):
     """(rows per pair, width of a pair's row) in ``layout``: the padded layout runs two rows of
     ``prompt + longer completion``; the shared-prompt layout (``dpocache.prefix``) one row of
     ``prompt + chosen + rejected``."""
-    if layout == "shared":
+    if layout == SHARED:
         return 1, lambda p: p.unique_tokens
     return 2, lambda p: len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids))
 
 
-def token_budget_batches(pairs: Sequence[TokenizedPair], max_tokens: int, layout: str = "padded",
+def token_budget_batches(pairs: Sequence[TokenizedPair], max_tokens: int, layout: str = PADDED,
                          max_pairs: int | None = None) -> list[list[TokenizedPair]]:
     """Group pairs of similar length into batches whose padded size in ``layout`` (rows x
     longest row) stays under ``max_tokens``; in the packed layout, batches of rows filled by
@@ -97,7 +98,7 @@ def token_budget_batches(pairs: Sequence[TokenizedPair], max_tokens: int, layout
     by length, the padding left is the difference between neighbouring lengths. A single pair
     larger than the budget gets a batch of its own.
     """
-    if layout == "packed":  # rows filled with the shortest pairs too (dpocache.packing)
+    if layout == PACKED:  # rows filled with the shortest pairs too (dpocache.packing)
         return packing.budget_batches(pairs, max_tokens, lambda p: p.unique_tokens, max_pairs)
     rows, width_of = _row_cost(layout)
     ordered = sorted(pairs, key=width_of, reverse=True)

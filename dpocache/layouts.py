@@ -37,7 +37,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-LAYOUTS = ("auto", "padded", "shared", "packed")
+PADDED, SHARED, PACKED = "padded", "shared", "packed"  # one row per sequence; one per pair; several pairs a row
+LAYOUTS = ("auto", PADDED, SHARED, PACKED)
+PROMPT_SHARING = (SHARED, PACKED)  # the layouts that run each prompt once for both completions
 ATTENTIONS = ("auto", "sdpa", "flex", "causal")  # backends of the shared and packed layouts (dpocache.attention)
 COMPILES = ("auto", "on", "off")  # the reference pass's decoder layers compiled (dpocache.compiling)
 CAUSAL = "dpocache_causal"  # transformers' name of dpocache.attention's causal backend
@@ -75,7 +77,7 @@ def select_layout(requested: str, config, fast_path: bool = True, router_loss: b
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got '{requested}'")
     attention = str(getattr(config, "_attn_implementation", None) or "unknown")
     reason = None
-    if requested == "padded":
+    if requested == PADDED:
         pass
     elif attention not in BLOCK_MASK_ATTENTION:
         reason = (f"attention '{attention}' takes no custom 4D mask (the {requested} layout needs sdpa, eager or "
@@ -85,7 +87,7 @@ def select_layout(requested: str, config, fast_path: bool = True, router_loss: b
     elif router_loss:
         reason = "mixture-of-experts: the router's load-balancing loss is computed on the padded layout"
     reasons = "; ".join(r for r in (attention_reason, reason) if r) or None
-    if requested == "padded" or reason is not None:
-        return LayoutChoice(requested, "padded", attention, reasons)
-    auto = "packed" if training else "shared"
+    if requested == PADDED or reason is not None:
+        return LayoutChoice(requested, PADDED, attention, reasons)
+    auto = PACKED if training else SHARED
     return LayoutChoice(requested, auto if requested == "auto" else requested, attention, reasons)

@@ -45,7 +45,7 @@ from . import packing
 from .attention import FLEX_BLOCK, SequenceRows, choose_layout, is_causal, is_flex, row_multiple
 from .batching import collate_pairs, pair_logprobs
 from .data import TokenizedPair
-from .layouts import BLOCK_MASK_ATTENTION, LayoutChoice
+from .layouts import BLOCK_MASK_ATTENTION, PACKED, PROMPT_SHARING, LayoutChoice
 from .logprobs import CompletionLogProbs, unwrap_causal_lm
 from .values import PairValues
 
@@ -183,7 +183,7 @@ def collate_layout(layout: str, pairs: Sequence[TokenizedPair], pad_id: int = 0,
     ``packing.budget_batches``, at least ``width`` tokens wide); rows padded to a multiple of
     ``multiple`` tokens (FlexAttention: one compiled kernel per width bucket); ``rows``: with the
     batch's ``SequenceRows`` (the causal backend's input)."""
-    if layout == "packed":
+    if layout == PACKED:
         row = max(width or 0, sum(p.unique_tokens for p in pairs)) if one_row else None  # None: the longest pair's
         return collate_packed(pairs, pad_id, row, multiple, rows)
     return collate_shared(pairs, pad_id, width=packing.round_up(max(p.unique_tokens for p in pairs), multiple),
@@ -411,7 +411,7 @@ def reference_row_width(reference, max_tokens: int | None) -> int | None:
     149,000 tokens/s with rows padded to the budget against 134,000 with rows as wide as their
     pairs (one dynamic compile). The padding is the budget's unfilled tail: the rows are
     filled first fit, longest pairs first, so only the last few have room left."""
-    if max_tokens is None or getattr(reference, "layout", None) != "packed":
+    if max_tokens is None or getattr(reference, "layout", None) != PACKED:
         return None
     config = unwrap_causal_lm(reference.model).config
     return packing.round_up(max_tokens, row_multiple(config)) if is_flex(config) else None
@@ -455,7 +455,7 @@ def layout_logprobs(scorer: nn.Module, layout: str, pairs: Sequence[TokenizedPai
     micro-batch first fit into rows of its longest pair's width), through ``scorer``'s forward:
     (``PairValues`` carrying the graph, per-token values only if ``per_token``; real tokens
     run). Nothing here waits for the device: counts and offsets come from ``pairs``."""
-    if layout in ("shared", "packed"):
+    if layout in PROMPT_SHARING:
         batch = layout_batch(layout, pairs, pad_id, scorer_core(scorer).config).to(device)
         logps = shared_prompt_logps(scorer, batch)  # (M,)
         chosen, rejected = sequence_sums(logps, batch)

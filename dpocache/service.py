@@ -39,6 +39,7 @@ from .cache.sequences import SequenceStore, sequence_key
 from .cache.store import Namespace
 from .distributed import split_by_weight
 from .groups import Group, budget_batches, collate_groups, collate_sequences, per_sequence, split_group
+from .layouts import PADDED, SHARED
 from .logprobs import unwrap_causal_lm
 from .reference import ReferenceModel, dtype_name
 
@@ -140,7 +141,7 @@ class ReferenceService:
 
     def __init__(self, model: nn.Module | ReferenceModel, dtype: torch.dtype = torch.float32,
                  max_tokens: int | None = None, cache_dir: str | Path | None = None, compile: bool = False,
-                 namespace: Namespace | None = None, stats_file: str | Path | None = None, layout: str = "shared"):
+                 namespace: Namespace | None = None, stats_file: str | Path | None = None, layout: str = SHARED):
         self.reference = model if isinstance(model, ReferenceModel) else ReferenceModel(
             model, dtype, "on" if compile else "off", layout=layout)
         config = unwrap_causal_lm(self.reference.model).config.get_text_config()
@@ -162,7 +163,7 @@ class ReferenceService:
         """A model directory. For a PEFT adapter directory the reference is the initial policy,
         base + that adapter (``reference="base"``: the bare base), as in ``dpocache train``."""
         base, adapter = reference_source(path, reference)
-        layout = kwargs.pop("layout", "shared")
+        layout = kwargs.pop("layout", SHARED)
         model = ReferenceModel.from_pretrained(base, dtype, device, compile="on" if compile else "off",
                                                layout=layout, adapter=adapter)
         namespace = (namespace_for_dir(path, model.dtype, Path(cache_dir), reference) if cache_dir is not None
@@ -230,7 +231,7 @@ class ReferenceService:
                 comps.append(comp)
         groups, group_keys = [], []
         # The per-sequence fallback runs one row per sequence: groups of one, packed by length.
-        budget = self.max_tokens if self.reference.layout != "padded" else 0
+        budget = self.max_tokens if self.reference.layout != PADDED else 0
         for prompt, (r, gkeys, comps) in by_prompt.items():
             for g in split_group(r, prompt, comps, range(len(comps)), budget):
                 groups.append(g)
@@ -241,7 +242,7 @@ class ReferenceService:
         """Yields ``(group index, [(c,) fp32 CPU log-probs of each of its completions])``,
         batch after batch."""
         c = self._counts
-        shared = self.reference.layout != "padded"  # packed: groups as the shared layout runs them
+        shared = self.reference.layout != PADDED  # packed: groups as the shared layout runs them
         order = list(range(len(groups)))
         if shared:
             batches = budget_batches(order, self.max_tokens, width=lambda i: groups[i].unique_tokens)

@@ -31,6 +31,7 @@ from .cache.probes import ProbeMemo, probe_key
 from .data import TokenizedPair
 from .distributed import DistEnv, broadcast_object, reduce_counts
 from .fsdp import gather_head_around, shard_policy, vocabulary_modules
+from .layouts import PROMPT_SHARING, SHARED
 from .loading import disable_dropout, load_for_sharding, routes_bf16_through_fp32, store_frozen_matrices_
 from .logprobs import CompletionLogProbs, autocast, unwrap_causal_lm
 from .preflight import UsageError
@@ -49,7 +50,7 @@ class ShardedReference(ReferenceModel):
                  attention: str | None = None):
         self.env = env
         super().__init__(model, dtype, layout=layout, scorer=scorer, attention=attention)
-        if self.layout in ("shared", "packed"):
+        if self.layout in PROMPT_SHARING:
             # The shared layout calls the body and the head, not the root's forward: gather the
             # root's own parameters (embeddings, final norm, head) around it.
             run_shared = self._run_shared
@@ -170,7 +171,7 @@ def probe_sharded(scorer: CompletionLogProbs, env: DistEnv, dtype: torch.dtype, 
         memo.put(key, scorer.fast_path)
 
 
-def load_sharded_reference(path: str | Path, dtype: torch.dtype, env: DistEnv, layout: str = "shared",
+def load_sharded_reference(path: str | Path, dtype: torch.dtype, env: DistEnv, layout: str = SHARED,
                            attn_implementation: str | None = "sdpa", attention: str | None = None,
                            probe_memo: ProbeMemo | None = None) -> ShardedReference:
     """The reference of ``path`` sharded over ``env``'s ranks (a collective: every rank calls
@@ -233,7 +234,7 @@ def build_share_sharded(build_share, load_reference, todo: bool, pad_id: int):
         trim_heap()  # its shards: freed, but kept by glibc (blocks under the mmap threshold) unless trimmed
 
 
-def reference_loader(path: str | Path, dtype: torch.dtype, env: DistEnv, layout: str = "shared",
+def reference_loader(path: str | Path, dtype: torch.dtype, env: DistEnv, layout: str = SHARED,
                      sharded: bool = False, adapter: str | Path | None = None, attention: str | None = None,
                      probe_memo: ProbeMemo | None = None, compile: str = "off"):
     """What ``build_distributed`` calls to load the reference: sharded over ``env``'s ranks

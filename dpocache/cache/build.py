@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from ..batching import PairBatch, collate_pairs, token_budget_batches
 from ..data import TokenizedPair
 from ..distributed import DistEnv, barrier, broadcast_object, reduce_counts, same_on_all_ranks, split_by_weight
+from ..layouts import PADDED, PROMPT_SHARING
 from ..prefix import score_batch_shared
 from ..reference import ReferenceModel, dtype_name
 from ..signals import StopRequest, stop_signals
@@ -175,7 +176,7 @@ def score_batch(reference: ReferenceModel, batch: Sequence[TokenizedPair], pad_i
     """Reference values of one batch ``(B,)``, per-token values included, on the CPU, in the
     reference's layout (``ReferenceModel.layout``); ``max_tokens``: the budget the batch was
     planned under (packed FlexAttention rows are padded to it: ``prefix.reference_row_width``)."""
-    if getattr(reference, "layout", "padded") in ("shared", "packed"):
+    if getattr(reference, "layout", PADDED) in PROMPT_SHARING:
         return score_batch_shared(reference, batch, pad_id, max_tokens)
     pb: PairBatch = collate_pairs(batch, pad_id)
     token_logps = reference.logprobs(pb.input_ids, pb.attention_mask, pb.completion_mask).cpu()  # (2B, T)
@@ -190,7 +191,7 @@ def score_batch(reference: ReferenceModel, batch: Sequence[TokenizedPair], pad_i
 def reference_batches(reference: ReferenceModel, pairs: Sequence[TokenizedPair],
                       max_tokens: int) -> list[list[TokenizedPair]]:
     """Length-grouped batches under ``max_tokens`` padded slots, for the reference's layout."""
-    return token_budget_batches(pairs, max_tokens, layout=getattr(reference, "layout", "padded"))
+    return token_budget_batches(pairs, max_tokens, layout=getattr(reference, "layout", PADDED))
 
 
 def build_missing(
