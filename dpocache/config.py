@@ -210,9 +210,7 @@ def _flag_name(dotted: str) -> str:
 
 
 def _validate_loss(loss: LossConfig) -> None:
-    # The checks preference_loss makes. Imported here, as torch below: this module is on the
-    # command line's path, which checks every flag before it imports torch (seconds).
-    from .losses import check_loss_values, parse_loss_spec  # noqa: PLC0415
+    from .losses import check_loss_values, parse_loss_spec  # noqa: PLC0415 - see the note on torch above
 
     if not loss.beta > 0:  # also catches NaN
         raise ConfigError(f"{_flag_name('loss.beta')}: must be > 0, got {loss.beta}")
@@ -286,7 +284,7 @@ def _validate_environment() -> None:
 def _validate_device(device: str | None) -> None:
     if device is None:
         return
-    import torch  # noqa: PLC0415 - only once a device is named (see _validate_loss)
+    import torch  # noqa: PLC0415 - see the note on torch above
 
     try:
         dev = torch.device(device)
@@ -449,7 +447,7 @@ def help_text(sections: tuple[str, ...] | None = None) -> str:
         if dotted in described:
             lines.append(f"      {described[dotted]}")
     if sections is None or "loss" in sections:
-        from .losses import LOSSES  # noqa: PLC0415 - it imports torch (see _validate_loss)
+        from .losses import LOSSES  # noqa: PLC0415 - see the note on torch above
 
         lines += ["", "Losses (--loss NAME, or a weighted sum such as sigmoid:1,sft:0.1):", "  " + ", ".join(LOSSES)]
     return "\n".join(lines)
