@@ -360,8 +360,14 @@ def merge_results(paths: list[Path]) -> dict:
     """One result over the repetitions of several results of the same run: a GPU machine lent for
     10 minutes a call runs one or two of the 1b-2048 repetitions per call (about 200 s each).
     The peaks are each the highest measured; ``merged_from`` names the files. Raises
-    ``ValueError`` naming the first field in which a result differs from the first."""
-    results = [json.loads(p.read_text()) for p in paths]
+    ``ValueError`` naming a file that cannot be read, or the first field in which a result differs
+    from the first."""
+    results = []
+    for path in paths:
+        try:
+            results.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: not a readable result ({e})") from None
     first = results[0]
     for path, res in zip(paths[1:], results[1:]):
         for field in SAME_RUN_FIELDS:

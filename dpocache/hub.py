@@ -12,7 +12,7 @@ class HubError(RuntimeError):
 def push_folder(folder: Path, repo_id: str) -> str:
     """Upload ``folder`` to model repo ``repo_id``; a clear error when the Hub is unreachable
     or the token is missing. The local checkpoint is written first and is never at risk."""
-    from huggingface_hub import HfApi  # it comes with transformers
+    from huggingface_hub import HfApi  # deferred: its HTTP stack is only for a push (pyproject's ruff notes)
 
     api = HfApi()
     try:

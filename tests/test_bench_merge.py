@@ -48,3 +48,5 @@ def test_merge_refuses_results_of_different_runs(tmp_path, capsys):
     assert bench_vs_trl.main(["--merge", str(RUN_A), str(tmp_path / "b.json"), "--out", str(tmp_path)]) == 2
     assert "--train-args ['--compile', 'on'], not []" in capsys.readouterr().err
     assert not list(tmp_path.glob("*-merged.json"))
+    assert bench_vs_trl.main(["--merge", str(RUN_A), str(tmp_path / "missing.json"), "--out", str(tmp_path)]) == 2
+    assert "missing.json: not a readable result" in capsys.readouterr().err
