@@ -72,10 +72,11 @@ def dpocache_loss(policy_dir, ref_dir, tokenized, opts):
         scorer = CompletionLogProbs(model, sum_sq_probs=weighting and side == "policy")
         with torch.no_grad():
             lp = pair_logprobs(scorer, batch)
-            token_logps = lp.token_logps
             if ld_alpha is None:
-                sums[side] = token_logps[:b].sum(-1), token_logps[b:].sum(-1)
+                sums[side] = lp.chosen_logps, lp.rejected_logps
             else:
+                # LD-DPO weighs tokens past the shorter completion's length: it needs the (2B, T) values.
+                token_logps = scorer(batch.input_ids, batch.attention_mask, batch.completion_mask)
                 m = batch.completion_mask
                 sums[side] = ld_pair_logps(token_logps[:b], m[:b], token_logps[b:], m[b:], ld_alpha)
             if scorer.sum_sq_probs:
