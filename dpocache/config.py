@@ -31,7 +31,7 @@ class ModelConfig:
     path: str | None = None  # policy: a Hugging Face model directory
     ref_model: str | None = None  # reference model directory (default: the initial policy)
     reference: str = "initial"  # initial: an adapter dir's reference is base + adapter | base: the bare base
-    dtype: str = "auto"  # compute dtype: auto | float32 | bfloat16 (autocast over fp32 master weights)
+    dtype: str = "auto"  # compute dtype: auto | float32 | bfloat16 | float16 (autocast over fp32 weights)
     device: str | None = None  # cpu | cuda (default: cuda if available)
     attn_implementation: str = "sdpa"  # attention kernel passed to transformers (sdpa | eager | flash_attention_2)
     attention: str = "auto"  # shared/packed layouts: auto (GPU: causal, else sdpa) | sdpa | flex | causal

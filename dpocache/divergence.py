@@ -8,7 +8,10 @@ and runs that go wrong without ever producing a NaN.
   weights. A gradient norm of exactly 0 for ``ZERO_GRAD_STEPS`` consecutive steps means nothing
   is learned any more (saturated or underflowing loss, detached graph); trainable weights whose
   norm is not finite, or more than ``WEIGHT_GROWTH`` times their norm at the start of the run,
-  are growing without bound (an update far too large). Both norms are the same on every rank
+  are growing without bound (an update far too large). Under float16 loss scaling a step whose
+  gradients overflow is skipped (``policy.build_grad_scaler``); ``OVERFLOW_STEPS`` skipped in a
+  row (the scale halved as many times, from 65536 to below 1/256) means the gradients overflow
+  float16 whatever the scale. The norms are the same on every rank
   (DDP replicas are identical; FSDP norms are reduced over the shards), so all ranks stop at
   the same step.
 """
@@ -22,6 +25,7 @@ import torch
 
 ZERO_GRAD_STEPS = 20
 WEIGHT_GROWTH = 100.0
+OVERFLOW_STEPS = 24
 
 CACHE, POLICY, LOSS = 0, 1, 2  # positions in the flags ``nan_flags`` returns
 
@@ -68,6 +72,7 @@ class ProgressMonitor:
         self.weight_growth = weight_growth if weight_growth is not None else WEIGHT_GROWTH
         self.initial_norm = self.weight_norm()
         self.zero_streak = 0
+        self.overflow_streak = 0
 
     def weight_norm(self) -> float:
         norm = torch.nn.utils.get_total_norm([p.detach() for p in self.params])
@@ -75,8 +80,13 @@ class ProgressMonitor:
             norm = norm.full_tensor()
         return float(norm)
 
-    def check(self, grad_norm: float) -> str | None:
-        """Why the run diverged after this step, or None."""
+    def check(self, grad_norm: float, skipped: bool = False) -> str | None:
+        """Why the run diverged after this step, or None. ``skipped``: the loss scaler skipped
+        the step for gradients that overflowed float16."""
+        self.overflow_streak = self.overflow_streak + 1 if skipped else 0
+        if self.overflow_streak >= OVERFLOW_STEPS:
+            return (f"the float16 gradients overflowed at {self.overflow_streak} consecutive steps, each skipped with "
+                    "the loss scale halved: train in bfloat16 or float32 (--dtype)")
         self.zero_streak = self.zero_streak + 1 if grad_norm == 0.0 else 0
         if self.zero_streak >= self.zero_grad_steps:
             return (f"the gradient norm has been exactly 0 for {self.zero_streak} consecutive steps: nothing is "

@@ -102,6 +102,25 @@ def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
                              fused=True if on_cuda and (decay or no_decay) else None)
 
 
+def build_grad_scaler(dtype: torch.dtype, device: torch.device, sharded: bool):
+    """Loss scaling for float16 autocast; None for bfloat16 and float32, whose exponent range
+    holds any gradient. float16's smallest normal value is 6.1e-5 (subnormals end at 6e-8), and
+    a preference loss's gradient is beta times a sigmoid, divided over the global batch and
+    spread over the tokens: unscaled, much of it rounds to zero in float16 backward, silently.
+    The loss is multiplied by a scale before backward and the gradients divided by it before
+    clipping; a step whose gradients overflow is skipped and the scale halved, and the scale
+    doubles after 2,000 clean steps (torch.amp.GradScaler's defaults, which Hugging Face's
+    Trainer uses for fp16 too). FSDP2: each rank holds a shard of the gradients, so the overflow
+    flag is reduced over the ranks (ShardedGradScaler)."""
+    if dtype != torch.float16:
+        return None
+    if sharded:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device=device.type)
+    return torch.amp.GradScaler(device.type)
+
+
 def lr_multiplier(step: int, total: int, warmup: int, schedule: str) -> float:
     """Linear warm-up over ``warmup`` steps, then linear or cosine decay to 0 at ``total``."""
     if warmup > 0 and step < warmup:

@@ -51,7 +51,8 @@ from .ld_dpo import ld_values
 from .losses import parse_loss_spec, preference_loss, wpo_weights
 from .metrics import (MetricWindow, MetricsWriter, count_params, import_tracker, measured_peak_flops, model_shape,
                       trackers, train_flops_per_token)
-from .policy import build_optimizer, build_scheduler, load_policy, load_sharded_policy, wrap_for_distributed
+from .policy import (build_grad_scaler, build_optimizer, build_scheduler, load_policy, load_sharded_policy,
+                     wrap_for_distributed)
 from .preflight import model_context
 from .prefix import layout_logprobs, scorer_core, training_layout
 from .reference import dtype_name, resolve_dtype
@@ -86,6 +87,7 @@ class Run:
     writer: MetricsWriter
     layout: LayoutChoice  # the layout the scorer runs (dpocache.layouts)
     compiled_layers: int = 0  # the policy's decoder layers compiled (--compile on; dpocache.compiling)
+    scaler: torch.amp.GradScaler | None = None  # float16 only: the loss scaler (policy.build_grad_scaler)
     info: dict = field(default_factory=dict)  # what run.json records
     step: int = 0
     saved_step: int | None = None  # the step of the newest checkpoint (None: none yet)
@@ -146,7 +148,8 @@ def setup(cfg: Config) -> Run:
     writer = MetricsWriter(out, cfg.train.tensorboard, enabled=env.is_main, report_to=cfg.train.report_to,
                            config=cfg.to_dict())
     run = Run(cfg, env, out, dtype, tokenizer, train_data, eval_data, ref_train, ref_eval, spec, policy, scorer,
-              optimizer, scheduler, total, steps_per_epoch, writer, layout, compiled_layers)
+              optimizer, scheduler, total, steps_per_epoch, writer, layout, compiled_layers,
+              scaler=build_grad_scaler(dtype, env.device, fsdp))
     run.info = _run_info(run, ref_info)
     if cfg.train.resume:
         resume(run)
@@ -327,6 +330,8 @@ def resume(run: Run) -> None:
     else:
         load_model_weights(ckpt, run.policy)
         state = load_trainer_state(ckpt, run.optimizer, run.scheduler)
+    if run.scaler is not None and state.get("grad_scaler"):
+        run.scaler.load_state_dict(state["grad_scaler"])  # the scale the run had reached, not 65536 again
     run.step = run.saved_step = state["step"]
     run.writer.rewind(run.step)
     if run.env.is_main:
@@ -443,7 +448,9 @@ def train_step(run: Run, window: MetricWindow) -> None:
             losses_seen.append(loss.detach())
             # A non-finite loss's gradients are computed but never applied: the check below
             # stops the run before the optimizer step.
-            loss.backward()
+            (loss if run.scaler is None else run.scaler.scale(loss)).backward()
+    if run.scaler is not None:
+        run.scaler.unscale_(run.optimizer)  # the norm, its clipping and the monitor see the true gradients
     max_norm = run.cfg.optim.max_grad_norm
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor; the norm over every rank's shard
@@ -454,13 +461,24 @@ def train_step(run: Run, window: MetricWindow) -> None:
     not_finite, norm = torch.cat([not_finite, grad_norm.double().reshape(1).to(run.env.device)]).tolist()  # one sync
     if not_finite:
         _stop_non_finite(run, losses_seen)
-    window.add("grad_norm", grad_norm, 1.0)
+    # float16: gradients that overflowed (the norm of unscaled gradients is not finite) skip the
+    # update and halve the loss scale; the schedule waits for the next update, as in Hugging
+    # Face's Trainer. The step still counts (its pairs were seen).
+    skipped = run.scaler is not None and not math.isfinite(norm)
+    if not skipped:
+        window.add("grad_norm", grad_norm, 1.0)
     window.add("lr", run.scheduler.get_last_lr()[0], 1.0)
-    run.optimizer.step()
-    run.scheduler.step()
+    if run.scaler is None:
+        run.optimizer.step()
+    else:
+        window.add("skipped_fraction", float(skipped), 1.0)
+        run.scaler.step(run.optimizer)  # skips the update itself when the gradients overflowed
+        run.scaler.update()
+    if not skipped:
+        run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.step += 1
-    reason = run.monitor.check(norm)
+    reason = run.monitor.check(norm, skipped)
     if reason is not None:
         raise TrainingDiverged(f"step {run.step}: {reason}. Stopped without saving; {_last_good(run)}. "
                                "Try a lower --lr, or another --beta or loss.")
@@ -655,6 +673,8 @@ def _save(run: Run) -> None:
     if run.env.is_main:
         extra = {"config": run.cfg.to_dict(), "epoch": run.step / run.steps_per_epoch,
                  "world_size": run.env.world_size, "global_batch": _global_batch(run)}
+        if run.scaler is not None:
+            extra["grad_scaler"] = run.scaler.state_dict()
         save_checkpoint(run.out, run.step, model, run.tokenizer, optimizer, run.scheduler, extra,
                         run.cfg.train.save_total_limit)
     barrier(run.env)

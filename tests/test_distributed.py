@@ -8,6 +8,7 @@ runs are module fixtures shared by the tests, and single-process baselines run i
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import socket
@@ -348,6 +349,26 @@ def test_packed_layout_in_ddp_and_fsdp2_matches_one_process(mixed):
         assert info["world_size"] == 2 and info["reference"]["built_on_ranks"] == 2
         assert info["layout"] == {"requested": "packed", "used": "packed", "attention": CAUSAL, "reason": None}
 
+
+def test_float16_under_fsdp2_skips_overflowing_steps_on_every_rank(assets):
+    """float16 training scales its loss (dpocache.policy.build_grad_scaler). Under FSDP2 each
+    rank holds only its shard of the gradients, so whether they overflowed is reduced over the
+    ranks (ShardedGradScaler). With beta 3 the first step overflows float16 at the first scale
+    (65536) and later ones fit: the steps logged as skipped (from the norm over every shard) are
+    the ones rank 0's scaler backed off for, each halving its scale."""
+    out = assets["root"] / "f16-fsdp"
+    args = train_args(assets, out, 4, None, "--dtype", "float16", "--beta", "3", "--max-steps", "6",
+                      "--save-steps", "6", "--fsdp")
+    args[args.index("--cache-dir") + 1] = str(assets["root"] / "f16-cache")  # float16 reference values
+    torchrun("train", *args)
+    rows = losses(out)
+    skipped = [rows[step]["skipped_fraction"] for step in range(1, 7)]
+    assert skipped[0] == 1.0 and 0.0 in skipped, skipped
+    for step in range(1, 7):
+        assert ("grad_norm" in rows[step]) == (rows[step]["skipped_fraction"] == 0.0), step  # no norm when skipped
+        assert math.isfinite(rows[step]["loss"])
+    state = json.loads((out / "checkpoints" / "step-000006" / "trainer_state.json").read_text())
+    assert state["grad_scaler"]["scale"] == 65536.0 / 2 ** sum(skipped)
 
 # ------------------------------------------------------------------------------ stop signals
 

@@ -47,6 +47,19 @@ def test_bf16_training_on_cuda_starts_at_the_cached_reference(tmp_path, base_mod
     assert 0 < first["mfu"] < 1
 
 
+
+def test_float16_training_on_cuda_keeps_tiny_gradients(tmp_path, base_model, train_jsonl):  # noqa: F811
+    """On the GPUs float16 is for (no bf16): the loss scaler keeps the gradients of a tiny beta,
+    which unscaled float16 rounds to 0 (tests/test_float16.py has the CPU side)."""
+    norms = {}
+    for dtype in ("float32", "float16"):
+        out = tmp_path / dtype
+        run_training(*flags(base_model, train_jsonl, out, tmp_path / "cache", "--device", "cuda", "--dtype", dtype,
+                            "--beta", "1e-7", "--max-steps", "2"))
+        norms[dtype] = [r["grad_norm"] for r in train_records(out)]
+    assert min(norms["float32"]) > 1e-7
+    assert norms["float16"] == pytest.approx(norms["float32"], rel=1e-2)
+
 def test_fast_path_head_on_cuda_matches_the_models_forward(base_model):  # noqa: F811
     from dpocache.loading import load_causal_lm
 
