@@ -249,6 +249,9 @@ def _validate_choices(cfg: Config) -> None:
         if name.strip() not in TRACKERS:
             raise ConfigError(f"{_flag_name('train.report_to')}: must be one of {', '.join(TRACKERS)} (or several, "
                               f"comma-separated); got {name.strip()!r}")
+    if cfg.train.resume and cfg.train.overwrite:  # one would silently win over the other
+        raise ConfigError(f"{_flag_name('train.resume')} continues the run in {cfg.train.output_dir} and "
+                          "--train.overwrite deletes it: pass one of them")
 
 
 # Fields that count something: at least 1 (the optional ones when set); intervals where 0 means "off".

@@ -129,6 +129,14 @@ def test_train_help_lists_every_field_with_its_default(capsys):
             assert f"--{reverse[dotted].replace('_', '-')}" in lines[flag]
 
 
+def test_resume_and_overwrite_together_are_refused():
+    with pytest.raises(ConfigError, match=r"--resume \(train\.resume\) continues the run in .* and "
+                                          r"--train.overwrite deletes it"):
+        build_config(None, ["--resume", "--train.overwrite", "true", "--model", "m", "--data", "d"]).validate()
+    build_config(None, ["--train.overwrite", "true"]).validate()  # either alone is fine
+    build_config(None, ["--resume"]).validate()
+
+
 def test_cli_reports_config_errors_with_exit_code_2(capsys):
     assert cli_main(["train", "--bogus", "1"]) == 2
     assert "bogus" in capsys.readouterr().err
