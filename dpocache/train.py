@@ -461,9 +461,21 @@ def train_step(run: Run, window: MetricWindow) -> None:
     not_finite, norm = torch.cat([not_finite, grad_norm.double().reshape(1).to(run.env.device)]).tolist()  # one sync
     if not_finite:
         _stop_non_finite(run, losses_seen)
-    # float16: gradients that overflowed (the norm of unscaled gradients is not finite) skip the
-    # update and halve the loss scale; the schedule waits for the next update, as in Hugging
-    # Face's Trainer. The step still counts (its pairs were seen).
+    skipped = _apply_update(run, window, grad_norm, norm)
+    run.optimizer.zero_grad(set_to_none=True)
+    run.step += 1
+    reason = run.monitor.check(norm, skipped)
+    if reason is not None:
+        raise TrainingDiverged(f"step {run.step}: {reason}. Stopped without saving; {_last_good(run)}. "
+                               "Try a lower --lr, or another --beta or loss.")
+
+
+def _apply_update(run: Run, window: MetricWindow, grad_norm: torch.Tensor, norm: float) -> bool:
+    """The optimizer and schedule step after the gradients are clipped; ``grad_norm`` is their
+    norm as a device scalar, ``norm`` the same on the host. Returns whether the update was
+    skipped: float16 gradients that overflowed (their unscaled norm is not finite) skip it and
+    halve the loss scale; the schedule waits for the next update, as in Hugging Face's Trainer.
+    The step still counts (its pairs were seen)."""
     skipped = run.scaler is not None and not math.isfinite(norm)
     if not skipped:
         window.add("grad_norm", grad_norm, 1.0)
@@ -476,13 +488,7 @@ def train_step(run: Run, window: MetricWindow) -> None:
         run.scaler.update()
     if not skipped:
         run.scheduler.step()
-    run.optimizer.zero_grad(set_to_none=True)
-    run.step += 1
-    reason = run.monitor.check(norm, skipped)
-    if reason is not None:
-        raise TrainingDiverged(f"step {run.step}: {reason}. Stopped without saving; {_last_good(run)}. "
-                               "Try a lower --lr, or another --beta or loss.")
-
+    return skipped
 
 def _no_sync(scorer, sync: bool):
     if sync or not hasattr(scorer, "no_sync"):

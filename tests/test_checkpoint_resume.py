@@ -3,39 +3,15 @@
 
 from __future__ import annotations
 
-import json
-import shutil
 
 import pytest
 
-from dpocache.checkpoint import STATE_FILE, latest_checkpoint
 from train_fixtures import (  # noqa: F401  (fixtures are used by name; one_thread is autouse)
-    base_model, flags, load_tensors, max_abs_diff, one_thread, run_json, run_training, train_jsonl, train_records,
+    RESUME_STEPS, base_model, flags, interrupted_then_resumed, load_tensors, max_abs_diff, one_thread, run_json,
+    run_training, train_jsonl, train_records,
 )
 
-STEPS = 8  # 6 steps per epoch: the resumed half crosses into the second epoch
-
-
-def _interrupted_then_resumed(tmp_path, base_model, train_jsonl, cache, *extra):
-    """Uninterrupted run A; run B "killed" after its step-4 checkpoint (everything later
-    deleted), then continued with --resume. Returns (A's dir, B's dir).
-
-    B's first attempt would be the same deterministic run as A, so B starts as a copy of A's
-    directory (half the test's time); B's steps 5..8 all come from the resumed run."""
-    common = ("--max-steps", str(STEPS), "--save-steps", "4", *extra)
-    a, b = tmp_path / "a", tmp_path / "b"
-    run_training(*flags(base_model, train_jsonl, a, cache, *common))
-    shutil.copytree(a, b)
-
-    ckpts = sorted(p.name for p in (b / "checkpoints").iterdir())
-    assert ckpts == ["step-000004", "step-000008"]
-    shutil.rmtree(b / "checkpoints" / "step-000008")
-    shutil.rmtree(b / "final")
-    assert latest_checkpoint(b).name == "step-000004"
-    assert json.loads((b / "checkpoints" / "step-000004" / STATE_FILE).read_text())["step"] == 4
-
-    run_training(*flags(base_model, train_jsonl, b, cache, *common, "--resume"))
-    return a, b
+STEPS = RESUME_STEPS
 
 
 def _assert_same_losses(a, b):
@@ -51,7 +27,7 @@ def _assert_same_losses(a, b):
 
 
 def test_resume_matches_an_uninterrupted_run(tmp_path, base_model, train_jsonl):
-    a, b = _interrupted_then_resumed(tmp_path, base_model, train_jsonl, tmp_path / "cache")
+    a, b = interrupted_then_resumed(tmp_path, base_model, train_jsonl, tmp_path / "cache")
     _assert_same_losses(a, b)
     wa, wb = load_tensors(a / "final" / "model.safetensors"), load_tensors(b / "final" / "model.safetensors")
     assert max_abs_diff(wa, wb) <= 1e-6
@@ -60,7 +36,7 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, base_model, train_jsonl):
 
 
 def test_lora_resume_matches_an_uninterrupted_run(tmp_path, base_model, train_jsonl):
-    a, b = _interrupted_then_resumed(tmp_path, base_model, train_jsonl, tmp_path / "cache",
+    a, b = interrupted_then_resumed(tmp_path, base_model, train_jsonl, tmp_path / "cache",
                                      "--lora-r", "4", "--lr", "1e-2")
     assert (b / "checkpoints" / "step-000004" / "adapter_model.safetensors").exists()
     _assert_same_losses(a, b)

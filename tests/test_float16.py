@@ -5,7 +5,6 @@ the scale is part of a checkpoint (resume stays exact)."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -14,7 +13,8 @@ from dpocache import divergence
 from dpocache import train as train_mod
 from dpocache.checkpoint import STATE_FILE
 from train_fixtures import (  # noqa: F401  (fixtures are used by name; one_thread is autouse)
-    base_model, flags, load_tensors, max_abs_diff, one_thread, run_training, train_jsonl, train_records,
+    base_model, flags, interrupted_then_resumed, load_tensors, max_abs_diff, one_thread, run_training, train_jsonl,
+    train_records,
 )
 
 # With beta 1e-7 the loss's gradient is about 5e-8 per pair: below float16's smallest subnormal
@@ -89,15 +89,9 @@ def test_float16_resume_restores_the_scale_and_matches_an_uninterrupted_run(tmp_
     """Skipped steps before the step-4 checkpoint leave the scale below its start; a resume that
     began again at the first scale would skip other steps and part from the uninterrupted run."""
     monkeypatch.setattr(train_mod, "build_grad_scaler", _scaler_starting_at(HUGE_SCALE))
-    common = ("--max-steps", "8", "--save-steps", "4", *_fp16())
-    a, b = tmp_path / "a", tmp_path / "b"
-    run_training(*flags(base_model, train_jsonl, a, tmp_path / "cache", *common))
-    shutil.copytree(a, b)
-    shutil.rmtree(b / "checkpoints" / "step-000008")
-    shutil.rmtree(b / "final")
+    a, b = interrupted_then_resumed(tmp_path, base_model, train_jsonl, tmp_path / "cache", *_fp16())
     saved = json.loads((b / "checkpoints" / "step-000004" / STATE_FILE).read_text())["grad_scaler"]["scale"]
     assert saved < HUGE_SCALE
-    run_training(*flags(base_model, train_jsonl, b, tmp_path / "cache", *common, "--resume"))
     ra, rb = train_records(a), train_records(b)
     assert [r["step"] for r in rb] == list(range(1, 9))
     for x, y in zip(ra, rb):

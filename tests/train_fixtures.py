@@ -9,12 +9,14 @@ the expensive values are memoised here and built once per test session.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 TRAIN_PAIRS = 24  # batch 4 → 6 steps per epoch, so an 8-step run crosses an epoch boundary
+RESUME_STEPS = 8  # interrupted_then_resumed: 6 steps per epoch, the resumed half crosses into the second epoch
 EVAL_PAIRS = 8
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -117,3 +119,28 @@ def namespace_dirs(cache: Path) -> list[Path]:
     if not cache.exists():
         return []
     return [p for p in cache.iterdir() if p.is_dir()]
+
+
+def interrupted_then_resumed(tmp_path: Path, base_model: Path, train_jsonl: Path, cache: Path,
+                             *extra: str) -> tuple[Path, Path]:
+    """Uninterrupted run A of ``RESUME_STEPS`` steps; run B "killed" after its step-4 checkpoint
+    (everything later deleted), then continued with --resume. Returns (A's dir, B's dir).
+
+    B's first attempt would be the same deterministic run as A, so B starts as a copy of A's
+    directory (half the test's time); B's steps 5..8 all come from the resumed run."""
+    from dpocache.checkpoint import STATE_FILE, latest_checkpoint
+
+    common = ("--max-steps", str(RESUME_STEPS), "--save-steps", "4", *extra)
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_training(*flags(base_model, train_jsonl, a, cache, *common))
+    shutil.copytree(a, b)
+
+    ckpts = sorted(p.name for p in (b / "checkpoints").iterdir())
+    assert ckpts == ["step-000004", "step-000008"]
+    shutil.rmtree(b / "checkpoints" / "step-000008")
+    shutil.rmtree(b / "final")
+    assert latest_checkpoint(b).name == "step-000004"
+    assert json.loads((b / "checkpoints" / "step-000004" / STATE_FILE).read_text())["step"] == 4
+
+    run_training(*flags(base_model, train_jsonl, b, cache, *common, "--resume"))
+    return a, b
