@@ -130,8 +130,9 @@ def cmd_score(args) -> int:
     name, rows = read_rows(args.data)
     if not rows:
         raise DataError(name, None, "no rows")
-    if args.chunk_rows < 1:
-        raise DataError("--chunk-rows", None, f"must be at least 1; got {args.chunk_rows}")
+    for flag, value in (("--chunk-rows", args.chunk_rows), ("--max-tokens", args.max_tokens)):
+        if value is not None and value < 1:
+            raise DataError(flag, None, f"must be at least 1; got {value}")
     needs_tokenizer = any(isinstance(r.values, dict) and "prompt" in r.values for r in rows)
     tokenizer = load_tokenizer(args.model) if needs_tokenizer else None
     prefix = special_prefix(tokenizer) if tokenizer is not None else []

@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -42,6 +45,8 @@ from .groups import Group, budget_batches, collate_groups, collate_sequences, pe
 from .layouts import PADDED, SHARED
 from .logprobs import unwrap_causal_lm
 from .reference import ReferenceModel, dtype_name
+
+log = logging.getLogger(__name__)
 
 Request = dict  # {"prompt_ids": [int, ...], "completion_ids": [[int, ...], ...]}
 
@@ -147,13 +152,20 @@ class ReferenceService:
         config = unwrap_causal_lm(self.reference.model).config.get_text_config()
         self.vocab_size = int(config.vocab_size)
         self.context = getattr(config, "max_position_embeddings", None)
+        self.special_ids = special_token_ids(unwrap_causal_lm(self.reference.model))
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1; got {max_tokens}")
         self.max_tokens = max_tokens or max(GROUP_MAX_TOKENS, default_max_tokens(self.reference.device))
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.store = None
         if cache_dir is not None:
-            namespace = namespace or namespace_for_module(unwrap_causal_lm(self.reference.model), self.reference.dtype)
-            self.store = SequenceStore(cache_dir, namespace)
+            self.store = SequenceStore(cache_dir, namespace or self._namespace_by_content())
+            self._weights = self._weights_signature()
         self.stats_file = Path(stats_file) if stats_file else None
         self._counts = dict.fromkeys(SUMMED, 0)
+        # One call at a time: the model runs one batch at a time anyway, and the store's pending
+        # values and shard writes are not safe against a second thread.
+        self._lock = threading.Lock()
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype = "auto",
@@ -182,18 +194,25 @@ class ReferenceService:
     # ------------------------------------------------------------------------------ scoring
 
     def score(self, requests: Sequence[Request]) -> list[list[torch.Tensor]]:
-        """Per request, one ``(c_k,)`` fp32 CPU tensor of per-token log-probs per completion."""
+        """Per request, one ``(c_k,)`` fp32 CPU tensor of per-token log-probs per completion.
+        Each tensor is the caller's own (editing it in place changes no later answer). Calls
+        from several threads run one after another."""
+        with self._lock:
+            return self._score(requests)
+
+    def _score(self, requests: Sequence[Request]) -> list[list[torch.Tensor]]:
         start = time.perf_counter()
         checked = [check_request(i, r, self.vocab_size, self.context) for i, r in enumerate(requests)]
         results: list[list[torch.Tensor | None]] = [[None] * len(c) for _, c in checked]
         if self.store is not None:
+            self._follow_weights()
             self.store.refresh()
         work = self._plan(checked, results)
         try:
             for group, values in self._run(work.groups):
                 for key, value in zip(work.group_keys[group], values):
                     for r, k in work.keys[key]:
-                        results[r][k] = value
+                        results[r][k] = value.clone()  # not the stored tensor, nor a duplicate's
                     if self.store is not None:
                         self.store.put(key, value)
         finally:
@@ -207,6 +226,31 @@ class ReferenceService:
         c["score_seconds"] += time.perf_counter() - start
         self._log_stats()
         return results  # type: ignore[return-value]
+
+    def _namespace_by_content(self) -> Namespace:
+        """The namespace of the weights as they are now (a PEFT policy's: its base weights)."""
+        if self.reference.adapter_disabled:
+            return base_namespace(self.reference.model, self.reference.dtype)
+        return namespace_for_module(unwrap_causal_lm(self.reference.model), self.reference.dtype)
+
+    def _weights_signature(self) -> tuple:
+        # A PEFT policy's adapter trains while the service runs; the reference is its base.
+        skip = "lora_" if self.reference.adapter_disabled else None
+        return weights_signature(unwrap_causal_lm(self.reference.model), skip)
+
+    def _follow_weights(self) -> None:
+        """If the model's weights changed since the cache's namespace was taken (a reference
+        synced to the policy, ``load_state_dict``), move to the namespace of the new weights:
+        the old one's values are not theirs, and theirs must not be filed under it."""
+        now = self._weights_signature()
+        if now == self._weights:
+            return
+        old = self.store.namespace.id
+        self.store.flush()
+        self.store = SequenceStore(self.cache_dir, self._namespace_by_content())
+        self._weights = now
+        log.info("the reference's weights changed: its look-aside cache moves from namespace %s to %s", old,
+                 self.store.namespace.id)
 
     def _plan(self, checked: list, results: list) -> _Work:
         """Fill ``results`` from the cache; group what is left by prompt (a prompt asked by
@@ -222,7 +266,7 @@ class ReferenceService:
                     continue
                 cached = self.store.get(key) if self.store is not None else None
                 if cached is not None:
-                    results[r][k] = cached
+                    results[r][k] = cached.clone()
                     self._counts["cache_hits"] += 1
                     continue
                 keys[key] = [(r, k)]
@@ -270,12 +314,18 @@ class ReferenceService:
 
     # -------------------------------------------------------------------- torchforge's entry
 
-    def forward(self, input_ids: torch.Tensor, max_req_tokens: int, pad_id: int) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, max_req_tokens: int, pad_id: int,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """torchforge's reference endpoint: ``(G, T)`` rows of a prompt left-padded to
         ``max_req_tokens`` and a response right-padded → ``(G, T - max_req_tokens)`` fp32
         response log-probs on ``input_ids``' device, 0 at padding (and in a row whose response
-        is all padding). Rows with the same prompt share one forward row."""
-        requests, rows = forward_requests(input_ids, max_req_tokens, pad_id)
+        is all padding). Rows with the same prompt share one forward row.
+
+        Padding is ``pad_id``, or where ``attention_mask`` (``(G, T)``, 1 at real tokens) is 0.
+        The mask is needed when ``pad_id`` is the model's EOS or BOS id (common: GPT-2, Llama 3,
+        Qwen), since a response's own EOS or a prompt's BOS would read as padding; ``forward``
+        refuses such a ``pad_id`` without one."""
+        requests, rows = forward_requests(input_ids, max_req_tokens, pad_id, attention_mask, self.special_ids)
         return forward_output(_scored_rows(self.score, requests, rows), rows, input_ids, max_req_tokens)
 
     # -------------------------------------------------------------------------------- stats
@@ -317,21 +367,64 @@ def base_namespace(policy: nn.Module, dtype: torch.dtype) -> Namespace:
                      model=f"<in memory {type(base).__name__}, adapter off>")
 
 
-def forward_requests(input_ids: torch.Tensor, max_req_tokens: int, pad_id: int) -> tuple[list[Request], list]:
+def special_token_ids(model: nn.Module) -> frozenset[int]:
+    """The model's BOS and EOS ids, from its config and generation config."""
+    ids: set[int] = set()
+    for config in (model.config.get_text_config(), getattr(model, "generation_config", None)):
+        for name in ("bos_token_id", "eos_token_id"):
+            value = getattr(config, name, None)
+            ids.update(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]) if v is not None)
+    return frozenset(ids)
+
+
+def weights_signature(module: nn.Module, skip: str | None = None) -> tuple:
+    """A cheap mark of ``module``'s weights (those whose name lacks ``skip``), equal until they
+    change: each tensor's storage address and version counter (bumped by every in-place write
+    through the tensor: ``load_state_dict``, an optimizer step) and 16 of its values, evenly
+    strided (a write through ``.data`` has a version counter of its own). Hashing every weight
+    on every call would cost a pass over the model's memory."""
+    tensors = [t.detach() for name, t in chain(module.named_parameters(), module.named_buffers())
+               if skip is None or skip not in name]
+    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # DTensor: this rank's shard
+    marks = tuple((t.data_ptr(), t._version) for t in tensors)
+    samples = [t.reshape(-1)[::max(1, t.numel() // 16)][:16].float() for t in tensors if t.numel()]
+    sampled = torch.cat(samples).cpu().numpy().tobytes() if samples else b""
+    return marks, hashlib.sha256(sampled).hexdigest()
+
+
+def forward_requests(input_ids: torch.Tensor, max_req_tokens: int, pad_id: int,
+                     attention_mask: torch.Tensor | None = None,
+                     special_ids: frozenset[int] = frozenset()) -> tuple[list[Request], list]:
     """torchforge's ``(G, T)`` batch as requests (rows with the same prompt in one request), and
-    per row ``(request, completion)`` or None for a row with no response token."""
+    per row ``(request, completion)`` or None for a row with no response token. Padding is
+    ``pad_id`` (refused if in ``special_ids``, the model's BOS/EOS), or where ``attention_mask`` is 0."""
     if input_ids.dim() != 2 or not 0 < max_req_tokens < input_ids.shape[1]:
         raise ValueError(f"input_ids must be (G, T) with 0 < max_req_tokens < T; got {tuple(input_ids.shape)} "
                          f"and max_req_tokens={max_req_tokens}")
+    if attention_mask is None and pad_id in special_ids:
+        raise ValueError(f"pad_id {pad_id} is also the model's BOS or EOS id: a response's own EOS (or a prompt's "
+                         "BOS) cannot be told from padding; pass attention_mask, 1 at real tokens")
+    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}; "
+                         f"got {tuple(attention_mask.shape)}")
+    masks = attention_mask.bool().tolist() if attention_mask is not None else None
     by_prompt: dict[tuple[int, ...], int] = {}
     requests: list[Request] = []
     rows: list[tuple[int, int] | None] = []
-    for row in input_ids.tolist():
+    for g, row in enumerate(input_ids.tolist()):
         prompt, response = row[:max_req_tokens], row[max_req_tokens:]
-        start = next((i for i, t in enumerate(prompt) if t != pad_id), len(prompt))  # left padding
-        end = len(response)
-        while end and response[end - 1] == pad_id:  # right padding
-            end -= 1
+        if masks is None:
+            start = next((i for i, t in enumerate(prompt) if t != pad_id), len(prompt))  # left padding
+            end = len(response)
+            while end and response[end - 1] == pad_id:  # right padding
+                end -= 1
+        else:
+            real_prompt, real_response = masks[g][:max_req_tokens], masks[g][max_req_tokens:]
+            start, end = len(prompt) - sum(real_prompt), sum(real_response)
+            if real_prompt != [False] * start + [True] * (len(prompt) - start) or \
+                    real_response != [True] * end + [False] * (len(response) - end):
+                raise ValueError(f"attention_mask row {g}: the prompt must be left-padded and the response "
+                                 "right-padded (0s only before the prompt and after the response)")
         if end == 0:
             rows.append(None)
             continue
@@ -380,9 +473,9 @@ class _Replica:
         self.service = ReferenceService.from_pretrained(path, **service_kwargs)
         self.exit_once = exit_once
 
-    def ready(self) -> tuple[int, int, int | None]:
-        """(process id, vocabulary size, context length)."""
-        return os.getpid(), self.service.vocab_size, self.service.context
+    def ready(self) -> tuple[int, int, int | None, frozenset[int]]:
+        """(process id, vocabulary size, context length, BOS and EOS ids)."""
+        return os.getpid(), self.service.vocab_size, self.service.context, self.service.special_ids
 
     def score(self, requests: list[Request]) -> list[list[torch.Tensor]]:
         if self.exit_once:
@@ -428,14 +521,19 @@ class ReferencePool:
         resources = {"num_gpus": 1} if gpus >= num_replicas else {"num_cpus": 1}
         actor = ray.remote(_Replica).options(max_restarts=max_restarts, max_task_retries=max_task_retries, **resources)
         self.replicas = [actor.remote(str(path), service_kwargs, _exit_once) for _ in range(num_replicas)]
-        _, self.vocab_size, self.context = ray.get([r.ready.remote() for r in self.replicas])[0]
+        _, self.vocab_size, self.context, self.special_ids = ray.get([r.ready.remote() for r in self.replicas])[0]
+
+    def _replicas(self) -> list:
+        if not self.replicas:
+            raise RuntimeError("this ReferencePool was shut down; start a new one")
+        return self.replicas
 
     def score(self, requests: Sequence[Request]) -> list[list[torch.Tensor]]:
         """As ``ReferenceService.score``, over the replicas."""
         ray = self._ray
+        n = len(self._replicas())
         for i, r in enumerate(requests):  # here, so that an error names the caller's request index
             check_request(i, r, self.vocab_size, self.context)
-        n = len(self.replicas)
         shares = [sorted(s) for s in split_by_weight(list(range(len(requests))), n, tiebreak=lambda i: i,
                                                      weight=lambda i: _request_tokens(requests[i])) if s]
         submit = lambda r, s: self.replicas[r].score.remote([requests[i] for i in shares[s]])  # noqa: E731
@@ -457,15 +555,16 @@ class ReferencePool:
                 results[i] = v
         return results
 
-    def forward(self, input_ids: torch.Tensor, max_req_tokens: int, pad_id: int) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, max_req_tokens: int, pad_id: int,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """As ``ReferenceService.forward``, over the replicas."""
-        requests, rows = forward_requests(input_ids, max_req_tokens, pad_id)
+        requests, rows = forward_requests(input_ids, max_req_tokens, pad_id, attention_mask, self.special_ids)
         return forward_output(_scored_rows(self.score, requests, rows), rows, input_ids, max_req_tokens)
 
     def stats(self) -> dict:
         """Summed counters, with each replica's under ``replicas`` (a restarted replica's start
         from zero)."""
-        parts = self._ray.get([r.stats.remote() for r in self.replicas])
+        parts = self._ray.get([r.stats.remote() for r in self._replicas()])
         return {**summed_stats(parts), "replicas": parts}
 
     def shutdown(self) -> None:

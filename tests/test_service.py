@@ -2,7 +2,9 @@
 a naive full forward of ``prompt + completion`` (the model's own logits, log-softmax, gather),
 for groups of 1, 2 and 8 completions of mixed lengths; ``forward`` equals ``score``; the
 look-aside cache answers a repeated sequence with no forward pass, and never across dtypes or
-weights; bad requests get one line naming the request and the completion."""
+weights, also when the weights change in place under a running service; returned tensors are
+the caller's own; calls from threads lose nothing; bad requests get one line naming the request
+and the completion, and a pad id that is also the EOS or BOS is refused without a mask."""
 
 from __future__ import annotations
 
@@ -152,6 +154,117 @@ def test_forward_equals_score(tiny_models):
     input_ids[4, max_req + 1] = 100_000  # a bad id is named by its row of the batch
     with pytest.raises(ValueError, match=r"^input_ids row 4: token id 100000 is outside"):
         service.forward(input_ids, max_req, pad)
+
+
+def test_forward_with_pad_id_equal_to_eos_needs_the_mask(tiny_models):
+    """A pad id that is also the EOS (GPT-2, Llama 3, Qwen) or the BOS cannot be told from a
+    response's own EOS or a prompt's BOS: ``forward`` refuses it without an ``attention_mask``,
+    and with one scores the EOS that ends a response and the BOS that starts a prompt."""
+    model = tiny_models["llama"]
+    bos, eos = model.config.bos_token_id, model.config.eos_token_id
+    max_req, max_res = 8, 6
+    prompts, responses = [[bos, 40, 41, 42], [bos, 60]], [[50, 51, eos], [70, eos], [71, 72, 73]]
+    rows, mask, expected = [], [], []
+    for p, c in [(prompts[0], responses[0]), (prompts[0], responses[1]), (prompts[1], responses[2])]:
+        left, right = max_req - len(p), max_res - len(c)
+        rows.append([eos] * left + p + c + [eos] * right)
+        mask.append([0] * left + [1] * (len(p) + len(c)) + [0] * right)
+        expected.append(naive(model, p, c))
+    service = ReferenceService(model)
+    for pad in (eos, bos):
+        with pytest.raises(ValueError, match=rf"^pad_id {pad} is also the model's BOS or EOS id.*attention_mask"):
+            service.forward(torch.tensor(rows), max_req, pad)
+    out = service.forward(torch.tensor(rows), max_req, eos, attention_mask=torch.tensor(mask))
+    for row, want in zip(out, expected):
+        assert torch.allclose(row[:want.numel()], want, atol=TOL, rtol=0) and (row[want.numel():] == 0).all()
+    holes = torch.tensor(mask)
+    holes[0, max_req + 1] = 0  # a hole inside the response
+    with pytest.raises(ValueError, match=r"^attention_mask row 0: the prompt must be left-padded"):
+        service.forward(torch.tensor(rows), max_req, eos, attention_mask=holes)
+
+
+def test_returned_values_are_the_callers_own(tiny_models, tmp_path):
+    """Editing a returned tensor in place (masking an EOS) changes no later answer, whether the
+    value was computed, a duplicate in the call, or read from the look-aside cache; and every
+    returned tensor can enter a loss that is differentiated."""
+    model = tiny_models["llama"]
+    request = make_requests(1, 2, seed=30)
+    request[0]["completion_ids"].append(list(request[0]["completion_ids"][0]))  # a duplicate
+    service = ReferenceService(model, cache_dir=tmp_path)
+    first = service.score(request)[0]
+    want = naive(model, request[0]["prompt_ids"], request[0]["completion_ids"][0])
+    first[0][-1] = 0.0  # the caller's edit
+    assert torch.allclose(first[2], want, atol=TOL, rtol=0)  # the duplicate is its own tensor
+    for _ in range(2):  # from memory, then from the disk in a new service
+        again = service.score(request)[0]
+        assert service.stats()["cache_hits"] > 0
+        assert torch.allclose(again[0], want, atol=TOL, rtol=0)
+        again[0].mul_(0)
+        service = ReferenceService(model, cache_dir=tmp_path)
+    weight = torch.ones(len(want), requires_grad=True)
+    (first[1].sum() + (again[2] * weight).sum()).backward()  # neither is an inference tensor
+    assert torch.equal(weight.grad, service.score(request)[0][2])
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "data"])
+def test_weights_changed_in_place_move_the_cache_namespace(tokenizer, tmp_path, how):
+    """A service whose model is synced to other weights (``load_state_dict``, or a write through
+    ``.data``, which bumps no version counter) answers with the new weights' values and files
+    them under the new weights' namespace: the original model never reads them back."""
+    model, other = (build_model("llama", tokenizer, seed=s).eval() for s in (0, 1))
+    requests = make_requests(2, 2, seed=31)
+    service = ReferenceService(model, cache_dir=tmp_path)
+    service.score(requests)
+    old_namespace = service.store.namespace.id
+    if how == "load_state_dict":
+        model.load_state_dict(other.state_dict())
+    else:
+        for mine, theirs in zip(model.parameters(), other.parameters()):
+            mine.data.copy_(theirs.data)
+    assert_matches_naive(other, requests, service.score(requests))
+    assert service.stats()["cache_hits"] == 0
+    assert service.store.namespace.id == namespace_for_module(other, torch.float32).id != old_namespace
+    original = ReferenceService(build_model("llama", tokenizer, seed=0).eval(), cache_dir=tmp_path)
+    assert_matches_naive(original.reference.model, requests, original.score(requests))
+    assert original.stats()["cache_hits"] == 4  # its own values, from the first call
+
+
+def test_calls_from_several_threads_lose_nothing(tiny_models, tmp_path):
+    """Threads calling one service: every answer right, every computed value on disk."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = tiny_models["llama"]
+    batches = [make_requests(2, 3, seed=40 + i) for i in range(6)]
+    service = ReferenceService(model, cache_dir=tmp_path, max_tokens=64)
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(service.score, batches))
+    for requests, values in zip(batches, answers):
+        assert_matches_naive(model, requests, values)
+    again = ReferenceService(model, cache_dir=tmp_path)
+    again.score([r for requests in batches for r in requests])
+    assert again.stats()["forward_passes"] == 0 and again.stats()["cache_hits"] == 36
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_shard_name_on_a_non_file_is_skipped(tiny_models, tmp_path, kind):
+    """A FIFO (which would block a read forever) or a directory under a shard's name is
+    reported and left unread; the values are computed."""
+    import os
+
+    model = tiny_models["llama"]
+    requests = make_requests(1, 2, seed=32)
+    service = ReferenceService(model, cache_dir=tmp_path)
+    service.store.dir.mkdir(parents=True)
+    bad = service.store.dir / "seq-0123456789abcdef.safetensors"
+    os.mkfifo(bad) if kind == "fifo" else bad.mkdir()
+    assert_matches_naive(model, requests, service.score(requests))
+    assert len(service.store.corrupt) == 1 and "not a regular file" in service.store.corrupt[0]
+
+
+def test_token_budget_below_one_is_refused(tiny_models):
+    for bad in (0, -5):
+        with pytest.raises(ValueError, match=rf"^max_tokens must be at least 1; got {bad}$"):
+            ReferenceService(tiny_models["llama"], max_tokens=bad)
 
 
 def test_cache_second_pass_runs_nothing(tiny_models, tmp_path):
@@ -332,6 +445,16 @@ def test_score_cli_bad_row_one_line(model_dir, tmp_path, capsys, row, message):
                                 "--cache-dir", tmp_path / "c", "--device", "cpu"], capsys)
     assert code == 2
     assert printed.err.count("\n") == 1 and message in printed.err and "Traceback" not in printed.err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_score_cli_bad_token_budget_one_line(model_dir, tmp_path, capsys):
+    from dpocache.data import write_jsonl
+
+    data = write_jsonl([{"prompt_ids": [1, 2], "completion_ids": [[3]]}], tmp_path / "rows.jsonl")
+    code, printed = _score_cli(["--model", model_dir, "--data", data, "--out", tmp_path / "o.jsonl",
+                                "--max-tokens", -5], capsys)
+    assert code == 2 and printed.err.count("\n") == 1 and "--max-tokens" in printed.err
     assert not (tmp_path / "o.jsonl").exists()
 
 

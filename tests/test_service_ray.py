@@ -44,6 +44,9 @@ def test_pool_equals_one_service(local_ray, model_dir):
             pool.score(bad)
     finally:
         pool.shutdown()
+    for call in (lambda: pool.score(requests), pool.stats):  # not an IndexError, not all-zero counters
+        with pytest.raises(RuntimeError, match="was shut down"):
+            call()
 
 
 def test_replica_killed_mid_call_answers_everything_once(local_ray, model_dir, tmp_path):

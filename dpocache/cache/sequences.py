@@ -33,8 +33,8 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from ..data import KEY_BYTES
-from .atomic import atomic_write_bytes, atomic_write_text
-from .store import Namespace
+from .atomic import atomic_write_bytes, atomic_write_text, read_regular_file
+from .store import MAX_SHARD_BYTES, Namespace
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,12 @@ class SequenceStore:
         return len(new)
 
     def _load(self, path: Path) -> None:
-        data = path.read_bytes()
+        try:  # a FIFO, device, directory or link under a shard's name is refused unread
+            data = read_regular_file(path, MAX_SHARD_BYTES)
+        except OSError as e:
+            self.corrupt.append(f"{path.name}: {e}")
+            log.warning("%s: %s; not loaded", path, e)
+            return
         digest = hashlib.sha256(data).hexdigest()
         if not path.name.startswith(f"seq-{digest[:16]}"):
             self.corrupt.append(f"{path.name}: checksum mismatch (content sha256 {digest[:16]}...)")
