@@ -134,3 +134,33 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0 or stop.received_here:
             say(f"dpocache{f' (rank {rank})' if rank else ''}: {stop}")
         return stop.exit_code
+    except Exception as err:
+        if not lost_peer(err):
+            raise
+        # Another rank exited (an error or a stop signal of its own, which it reported) while this
+        # one waited for it in a collective: one line here, not a traceback from every survivor.
+        ignore_stop_signals()
+        if verbose:
+            traceback.print_exc()
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if first.startswith("[") and "] " in first:  # gloo's "[source file:line] message"
+            first = first.split("] ", 1)[1]
+        say(f"dpocache (rank {os.environ.get('RANK', '?')}): stopped because another rank exited "
+            f"(see its message): {first}")
+        return 1
+
+
+# What a collective raises when a peer process is gone: gloo a RuntimeError naming the closed
+# connection; NCCL and the store torch.distributed's DistError.
+PEER_GONE = ("closed by peer", "reset by peer", "Broken pipe")
+
+
+def lost_peer(err: BaseException) -> bool:
+    """Whether ``err``, in a process of a multi-process job, is a collective that failed
+    because another rank exited."""
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return False
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and isinstance(err, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(err, RuntimeError) and any(s in str(err) for s in PEER_GONE)

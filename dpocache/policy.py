@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .cache.build import adapter_base_dir
 from .cache.probes import ProbeMemo
-from .config import Config
+from .config import Config, ConfigError
 from .distributed import DistEnv
 from .fsdp import shard_policy
 from .loading import disable_dropout, load_causal_lm, load_for_sharding
@@ -59,8 +59,8 @@ def load_sharded_policy(cfg: Config, env: DistEnv, dtype: torch.dtype,
     sharded with FSDP2 in ``dtype``'s mixed precision. A collective. Returns ``(policy, scorer)``: the causal LM and
     the ``CompletionLogProbs`` that is FSDP's root."""
     if (Path(cfg.model.path) / "adapter_config.json").exists():
-        raise ValueError(f"{cfg.model.path}: distributed.fsdp trains full weights; a PEFT adapter directory "
-                         "is a LoRA run (use DDP: no --fsdp)")
+        raise ConfigError(f"{cfg.model.path}: --fsdp (distributed.fsdp) trains full weights; a PEFT adapter "
+                          "directory is a LoRA run (use DDP: no --fsdp)")
 
     def shard(model):
         scorer = CompletionLogProbs(model, probe=False)  # probed below, once its shards are filled

@@ -37,8 +37,8 @@ from .cache.probes import ProbeMemo
 from .cache_cli import load_tokenizer
 from .checkpoint import checkpoint_dir, latest_checkpoint, load_model_weights, load_trainer_state, save_checkpoint
 from .compiling import compile_layers
-from .config import Config, check_batch_fits
-from .data import PreferenceData, TokenizedPair, load_preference_data
+from .config import Config, ConfigError, check_batch_fits
+from .data import DataError, PreferenceData, TokenizedPair, load_preference_data
 from .divergence import ProgressMonitor
 from .fsdp import (GatheredModel, GatheredOptimizer, full_model_state, full_optimizer_state,
                    load_full_weights)
@@ -57,7 +57,7 @@ from .preflight import model_context
 from .prefix import layout_logprobs, scorer_core, training_layout
 from .reference import dtype_name, resolve_dtype
 from .sharded import reference_loader
-from .signals import StopRequest, stop_signals
+from .signals import Interrupted, StopRequest, stop_signals
 from .values import PairValues
 from .wpo import wpo_sums
 
@@ -108,8 +108,8 @@ def setup(cfg: Config) -> Run:
     env = init_distributed(cfg.model.device, cfg.distributed.backend)
     cfg.model.path, cfg.model.ref_model = resolve_model_path(cfg.model.path), resolve_model_path(cfg.model.ref_model)
     if cfg.distributed.fsdp and env.enabled and cfg.lora.r > 0:
-        raise ValueError("distributed.fsdp with LoRA is not supported: "
-                         "LoRA trains few parameters, use DDP (no --fsdp)")
+        raise ConfigError("--fsdp (distributed.fsdp) with LoRA is not supported: "
+                          "LoRA trains few parameters, use DDP (no --fsdp)")
     out = Path(cfg.train.output_dir)
     if env.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -120,8 +120,8 @@ def setup(cfg: Config) -> Run:
     train_data = _load_data(cfg, cfg.data.train, tokenizer, env)
     eval_data = _load_data(cfg, cfg.data.eval, tokenizer, env) if cfg.data.eval else None
     if eval_data is not None and len(eval_data) < env.world_size:
-        raise ValueError(f"{cfg.data.eval}: {len(eval_data)} pairs, "
-                         f"fewer than the {env.world_size} ranks that share it")
+        raise DataError(str(cfg.data.eval), None, f"{len(eval_data)} pairs, fewer than the {env.world_size} "
+                        "ranks that share it")
     check_batch_fits(cfg, train_data, env.world_size)  # before any model loads
     spec = parse_loss_spec(cfg.loss.name, **cfg.loss.params())
     ref_train, ref_eval, ref_info = prepare_reference(cfg, env, dtype, spec, tokenizer, train_data, eval_data)
@@ -141,7 +141,8 @@ def setup(cfg: Config) -> Run:
     global_batch = cfg.train.batch_size * cfg.train.grad_accum * env.world_size
     steps_per_epoch = len(train_data) // global_batch
     if steps_per_epoch == 0:
-        raise ValueError(f"{cfg.data.train}: {len(train_data)} pairs is less than one global batch ({global_batch})")
+        raise DataError(str(cfg.data.train), None, f"{len(train_data)} pairs is less than one global batch "
+                        f"({global_batch})")
     total = cfg.train.max_steps if cfg.train.max_steps is not None else cfg.train.epochs * steps_per_epoch
     optimizer = build_optimizer(cfg, policy)
     scheduler = build_scheduler(cfg, optimizer, total)
@@ -526,8 +527,11 @@ def _last_good(run: Run) -> str:
 
 
 @torch.no_grad()
-def evaluate(run: Run) -> dict[str, float]:
-    """Loss, reward accuracy and margin on the eval set against its cached reference."""
+def evaluate(run: Run, stop: StopRequest | None = None) -> dict[str, float]:
+    """Loss, reward accuracy and margin on the eval set against its cached reference. With
+    ``stop``, a stop signal on any rank ends it between batches, on every rank together (an
+    eval can outlast the grace period of torchrun or Slurm before their SIGKILL):
+    ``Interrupted`` is raised and nothing is logged."""
     if run.eval_data is None:
         return {}
     run.scorer.eval()
@@ -537,6 +541,10 @@ def evaluate(run: Run) -> dict[str, float]:
     mine = list(range(env.rank, n, env.world_size))  # each rank scores its stride of the set
     batches = math.ceil(math.ceil(n / env.world_size) / bs)  # the longest stride's count, the same on every rank
     for b in range(batches):
+        if stop is not None:
+            signum = int(all_reduce_max(env, torch.tensor([float(stop.signum or 0)], device=env.device)).item())
+            if signum:
+                raise stop.interrupted(signum=signum)
         idx = mine[b * bs:(b + 1) * bs]
         if idx:
             batch_losses(run, [run.eval_data.pairs[i] for i in idx], run.ref_eval, idx, window, prefix="eval/")
@@ -593,12 +601,13 @@ def _train(run: Run, stop: StopRequest) -> dict:
     mean_len = sum(p.num_tokens for p in run.train_data.pairs) / (2 * len(run.train_data))
     flops_per_token = train_flops_per_token(count_params(run.policy), layers, hidden, mean_len)
     _write_run_json(run)
-    # From here a signal only sets ``stop``; the loop acts on it between optimizer steps.
+    # From here a signal only sets ``stop``; the loop acts on it between optimizer steps and
+    # between eval batches. A checkpoint is saved before an eval, so an eval stopped loses nothing.
     with stop.deferred():
-        if run.step == 0:
-            _log_eval(run)
         bar = tqdm(total=run.total_steps, initial=run.step, desc="train", unit="step", dynamic_ncols=True,
                    disable=not (run.env.is_main and cfg.train.progress))
+        if run.step == 0 or _eval_missed(run):
+            _eval_or_stop(run, stop, bar)
         window, t0 = MetricWindow(), time.perf_counter()
         run.saved_at = _clock()
         while run.step < run.total_steps:
@@ -616,18 +625,16 @@ def _train(run: Run, stop: StopRequest) -> dict:
                 bar.set_postfix(loss=f"{record['loss']:.4f}", acc=f"{record['rewards/accuracies']:.2f}",
                                 tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
                 t0 = time.perf_counter()
-            if cfg.train.eval_steps and run.step % cfg.train.eval_steps == 0 and not last:
-                _log_eval(run)
             if signum or (save_due and not last):
                 _save(run)
             if signum:
-                bar.close()
-                raise stop.interrupted(f"checkpoint of step {run.step} of {run.total_steps} saved in "
-                                       f"{checkpoint_dir(run.out, run.step)}; continue with --resume", signum)
-        bar.close()
-        final_eval = _final_eval(run)
+                _stop(run, stop, signum, bar)
+            if _eval_due(run) and not last:
+                _eval_or_stop(run, stop, bar)
         if run.saved_step != run.step:
             _save(run)
+        final_eval = _final_eval(run, stop, bar)
+        bar.close()
         final_dir = save_final(run)
         summary = _finish(run, final_eval, final_dir)
     run.writer.close()
@@ -651,19 +658,54 @@ def _save_or_stop(run: Run, stop: StopRequest) -> tuple[bool, int]:
     return by_steps or by_time > 0, int(signum)
 
 
-def _final_eval(run: Run) -> dict:
+def _stop(run: Run, stop: StopRequest, signum: int, bar) -> None:
+    """Stop on a signal (every rank together): the step reached is checkpointed (if it is not
+    yet), then ``Interrupted`` is raised."""
+    bar.close()
+    if run.step == 0:
+        raise stop.interrupted("before the first step; nothing to save", signum)
+    if run.saved_step != run.step:
+        _save(run)
+    raise stop.interrupted(f"checkpoint of step {run.step} of {run.total_steps} saved in "
+                           f"{checkpoint_dir(run.out, run.step)}; continue with --resume", signum)
+
+
+def _eval_due(run: Run) -> bool:
+    every = run.cfg.train.eval_steps
+    return bool(every) and run.step % every == 0
+
+
+def _logged_eval(run: Run) -> dict | None:
+    """The eval row logged at this step (by a run stopped after it), on every rank; None: none."""
+    if run.eval_data is None:
+        return None
+    row = broadcast_object(run.env, run.writer.last_row(run.step, "eval/") if run.env.is_main else None)
+    return {k: v for k, v in row.items() if k.startswith("eval/")} if row is not None else None
+
+
+def _eval_missed(run: Run) -> bool:
+    """Whether a resumed run stopped before logging the periodic eval of the step it resumes
+    at (a stop during that eval leaves a checkpoint and no row)."""
+    return 0 < run.step < run.total_steps and _eval_due(run) and _logged_eval(run) is None
+
+
+def _eval_or_stop(run: Run, stop: StopRequest, bar) -> dict:
+    try:
+        return _log_eval(run, stop)
+    except Interrupted as stopped:
+        _stop(run, stop, stopped.signum, bar)
+        raise  # not reached: _stop raises
+
+
+def _final_eval(run: Run, stop: StopRequest, bar) -> dict:
     """The eval at the last step. A resumed run that logged it before it stopped (a finished
     run resumed again) reads it back instead of logging a second one."""
-    logged = None
-    if run.eval_data is not None and run.saved_step == run.step:
-        logged = broadcast_object(run.env, run.writer.last_row(run.step, "eval/") if run.env.is_main else None)
-    if logged is not None:
-        return {k: v for k, v in logged.items() if k.startswith("eval/")}
-    return _log_eval(run)
+    logged = _logged_eval(run)
+    return logged if logged is not None else _eval_or_stop(run, stop, bar)
 
 
-def _log_eval(run: Run) -> dict:
-    metrics = evaluate(run)
+def _log_eval(run: Run, stop: StopRequest | None = None) -> dict:
+    metrics = evaluate(run, stop)
     if metrics:
         run.writer.write({"step": run.step, "epoch": run.step / run.steps_per_epoch, **metrics})
     return metrics

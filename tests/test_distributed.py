@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -47,16 +48,17 @@ def _free_port() -> int:
 
 
 def torchrun(*args: str, nproc: int = 2, timeout: float = 300,
-             script: Path | None = None) -> subprocess.CompletedProcess:
+             script: Path | None = None, check: bool = True) -> subprocess.CompletedProcess:
     """``python -m torch.distributed.run --nproc-per-node N -m dpocache ARGS`` on CPU/gloo
-    (``script``: a driver of ``dpocache ARGS`` instead of ``-m dpocache``)."""
+    (``script``: a driver of ``dpocache ARGS`` instead of ``-m dpocache``), expected to
+    succeed unless ``check`` is false."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
                CUDA_VISIBLE_DEVICES="")
     entry = [str(script)] if script is not None else ["-m", "dpocache"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *entry, *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, (f"{' '.join(cmd)}\nexit {proc.returncode}\n"
+    assert proc.returncode == 0 or not check, (f"{' '.join(cmd)}\nexit {proc.returncode}\n"
                                   f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
 
@@ -439,6 +441,46 @@ def test_sigterm_to_one_rank_of_training_checkpoints_and_resumes_exactly(assets,
     for step in (1, 2, 3, 4):
         assert_close_records(got[step], want[step])
     assert [r["step"] for r in read_metrics(stopped)] == [0, 1, 2, 3, 4, 4]
+
+
+def worker_exit_codes(proc: subprocess.CompletedProcess) -> dict[int, int]:
+    """``{rank: exit status}`` of the failed workers, from torchrun's report (a rank's block has
+    "rank      : 1 (local_rank: 1)", then "exitcode  : 2 (pid: ...)"; -15: killed by torchrun's
+    SIGTERM once another worker had failed)."""
+    return {int(rank): int(code) for rank, code in
+            re.findall(r"rank\s*:\s*(\d+) \(local_rank.*?\n\s*exitcode\s*:\s*(-?\d+)", proc.stderr)}
+
+
+def worker_traceback(proc: subprocess.CompletedProcess) -> bool:
+    """Whether a worker printed a traceback through dpocache's code (torchrun's own report of
+    failed workers has a traceback of torchrun's)."""
+    return any('File "' in line and "/dpocache/" in line for line in proc.stderr.splitlines())
+
+
+def test_setup_mistake_under_torchrun_is_one_line_per_rank(assets, tmp_path):
+    """A mistake found once the process group is up (--fsdp with LoRA) is a user error on every
+    rank: one line each and exit 2, not a traceback and exit 1."""
+    proc = torchrun("train", *train_args(assets, tmp_path / "run", 4, None, "--fsdp", "--lora-r", "4"), check=False)
+    codes = worker_exit_codes(proc)
+    # The rank that fails second may already be gone by torchrun's SIGTERM (-15) by then.
+    assert 2 in codes.values() and set(codes.values()) <= {2, -15}, proc.stderr[-6000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("dpocache train: error: --fsdp")]
+    assert len(lines) == list(codes.values()).count(2) and not worker_traceback(proc), proc.stderr[-6000:]
+
+
+def test_rank_failing_alone_leaves_one_line_on_the_other(assets, ddp_run, tmp_path):
+    """Rank 0 fails while saving a checkpoint (a plain file where its temporary directory goes)
+    and exits with its own line; rank 1, waiting for it in a collective, says in one line that
+    another rank exited, instead of printing gloo's traceback."""
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "step-000002.tmp").write_text("in the way")
+    proc = torchrun("train", *train_args(assets, out, 4), check=False)
+    assert worker_exit_codes(proc) == {0: 2, 1: 1}, proc.stderr[-6000:]
+    lines = proc.stderr.splitlines()
+    assert sum(line.startswith("dpocache train: error: ") and "File exists" in line for line in lines) == 1
+    peer = [line for line in lines if line.startswith("dpocache (rank 1): stopped because another rank exited")]
+    assert len(peer) == 1 and not worker_traceback(proc), proc.stderr[-6000:]
 
 
 # ------------------------------------------------------------------------------ sharded reference (FSDP2)

@@ -74,6 +74,26 @@ raise SystemExit(main(sys.argv[1:]))
 """
 
 
+# The process sends itself SIGTERM from inside an eval: after the first eval batch at optimizer
+# step SIGNAL_IN_EVAL_STEP.
+SIGNAL_IN_EVAL = r"""
+import os, signal, sys
+import dpocache.train as train
+from dpocache.cli import main
+
+one_batch = train.batch_losses
+
+def batch_then_signal(run, *args, prefix="", **kwargs):
+    out = one_batch(run, *args, prefix=prefix, **kwargs)
+    if prefix == "eval/" and run.step == int(os.environ["SIGNAL_IN_EVAL_STEP"]):
+        os.kill(os.getpid(), signal.SIGTERM)
+    return out
+
+train.batch_losses = batch_then_signal
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
 def signalled(script: str, args: list, **env: str) -> subprocess.CompletedProcess:
     """``dpocache ARGS`` in a subprocess driven by ``script``; the hook's settings in ``env``."""
     full_env = dict(os.environ, HF_HUB_OFFLINE="1", **env)
@@ -228,6 +248,34 @@ def test_default_settings_sigterm_saves_a_checkpoint_and_resume_continues_exactl
     wa, wb = load_tensors(whole / "final" / "model.safetensors"), load_tensors(stopped / "final" / "model.safetensors")
     assert max_abs_diff(wa, wb) <= 1e-6
     assert Config().train.save_minutes == 30  # what default settings save by, besides the signal
+
+
+@pytest.mark.parametrize("eval_step", [2, 6], ids=["periodic-eval", "final-eval"])
+def test_sigterm_inside_an_eval_stops_it_and_keeps_the_step(tmp_path, base_model, train_jsonl, eval_jsonl,
+                                                             eval_step):
+    """A signal during an eval (which can outlast torchrun's or Slurm's grace period) ends it
+    after the batch in flight: the step is checkpointed, no partial eval row is logged, and
+    --resume runs that eval first, to the history and weights of an uninterrupted run."""
+    steps = ("--eval-data", str(eval_jsonl), "--max-steps", "6", "--eval-steps", "2",
+             "--train.eval_batch_size", "1")
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    run_training(*flags(base_model, train_jsonl, whole, tmp_path / "cache", *steps))
+    proc = signalled(SIGNAL_IN_EVAL, ["train", *flags(base_model, train_jsonl, stopped, tmp_path / "cache", *steps)],
+                     SIGNAL_IN_EVAL_STEP=str(eval_step))
+    line = assert_one_line_stop(proc, "SIGTERM")
+    assert f"step {eval_step} of 6" in line
+    assert checkpoints(stopped)[-1].name == f"step-{eval_step:06d}" and not (stopped / "final").exists()
+    assert [r["step"] for r in records(stopped) if "eval/loss" in r] == [0, 2, 4][:eval_step // 2]
+
+    run_training(*flags(base_model, train_jsonl, stopped, tmp_path / "cache", *steps, "--resume"))
+    assert _history(stopped) == _history(whole)
+    assert [r["step"] for r in records(stopped) if "eval/loss" in r] == [0, 2, 4, 6]
+    for x, y in zip(records(whole), records(stopped)):
+        for key in ("loss", "eval/loss", "eval/rewards/accuracies"):
+            if key in x:
+                assert y[key] == pytest.approx(x[key], abs=1e-6, rel=0), (x["step"], key)
+    wa, wb = load_tensors(whole / "final" / "model.safetensors"), load_tensors(stopped / "final" / "model.safetensors")
+    assert max_abs_diff(wa, wb) <= 1e-6
 
 
 def test_default_settings_save_on_a_time_interval(tmp_path, base_model, train_jsonl, monkeypatch):
