@@ -80,6 +80,8 @@ def parse_args(command: str, rest: list[str]) -> argparse.Namespace | None:
         check_data_path(cfg.data.train, "--data")
         check_data_path(cfg.data.eval if command == "build" else None, "--eval-data")
     cfg.validate(required=() if command == "info" else ("model.path", "data.train"))
+    if own.get("samples") is not None and own["samples"] < 0:
+        raise UsageError(f"--samples: must be >= 0, got {own['samples']}")
     if command == "export" and own.get("out") is None:
         raise UsageError("--out FILE is required")
     if command == "export" and own.get("format") not in (None, *EXPORT_FORMATS):

@@ -17,7 +17,8 @@ from .cache.build import (build_distributed, namespace_dirs, open_namespace_dir,
 from .cache.probes import ProbeMemo
 from .data import PreferenceData, load_preference_data
 from .distributed import destroy, init_distributed
-from .preflight import UsageError, check_writable_dir, disk_errors, model_context
+from .preflight import (UsageError, check_output, check_writable_dir, disk_errors, model_context,
+                        model_vocab_size)
 from .reference import ReferenceModel, default_device, dtype_name, resolve_dtype
 from .sharded import reference_loader
 
@@ -48,7 +49,7 @@ def _load_data(args, tokenizer, verbose: bool = True, source: str | None = None)
     cfg = args.cfg
     data = load_preference_data(source or args.data, tokenizer, args.max_length, args.max_prompt_length,
                                 args.skip_invalid, show_progress=verbose, columns=cfg.data.columns(),
-                                context=model_context(args.model))
+                                context=model_context(args.model), vocab_size=model_vocab_size(args.model))
     if data.skipped and verbose:
         print(f"skipped {len(data.skipped)} invalid rows:", file=sys.stderr)
         for s in data.skipped[:20]:
@@ -187,6 +188,8 @@ def run(args: argparse.Namespace) -> int:
     if args.cache_command == "build":
         check_writable_dir(args.cache_dir or default_cache_dir(), "--cache-dir")
     if args.cache_command == "export":
+        check_output(args.out, "--out", {"--data": args.data, "--model": args.model, "--tokenizer": args.tokenizer},
+                     directory=args.format == "datasets")
         check_writable_dir(args.out.parent, "--out")
     commands = {"build": cmd_build, "info": cmd_info, "verify": cmd_verify, "export": cmd_export}
     try:

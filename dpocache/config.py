@@ -150,7 +150,7 @@ class Config:
         that a typo costs one line and no waiting. ``required``: dotted fields that must be set
         (``("model.path", "data.train")`` for ``train``). Raises ``ConfigError`` naming the
         field; returns ``self``."""
-        missing = [_flag_name(d) for d in required if _get(self, d) is None]
+        missing = [flag_name(d) for d in required if _get(self, d) is None]
         if missing:
             raise ConfigError(f"missing {' and '.join(missing)}")
         _validate_loss(self.loss)
@@ -193,7 +193,7 @@ def check_batch_fits(cfg: Config, data, world_size: int = 1) -> None:
     """One optimizer step's pairs must exist: checked after the data loads, before any model does."""
     global_batch = cfg.train.batch_size * cfg.train.grad_accum * world_size
     if global_batch > len(data):
-        raise ConfigError(f"{_flag_name('train.batch_size')} {cfg.train.batch_size} x grad_accum "
+        raise ConfigError(f"{flag_name('train.batch_size')} {cfg.train.batch_size} x grad_accum "
                           f"{cfg.train.grad_accum} x {world_size} ranks = {global_batch} pairs per step, more than "
                           f"the {len(data)} pairs of {cfg.data.train}")
 
@@ -203,7 +203,7 @@ def _get(cfg: Config, dotted: str) -> Any:
     return getattr(getattr(cfg, section), name)
 
 
-def _flag_name(dotted: str) -> str:
+def flag_name(dotted: str) -> str:
     """``train.batch_size`` -> ``--batch-size (train.batch_size)``: the flag a user typed, and the field."""
     alias = {v: k for k, v in ALIASES.items()}.get(dotted)
     return f"--{alias.replace('_', '-')} ({dotted})" if alias else f"--{dotted}"
@@ -213,26 +213,26 @@ def _validate_loss(loss: LossConfig) -> None:
     from .losses import check_loss_values, parse_loss_spec  # noqa: PLC0415 - see the note on torch above
 
     if not loss.beta > 0:  # also catches NaN
-        raise ConfigError(f"{_flag_name('loss.beta')}: must be > 0, got {loss.beta}")
+        raise ConfigError(f"{flag_name('loss.beta')}: must be > 0, got {loss.beta}")
     try:
         check_loss_values(parse_loss_spec(loss.name, **loss.params()))
     except ValueError as e:
-        raise ConfigError(f"{_flag_name('loss.name')} {loss.name!r}: {e}") from None
+        raise ConfigError(f"{flag_name('loss.name')} {loss.name!r}: {e}") from None
 
 
 def _validate_data(data: DataConfig) -> None:
     for dotted, value in (("data.max_length", data.max_length), ("data.max_prompt_length", data.max_prompt_length)):
         if value is not None and value < 1:
-            raise ConfigError(f"{_flag_name(dotted)}: must be >= 1 (or none), got {value}")
+            raise ConfigError(f"{flag_name(dotted)}: must be >= 1 (or none), got {value}")
     both = data.max_length is not None and data.max_prompt_length is not None
     if both and data.max_prompt_length >= data.max_length:
-        raise ConfigError(f"{_flag_name('data.max_prompt_length')} ({data.max_prompt_length}) must be below "
-                          f"{_flag_name('data.max_length')} ({data.max_length})")
+        raise ConfigError(f"{flag_name('data.max_prompt_length')} ({data.max_prompt_length}) must be below "
+                          f"{flag_name('data.max_length')} ({data.max_length})")
     names = {"data.prompt_field": data.prompt_field, "data.chosen_field": data.chosen_field,
              "data.rejected_field": data.rejected_field}
     for dotted, value in names.items():
         if not value.strip():
-            raise ConfigError(f"{_flag_name(dotted)}: cannot be empty")
+            raise ConfigError(f"{flag_name(dotted)}: cannot be empty")
     if len(set(names.values())) < len(names):
         raise ConfigError(f"--data.prompt_field, --data.chosen_field and --data.rejected_field must name three "
                           f"different columns, got {list(names.values())}")
@@ -244,37 +244,49 @@ def _validate_choices(cfg: Config) -> None:
                "model.compile": COMPILES}
     for dotted, allowed in choices.items():
         if _get(cfg, dotted) not in allowed:
-            raise ConfigError(f"{_flag_name(dotted)}: must be one of {', '.join(allowed)}; got {_get(cfg, dotted)!r}")
+            raise ConfigError(f"{flag_name(dotted)}: must be one of {', '.join(allowed)}; got {_get(cfg, dotted)!r}")
     for name in cfg.train.report_to.split(","):
         if name.strip() not in TRACKERS:
-            raise ConfigError(f"{_flag_name('train.report_to')}: must be one of {', '.join(TRACKERS)} (or several, "
+            raise ConfigError(f"{flag_name('train.report_to')}: must be one of {', '.join(TRACKERS)} (or several, "
                               f"comma-separated); got {name.strip()!r}")
     if cfg.train.resume and cfg.train.overwrite:  # one would silently win over the other
-        raise ConfigError(f"{_flag_name('train.resume')} continues the run in {cfg.train.output_dir} and "
+        raise ConfigError(f"{flag_name('train.resume')} continues the run in {cfg.train.output_dir} and "
                           "--train.overwrite deletes it: pass one of them")
 
 
 # Fields that count something: at least 1 (the optional ones when set); intervals where 0 means "off".
 POSITIVE = ("train.batch_size", "train.grad_accum", "train.epochs", "train.logging_steps", "train.eval_batch_size",
-            "cache.max_tokens", "cache.shard_size")
-NON_NEGATIVE = ("train.eval_steps", "train.save_steps", "train.max_steps")  # max_steps 0: evaluate only
+            "cache.max_tokens", "cache.shard_size", "train.save_total_limit")
+NON_NEGATIVE = ("train.eval_steps", "train.save_steps", "train.max_steps",  # max_steps 0: evaluate only
+                "train.save_minutes", "optim.weight_decay", "optim.max_grad_norm")
+# Values torch.optim.AdamW and peft refuse only after the reference pass: [low, high) each.
+HALF_OPEN = {"optim.adam_beta1": (0.0, 1.0), "optim.adam_beta2": (0.0, 1.0), "lora.dropout": (0.0, 1.0)}
 
 
 def _validate_counts(cfg: Config) -> None:
     for dotted in POSITIVE:
         value = _get(cfg, dotted)
         if value is not None and value < 1:
-            raise ConfigError(f"{_flag_name(dotted)}: must be >= 1, got {value}")
+            raise ConfigError(f"{flag_name(dotted)}: must be >= 1, got {value}")
     for dotted in NON_NEGATIVE:
         value = _get(cfg, dotted)
         if value is not None and value < 0:
-            raise ConfigError(f"{_flag_name(dotted)}: must be >= 0 (0: never), got {value}")
+            raise ConfigError(f"{flag_name(dotted)}: must be >= 0 (0: never), got {value}")
     if cfg.lora.r < 0:
-        raise ConfigError(f"{_flag_name('lora.r')}: must be >= 0 (0: full fine-tuning), got {cfg.lora.r}")
+        raise ConfigError(f"{flag_name('lora.r')}: must be >= 0 (0: full fine-tuning), got {cfg.lora.r}")
     if not (math.isfinite(cfg.optim.lr) and cfg.optim.lr >= 0):
-        raise ConfigError(f"{_flag_name('optim.lr')}: must be a finite number >= 0, got {cfg.optim.lr}")
+        raise ConfigError(f"{flag_name('optim.lr')}: must be a finite number >= 0, got {cfg.optim.lr}")
     if not 0 <= cfg.optim.warmup_ratio <= 1:
         raise ConfigError(f"--optim.warmup_ratio: must be in [0, 1], got {cfg.optim.warmup_ratio}")
+    for dotted, (low, high) in HALF_OPEN.items():
+        value = _get(cfg, dotted)
+        if not low <= value < high:  # also catches NaN
+            raise ConfigError(f"{flag_name(dotted)}: must be in [{low:g}, {high:g}), got {value}")
+    if not cfg.optim.adam_eps > 0:
+        raise ConfigError(f"{flag_name('optim.adam_eps')}: must be > 0, got {cfg.optim.adam_eps}")
+    if cfg.lora.r > 0 and not cfg.lora.alpha > 0:
+        raise ConfigError(f"{flag_name('lora.alpha')}: must be > 0 (the adapter's scale is alpha / r), "
+                          f"got {cfg.lora.alpha}")
 
 
 def _validate_environment() -> None:
@@ -292,11 +304,11 @@ def _validate_device(device: str | None) -> None:
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError):
-        raise ConfigError(f"{_flag_name('model.device')}: '{device}' is not a device (cpu, cuda, cuda:N)") from None
+        raise ConfigError(f"{flag_name('model.device')}: '{device}' is not a device (cpu, cuda, cuda:N)") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"{_flag_name('model.device')} {device}: no CUDA device is available; use --device cpu")
+        raise ConfigError(f"{flag_name('model.device')} {device}: no CUDA device is available; use --device cpu")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ConfigError(f"{_flag_name('model.device')} {device}: only {torch.cuda.device_count()} CUDA devices")
+        raise ConfigError(f"{flag_name('model.device')} {device}: only {torch.cuda.device_count()} CUDA devices")
 
 
 def _sections() -> dict[str, type]:

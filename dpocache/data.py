@@ -266,7 +266,12 @@ def _csv_bad_bytes(location: str, values: dict) -> DataError | None:
 def _read_parquet(path: Path) -> list[RawRow]:
     import pyarrow.parquet as pq
 
-    table = pq.read_table(path)
+    import pyarrow
+
+    try:
+        table = pq.read_table(path)
+    except pyarrow.ArrowException as e:  # not a parquet file, or a truncated one
+        raise DataError(str(path), None, f"not a readable parquet file ({e})") from None
     return [RawRow(i, f"{path}:row {i}", r) for i, r in enumerate(table.to_pylist())]
 
 
@@ -563,22 +568,45 @@ def load_preference_data(
     show_progress: bool = True,
     columns: tuple[str | None, str, str] = STANDARD_COLUMNS,
     context: int | None = None,
+    vocab_size: int | None = None,
 ) -> PreferenceData:
     """Read, validate, render and tokenize a preference data set. See the module docstring.
 
     ``columns``: the (prompt, chosen, rejected) column names; a prompt column of None reads every
     row as implicit-prompt. ``context``: the model's context length; a pair longer than it (after
-    truncation) is a bad row."""
+    truncation) is a bad row. ``vocab_size``: the model's embedding rows; a pair with a token id
+    beyond them (a tokenizer grown without resizing the model) is a bad row."""
     name, rows = read_rows(source)
     if not rows:
         raise DataError(name, None, "no rows")
     rows = map_columns(rows, columns)
     pairs, skipped = tokenize_rows(rows, tokenizer, max_length, max_prompt_length, skip_invalid, show_progress)
+    if vocab_size is not None:
+        pairs, skipped = _check_vocab(rows, pairs, skipped, vocab_size, skip_invalid)
     if context is not None:
         pairs, skipped = _check_context(rows, pairs, skipped, context, max_length, skip_invalid)
     if not pairs:
         raise DataError(name, None, f"no valid rows ({len(skipped)} skipped; first: {skipped[0] if skipped else '-'})")
     return PreferenceData(name, pairs, skipped)
+
+
+def _check_vocab(rows: list[RawRow], pairs: list[TokenizedPair], skipped: list[SkippedRow], vocab_size: int,
+                 skip_invalid: bool) -> tuple[list[TokenizedPair], list[SkippedRow]]:
+    """Pairs with a token id the model's embedding has no row for are bad rows (the forward
+    would fail with an IndexError after the model loaded, or on a GPU with a device assert)."""
+    kept = []
+    for pair in pairs:
+        top = max(max(pair.prompt_ids, default=0), max(pair.chosen_ids, default=0), max(pair.rejected_ids, default=0))
+        if top < vocab_size:
+            kept.append(pair)
+            continue
+        err = DataError(rows[pair.index].location, None, f"token id {top} is outside the model's vocabulary "
+                        f"(vocab_size {vocab_size} in config.json): the tokenizer has tokens the model's embeddings "
+                        "lack (resize them with model.resize_token_embeddings and save the model)")
+        if not skip_invalid:
+            raise err
+        skipped.append(SkippedRow(err.location, err.field, err.reason))
+    return kept, skipped
 
 
 def _check_context(rows: list[RawRow], pairs: list[TokenizedPair], skipped: list[SkippedRow], context: int,

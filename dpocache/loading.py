@@ -35,6 +35,7 @@ from torch import nn
 from . import bf16_matmul
 from .allocator import trim_heap
 from .distributed import DistEnv
+from .preflight import UsageError
 
 
 # ------------------------------------------------------------------------- a whole model
@@ -58,13 +59,30 @@ def load_causal_lm(path: str | Path, device: torch.device | str = "cpu",
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+        model, info = AutoModelForCausalLM.from_pretrained(str(path), output_loading_info=True, **kwargs)
     except (ValueError, ImportError):
         # Some architectures have no SDPA kernel; their own default is the right choice.
         kwargs.pop("attn_implementation", None)
-        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+        model, info = AutoModelForCausalLM.from_pretrained(str(path), output_loading_info=True, **kwargs)
+    check_loaded(path, info)
     disable_dropout(model)
     return model.to(device)
+
+
+def check_loaded(path: str | Path, info: dict) -> None:
+    """Refuse weights that do not fit the model: transformers fills a missing or wrongly shaped
+    weight with a random one and goes on (a reference or a policy of random numbers, exit 0).
+    Weights the model does not use (``unexpected``) are named alongside, for the diagnosis."""
+    missing, mismatched = sorted(info.get("missing_keys") or ()), info.get("mismatched_keys") or ()
+    if not missing and not mismatched:
+        return
+    unexpected = sorted(info.get("unexpected_keys") or ())
+    parts = [f"{len(missing)} missing (e.g. {', '.join(missing[:2])})" if missing else "",
+             f"{len(mismatched)} of another shape (e.g. {mismatched[0][0]})" if mismatched else "",
+             f"{len(unexpected)} in the files the model does not have (e.g. {', '.join(unexpected[:2])})"
+             if unexpected else ""]
+    raise UsageError(f"{path}: the weights do not fit the model's config: {'; '.join(p for p in parts if p)}; "
+                     "transformers would fill them with random values")
 
 
 # ------------------------------------------------------------------ frozen reference storage

@@ -79,6 +79,21 @@ def check_data_path(path: str | Path | None, flag: str = "--data") -> None:
         raise UsageError(f"{flag} {path}: no such file or directory")
 
 
+def check_output(out: str | Path, flag: str, inputs: dict[str, str | Path | None], directory: bool = False) -> None:
+    """Refuse an output path that would overwrite an input (``inputs``: flag -> path), the
+    input file itself or a file inside an input directory (the model's weights), or that is a
+    directory where a file is written (``directory``: the output is a directory)."""
+    target = Path(out).resolve()
+    for name, path in inputs.items():
+        if path is None:
+            continue
+        source = Path(path).resolve()
+        if target == source or (source.is_dir() and source in target.parents):
+            raise UsageError(f"{flag} {out}: that would overwrite {name} {path}; write somewhere else")
+    if not directory and target.is_dir():
+        raise UsageError(f"{flag} {out}: a directory; name a file to write")
+
+
 def check_writable_dir(path: str | Path, flag: str) -> None:
     """Create ``path`` if needed and create (and remove) a file in it."""
     path = Path(path)
@@ -92,13 +107,27 @@ def check_writable_dir(path: str | Path, flag: str) -> None:
 
 def model_context(path: str | Path) -> int | None:
     """The model's context length (``max_position_embeddings`` in config.json), if it says."""
+    return _config_int(path, "max_position_embeddings")
+
+
+def model_vocab_size(path: str | Path) -> int | None:
+    """The rows of the model's input embedding (``vocab_size`` in config.json), if it says."""
+    return _config_int(path, "vocab_size")
+
+
+def _config_int(path: str | Path, key: str) -> int | None:
+    """A positive integer of the model's config.json (a multimodal model's text config's), read
+    without transformers; None if the file or the key is not there."""
     path = Path(path)
     base = _adapter_base(path, "--model")
     try:
         config = json.loads(((base or path) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    value = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    if not isinstance(config, dict):
+        return None
+    value = config.get(key, (config.get("text_config") or {}).get(key) if isinstance(config.get("text_config"),
+                                                                                    dict) else None)
     return value if isinstance(value, int) and value > 0 else None
 
 

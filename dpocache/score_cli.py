@@ -23,6 +23,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from .data import DataError, RawRow, read_rows, special_prefix, with_eos, with_prefix
+from .preflight import check_output
 
 
 def add_score_parser(sub) -> None:
@@ -127,6 +128,7 @@ def cmd_score(args) -> int:
 
     if not Path(args.model).is_dir():
         raise DataError(f"--model {args.model}", None, "not a model directory")
+    check_output(args.out, "--out", {"--data": args.data, "--model": args.model})
     name, rows = read_rows(args.data)
     if not rows:
         raise DataError(name, None, "no rows")

@@ -17,6 +17,7 @@ import gc
 import importlib.metadata
 import json
 import math
+import os
 import platform
 import shutil
 import sys
@@ -35,9 +36,10 @@ from .cache.build import adapter_base_dir, build_distributed, reference_source
 from .cache.fingerprint import default_memo_path
 from .cache.probes import ProbeMemo
 from .cache_cli import load_tokenizer
-from .checkpoint import checkpoint_dir, latest_checkpoint, load_model_weights, load_trainer_state, save_checkpoint
+from .checkpoint import (STATE_FILE, checkpoint_dir, latest_checkpoint, load_model_weights, load_trainer_state,
+                         save_checkpoint)
 from .compiling import compile_layers
-from .config import Config, ConfigError, check_batch_fits
+from .config import Config, ConfigError, check_batch_fits, flag_name
 from .data import DataError, PreferenceData, TokenizedPair, load_preference_data
 from .divergence import ProgressMonitor
 from .fsdp import (GatheredModel, GatheredOptimizer, full_model_state, full_optimizer_state,
@@ -53,7 +55,7 @@ from .metrics import (MetricWindow, MetricsWriter, count_params, import_tracker,
                       trackers, train_flops_per_token)
 from .policy import (build_grad_scaler, build_optimizer, build_scheduler, load_policy, load_sharded_policy,
                      wrap_for_distributed)
-from .preflight import model_context
+from .preflight import model_context, model_vocab_size
 from .prefix import layout_logprobs, scorer_core, training_layout
 from .reference import dtype_name, resolve_dtype
 from .sharded import reference_loader
@@ -111,6 +113,7 @@ def setup(cfg: Config) -> Run:
         raise ConfigError("--fsdp (distributed.fsdp) with LoRA is not supported: "
                           "LoRA trains few parameters, use DDP (no --fsdp)")
     out = Path(cfg.train.output_dir)
+    check_resumable(cfg, out)
     if env.is_main:
         out.mkdir(parents=True, exist_ok=True)
     barrier(env)
@@ -178,7 +181,8 @@ def start_fresh(run: Run) -> None:
 def _load_data(cfg: Config, source: str, tokenizer, env: DistEnv) -> PreferenceData:
     data = load_preference_data(source, tokenizer, cfg.data.max_length, cfg.data.max_prompt_length,
                                 cfg.data.skip_invalid, show_progress=env.is_main and cfg.train.progress,
-                                columns=cfg.data.columns(), context=model_context(cfg.model.path))
+                                columns=cfg.data.columns(), context=model_context(cfg.model.path),
+                                vocab_size=model_vocab_size(cfg.model.path))
     if data.skipped and env.is_main:
         print(f"{source}: skipped {len(data.skipped)} invalid rows, first: {data.skipped[0]}", file=sys.stderr)
     return data
@@ -311,6 +315,45 @@ def _run_info(run: Run, ref_info: dict) -> dict:
         "loss": str(run.spec), "total_steps": run.total_steps, "layout": run.layout.to_json(),
         "reference": ref_info,
     }
+
+
+# What a resumed run must share with the run that wrote its checkpoint: everything that changes
+# which pairs it trains on and what a step computes from them. The batch may change (a warning:
+# a different world size can keep it); steps, epochs, logging, saving, evals and trackers may too.
+RESUME_FIXED_SECTIONS = ("loss", "optim", "lora")
+RESUME_FIXED_FIELDS = ("model.path", "model.ref_model", "model.reference", "model.dtype", "data.train",
+                       "data.max_length", "data.max_prompt_length", "data.skip_invalid", "data.prompt_field",
+                       "data.chosen_field", "data.rejected_field", "train.seed")
+RESUME_PATHS = ("model.path", "model.ref_model", "data.train")
+
+
+def check_resumable(cfg: Config, out: Path) -> None:
+    """Refuse ``--resume`` with settings that differ from those the newest checkpoint was
+    trained with (a changed loss, learning rate, data or model would make the "resumed" run a
+    different run, logged and summarised as if it were one); before any model loads."""
+    found = latest_checkpoint(out) if cfg.train.resume else None
+    if found is None:
+        return
+    try:
+        saved = json.loads((found / STATE_FILE).read_text(encoding="utf-8")).get("config") or {}
+    except (OSError, ValueError):
+        return  # an unreadable state fails in resume() with its own message
+    now = cfg.to_dict()
+    fields = [f"{section}.{name}" for section in RESUME_FIXED_SECTIONS for name in now[section]]
+    changed = []
+    for dotted in (*RESUME_FIXED_FIELDS, *fields):
+        section, name = dotted.split(".", 1)
+        if name not in saved.get(section, {}):
+            continue  # a field newer than the checkpoint
+        old, new = saved[section][name], now[section][name]
+        if dotted in RESUME_PATHS and old is not None and new is not None:
+            old, new = os.path.realpath(old), os.path.realpath(new)
+        if old != new:
+            changed.append(f"{flag_name(dotted)} {saved[section][name]!r} -> {now[section][name]!r}")
+    if changed:
+        raise ConfigError(f"--resume: {found} was trained with other settings ({'; '.join(changed)}); a resumed "
+                          "run continues the same training: pass the same values, or start a new run in another "
+                          "--output-dir")
 
 
 def resume(run: Run) -> None:

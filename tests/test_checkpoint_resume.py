@@ -1,5 +1,6 @@
 """Resume: an interrupted run, continued with --resume, matches an uninterrupted one exactly
-(losses step by step and the final weights), for full fine-tuning and for LoRA."""
+(losses step by step and the final weights), for full fine-tuning and for LoRA; a resume with
+settings that change the training is refused before any model loads."""
 
 from __future__ import annotations
 
@@ -68,3 +69,35 @@ def test_load_model_weights_reads_sharded_checkpoints(tmp_path, base_model):
     load_model_weights(tmp_path / "ckpt", fresh)
     want, got = trained.state_dict(), fresh.state_dict()
     assert max(float((want[k] - got[k]).abs().max()) for k in want) == 0
+
+
+@pytest.mark.parametrize("changed, fragment", [
+    (("--loss", "ipo"), "--loss (loss.name) 'sigmoid' -> 'ipo'"),
+    (("--lr", "0.1"), "--lr (optim.lr) 0.001 -> 0.1"),
+    (("--beta", "0.5"), "--beta (loss.beta) 0.1 -> 0.5"),
+    (("--max-length", "32"), "--max-length (data.max_length) 64 -> 32"),
+    (("--lora-r", "4"), "--lora-r (lora.r) 0 -> 4"),
+    (("--seed", "7"), "--seed (train.seed) 42 -> 7"),
+])
+def test_resume_with_other_settings_is_refused_before_loading(tmp_path, base_model, train_jsonl, monkeypatch,
+                                                              capsys, changed, fragment):
+    """Changing the loss, the learning rate, the data or the model under --resume made a
+    different run that run.json described as the resumed one; more steps may still be asked."""
+    import dpocache.loading
+    from dpocache.cli import main
+
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    common = flags(base_model, train_jsonl, out, cache, "--max-steps", "2")
+    run_training(*common)
+    capsys.readouterr()
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    with monkeypatch.context() as m:
+        m.setattr(dpocache.loading, "load_causal_lm", no_load)
+        assert main(["train", *common, *changed, "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--resume:" in err and fragment in err, err
+    run_training(*common, "--max-steps", "3", "--resume")  # the same training, further
+    assert [r["step"] for r in train_records(out)] == [1, 2, 3]

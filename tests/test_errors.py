@@ -65,6 +65,18 @@ def work(tmp_path_factory, model_dir, pref_rows) -> Path:
     (root / "long.jsonl").write_text(json.dumps(pref_rows[0]) + "\n"
                                      + json.dumps({"prompt": "sort " * 600, "chosen": " 1", "rejected": " 2"}) + "\n")
     (root / "a-file").write_text("not a directory\n")
+    (root / "broken.parquet").write_bytes(b"PAR1 but nothing else")
+    # Weights saved under other names (a PEFT-wrapped model's state dict saved as a full model):
+    # transformers would fill every weight at random.
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(root / "model", root / "renamed-weights")
+    weights = root / "renamed-weights" / "model.safetensors"
+    save_file({f"base_model.model.{k}": v for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"})
+    # A tokenizer grown without resizing the model: the config's vocabulary is smaller than its ids.
+    shutil.copytree(root / "model", root / "small-vocab")
+    config = json.loads((root / "small-vocab" / "config.json").read_text())
+    (root / "small-vocab" / "config.json").write_text(json.dumps({**config, "vocab_size": 8}))
     return root
 
 
@@ -126,6 +138,31 @@ CASES = {
     "malformed JSON": (with_data(TRAIN, "malformed.jsonl"), ["malformed.jsonl:2", "malformed JSON"]),
     "row longer than the context": ((*with_data(BUILD, "long.jsonl"), "--max-length", "none"),
                                     ["long.jsonl:2", "context (512"]),
+    "weights under other names": (("cache", "build", "--model", "renamed-weights", *BUILD[4:]),
+                                  ["renamed-weights", "do not fit", "missing", "base_model.model."]),
+    "weights under other names, train": (("train", "--model", "renamed-weights", *TRAIN[3:]),
+                                         ["renamed-weights", "do not fit"]),
+    "adam beta1 of 1.5": ((*TRAIN, "--optim.adam_beta1", "1.5"), ["--optim.adam_beta1", "[0, 1)", "1.5"]),
+    "adam eps below 0": ((*TRAIN, "--optim.adam_eps", "-1"), ["--optim.adam_eps", "> 0"]),
+    "lora dropout of 1.5": ((*TRAIN, "--lora-r", "4", "--lora.dropout", "1.5"), ["--lora.dropout", "[0, 1)"]),
+    "lora alpha 0": ((*TRAIN, "--lora-r", "4", "--lora.alpha", "0"), ["--lora.alpha", "> 0"]),
+    "negative clipping norm": ((*TRAIN, "--optim.max_grad_norm", "-1"), ["--optim.max_grad_norm", ">= 0"]),
+    "keep no checkpoint": ((*TRAIN, "--train.save_total_limit", "0"), ["--train.save_total_limit", ">= 1"]),
+    "verify negative samples": (("cache", "verify", *BUILD[2:], "--samples", "-3"), ["--samples", ">= 0"]),
+    "not a parquet file": (with_data(BUILD, "broken.parquet"), ["broken.parquet", "parquet"]),
+    "cache export over its own data": (("cache", "export", "--model", "model", "--data", "data.jsonl", "--out",
+                                        "data.jsonl", "--cache-dir", "cache", "--device", "cpu"),
+                                       ["--out data.jsonl", "overwrite --data data.jsonl"]),
+    "cache export into the model's directory": (("cache", "export", "--model", "model", "--data", "data.jsonl",
+                                                 "--out", "model/model.safetensors", "--format", "safetensors",
+                                                 "--cache-dir", "cache", "--device", "cpu"),
+                                                ["--out model/model.safetensors", "overwrite --model model"]),
+    "score over its own data": (("score", "--model", "model", "--data", "data.jsonl", "--out", "data.jsonl",
+                                 "--device", "cpu"), ["--out data.jsonl", "overwrite --data"]),
+    "score into a directory": (("score", "--model", "model", "--data", "data.jsonl", "--out", "model",
+                                "--device", "cpu"), ["--out model", "overwrite --model"]),
+    "token ids beyond the model's vocabulary": (("cache", "build", "--model", "small-vocab", *BUILD[4:]),
+                                                ["data.jsonl:1", "outside the model's vocabulary", "vocab_size 8"]),
 }
 
 
