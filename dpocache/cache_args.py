@@ -104,6 +104,9 @@ def _option_value(name: str, type_: type, value: str):
 def _namespace(cfg: Config, command: str, own: dict) -> argparse.Namespace:
     """The names the commands below were written against, read from the configuration."""
     defaults = {k: d for k, (_, d, _) in OPTIONS[command].items()}
+    options = {**defaults, **own}
+    if command == "build" and cfg.loss.ld_alpha is not None:
+        options["per_token"] = True  # LD-DPO trains on per-token values: store them, as train's own build would
     return argparse.Namespace(
         cfg=cfg, cache_command=command, model=cfg.model.ref_model or cfg.model.path, tokenizer=cfg.model.path,
         reference=cfg.model.reference,
@@ -113,5 +116,5 @@ def _namespace(cfg: Config, command: str, own: dict) -> argparse.Namespace:
         max_tokens=cfg.cache.max_tokens, layout=cfg.cache.layout, attention=cfg.model.attention,
         compile=cfg.model.compile, shard_size=cfg.cache.shard_size,
         fsdp=cfg.distributed.fsdp,
-        **{**defaults, **own},
+        **options,
     )

@@ -166,6 +166,20 @@ def test_complete_cache_loads_no_reference_model(tmp_path, base_model, train_jso
     assert ref["forward_passes"] == 0 and passes == []
 
 
+def test_cache_built_for_ld_dpo_is_reused_whole(tmp_path, base_model, train_jsonl, monkeypatch, capsys):
+    """``cache build --loss.ld_alpha`` stores the per-token values LD-DPO trains on (it stored
+    sums only, and train recomputed every pair)."""
+    cache = tmp_path / "cache"
+    assert cli_main(["cache", "build", "--model", str(base_model), "--data", str(train_jsonl),
+                     "--cache-dir", str(cache), "--max-length", "64", "--dtype", "float32", "--device", "cpu",
+                     "--loss.ld_alpha", "0.5", "--json"]) == 0
+    _forbid_reference_load(monkeypatch)
+    out = tmp_path / "run"
+    run_training(*flags(base_model, train_jsonl, out, cache, "--max-steps", "1", "--loss.ld_alpha", "0.5"))
+    ref = run_json(out)["reference"]
+    assert (ref["computed"], ref["reused"], ref["ld_alpha"]) == (0, TRAIN_PAIRS, 0.5)
+
+
 def test_appended_rows_build_only_the_new_pairs(tmp_path, base_model, train_jsonl, monkeypatch):
     from dpocache.data import write_jsonl
     from dpocache.demo import sorting_pairs
