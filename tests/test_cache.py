@@ -94,6 +94,14 @@ def test_fingerprint_memo_rehashes_nothing_on_a_hit(tmp_path, model_dir):
     assert model_dir_fingerprint(copy, fourth) == fp and fourth.hashed_bytes == st.st_size
 
 
+def test_fingerprint_memo_that_cannot_be_written_still_fingerprints(tmp_path, model_dir):
+    """A shared cache mounted read-only: verify and export only read it, so the memo's write
+    failing must not stop them (here its directory is a file, which even root cannot write into)."""
+    (tmp_path / "read-only").write_text("")
+    memo = FingerprintMemo(tmp_path / "read-only" / "fingerprints.json")
+    assert model_dir_fingerprint(model_dir, memo) == model_dir_fingerprint(model_dir, FingerprintMemo(None))
+
+
 def _hub_snapshot(model_dir, hf_cache, lfs_names=True):
     """``model_dir`` laid out as ``huggingface_hub`` stores a download: blobs named by the SHA-256
     of an LFS file (the weights) and by the git SHA-1 of any other file, linked from a snapshot."""

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 from pathlib import Path
 
 import torch
 
 from .atomic import atomic_write_text, read_regular_file
+
+log = logging.getLogger(__name__)
 
 MAX_MEMO_BYTES = 64 << 20
 
@@ -87,8 +90,12 @@ class FingerprintMemo:
         self.hashed_bytes += st.st_size
         self.entries[key] = {**stamp, "sha256": digest}
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(self.path, json.dumps(self.entries, indent=1, sort_keys=True))
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_text(self.path, json.dumps(self.entries, indent=1, sort_keys=True))
+            except OSError as e:  # a shared, read-only cache is still read: the memo only saves a re-hash
+                log.info("fingerprint memo %s not written (%s); the next run hashes %s again", self.path,
+                         e.strerror or e, path.name)
         return digest
 
 
