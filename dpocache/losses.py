@@ -717,6 +717,8 @@ def needs_reference(name_or_spec: str | Sequence[str] | LossSpec) -> bool:
 
 def check_loss_values(spec: LossSpec) -> None:
     """Reject param values the formulas cannot take, naming the loss."""
+    if not any(weight > 0 for _, weight in spec.terms):  # "sigmoid:0": a loss of 0 at every step, nothing trains
+        raise ValueError(f"{spec}: every term's weight is 0 or less; a term needs a weight > 0")
     for name, _ in spec.terms:
         p = {**LOSSES[name].defaults, **{k: v for k, v in spec.params.items() if k in LOSSES[name].defaults}}
         # IPO, SPPO and the SimPO ratio divide by beta; a non-positive beta flips every loss.
