@@ -462,10 +462,11 @@ def test_setup_mistake_under_torchrun_is_one_line_per_rank(assets, tmp_path):
     rank: one line each and exit 2, not a traceback and exit 1."""
     proc = torchrun("train", *train_args(assets, tmp_path / "run", 4, None, "--fsdp", "--lora-r", "4"), check=False)
     codes = worker_exit_codes(proc)
-    # The rank that fails second may already be gone by torchrun's SIGTERM (-15) by then.
+    # torchrun reports the first rank to fail; the other has printed its line by then, or is
+    # stopped by torchrun's SIGTERM (-15) before it got there.
     assert 2 in codes.values() and set(codes.values()) <= {2, -15}, proc.stderr[-6000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("dpocache train: error: --fsdp")]
-    assert len(lines) == list(codes.values()).count(2) and not worker_traceback(proc), proc.stderr[-6000:]
+    assert 1 <= len(lines) <= 2 and not worker_traceback(proc), proc.stderr[-6000:]
 
 
 def test_rank_failing_alone_leaves_one_line_on_the_other(assets, ddp_run, tmp_path):

@@ -137,7 +137,8 @@ def test_no_audit_with_another_reference_or_after_step0(tmp_path, base_model, tr
     assert "skipped" in run_json(out)["reference"]["step0_audit"]
     shutil.rmtree(out / "checkpoints" / "step-000002")
     shutil.rmtree(out / "final")
-    run_training(*flags(base_model, train_jsonl, out, tmp_path / "cache", "--max-steps", "2", "--resume"))
+    run_training(*flags(base_model, train_jsonl, out, tmp_path / "cache", "--max-steps", "2", "--resume",
+                        "--ref-model", str(ref)))  # the same reference: --resume refuses another
     assert "resumed at step 1" in run_json(out)["reference"]["step0_audit"]["skipped"]
 
 
