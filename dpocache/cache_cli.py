@@ -64,7 +64,8 @@ def _open_store(args, device, open_now: bool = True, verbose: bool = True) -> tu
     if args.dtype == "auto" and verbose:
         print(f"dtype: {dtype_name(dtype)} (auto, chosen for {device.type})", file=sys.stderr)
     cache_dir = args.cache_dir or default_cache_dir()
-    store = CacheStore(cache_dir, namespace_for_dir(args.model, dtype, cache_dir, args.reference))
+    reading = args.cache_command != "build"  # verify and export only read the cache
+    store = CacheStore(cache_dir, namespace_for_dir(args.model, dtype, cache_dir, args.reference, read_only=reading))
     if open_now:
         store.open()
         for bad in store.corrupt:

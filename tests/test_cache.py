@@ -96,10 +96,14 @@ def test_fingerprint_memo_rehashes_nothing_on_a_hit(tmp_path, model_dir):
 
 def test_fingerprint_memo_that_cannot_be_written_still_fingerprints(tmp_path, model_dir):
     """A shared cache mounted read-only: verify and export only read it, so the memo's write
-    failing must not stop them (here its directory is a file, which even root cannot write into)."""
+    failing must not stop them (here its directory is a file, which even root cannot write into);
+    build and train, which write, stop there."""
     (tmp_path / "read-only").write_text("")
-    memo = FingerprintMemo(tmp_path / "read-only" / "fingerprints.json")
+    memo = FingerprintMemo(tmp_path / "read-only" / "fingerprints.json", read_only=True)
     assert model_dir_fingerprint(model_dir, memo) == model_dir_fingerprint(model_dir, FingerprintMemo(None))
+    # A command that writes the cache stops at this first write (tests/test_errors.py: a full disk).
+    with pytest.raises(OSError):
+        model_dir_fingerprint(model_dir, FingerprintMemo(tmp_path / "read-only" / "fingerprints.json"))
 
 
 def _hub_snapshot(model_dir, hf_cache, lfs_names=True):

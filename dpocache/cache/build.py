@@ -112,11 +112,12 @@ def _adapter_fingerprint(adapter_dir: Path, memo: FingerprintMemo) -> tuple[str,
 
 
 def namespace_for_dir(model_path: str | Path, dtype: torch.dtype, cache_dir: Path,
-                      reference: str = "initial") -> Namespace:
+                      reference: str = "initial", read_only: bool = False) -> Namespace:
     """The namespace of the reference ``model_path`` describes (``reference_source``): the base's
-    weights and config, and with an adapter on, the adapter's weights and config too."""
+    weights and config, and with an adapter on, the adapter's weights and config too.
+    ``read_only``: the caller only reads the cache (``FingerprintMemo``)."""
     base, adapter = reference_source(model_path, reference)
-    memo = FingerprintMemo(default_memo_path(cache_dir))
+    memo = FingerprintMemo(default_memo_path(cache_dir), read_only)
     fp = model_dir_fingerprint(base, memo)
     if adapter is None:
         return Namespace(fp["weights_sha256"], fp["config_sha256"], dtype_name(dtype), model=str(base.resolve()))

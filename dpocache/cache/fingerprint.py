@@ -61,10 +61,16 @@ def file_sha256(path: Path) -> str:
 
 
 class FingerprintMemo:
-    """``{absolute path: {size, mtime_ns, ctime_ns, inode, sha256}}`` in one JSON file."""
+    """``{absolute path: {size, mtime_ns, ctime_ns, inode, sha256}}`` in one JSON file.
 
-    def __init__(self, memo_file: Path | None):
+    ``read_only``: for commands that only read the cache (verify, export), a memo that cannot be
+    written is logged and skipped (a shared cache mounted read-only). Commands that write the
+    cache let the error through: it is the first write, and a full or read-only disk should stop
+    them before the reference pass, not after it."""
+
+    def __init__(self, memo_file: Path | None, read_only: bool = False):
         self.path = memo_file
+        self.read_only = read_only
         self.entries: dict[str, dict] = {}
         if memo_file is not None and memo_file.exists():
             try:
@@ -93,7 +99,9 @@ class FingerprintMemo:
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 atomic_write_text(self.path, json.dumps(self.entries, indent=1, sort_keys=True))
-            except OSError as e:  # a shared, read-only cache is still read: the memo only saves a re-hash
+            except OSError as e:
+                if not self.read_only:
+                    raise
                 log.info("fingerprint memo %s not written (%s); the next run hashes %s again", self.path,
                          e.strerror or e, path.name)
         return digest
