@@ -585,7 +585,9 @@ def evaluate(run: Run, stop: StopRequest | None = None) -> dict[str, float]:
     batches = math.ceil(math.ceil(n / env.world_size) / bs)  # the longest stride's count, the same on every rank
     for b in range(batches):
         if stop is not None:
-            signum = int(all_reduce_max(env, torch.tensor([float(stop.signum or 0)], device=env.device)).item())
+            signum = stop.signum or 0
+            if env.enabled:  # every rank stops at the same batch; one process needs no device sync for it
+                signum = int(all_reduce_max(env, torch.tensor([float(signum)], device=env.device)).item())
             if signum:
                 raise stop.interrupted(signum=signum)
         idx = mine[b * bs:(b + 1) * bs]

@@ -423,6 +423,23 @@ def test_sigterm_to_one_rank_of_a_build_keeps_every_pair_computed(assets, tmp_pa
     assert (summary["reused"], summary["computed"]) == (len(shares[0]) + seen, 37 - len(shares[0]) - seen)
 
 
+def test_sigterm_to_one_rank_inside_an_eval_stops_both_at_that_step(assets, tmp_path):
+    """Rank 1 gets SIGTERM in the middle of the step-2 eval: both ranks leave the eval at the
+    same batch (their agreement is a collective), step 2 is checkpointed, no eval row is logged
+    for it, and --resume logs it before going on."""
+    from dpocache.checkpoint import checkpoints
+    from test_signals import SIGNAL_IN_EVAL
+
+    out = tmp_path / "stopped"
+    args = train_args(assets, out, 4, None, "--save-steps", "0", "--eval-steps", "2", "--train.eval_batch_size", "1")
+    proc = torchrun_signalled(SIGNAL_IN_EVAL, tmp_path, "train", *args, SIGNAL_RANK="1", SIGNAL_IN_EVAL_STEP="2")
+    assert "dpocache: stopped by SIGTERM: checkpoint of step 2 of 4" in proc.stderr, proc.stderr[-6000:]
+    assert [p.name for p in checkpoints(out)] == ["step-000002"]
+    assert [r["step"] for r in evals(out)] == [0]
+    torchrun("train", *args, "--resume")
+    assert [r["step"] for r in evals(out)] == [0, 2, 4]
+
+
 def test_sigterm_to_one_rank_of_training_checkpoints_and_resumes_exactly(assets, ddp_run, tmp_path):
     """Default settings (no --save-steps): rank 1 gets SIGTERM after step 2; every rank agrees to
     stop there, one checkpoint of step 2 is saved, and --resume matches the uninterrupted run."""

@@ -75,7 +75,7 @@ raise SystemExit(main(sys.argv[1:]))
 
 
 # The process sends itself SIGTERM from inside an eval: after the first eval batch at optimizer
-# step SIGNAL_IN_EVAL_STEP.
+# step SIGNAL_IN_EVAL_STEP (on rank SIGNAL_RANK).
 SIGNAL_IN_EVAL = r"""
 import os, signal, sys
 import dpocache.train as train
@@ -85,7 +85,8 @@ one_batch = train.batch_losses
 
 def batch_then_signal(run, *args, prefix="", **kwargs):
     out = one_batch(run, *args, prefix=prefix, **kwargs)
-    if prefix == "eval/" and run.step == int(os.environ["SIGNAL_IN_EVAL_STEP"]):
+    mine = os.environ.get("RANK", "0") == os.environ.get("SIGNAL_RANK", "0")
+    if mine and prefix == "eval/" and run.step == int(os.environ["SIGNAL_IN_EVAL_STEP"]):
         os.kill(os.getpid(), signal.SIGTERM)
     return out
 
