@@ -48,7 +48,7 @@ import struct
 from array import array
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from tqdm.auto import tqdm
 
@@ -264,9 +264,8 @@ def _csv_bad_bytes(location: str, values: dict) -> DataError | None:
 
 
 def _read_parquet(path: Path) -> list[RawRow]:
-    import pyarrow.parquet as pq
-
     import pyarrow
+    import pyarrow.parquet as pq
 
     try:
         table = pq.read_table(path)
@@ -582,46 +581,48 @@ def load_preference_data(
     rows = map_columns(rows, columns)
     pairs, skipped = tokenize_rows(rows, tokenizer, max_length, max_prompt_length, skip_invalid, show_progress)
     if vocab_size is not None:
-        pairs, skipped = _check_vocab(rows, pairs, skipped, vocab_size, skip_invalid)
+        pairs, skipped = _drop_unfit(rows, pairs, skipped, skip_invalid, lambda p: _vocab_problem(p, vocab_size))
     if context is not None:
-        pairs, skipped = _check_context(rows, pairs, skipped, context, max_length, skip_invalid)
+        pairs, skipped = _drop_unfit(rows, pairs, skipped, skip_invalid,
+                                     lambda p: _context_problem(p, context, max_length))
     if not pairs:
         raise DataError(name, None, f"no valid rows ({len(skipped)} skipped; first: {skipped[0] if skipped else '-'})")
     return PreferenceData(name, pairs, skipped)
 
 
-def _check_vocab(rows: list[RawRow], pairs: list[TokenizedPair], skipped: list[SkippedRow], vocab_size: int,
-                 skip_invalid: bool) -> tuple[list[TokenizedPair], list[SkippedRow]]:
-    """Pairs with a token id the model's embedding has no row for are bad rows (the forward
-    would fail with an IndexError after the model loaded, or on a GPU with a device assert)."""
-    kept = []
-    for pair in pairs:
-        top = max(max(pair.prompt_ids, default=0), max(pair.chosen_ids, default=0), max(pair.rejected_ids, default=0))
-        if top < vocab_size:
-            kept.append(pair)
-            continue
-        err = DataError(rows[pair.index].location, None, f"token id {top} is outside the model's vocabulary "
-                        f"(vocab_size {vocab_size} in config.json): the tokenizer has tokens the model's embeddings "
-                        "lack (resize them with model.resize_token_embeddings and save the model)")
-        if not skip_invalid:
-            raise err
-        skipped.append(SkippedRow(err.location, err.field, err.reason))
-    return kept, skipped
+def _vocab_problem(pair: TokenizedPair, vocab_size: int) -> str | None:
+    """A token id the model's embedding has no row for (the forward would fail with an
+    IndexError after the model loaded, or on a GPU with a device assert)."""
+    top = max(max(pair.prompt_ids, default=0), max(pair.chosen_ids, default=0), max(pair.rejected_ids, default=0))
+    if top < vocab_size:
+        return None
+    return (f"token id {top} is outside the model's vocabulary (vocab_size {vocab_size} in config.json): the "
+            "tokenizer has tokens the model's embeddings lack (resize them with model.resize_token_embeddings "
+            "and save the model)")
 
 
-def _check_context(rows: list[RawRow], pairs: list[TokenizedPair], skipped: list[SkippedRow], context: int,
-                   max_length: int | None, skip_invalid: bool) -> tuple[list[TokenizedPair], list[SkippedRow]]:
-    """Pairs whose longer sequence exceeds the model's context are bad rows: the model has no
-    positions for their tokens (and a 10 MB row would allocate terabytes)."""
+def _context_problem(pair: TokenizedPair, context: int, max_length: int | None) -> str | None:
+    """A longer sequence than the model's context: the model has no positions for its tokens
+    (and a 10 MB row would allocate terabytes)."""
+    n = len(pair.prompt_ids) + max(len(pair.chosen_ids), len(pair.rejected_ids))
+    if n <= context:
+        return None
+    cut = f" after truncation to max_length={max_length}" if max_length is not None else ""
+    return (f"{n} tokens{cut}, longer than the model's context ({context}, max_position_embeddings in "
+            f"config.json); set --max-length {context} or less")
+
+
+def _drop_unfit(rows: list[RawRow], pairs: list[TokenizedPair], skipped: list[SkippedRow], skip_invalid: bool,
+                problem: Callable[[TokenizedPair], str | None]) -> tuple[list[TokenizedPair], list[SkippedRow]]:
+    """Pairs the model cannot take (``problem`` says why, None if it can) are bad rows: raised,
+    or skipped with ``skip_invalid``."""
     kept = []
     for pair in pairs:
-        n = len(pair.prompt_ids) + max(len(pair.chosen_ids), len(pair.rejected_ids))
-        if n <= context:
+        reason = problem(pair)
+        if reason is None:
             kept.append(pair)
             continue
-        cut = f" after truncation to max_length={max_length}" if max_length is not None else ""
-        err = DataError(rows[pair.index].location, None, f"{n} tokens{cut}, longer than the model's context "
-                        f"({context}, max_position_embeddings in config.json); set --max-length {context} or less")
+        err = DataError(rows[pair.index].location, None, reason)
         if not skip_invalid:
             raise err
         skipped.append(SkippedRow(err.location, err.field, err.reason))

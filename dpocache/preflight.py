@@ -126,8 +126,8 @@ def _config_int(path: str | Path, key: str) -> int | None:
         return None
     if not isinstance(config, dict):
         return None
-    value = config.get(key, (config.get("text_config") or {}).get(key) if isinstance(config.get("text_config"),
-                                                                                    dict) else None)
+    text = config.get("text_config")
+    value = config.get(key, text.get(key) if isinstance(text, dict) else None)
     return value if isinstance(value, int) and value > 0 else None
 
 

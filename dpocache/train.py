@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from tqdm.auto import tqdm
@@ -703,7 +704,7 @@ def _save_or_stop(run: Run, stop: StopRequest) -> tuple[bool, int]:
     return by_steps or by_time > 0, int(signum)
 
 
-def _stop(run: Run, stop: StopRequest, signum: int, bar) -> None:
+def _stop(run: Run, stop: StopRequest, signum: int, bar) -> NoReturn:
     """Stop on a signal (every rank together): the step reached is checkpointed (if it is not
     yet), then ``Interrupted`` is raised."""
     bar.close()
@@ -739,7 +740,6 @@ def _eval_or_stop(run: Run, stop: StopRequest, bar) -> dict:
         return _log_eval(run, stop)
     except Interrupted as stopped:
         _stop(run, stop, stopped.signum, bar)
-        raise  # not reached: _stop raises
 
 
 def _final_eval(run: Run, stop: StopRequest, bar) -> dict:
