@@ -217,9 +217,12 @@ def measured_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 20
     if key in _PEAK_CACHE:
         return _PEAK_CACHE[key]
     n = min(256, size)
+    # A generator of its own: drawing from the global one would shift a training run's dropout
+    # masks by when its first log happened (a resumed run's came at another step).
+    gen = torch.Generator(device=device).manual_seed(0)
     while True:
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        b = torch.randn(n, n, device=device, dtype=dtype)
+        a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+        b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
         torch.mm(a, b)  # warm-up: library initialisation, AMX tile configuration
         one = _time_mm(a, b)
         if n >= size or one > 0.05:

@@ -37,8 +37,9 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, base_model, train_jsonl):
 
 
 def test_lora_resume_matches_an_uninterrupted_run(tmp_path, base_model, train_jsonl):
+    # With LoRA dropout: the resumed run's masks continue the uninterrupted run's random stream.
     a, b = interrupted_then_resumed(tmp_path, base_model, train_jsonl, tmp_path / "cache",
-                                     "--lora-r", "4", "--lr", "1e-2")
+                                     "--lora-r", "4", "--lr", "1e-2", "--lora.dropout", "0.3")
     assert (b / "checkpoints" / "step-000004" / "adapter_model.safetensors").exists()
     _assert_same_losses(a, b)
     wa = load_tensors(a / "final" / "adapter_model.safetensors")

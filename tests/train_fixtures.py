@@ -128,10 +128,14 @@ def interrupted_then_resumed(tmp_path: Path, base_model: Path, train_jsonl: Path
 
     B's first attempt would be the same deterministic run as A, so B starts as a copy of A's
     directory (half the test's time); B's steps 5..8 all come from the resumed run."""
+    from dpocache import metrics
     from dpocache.checkpoint import STATE_FILE, latest_checkpoint
 
     common = ("--max-steps", str(RESUME_STEPS), "--save-steps", "4", *extra)
     a, b = tmp_path / "a", tmp_path / "b"
+    # Each run is a process of its own in real use: none inherits the matmul peak another
+    # measured (the measurement once shifted a resumed run's dropout masks).
+    metrics._PEAK_CACHE.clear()
     run_training(*flags(base_model, train_jsonl, a, cache, *common))
     shutil.copytree(a, b)
 
@@ -142,5 +146,6 @@ def interrupted_then_resumed(tmp_path: Path, base_model: Path, train_jsonl: Path
     assert latest_checkpoint(b).name == "step-000004"
     assert json.loads((b / "checkpoints" / "step-000004" / STATE_FILE).read_text())["step"] == 4
 
+    metrics._PEAK_CACHE.clear()
     run_training(*flags(base_model, train_jsonl, b, cache, *common, "--resume"))
     return a, b
