@@ -210,12 +210,14 @@ def flag_name(dotted: str) -> str:
 
 
 def _validate_loss(loss: LossConfig) -> None:
-    from .losses import check_loss_values, parse_loss_spec  # noqa: PLC0415 - see the note on torch above
+    from .losses import check_loss_values, check_params_read, parse_loss_spec  # noqa: PLC0415 - see the note on torch above
 
     if not loss.beta > 0:  # also catches NaN
         raise ConfigError(f"{flag_name('loss.beta')}: must be > 0, got {loss.beta}")
     try:
-        check_loss_values(parse_loss_spec(loss.name, **loss.params()))
+        spec = parse_loss_spec(loss.name, **loss.params())
+        check_loss_values(spec)
+        check_params_read(spec)
     except ValueError as e:
         raise ConfigError(f"{flag_name('loss.name')} {loss.name!r}: {e}") from None
 

@@ -739,6 +739,25 @@ def check_loss_values(spec: LossSpec) -> None:
     _check_options(spec)
 
 
+def check_params_read(spec: LossSpec) -> None:
+    """Refuse a param that no loss of ``spec`` reads (``gamma`` with ``sigmoid``), naming the
+    losses that do. For a run's config, where a param set and silently ignored would still be
+    recorded as the run's; :func:`preference_loss` itself ignores such params, so one params
+    dict can drive a sweep over losses."""
+    names = [name for name, _ in spec.terms]
+    read = {p for name in names for p in LOSSES[name].defaults} | set(GLOBAL_DEFAULTS)
+    for key in sorted(set(spec.params) - read):
+        readers = ", ".join(name for name, entry in LOSSES.items() if key in entry.defaults)
+        unread = (f"the loss {names[0]!r} does not read it" if len(names) == 1
+                  else f"none of the losses {', '.join(names)} reads it")
+        raise ValueError(f"{key}={spec.params[key]} is set, but {unread} ({key} is a param of "
+                         f"{readers}): remove it, or use one of those losses")
+    coef = _option(spec, "f_alpha_divergence_coef")
+    if _option(spec, "f_divergence_type") != "alpha_divergence" and coef != GLOBAL_DEFAULTS["f_alpha_divergence_coef"]:
+        raise ValueError(f"f_alpha_divergence_coef={coef} is set, but f_divergence_type is "
+                         f"{_option(spec, 'f_divergence_type')!r}; it applies only to 'alpha_divergence'")
+
+
 def _option(spec: LossSpec, key: str):
     return spec.params.get(key, GLOBAL_DEFAULTS[key])
 

@@ -3,6 +3,7 @@ they apply in, the errors, ``dpocache train --help``, and every shipped YAML."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -137,6 +138,24 @@ def test_resume_and_overwrite_together_are_refused():
     build_config(None, ["--resume"]).validate()
 
 
+@pytest.mark.parametrize("args, fragment", [
+    (["--loss", "sigmoid", "--loss.gamma", "2"], "gamma=2.0 is set, but the loss 'sigmoid' does not read it"),
+    (["--loss", "ipo,sft", "--loss.label_smoothing", "0.2"], "none of the losses ipo, sft reads it"),
+    (["--loss", "simpo", "--loss.discopop_tau", "-5"], "discopop_tau is a param of discopop"),
+    (["--loss.f_alpha_divergence_coef", "7"], "f_divergence_type is 'reverse_kl'"),
+])
+def test_a_loss_param_no_loss_reads_is_refused(args, fragment):
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        build_config(None, args).validate()
+
+
+def test_loss_params_that_are_read_are_accepted():
+    for args in (["--loss", "simpo", "--loss.gamma", "1"],
+                 ["--loss", "sigmoid:1,sft:0.1", "--loss.label_smoothing", "0.1"],
+                 ["--loss.f_divergence_type", "alpha_divergence", "--loss.f_alpha_divergence_coef", "0.3"]):
+        build_config(None, args).validate()
+
+
 def test_cli_reports_config_errors_with_exit_code_2(capsys):
     assert cli_main(["train", "--bogus", "1"]) == 2
     assert "bogus" in capsys.readouterr().err
@@ -153,8 +172,9 @@ def test_there_are_shipped_configs():
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[str(p.relative_to(REPO)) for p in SHIPPED])
 def test_every_shipped_yaml_parses(path):
-    from dpocache.losses import parse_loss_spec
+    from dpocache.losses import check_params_read, parse_loss_spec
 
     cfg = build_config(path)
-    parse_loss_spec(cfg.loss.name, **cfg.loss.params())  # the loss it names exists, its params are valid
+    # the loss it names exists, its params are valid and each is read by a loss of the spec
+    check_params_read(parse_loss_spec(cfg.loss.name, **cfg.loss.params()))
     assert cfg.model.dtype in ("auto", "float32", "bfloat16", "float16")
