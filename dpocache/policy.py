@@ -122,7 +122,9 @@ def build_grad_scaler(dtype: torch.dtype, device: torch.device, sharded: bool):
 
 
 def lr_multiplier(step: int, total: int, warmup: int, schedule: str) -> float:
-    """Linear warm-up over ``warmup`` steps, then linear or cosine decay to 0 at ``total``."""
+    """Linear warm-up over ``warmup`` steps, then linear or cosine decay to 0 at ``total``.
+    Warm-up step ``s`` runs at ``(s + 1) / warmup`` of the peak: no step is spent at lr 0
+    (transformers' schedules start at 0, so their ramp ends one step later)."""
     if warmup > 0 and step < warmup:
         return (step + 1) / warmup
     if schedule == "constant":
@@ -136,8 +138,16 @@ def lr_multiplier(step: int, total: int, warmup: int, schedule: str) -> float:
     raise ValueError(f"optim.schedule must be linear, cosine or constant; got '{schedule}'")
 
 
+def warmup_steps(ratio: float, total_steps: int) -> int:
+    """Warm-up steps for ``optim.warmup_ratio``: rounded up, as transformers does, so a ratio
+    above 0 always warms up (0.05 of 9 steps rounded to nearest was no warm-up at all). The
+    product is rounded to 9 decimals first: 0.1 * 30 is 3.0000000000000004 in floats, and 10%
+    of 30 steps is 3, not 4."""
+    return math.ceil(round(ratio * total_steps, 9))
+
+
 def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int):
-    warmup = int(round(cfg.optim.warmup_ratio * total_steps))
+    warmup = warmup_steps(cfg.optim.warmup_ratio, total_steps)
     lr_multiplier(0, total_steps, warmup, cfg.optim.schedule)  # validate the schedule name now
     return torch.optim.lr_scheduler.LambdaLR(optimizer,
                                              lambda s: lr_multiplier(s, total_steps, warmup, cfg.optim.schedule))

@@ -428,3 +428,20 @@ def test_push_to_hub_fails_clearly_and_keeps_the_checkpoint(tmp_path, base_model
     err = capsys.readouterr().err
     assert "someone/dpocache-test" in err and str(out / "final") in err
     assert (out / "final" / "model.safetensors").exists() and (out / "run.json").exists()
+
+
+@pytest.mark.parametrize("ratio, total, expected", [(0.05, 9, 1), (0.1, 25, 3), (0.1, 30, 3), (0, 10, 0), (1, 7, 7)])
+def test_warmup_steps_round_up(ratio, total, expected):
+    from dpocache.policy import warmup_steps
+
+    assert warmup_steps(ratio, total) == expected
+
+
+def test_linear_schedule_warms_up_then_decays_to_zero():
+    from dpocache.policy import lr_multiplier
+
+    got = [lr_multiplier(s, 6, 3, "linear") for s in range(6)]
+    assert got == pytest.approx([1 / 3, 2 / 3, 1.0, 1.0, 2 / 3, 1 / 3])
+    cosine = [lr_multiplier(s, 10, 2, "cosine") for s in range(10)]
+    assert cosine[:2] == pytest.approx([0.5, 1.0])
+    assert cosine[2:] == pytest.approx([0.5 * (1 + math.cos(math.pi * (s - 2) / 8)) for s in range(2, 10)])
