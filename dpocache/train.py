@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from . import __version__, audit, divergence
 from .allocator import configure_cpu_allocator, configure_cuda_allocator
-from .batching import training_order
+from .batching import epoch_order, steps_per_epoch
 from .cache import CacheStore, default_cache_dir, namespace_for_dir
 from .cache.build import adapter_base_dir, build_distributed, reference_source
 from .cache.fingerprint import default_memo_path
@@ -143,17 +143,14 @@ def setup(cfg: Config) -> Run:
     # dpocache.layouts: packed where supported, else padded; the attention backend by dpocache.attention
     layout = training_layout(scorer, cfg.train.layout, cfg.model.attention)
     global_batch = cfg.train.batch_size * cfg.train.grad_accum * env.world_size
-    steps_per_epoch = len(train_data) // global_batch
-    if steps_per_epoch == 0:
-        raise DataError(str(cfg.data.train), None, f"{len(train_data)} pairs is less than one global batch "
-                        f"({global_batch})")
-    total = cfg.train.max_steps if cfg.train.max_steps is not None else cfg.train.epochs * steps_per_epoch
+    epoch_steps = steps_per_epoch(len(train_data), global_batch)  # check_batch_fits: at least one
+    total = cfg.train.max_steps if cfg.train.max_steps is not None else cfg.train.epochs * epoch_steps
     optimizer = build_optimizer(cfg, policy)
     scheduler = build_scheduler(cfg, optimizer, total)
     writer = MetricsWriter(out, cfg.train.tensorboard, enabled=env.is_main, report_to=cfg.train.report_to,
                            config=cfg.to_dict())
     run = Run(cfg, env, out, dtype, tokenizer, train_data, eval_data, ref_train, ref_eval, spec, policy, scorer,
-              optimizer, scheduler, total, steps_per_epoch, writer, layout, compiled_layers,
+              optimizer, scheduler, total, epoch_steps, writer, layout, compiled_layers,
               scaler=build_grad_scaler(dtype, env.device, fsdp))
     run.info = _run_info(run, ref_info)
     if cfg.train.resume:
@@ -308,7 +305,10 @@ def _run_info(run: Run, ref_info: dict) -> dict:
         "versions": {"dpocache": __version__, "torch": torch.__version__, "transformers": versions["transformers"],
                      "peft": versions["peft"], "python": platform.python_version()},
         "device": str(run.env.device), "world_size": run.env.world_size, "dtype": dtype_name(run.dtype),
-        "data": {"train_pairs": len(run.train_data), "train_skipped": len(run.train_data.skipped),
+        "data": {"train_pairs": len(run.train_data), "steps_per_epoch": run.steps_per_epoch,
+                 # pairs of each epoch's first steps that fill its last batch again (epoch_order)
+                 "train_repeated_per_epoch": run.steps_per_epoch * _global_batch(run) - len(run.train_data),
+                 "train_skipped": len(run.train_data.skipped),
                  "train_truncated": run.train_data.truncated, "train_identical": run.train_data.identical,
                  "eval_pairs": len(run.eval_data) if run.eval_data else 0},
         "policy": {"parameters": count_params(run.policy), "trainable": count_params(run.policy, trainable_only=True),
@@ -402,14 +402,15 @@ def _sharded(run: Run) -> bool:
 def step_indices(run: Run, step: int, micro: int) -> list[int]:
     """Pair indices of this rank's micro-batch ``micro`` of optimizer step ``step``.
 
-    The global batch of a step is a slice of the epoch's seeded permutation; micro-batch ``a``
-    of rank ``r`` is its ``(a * world + r)``-th block of ``batch_size``. So a run on W ranks
-    with batch b sees exactly the pairs of a 1-rank run with batch W*b.
+    The global batch of a step is a slice of the epoch's seeded permutation (filled up to whole
+    batches, ``batching.epoch_order``); micro-batch ``a`` of rank ``r`` is its
+    ``(a * world + r)``-th block of ``batch_size``. So a run on W ranks with batch b sees
+    exactly the pairs of a 1-rank run with batch W*b.
     """
     cfg, env = run.cfg.train, run.env
-    global_batch = cfg.batch_size * cfg.grad_accum * env.world_size
+    global_batch = _global_batch(run)
     epoch, within = divmod(step, run.steps_per_epoch)
-    order = training_order(len(run.train_data), cfg.seed, epoch)
+    order = epoch_order(len(run.train_data), cfg.seed, epoch, global_batch)
     start = within * global_batch + (micro * env.world_size + env.rank) * cfg.batch_size
     return order[start:start + cfg.batch_size]
 

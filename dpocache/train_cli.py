@@ -122,5 +122,8 @@ def describe_reference(ref: dict) -> str:
 
 
 def describe_data(data: dict) -> str:
+    repeated = data.get("train_repeated_per_epoch", 0)
+    steps = (f"; {data['steps_per_epoch']} steps per epoch, the last filled up with {repeated} of the epoch's first "
+             "pairs" if repeated else "")
     return (f"data: {data['train_pairs']} training pairs ({data.get('train_truncated', 0)} truncated, "
-            f"{data.get('train_identical', 0)} with chosen == rejected, {data['train_skipped']} skipped)")
+            f"{data.get('train_identical', 0)} with chosen == rejected, {data['train_skipped']} skipped){steps}")

@@ -445,3 +445,35 @@ def test_linear_schedule_warms_up_then_decays_to_zero():
     cosine = [lr_multiplier(s, 10, 2, "cosine") for s in range(10)]
     assert cosine[:2] == pytest.approx([0.5, 1.0])
     assert cosine[2:] == pytest.approx([0.5 * (1 + math.cos(math.pi * (s - 2) / 8)) for s in range(2, 10)])
+
+
+@pytest.mark.parametrize("pairs, batch", [(15, 8), (16, 8), (17, 4), (5, 5), (9, 6)])
+def test_every_epoch_covers_every_pair_in_whole_batches(pairs, batch):
+    from dpocache.batching import epoch_order, steps_per_epoch, training_order
+
+    for epoch in range(3):
+        order = epoch_order(pairs, 42, epoch, batch)
+        assert len(order) == steps_per_epoch(pairs, batch) * batch and len(order) - pairs < batch
+        assert sorted(set(order)) == list(range(pairs))
+        assert order[:pairs] == training_order(pairs, 42, epoch)  # the permutation, then its first pairs again
+        assert order[pairs:] == order[:len(order) - pairs]
+
+
+def test_an_epoch_trains_on_every_pair(tmp_path, base_model, train_jsonl, monkeypatch):
+    """24 pairs in batches of 5: 5 steps, the last filled up with one pair (the remainder of 4
+    was dropped before, untrained in every epoch)."""
+    seen = []
+    real = train_mod.step_indices
+
+    def recording(run, step, micro):
+        seen.append(real(run, step, micro))
+        return seen[-1]
+
+    monkeypatch.setattr(train_mod, "step_indices", recording)
+    out = tmp_path / "run"
+    run_training(*flags(base_model, train_jsonl, out, tmp_path / "cache", "--batch-size", "5"))
+    data = run_json(out)["data"]
+    assert (data["train_pairs"], data["steps_per_epoch"], data["train_repeated_per_epoch"]) == (24, 5, 1)
+    trained = [i for batch in seen for i in batch]
+    assert len(trained) == 25 and sorted(set(trained)) == list(range(24))
+    assert [r["step"] for r in train_records(out)] == [1, 2, 3, 4, 5]
