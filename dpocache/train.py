@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import importlib.metadata
 import json
 import math
@@ -92,6 +93,7 @@ class Run:
     compiled_layers: int = 0  # the policy's decoder layers compiled (--compile on; dpocache.compiling)
     scaler: torch.amp.GradScaler | None = None  # float16 only: the loss scaler (policy.build_grad_scaler)
     info: dict = field(default_factory=dict)  # what run.json records
+    inputs: dict = field(default_factory=dict)  # what checkpoints record of the data and reference (ResumedFrom)
     step: int = 0
     saved_step: int | None = None  # the step of the newest checkpoint (None: none yet)
     saved_at: float = 0.0  # _clock() at the newest checkpoint (or the start of the loop)
@@ -114,7 +116,7 @@ def setup(cfg: Config) -> Run:
         raise ConfigError("--fsdp (distributed.fsdp) with LoRA is not supported: "
                           "LoRA trains few parameters, use DDP (no --fsdp)")
     out = Path(cfg.train.output_dir)
-    check_resumable(cfg, out)
+    resumed_from = check_resumable(cfg, out)
     if env.is_main:
         out.mkdir(parents=True, exist_ok=True)
     barrier(env)
@@ -122,13 +124,16 @@ def setup(cfg: Config) -> Run:
     torch.manual_seed(cfg.train.seed)
     tokenizer = load_tokenizer(cfg.model.path)
     train_data = _load_data(cfg, cfg.data.train, tokenizer, env)
+    if resumed_from is not None:
+        resumed_from.check_data(cfg, train_data)
     eval_data = _load_data(cfg, cfg.data.eval, tokenizer, env) if cfg.data.eval else None
     if eval_data is not None and len(eval_data) < env.world_size:
         raise DataError(str(cfg.data.eval), None, f"{len(eval_data)} pairs, fewer than the {env.world_size} "
                         "ranks that share it")
     check_batch_fits(cfg, train_data, env.world_size)  # before any model loads
     spec = parse_loss_spec(cfg.loss.name, **cfg.loss.params())
-    ref_train, ref_eval, ref_info = prepare_reference(cfg, env, dtype, spec, tokenizer, train_data, eval_data)
+    ref_train, ref_eval, ref_info = prepare_reference(cfg, env, dtype, spec, tokenizer, train_data, eval_data,
+                                                      resumed_from)
     fsdp = cfg.distributed.fsdp and env.enabled
     if fsdp:  # created on the meta device, filled shard by shard: never whole in every process
         policy, scorer = load_sharded_policy(cfg, env, dtype, ProbeMemo(cache_dir_of(cfg)))
@@ -153,6 +158,8 @@ def setup(cfg: Config) -> Run:
               optimizer, scheduler, total, epoch_steps, writer, layout, compiled_layers,
               scaler=build_grad_scaler(dtype, env.device, fsdp))
     run.info = _run_info(run, ref_info)
+    run.inputs = {"train_pairs": len(train_data), "train_digest": data_digest(train_data),
+                  "reference_namespace": ref_info.get("namespace")}
     if cfg.train.resume:
         resume(run)
     else:
@@ -191,15 +198,18 @@ def cache_dir_of(cfg: Config) -> Path:
 
 
 def prepare_reference(cfg: Config, env: DistEnv, dtype: torch.dtype, spec, tokenizer, train_data: PreferenceData,
-                      eval_data: PreferenceData | None):
+                      eval_data: PreferenceData | None, resumed_from: ResumedFrom | None = None):
     """Reference sums for every pair, from the cache; builds what is missing first, then frees
-    the reference model. Returns (train values, eval values, report for run.json)."""
+    the reference model. A resumed run's reference must hash as its checkpoint's did (checked
+    before any build). Returns (train values, eval values, report for run.json)."""
     if not spec.needs_reference:
         return None, None, {"source": "none (reference-free loss)", "forward_passes_during_training": 0}
     ref_path = cfg.model.ref_model or cfg.model.path
     ref_dir, adapter = reference_source(ref_path, cfg.model.reference)
     cache_dir = cache_dir_of(cfg)
     store = CacheStore(cache_dir, namespace_for_dir(ref_path, dtype, cache_dir, cfg.model.reference))
+    if resumed_from is not None:
+        resumed_from.check_namespace(cfg, store.namespace.id)
     pairs = train_data.pairs + (eval_data.pairs if eval_data else [])
     load = reference_loader(ref_dir, dtype, env, cfg.cache.layout, sharded=cfg.distributed.fsdp, adapter=adapter,
                             attention=cfg.model.attention, probe_memo=ProbeMemo(cache_dir), compile=cfg.model.compile)
@@ -328,17 +338,21 @@ RESUME_FIXED_FIELDS = ("model.path", "model.ref_model", "model.reference", "mode
 RESUME_PATHS = ("model.path", "model.ref_model", "data.train")
 
 
-def check_resumable(cfg: Config, out: Path) -> None:
+def check_resumable(cfg: Config, out: Path) -> ResumedFrom | None:
     """Refuse ``--resume`` with settings that differ from those the newest checkpoint was
     trained with (a changed loss, learning rate, data or model would make the "resumed" run a
-    different run, logged and summarised as if it were one); before any model loads."""
+    different run, logged and summarised as if it were one); before any model loads. Returns
+    the checkpoint's record of its inputs, which ``ResumedFrom.check_data`` and
+    ``check_namespace`` compare once the data and the reference's weights are read (None: no
+    resume, or no checkpoint)."""
     found = latest_checkpoint(out) if cfg.train.resume else None
     if found is None:
-        return
+        return None
     try:
-        saved = json.loads((found / STATE_FILE).read_text(encoding="utf-8")).get("config") or {}
+        state = json.loads((found / STATE_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return  # an unreadable state fails in resume() with its own message
+        return None  # an unreadable state fails in resume() with its own message
+    saved = state.get("config") or {}
     now = cfg.to_dict()
     fields = [f"{section}.{name}" for section in RESUME_FIXED_SECTIONS for name in now[section]]
     changed = []
@@ -355,6 +369,47 @@ def check_resumable(cfg: Config, out: Path) -> None:
         raise ConfigError(f"--resume: {found} was trained with other settings ({'; '.join(changed)}); a resumed "
                           "run continues the same training: pass the same values, or start a new run in another "
                           "--output-dir")
+    return ResumedFrom(found, state.get("inputs") or {})
+
+
+def data_digest(data: PreferenceData) -> str:
+    """A hash of the training pairs' keys in file order: their tokens after template and
+    truncation, their number and their order (the order a seed permutes)."""
+    h = hashlib.blake2b(digest_size=16)
+    for pair in data.pairs:
+        h.update(pair.key)
+    return h.hexdigest()
+
+
+@dataclass
+class ResumedFrom:
+    """The checkpoint a resumed run continues and its record of what it trained on (``inputs``
+    of its state file: ``train_pairs``, ``train_digest``, ``reference_namespace``; a checkpoint
+    older than the record has none, and nothing is compared)."""
+
+    checkpoint: Path
+    inputs: dict
+
+    def check_data(self, cfg: Config, data: PreferenceData) -> None:
+        """The same path can hold other rows (a file rewritten in place, re-tokenised by another
+        tokenizer): refuse them before any model loads."""
+        saved = self.inputs.get("train_digest")
+        if saved is not None and saved != data_digest(data):
+            raise ConfigError(f"--resume: {flag_name('data.train')} {cfg.data.train} holds other pairs than when "
+                              f"{self.checkpoint} was saved ({self.inputs.get('train_pairs')} pairs then, "
+                              f"{len(data)} now, and their tokens or order differ); a resumed run trains on the "
+                              "same data: restore the file, or start a new run in another --output-dir")
+
+    def check_namespace(self, cfg: Config, namespace: str) -> None:
+        """The reference's weights, hashed by content, before any reference pass: a model
+        directory rewritten in place would give the resumed steps another reference."""
+        saved = self.inputs.get("reference_namespace")
+        if saved is not None and saved != namespace:
+            ref = cfg.model.ref_model or cfg.model.path
+            raise ConfigError(f"--resume: the reference {ref} is not the one {self.checkpoint} was trained against "
+                              f"(its weights, config or adapter hash to namespace {namespace}, then {saved}); a "
+                              "resumed run keeps its reference: restore the model directory, or start a new run "
+                              "in another --output-dir")
 
 
 def resume(run: Run) -> None:
@@ -766,7 +821,8 @@ def _save(run: Run) -> None:
         optimizer = GatheredOptimizer(run.policy, run.optimizer, full_optimizer_state(run.policy, run.optimizer))
     if run.env.is_main:
         extra = {"config": run.cfg.to_dict(), "epoch": run.step / run.steps_per_epoch,
-                 "world_size": run.env.world_size, "global_batch": _global_batch(run)}
+                 "world_size": run.env.world_size, "global_batch": _global_batch(run),
+                 "inputs": run.inputs}
         if run.scaler is not None:
             extra["grad_scaler"] = run.scaler.state_dict()
         save_checkpoint(run.out, run.step, model, run.tokenizer, optimizer, run.scheduler, extra,

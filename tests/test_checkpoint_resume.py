@@ -6,6 +6,7 @@ from __future__ import annotations
 
 
 import pytest
+import torch
 
 from train_fixtures import (  # noqa: F401  (fixtures are used by name; one_thread is autouse)
     RESUME_STEPS, base_model, flags, interrupted_then_resumed, load_tensors, max_abs_diff, one_thread, run_json,
@@ -102,3 +103,48 @@ def test_resume_with_other_settings_is_refused_before_loading(tmp_path, base_mod
     assert len(err.splitlines()) == 1 and "--resume:" in err and fragment in err, err
     run_training(*common, "--max-steps", "3", "--resume")  # the same training, further
     assert [r["step"] for r in train_records(out)] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("rewrite", ["data rows", "data order", "model weights"])
+def test_resume_on_inputs_rewritten_in_place_is_refused_before_training(tmp_path, base_model, train_jsonl,
+                                                                          monkeypatch, capsys, rewrite):
+    """The same --data path with other rows (or the same rows in another order), or the same
+    --model path with other weights, passed every settings check: the resumed steps trained on
+    other data, or against another reference, with exit 0."""
+    import shutil
+
+    import dpocache.loading
+    from dpocache.cli import main
+    from dpocache.data import read_rows, write_jsonl
+    from dpocache.loading import load_causal_lm
+
+    data, model = tmp_path / "data.jsonl", tmp_path / "model"
+    shutil.copy(train_jsonl, data)
+    shutil.copytree(base_model, model)
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    common = flags(model, data, out, cache, "--max-steps", "2")
+    run_training(*common)
+    if rewrite == "model weights":
+        edited = load_causal_lm(model)
+        with torch.no_grad():
+            next(edited.parameters()).add_(0.01)
+        edited.save_pretrained(model)
+        fragment, loads = "is not the one", True
+    else:
+        rows = [r.values for r in read_rows(data)[1]]
+        rows = rows[::-1] if rewrite == "data order" else [{**r, "chosen": r["rejected"], "rejected": r["chosen"]}
+                                                           for r in rows]
+        write_jsonl(rows, data)
+        fragment, loads = "holds other pairs", False
+    capsys.readouterr()
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    with monkeypatch.context() as m:
+        if not loads:  # the data is checked before any model; the model's hash needs no load either
+            m.setattr(dpocache.loading, "load_causal_lm", no_load)
+        assert main(["train", *common, "--max-steps", "3", "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--resume:" in err and fragment in err, err
+    assert [r["step"] for r in train_records(out)] == [1, 2]
