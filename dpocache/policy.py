@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .cache.build import adapter_base_dir
 from .cache.probes import ProbeMemo
-from .config import Config, ConfigError
+from .config import Config, ConfigError, LoraConfig, flag_name
 from .distributed import DistEnv
 from .fsdp import shard_policy
 from .loading import disable_dropout, load_causal_lm, load_for_sharding
@@ -20,9 +20,45 @@ from .logprobs import CompletionLogProbs
 from .sharded import probe_sharded, report_shards
 
 
+def check_lora_settings(cfg: Config) -> None:
+    """LoRA fields that would be ignored, refused before any model loads: ``--lora.alpha`` (or
+    dropout, targets) without ``--lora-r`` trained every weight; ``--lora-r``, alpha or targets
+    with a PEFT adapter directory as ``--model`` trained the saved adapter as it was. An
+    adapter directory takes ``--lora.dropout`` (``set_lora_dropout``)."""
+    defaults = LoraConfig()
+
+    def changed(*names: str) -> str:
+        return ", ".join(f"{flag_name('lora.' + n)} {getattr(cfg.lora, n)!r}" for n in names
+                         if getattr(cfg.lora, n) != getattr(defaults, n))
+
+    if cfg.model.path and (Path(cfg.model.path) / "adapter_config.json").is_file():
+        if flags := changed("r", "alpha", "target_modules"):
+            raise ConfigError(f"{flags}: --model {cfg.model.path} is a PEFT adapter, which trains with its own rank, "
+                              "alpha and target modules (adapter_config.json); drop these flags, or pass its base "
+                              "model as --model to train a fresh adapter")
+    elif cfg.lora.r == 0 and (flags := changed("alpha", "dropout", "target_modules")):
+        raise ConfigError(f"{flags} set without {flag_name('lora.r')}: a rank of 0 trains every weight (no LoRA); "
+                          "pass --lora-r N for a LoRA adapter")
+
+
+def set_lora_dropout(model: nn.Module, p: float) -> int:
+    """Give every LoRA layer of ``model`` dropout ``p`` (peft's ``nn.Identity`` for 0), in place of
+    the rate saved with a loaded adapter: ``--lora.dropout`` is the run's, and the base model's
+    dropout is off (``disable_dropout``). Returns how many layers were set."""
+    count = 0
+    for module in model.modules():
+        rates = getattr(module, "lora_dropout", None)
+        if isinstance(rates, nn.ModuleDict):
+            for name in rates:
+                rates[name] = nn.Dropout(p) if p > 0 else nn.Identity()
+                count += 1
+    return count
+
+
 def load_policy(cfg: Config, device: torch.device) -> nn.Module:
     """fp32 master weights (autocast supplies bf16 compute). With ``lora.r > 0`` a fresh PEFT
-    LoRA adapter is added; a PEFT adapter directory as ``model.path`` is loaded trainable."""
+    LoRA adapter is added; a PEFT adapter directory as ``model.path`` is loaded trainable, with
+    the run's ``lora.dropout``."""
     path = Path(cfg.model.path)
     base = adapter_base_dir(path)  # the same base the reference of an adapter directory loads
     if base is not None:
@@ -30,6 +66,7 @@ def load_policy(cfg: Config, device: torch.device) -> nn.Module:
 
         model = PeftModel.from_pretrained(load_causal_lm(base, device, cfg.model.attn_implementation), str(path),
                                           is_trainable=True)
+        set_lora_dropout(model, cfg.lora.dropout)
     else:
         model = load_causal_lm(path, device, cfg.model.attn_implementation)
         if cfg.lora.r > 0:

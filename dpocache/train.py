@@ -55,8 +55,8 @@ from .ld_dpo import ld_values
 from .losses import parse_loss_spec, preference_loss, wpo_weights
 from .metrics import (MetricWindow, MetricsWriter, count_params, import_tracker, measured_peak_flops, model_shape,
                       trackers, train_flops_per_token)
-from .policy import (build_grad_scaler, build_optimizer, build_scheduler, load_policy, load_sharded_policy,
-                     wrap_for_distributed)
+from .policy import (build_grad_scaler, build_optimizer, build_scheduler, check_lora_settings, load_policy,
+                     load_sharded_policy, wrap_for_distributed)
 from .preflight import model_context, model_vocab_size
 from .prefix import layout_logprobs, scorer_core, training_layout
 from .reference import dtype_name, resolve_dtype
@@ -117,6 +117,7 @@ def setup(cfg: Config) -> Run:
                           "LoRA trains few parameters, use DDP (no --fsdp)")
     out = Path(cfg.train.output_dir)
     resumed_from = check_resumable(cfg, out)
+    check_lora_settings(cfg)
     if env.is_main:
         out.mkdir(parents=True, exist_ok=True)
     barrier(env)
@@ -260,6 +261,9 @@ def plan_audit(run: Run) -> bool:
         reason = "the reference (--ref-model) is another model than the policy"
     elif cfg.model.reference == "base" and adapter_base_dir(cfg.model.path) is not None:
         reason = "--reference base: the reference is the adapter's bare base, the policy starts with the adapter on"
+    elif cfg.lora.dropout > 0 and adapter_base_dir(cfg.model.path) is not None:
+        # a fresh adapter adds 0 whatever its dropout; a trained one does not, so its training forward is random
+        reason = "--lora.dropout on a loaded adapter: the policy's training forward is not the reference's"
     if reason is not None:
         run.info["reference"]["step0_audit"] = {"skipped": reason}
     return reason is None

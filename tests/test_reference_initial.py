@@ -16,14 +16,14 @@ from train_fixtures import (  # noqa: F401  (fixtures are used by name; one_thre
 )
 
 
-def make_adapter(base: Path, out: Path, seed: int = 0) -> Path:
+def make_adapter(base: Path, out: Path, seed: int = 0, dropout: float = 0.0) -> Path:
     """A LoRA adapter on ``base`` whose B matrices are non-zero (PEFT starts them at 0, which
     would leave the outputs unchanged), saved with ``save_pretrained``."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    lora = LoraConfig(r=4, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+    lora = LoraConfig(r=4, lora_alpha=16, lora_dropout=dropout, target_modules="all-linear", task_type="CAUSAL_LM")
     peft_model = get_peft_model(model, lora)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -74,6 +74,39 @@ def test_adapter_dir_step0_margins_are_zero(tmp_path, base_model, adapter_dir, t
     ref = run_json(out_base)["reference"]
     assert ref["namespace"] == namespace_for_dir(base_model, torch.float32, cache).id
     assert "skipped" in ref["step0_audit"]
+
+
+def test_a_loaded_adapter_trains_with_the_runs_lora_dropout(tmp_path, base_model, train_jsonl):
+    """An adapter saved with dropout 0.3 kept it in training (peft restores the saved rate): the
+    policy's step-0 forward was random and the step-0 audit stopped the run, blaming the cache.
+    The run's --lora.dropout (default 0) applies; with dropout on, the audit is skipped."""
+    adapter = make_adapter(base_model, tmp_path / "dropout-lora", dropout=0.3)
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    run_training(*flags(adapter, train_jsonl, out, cache, "--max-steps", "1"))
+    assert abs(train_records(out)[0]["rewards/margins"]) <= 1e-6
+    assert run_json(out)["reference"]["step0_audit"]["ok"]
+    out = tmp_path / "with-dropout"
+    run_training(*flags(adapter, train_jsonl, out, cache, "--max-steps", "1", "--lora.dropout", "0.3"))
+    assert "--lora.dropout" in run_json(out)["reference"]["step0_audit"]["skipped"]
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (("--lora-r", "8"), "is a PEFT adapter, which trains with its own rank"),
+    (("--lora.target_modules", "q_proj"), "is a PEFT adapter"),
+])
+def test_lora_shape_flags_on_an_adapter_dir_are_refused(tmp_path, adapter_dir, train_jsonl, capsys, extra, fragment):
+    """They were ignored: the saved adapter trained as it was, while run.json recorded the flags."""
+    assert cli_main(["train", *flags(adapter_dir, train_jsonl, tmp_path / "run", tmp_path / "cache"), *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and fragment in err[0] and extra[0] in err[0], err
+
+
+def test_lora_flags_without_a_rank_are_refused(tmp_path, base_model, train_jsonl, capsys):
+    """--lora.alpha without --lora-r trained every weight of the model."""
+    assert cli_main(["train", *flags(base_model, train_jsonl, tmp_path / "run", tmp_path / "cache"),
+                     "--lora.alpha", "32"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--lora.alpha 32 set without --lora-r" in err[0], err
 
 
 def test_cache_cli_reference_flag(tmp_path, base_model, adapter_dir, train_jsonl, capsys):
