@@ -115,6 +115,9 @@ def setup(cfg: Config) -> Run:
     if cfg.distributed.fsdp and env.enabled and cfg.lora.r > 0:
         raise ConfigError("--fsdp (distributed.fsdp) with LoRA is not supported: "
                           "LoRA trains few parameters, use DDP (no --fsdp)")
+    if env.is_main:
+        for note in unused_settings(cfg, env):
+            print(f"warning: {note}", file=sys.stderr)
     out = Path(cfg.train.output_dir)
     resumed_from = check_resumable(cfg, out)
     check_lora_settings(cfg)
@@ -167,6 +170,19 @@ def setup(cfg: Config) -> Run:
         start_fresh(run)
     run.audit_step0 = plan_audit(run)
     return run
+
+
+def unused_settings(cfg: Config, env: DistEnv) -> list[str]:
+    """Settings this run cannot act on but that a shared config file may well hold (the shipped
+    LoRA config sets eval steps and leaves the eval data optional): said once, not refused."""
+    notes = []
+    if not cfg.data.eval:
+        notes += [f"{flag_name(d)} {value} has no effect without --eval-data" for d, value in
+                  (("train.eval_steps", cfg.train.eval_steps), ("train.eval_batch_size", cfg.train.eval_batch_size))
+                  if value is not None]
+    if cfg.distributed.fsdp and not env.enabled:
+        notes.append(f"{flag_name('distributed.fsdp')} has no effect in one process (run under torchrun to shard)")
+    return notes
 
 
 def start_fresh(run: Run) -> None:

@@ -477,3 +477,14 @@ def test_an_epoch_trains_on_every_pair(tmp_path, base_model, train_jsonl, monkey
     trained = [i for batch in seen for i in batch]
     assert len(trained) == 25 and sorted(set(trained)) == list(range(24))
     assert [r["step"] for r in train_records(out)] == [1, 2, 3, 4, 5]
+
+
+def test_settings_a_run_cannot_act_on_are_named():
+    from dpocache.config import build_config
+    from dpocache.distributed import DistEnv
+
+    one = DistEnv()
+    cfg = build_config(None, ["--eval-steps", "5", "--fsdp"])
+    notes = train_mod.unused_settings(cfg, one)
+    assert len(notes) == 2 and "--eval-steps (train.eval_steps) 5" in notes[0] and "--fsdp" in notes[1]
+    assert train_mod.unused_settings(build_config(None, ["--eval-steps", "5", "--eval-data", "e.jsonl"]), one) == []
