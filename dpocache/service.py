@@ -227,6 +227,16 @@ class ReferenceService:
         self._log_stats()
         return results  # type: ignore[return-value]
 
+    def weights_changed(self) -> None:
+        """Tell the service its weights changed where the per-call check cannot see it: a
+        write through ``.data`` (no version counter) to values none of ``weights_signature``'s
+        16 samples per tensor covers. The look-aside cache moves to the namespace of the weights
+        as they are now, hashed in full. Without a ``cache_dir`` there is nothing to move."""
+        with self._lock:
+            if self.store is not None:
+                self._weights = None  # unequal to any signature: _follow_weights re-hashes
+                self._follow_weights()
+
     def _namespace_by_content(self) -> Namespace:
         """The namespace of the weights as they are now (a PEFT policy's: its base weights)."""
         if self.reference.adapter_disabled:
@@ -382,7 +392,8 @@ def weights_signature(module: nn.Module, skip: str | None = None) -> tuple:
     change: each tensor's storage address and version counter (bumped by every in-place write
     through the tensor: ``load_state_dict``, an optimizer step) and 16 of its values, evenly
     strided (a write through ``.data`` has a version counter of its own). Hashing every weight
-    on every call would cost a pass over the model's memory."""
+    on every call would cost a pass over the model's memory, so a ``.data`` write that misses
+    every sample goes unseen: ``ReferenceService.weights_changed`` is the caller's way to say it."""
     tensors = [t.detach() for name, t in chain(module.named_parameters(), module.named_buffers())
                if skip is None or skip not in name]
     tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # DTensor: this rank's shard

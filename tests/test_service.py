@@ -229,6 +229,25 @@ def test_weights_changed_in_place_move_the_cache_namespace(tokenizer, tmp_path, 
     assert original.stats()["cache_hits"] == 4  # its own values, from the first call
 
 
+def test_an_edit_the_signature_misses_is_followed_once_told(tokenizer, tmp_path):
+    """A write through ``.data`` to a few rows between the 16 sampled values per tensor is not
+    seen by the per-call check (documented); ``weights_changed`` re-hashes the weights in full."""
+    from dpocache.service import weights_signature
+
+    model = build_model("llama", tokenizer, seed=0).eval()
+    requests = make_requests(2, 2, seed=32)
+    service = ReferenceService(model, cache_dir=tmp_path)
+    service.score(requests)
+    head = model.lm_head.weight
+    stride = max(1, head.numel() // 16)
+    before = weights_signature(model)
+    head.data.view(-1)[1:stride].add_(0.5)  # between the first two samples
+    assert weights_signature(model) == before  # the limit the docstring states
+    service.weights_changed()
+    assert_matches_naive(model, requests, service.score(requests))
+    assert service.stats()["cache_hits"] == 0
+
+
 def test_calls_from_several_threads_lose_nothing(tiny_models, tmp_path):
     """Threads calling one service: every answer right, every computed value on disk."""
     from concurrent.futures import ThreadPoolExecutor
