@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import operator
 import os
 import threading
 import time
@@ -65,13 +66,20 @@ class RequestError(ValueError):
 
 
 def _ids(value: Any, request: int, completion: int | None, what: str) -> tuple[int, ...]:
-    if isinstance(value, torch.Tensor):
+    """Token ids from a list or tuple of integers (Python's or numpy's), a 1-D tensor or a numpy
+    array; bools and floats are refused, naming what was found."""
+    if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy":
         value = value.tolist()
-    if not isinstance(value, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise RequestError(request, completion, f"{what} must be a list of token ids (ints)")
+    if not isinstance(value, (list, tuple)):
+        raise RequestError(request, completion, f"{what} must be a list of token ids (ints), got "
+                                                f"{type(value).__name__}")
+    bad = next((t for t in value if type(t).__name__ in ("bool", "bool_") or not hasattr(t, "__index__")), None)
+    if bad is not None:
+        raise RequestError(request, completion, f"{what} must be a list of token ids (ints), got a "
+                                                f"{type(bad).__name__} ({bad!r})")
     if not value:
         raise RequestError(request, completion, f"empty {what}")
-    return tuple(value)
+    return tuple(operator.index(t) for t in value)
 
 
 def check_request(index: int, request: Any, vocab_size: int, context: int | None) -> tuple[tuple[int, ...], list]:
@@ -80,7 +88,7 @@ def check_request(index: int, request: Any, vocab_size: int, context: int | None
         raise RequestError(index, None, "expected {'prompt_ids': [...], 'completion_ids': [[...], ...]}")
     prompt = _ids(request["prompt_ids"], index, None, "prompt")
     completions = request["completion_ids"]
-    if isinstance(completions, torch.Tensor):
+    if isinstance(completions, torch.Tensor) or type(completions).__module__ == "numpy":
         completions = completions.tolist()
     if not isinstance(completions, (list, tuple)) or not completions:
         raise RequestError(index, None, "completion_ids must be a non-empty list of token-id lists")

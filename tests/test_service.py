@@ -392,6 +392,10 @@ def test_peft_policy_adapter_off(tiny_models, tokenizer, tmp_path):
     (lambda rs: rs[0]["prompt_ids"].append(-1), "request 0: prompt token id -1 is outside"),
     (lambda rs: rs[1]["completion_ids"][0].extend([20] * 600), "request 1, completion 0: prompt + completion is"),
     (lambda rs: rs[0].pop("completion_ids"), "request 0: expected"),
+    (lambda rs: rs[0]["prompt_ids"].append(2.0), "request 0: prompt must be a list of token ids (ints), got a float"),
+    (lambda rs: rs[1]["completion_ids"][0].append(True), "request 1, completion 0: completion must be a list of "
+                                                          "token ids (ints), got a bool"),
+    (lambda rs: rs[1].update(prompt_ids="12 13"), "request 1: prompt must be a list of token ids (ints), got str"),
 ])
 def test_bad_requests_get_one_line(tiny_models, mutate, message):
     service = ReferenceService(tiny_models["llama"])
@@ -401,6 +405,18 @@ def test_bad_requests_get_one_line(tiny_models, mutate, message):
         service.score(requests)
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
     assert service.stats()["forward_passes"] == 0  # checked before anything runs
+
+
+def test_numpy_token_ids_are_token_ids(tiny_models):
+    """A rollout's ids often come as numpy arrays or numpy ints; they were refused."""
+    import numpy as np
+
+    model = tiny_models["llama"]
+    requests = make_requests(2, 3, seed=15)
+    as_numpy = [{"prompt_ids": np.array(r["prompt_ids"]),
+                 "completion_ids": [[np.int64(t) for t in c] for c in r["completion_ids"]]} for r in requests]
+    values = ReferenceService(model).score(as_numpy)
+    assert_matches_naive(model, requests, values)
 
 
 # ------------------------------------------------------------------------------- dpocache score
