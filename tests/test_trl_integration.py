@@ -85,3 +85,24 @@ def test_other_trl_versions_fail_clearly():
 
     with pytest.raises(RuntimeError, match="supports TRL 1.16.x; found TRL 0.19.1"):
         check_trl_version("0.19.1")
+
+
+def test_stock_dpotrainer_does_not_read_exported_columns(setup):
+    """What the README says of `cache export` files and TRL 1.16: stock DPOTrainer ignores the
+    columns without precompute (step-0 loss is log 2 although the columns are wrong) and refuses
+    them with it (it recomputes, then finds the columns twice)."""
+    from trl import DPOTrainer
+
+    model_dir, dataset, root = setup
+    wrong = dataset.add_column("ref_chosen_logps", [-50.0] * len(dataset))
+    wrong = wrong.add_column("ref_rejected_logps", [0.0] * len(wrong))  # read, they would give a loss near 0
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ignored = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                         args=_args(root / "stock"), train_dataset=wrong,
+                         processing_class=AutoTokenizer.from_pretrained(model_dir))
+    ignored.train()
+    loss = next(r["loss"] for r in ignored.state.log_history if "loss" in r)
+    assert loss == pytest.approx(math.log(2), abs=1e-4)
+    with pytest.raises(ValueError, match="duplicated columns"):
+        _trainer(DPOTrainer, model_dir, wrong, root / "stock-pre")

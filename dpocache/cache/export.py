@@ -1,9 +1,13 @@
 """``dpocache cache export --format``: the cached reference values in the files other trainers read.
 
 - ``jsonl``, ``parquet``, ``datasets`` (a ``save_to_disk`` directory): the input's rows, in input
-  order, with TRL's precomputed-reference columns ``ref_chosen_logps`` and ``ref_rejected_logps``
-  added beside them (TRL's ``DPOTrainer`` reads those columns when ``precompute_ref_log_probs``
-  is set, so it runs no reference forward).
+  order, with the columns ``ref_chosen_logps`` and ``ref_rejected_logps`` added beside them
+  (named as TRL's precomputed-reference columns). Stock TRL 1.16 ``DPOTrainer`` does not read
+  them from a file: with ``precompute_ref_log_probs`` off, ``_compute_loss`` ignores them and runs
+  its own reference; with it on, ``_precompute_ref_logps`` recomputes every value and then fails
+  on the duplicated columns. They are for code that reads them itself (the user's own loop, or a
+  ``DPOTrainer`` subclass whose ``_precompute_ref_logps`` keeps them); dpocache's
+  ``CachedDPOTrainer`` overrides that hook and fills the columns from the cache directly.
 - ``safetensors``: index-aligned ``chosen_logps`` / ``rejected_logps`` ``(N,)`` float32 tensors
   (what open-instruct caches with ``torch.save``, without pickle), plus ``index``, the source row
   of each entry, so rows skipped as invalid cannot shift the alignment unnoticed.
@@ -26,7 +30,7 @@ from ..data import TokenizedPair, read_rows
 from .store import CacheStore
 
 
-# TRL 1.x DPOTrainer's precomputed-reference column names.
+# The column names of TRL 1.x DPOTrainer's precomputed reference (which it fills itself, see above).
 REF_CHOSEN, REF_REJECTED = "ref_chosen_logps", "ref_rejected_logps"
 
 

@@ -1,9 +1,11 @@
 """``CachedDPOTrainer``: TRL's ``DPOTrainer`` with its reference values from dpocache's cache.
 
-TRL reads precomputed reference values from the dataset columns ``ref_chosen_logps`` and
-``ref_rejected_logps`` when ``precompute_ref_log_probs`` is set, and then runs no reference
-forward while training. This subclass fills those columns from dpocache's content-addressed
-cache instead of TRL's own precompute pass: each pair is keyed by its token ids (after TRL's
+With ``precompute_ref_log_probs`` set, TRL's ``DPOTrainer`` fills the dataset columns
+``ref_chosen_logps`` and ``ref_rejected_logps`` in its own pass (``_precompute_ref_logps``), and
+``_compute_loss`` then reads them from each batch instead of running a reference forward (TRL
+never takes such columns from the input data: without that flag it ignores them, with it it
+recomputes them). This subclass overrides that pass to fill the columns from dpocache's
+content-addressed cache: each pair is keyed by its token ids (after TRL's
 tokenization and the collator's truncation), so a second run with shuffled, extended or
 re-split data reuses every value, and only missing pairs are scored, by dpocache's engine.
 
