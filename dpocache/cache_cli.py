@@ -165,10 +165,29 @@ def cmd_verify(args) -> int:
     return 0 if report.ok else 1
 
 
+def truncation_warning(data: PreferenceData, max_length: int | None, max_prompt_length: int | None,
+                       fmt: str | None) -> str | None:
+    """The one-line warning of an export whose data has rows dpocache truncated; None if none.
+    ``fmt``: ``--format`` (None: the cache's own JSON lines, whose --with-ids shows the tokens)."""
+    if not data.truncated:
+        return None
+    marked = {None: "--with-ids shows the tokens scored", "safetensors": "tensor 'truncated' marks them"}
+    floor = max_prompt_length if max_prompt_length is not None else max_length // 2
+    return (f"warning: {data.truncated} of {len(data)} rows exceed --max-length {max_length} and were scored as "
+            f"dpocache truncates them (the prompt keeps its end, {floor} tokens or more where it has them, the "
+            "completions their start); TRL 1.16's collator keeps the start of prompt + completion instead (and "
+            "drops rows whose prompt fills max_length), so these rows' exported values belong to other tokens than "
+            f"TRL would train on ({marked.get(fmt, 'column dpocache_truncated marks them')})")
+
+
 def cmd_export(args) -> int:
     device = torch.device(args.device) if args.device else default_device()
     tokenizer = load_tokenizer(args.tokenizer)
     data = _load_data(args, tokenizer)
+    # Said before the values are read, so that it shows even when the export then fails.
+    warning = truncation_warning(data, args.max_length, args.max_prompt_length, args.format)
+    if warning:
+        print(warning, file=sys.stderr)
     store, _ = _open_store(args, device)
     out: Path = args.out
     if args.format is not None:

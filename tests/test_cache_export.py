@@ -77,3 +77,24 @@ def test_unknown_format_is_one_line_exit_2(exported, model_dir, pref_jsonl, caps
     assert code == 2
     err = capsys.readouterr().err
     assert "--format" in err and "csv" in err and len(err.strip().splitlines()) == 1
+
+
+def test_rows_dpocache_truncated_are_counted_on_stderr_and_marked(exported, model_dir, pref_jsonl, tokenizer, capsys):
+    """dpocache's truncation is not TRL's collator's: the export says how many rows it cut (one
+    line) and marks them in every format."""
+    from datasets import load_dataset
+    from safetensors.numpy import load_file
+
+    from dpocache.data import load_preference_data
+
+    root, _ = exported
+    truncated = [p.truncated for p in load_preference_data(pref_jsonl, tokenizer, 32, show_progress=False).pairs]
+    assert 0 < sum(truncated) < len(truncated)  # the data has both kinds at --max-length 32
+    capsys.readouterr()
+    out = _export(root, model_dir, pref_jsonl, "parquet", "marked.parquet")
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and f"{sum(truncated)} of {len(truncated)} rows" in warnings[0]
+    assert "--max-length 32" in warnings[0] and "TRL" in warnings[0]
+    assert load_dataset("parquet", data_files=str(out), split="train")["dpocache_truncated"] == truncated
+    tensors = load_file(str(_export(root, model_dir, pref_jsonl, "safetensors", "marked.safetensors")))
+    assert tensors["truncated"].tolist() == truncated

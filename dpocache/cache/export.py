@@ -13,6 +13,13 @@
   of each entry, so rows skipped as invalid cannot shift the alignment unnoticed.
 
 Values are the summed completion log-probs of the cache, exactly as stored (float32).
+
+Rows longer than ``max_length`` were scored as dpocache truncates them (``data.truncate_pair``:
+the prompt keeps its end, at least ``max_length // 2`` tokens of it, the completions their
+start), not as TRL 1.16's collator does (the start of prompt + completion, dropping rows whose
+prompt fills ``max_length``): for those rows the values belong to other token sequences than TRL
+would train on. Each export marks them: ``dpocache_truncated`` (bool) beside the reference
+columns, ``truncated`` ``(N,)`` bool in ``safetensors``; ``cache export`` also warns with the count.
 """
 
 from __future__ import annotations
@@ -32,10 +39,13 @@ from .store import CacheStore
 
 # The column names of TRL 1.x DPOTrainer's precomputed reference (which it fills itself, see above).
 REF_CHOSEN, REF_REJECTED = "ref_chosen_logps", "ref_rejected_logps"
+# True where dpocache truncated the pair (see above); prefixed so it cannot be taken for a column of TRL's.
+TRUNCATED = "dpocache_truncated"
 
 
 def rows_with_reference(source: Any, store: CacheStore, pairs: Sequence[TokenizedPair]) -> list[dict]:
-    """The source rows of ``pairs`` (in input order) with the two reference columns added.
+    """The source rows of ``pairs`` (in input order) with the two reference columns and
+    ``dpocache_truncated`` added.
 
     Raises ``MissingReferenceError`` (a ``CacheError``) when a pair has no cached value.
     """
@@ -47,6 +57,7 @@ def rows_with_reference(source: Any, store: CacheStore, pairs: Sequence[Tokenize
         row = dict(row) if isinstance(row, Mapping) else {"row": row}
         row[REF_CHOSEN] = float(values.chosen_logps[i])
         row[REF_REJECTED] = float(values.rejected_logps[i])
+        row[TRUNCATED] = bool(p.truncated)
         out.append(row)
     return out
 
@@ -73,6 +84,7 @@ def _write_safetensors(store: CacheStore, pairs: Sequence[TokenizedPair], out: P
         "chosen_logps": values.chosen_logps.float().contiguous(),  # (N,)
         "rejected_logps": values.rejected_logps.float().contiguous(),  # (N,)
         "index": torch.tensor([p.index for p in pairs], dtype=torch.int64),  # (N,) source row of entry i
+        "truncated": torch.tensor([p.truncated for p in pairs], dtype=torch.bool),  # (N,) cut by dpocache's rule
     }
     save_file(tensors, str(out), metadata={"format": "dpocache-reference", "namespace": store.namespace.id})
 
