@@ -80,6 +80,78 @@ def test_step0_loss_is_log2_and_second_construction_runs_no_reference(setup, mon
     assert second.cache_summaries["train"].reused == kept
 
 
+@pytest.fixture(scope="module")
+def adapter_dir(setup):
+    """A LoRA adapter on the model with non-zero B matrices (a trained one), saved."""
+    from test_reference_initial import make_adapter
+
+    model_dir, _, root = setup
+    return make_adapter(model_dir, root / "sft-lora")
+
+
+def _step0_loss(trainer):
+    trainer.train()
+    return next(r["loss"] for r in trainer.state.log_history if "loss" in r)
+
+
+def test_model_changed_in_memory_is_refused(setup, adapter_dir):
+    """TRL's reference is the model object; dpocache's, the files it came from: a merged adapter
+    (name_or_path still the base) or a weight edited in memory is refused in one line."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dpocache.integrations.trl import CachedDPOTrainer
+
+    model_dir, dataset, root = setup
+    merged = AutoPeftModelForCausalLM.from_pretrained(str(adapter_dir), dtype=torch.float32).merge_and_unload()
+    edited = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        edited.model.norm.weight.mul_(1.01)  # a 1-D tensor, 64 values: one change among few
+    for model in (merged, edited):
+        with pytest.raises(ValueError, match="model's weights differ from those in") as err:
+            CachedDPOTrainer(model=model, args=_args(root / "changed"), train_dataset=dataset,
+                             processing_class=AutoTokenizer.from_pretrained(model_dir), cache_dir=root / "c3")
+        assert "save_pretrained" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_trained_peft_adapter_needs_its_directory_and_then_starts_at_log2(setup, adapter_dir):
+    """A PeftModel loaded from an adapter directory has name_or_path = the base, but TRL's
+    reference is base + adapter: without cache_reference it is refused; with it, step 0 is log 2."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoTokenizer
+
+    from dpocache.integrations.trl import CachedDPOTrainer
+
+    model_dir, dataset, root = setup
+
+    def trainer(**kwargs):
+        model = AutoPeftModelForCausalLM.from_pretrained(str(adapter_dir), dtype=torch.float32, is_trainable=True)
+        return CachedDPOTrainer(model=model, args=_args(root / "peft"), train_dataset=dataset,
+                                processing_class=AutoTokenizer.from_pretrained(model_dir), cache_dir=root / "c4",
+                                **kwargs)
+
+    with pytest.raises(ValueError, match="trained PEFT adapter.*pass cache_reference="):
+        trainer()
+    handled = trainer(cache_reference=adapter_dir)
+    assert handled.cache_summaries["train"].computed == len(handled.train_dataset)
+    assert _step0_loss(handled) == pytest.approx(math.log(2), abs=1e-4)
+
+
+def test_fresh_lora_takes_the_base_as_reference(setup):
+    """A fresh LoRA (peft_config=, or get_peft_model before the trainer) starts at its base."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dpocache.integrations.trl import CachedDPOTrainer
+
+    model_dir, dataset, root = setup
+    lora = LoraConfig(r=4, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), lora)
+    trainer = CachedDPOTrainer(model=model, args=_args(root / "fresh"), train_dataset=dataset,
+                               processing_class=AutoTokenizer.from_pretrained(model_dir), cache_dir=root / "c5")
+    assert _step0_loss(trainer) == pytest.approx(math.log(2), abs=1e-4)
+
+
 def test_other_trl_versions_fail_clearly():
     from dpocache.integrations.trl import check_trl_version
 
