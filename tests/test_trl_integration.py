@@ -26,16 +26,17 @@ def setup(tmp_path_factory, model_dir, pref_rows):
 def _args(out, **extra):
     from trl import DPOConfig
 
-    return DPOConfig(output_dir=str(out), per_device_train_batch_size=4, max_steps=1, logging_steps=1,
-                     report_to="none", use_cpu=True, max_length=24, learning_rate=1e-6, save_strategy="no",
-                     bf16=False, fp16=False, seed=0, disable_tqdm=True, **extra)
+    settings = dict(output_dir=str(out), per_device_train_batch_size=4, max_steps=1, logging_steps=1,
+                    report_to="none", use_cpu=True, max_length=24, learning_rate=1e-6, save_strategy="no",
+                    bf16=False, fp16=False, seed=0, disable_tqdm=True)
+    return DPOConfig(**{**settings, **extra})
 
 
-def _trainer(cls, model_dir, dataset, out, **kwargs):
+def _trainer(cls, model_dir, dataset, out, bf16=False, **kwargs):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return cls(model=model, args=_args(out, precompute_ref_log_probs=True), train_dataset=dataset,
+    return cls(model=model, args=_args(out, precompute_ref_log_probs=True, bf16=bf16), train_dataset=dataset,
                processing_class=AutoTokenizer.from_pretrained(model_dir), **kwargs)
 
 
@@ -50,6 +51,31 @@ def test_reference_values_equal_trls_precompute(setup):
     assert any(len(p) + len(c) > 24 for p, c in zip(ours["prompt_ids"], ours["chosen_ids"]))  # truncation applies
     for col in ("ref_chosen_logps", "ref_rejected_logps"):
         torch.testing.assert_close(torch.tensor(ours[col]), torch.tensor(theirs[col]), rtol=0, atol=1e-4)
+
+
+def test_default_cache_dtype_follows_bf16_args_as_trls_precompute(setup, caplog):
+    """DPOConfig's default bf16=True runs TRL's reference (and policy) under bf16 autocast: the
+    cache follows args, so its values are TRL's own precompute's; an explicit other dtype warns."""
+    from trl import DPOTrainer
+
+    from dpocache.integrations.trl import CachedDPOTrainer
+
+    model_dir, dataset, root = setup
+    theirs = _trainer(DPOTrainer, model_dir, dataset, root / "trl-bf16", bf16=True).train_dataset
+    with caplog.at_level("WARNING", logger="dpocache.integrations.trl"):
+        ours = _trainer(CachedDPOTrainer, model_dir, dataset, root / "ours-bf16", bf16=True,
+                        cache_dir=root / "cache-bf16")
+    assert ours._cache_dtype == torch.bfloat16 and not caplog.records
+    for col in ("ref_chosen_logps", "ref_rejected_logps"):  # float32 differs by 7e-3 here
+        torch.testing.assert_close(torch.tensor(ours.train_dataset[col]), torch.tensor(theirs[col]),
+                                   rtol=0, atol=1e-4)
+    with caplog.at_level("WARNING", logger="dpocache.integrations.trl"):
+        explicit = _trainer(CachedDPOTrainer, model_dir, dataset, root / "explicit", bf16=True,
+                            cache_dir=root / "cache-bf16", cache_dtype="float32")
+    assert explicit._cache_dtype == torch.float32
+    [record] = caplog.records
+    assert "cache_dtype='float32'" in record.getMessage() and "bf16=True" in record.getMessage()
+    assert "\n" not in record.getMessage()
 
 
 def test_step0_loss_is_log2_and_second_construction_runs_no_reference(setup, monkeypatch):
