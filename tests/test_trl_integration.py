@@ -178,6 +178,19 @@ def test_fresh_lora_takes_the_base_as_reference(setup):
     assert _step0_loss(trainer) == pytest.approx(math.log(2), abs=1e-4)
 
 
+def test_callers_config_is_not_changed(setup):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dpocache.integrations.trl import CachedDPOTrainer
+
+    model_dir, dataset, root = setup
+    args = _args(root / "own-args")
+    trainer = CachedDPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), args=args,
+                               train_dataset=dataset, processing_class=AutoTokenizer.from_pretrained(model_dir),
+                               cache_dir=root / "cache")
+    assert args.precompute_ref_log_probs is False and trainer.args.precompute_ref_log_probs is True
+
+
 def test_other_trl_versions_fail_clearly():
     from dpocache.integrations.trl import check_trl_version
 

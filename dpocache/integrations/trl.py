@@ -23,6 +23,7 @@ one message, since this overrides TRL internals (``_precompute_ref_logps``).
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from collections.abc import Callable, Iterator
@@ -264,6 +265,9 @@ class CachedDPOTrainer(DPOTrainer):
         self._cache_root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
         self._cache_max_tokens = cache_max_tokens
         self.cache_summaries: dict[str, Any] = {}  # dataset name -> dpocache BuildSummary
+        # On a copy: the caller's config may be reused for a stock DPOTrainer, which would then
+        # precompute. Shallow: TRL reads the fields, and this sets one.
+        args = copy.copy(args)
         args.precompute_ref_log_probs = True  # TRL then reads the columns and keeps no reference forward
         super().__init__(model, ref_model, args, **kwargs)
 
