@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from .cache import CacheError, CacheStore, default_cache_dir, export_rows, namespace_for_dir, verify
+from .cache.atomic import atomic_output
 from .cache.build import (build_distributed, namespace_dirs, open_namespace_dir, reference_source,
                           reference_weights_dir)
 from .cache.probes import ProbeMemo
@@ -196,7 +197,7 @@ def cmd_export(args) -> int:
         print(f"wrote {export(args.format, out, args.data, store, data.pairs)} rows to {out} ({args.format})")
         return 0
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", encoding="utf-8") as f:
+    with atomic_output(out) as tmp, open(tmp, "w", encoding="utf-8") as f:  # no torn file if stopped
         for row in export_rows(store, data.pairs, args.with_ids):
             f.write(json.dumps(row) + "\n")
     print(f"wrote {len(data.pairs)} rows to {out}")

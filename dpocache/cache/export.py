@@ -12,7 +12,11 @@
   (what open-instruct caches with ``torch.save``, without pickle), plus ``index``, the source row
   of each entry, so rows skipped as invalid cannot shift the alignment unnoticed.
 
-Values are the summed completion log-probs of the cache, exactly as stored (float32).
+Values are the summed completion log-probs of the cache, exactly as stored (float32). Files are
+written through a temp file, fsynced and renamed (``atomic.atomic_output``): a failed export
+leaves the old ``--out`` or none, never an empty or partial one. In ``jsonl``, dates and times of
+the source (parquet, datasets) are ISO 8601 strings; a value JSON cannot hold (bytes) is refused
+in one line naming its column.
 
 Rows longer than ``max_length`` were scored as dpocache truncates them (``data.truncate_pair``:
 the prompt keeps its end, at least ``max_length // 2`` tokens of it, the completions their
@@ -24,6 +28,7 @@ columns, ``truncated`` ``(N,)`` bool in ``safetensors``; ``cache export`` also w
 
 from __future__ import annotations
 
+import datetime
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -34,6 +39,8 @@ from safetensors.torch import save_file
 
 from ..cache_args import EXPORT_FORMATS as FORMATS
 from ..data import TokenizedPair, read_rows
+from ..preflight import UsageError
+from .atomic import atomic_output
 from .store import CacheStore
 
 
@@ -62,10 +69,31 @@ def rows_with_reference(source: Any, store: CacheStore, pairs: Sequence[Tokenize
     return out
 
 
+def _json_value(value: Any) -> Any:
+    """``json.dumps``'s ``default``: dates and times (parquet and datasets sources hold them) as
+    ISO 8601 strings; anything else JSON cannot hold raises ``TypeError``."""
+    if isinstance(value, (datetime.date, datetime.time)):  # datetime is a date
+        return value.isoformat()
+    raise TypeError(type(value).__name__)
+
+
+def _json_line(row: dict) -> str:
+    try:
+        return json.dumps(row, ensure_ascii=False, default=_json_value)
+    except TypeError:
+        for column, value in row.items():  # name the column, which json's message does not
+            try:
+                json.dumps(value, default=_json_value)
+            except TypeError as e:
+                raise UsageError(f"--format jsonl: column '{column}' holds {e} values, which JSON cannot hold; "
+                                 "export with --format parquet or datasets") from None
+        raise
+
+
 def _write_jsonl(rows: list[dict], out: Path) -> None:
-    with open(out, "w", encoding="utf-8") as f:
+    with atomic_output(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            f.write(_json_line(row) + "\n")
 
 
 def _write_dataset(rows: list[dict], out: Path, fmt: str) -> None:
@@ -73,9 +101,10 @@ def _write_dataset(rows: list[dict], out: Path, fmt: str) -> None:
 
     dataset = Dataset.from_list(rows)
     if fmt == "parquet":
-        dataset.to_parquet(str(out))
+        with atomic_output(out) as tmp:
+            dataset.to_parquet(str(tmp))
     else:
-        dataset.save_to_disk(str(out))
+        dataset.save_to_disk(str(out))  # a directory, written by datasets (it may be one that exists)
 
 
 def _write_safetensors(store: CacheStore, pairs: Sequence[TokenizedPair], out: Path) -> None:
@@ -86,7 +115,8 @@ def _write_safetensors(store: CacheStore, pairs: Sequence[TokenizedPair], out: P
         "index": torch.tensor([p.index for p in pairs], dtype=torch.int64),  # (N,) source row of entry i
         "truncated": torch.tensor([p.truncated for p in pairs], dtype=torch.bool),  # (N,) cut by dpocache's rule
     }
-    save_file(tensors, str(out), metadata={"format": "dpocache-reference", "namespace": store.namespace.id})
+    with atomic_output(out) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "dpocache-reference", "namespace": store.namespace.id})
 
 
 def export(fmt: str, out: str | Path, source: Any, store: CacheStore, pairs: Sequence[TokenizedPair]) -> int:
