@@ -178,6 +178,21 @@ def test_fresh_lora_takes_the_base_as_reference(setup):
     assert _step0_loss(trainer) == pytest.approx(math.log(2), abs=1e-4)
 
 
+def test_model_given_as_its_directory(setup):
+    """TRL loads a model given as a path itself: that directory is the reference, unchecked."""
+    from transformers import AutoTokenizer
+
+    from dpocache.integrations.trl import CachedDPOTrainer
+
+    model_dir, dataset, root = setup
+    trainer = CachedDPOTrainer(model=model_dir, args=_args(root / "by-path"), train_dataset=dataset,
+                               processing_class=AutoTokenizer.from_pretrained(model_dir), cache_dir=root / "c6")
+    assert trainer.cache_summaries["train"].computed == len(trainer.train_dataset)
+    with pytest.raises(ValueError, match="ref_model must be a loaded model"):
+        CachedDPOTrainer(model=model_dir, ref_model=model_dir, args=_args(root / "by-path"), train_dataset=dataset,
+                         processing_class=AutoTokenizer.from_pretrained(model_dir), cache_dir=root / "c6")
+
+
 def test_callers_config_is_not_changed(setup):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

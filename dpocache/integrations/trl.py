@@ -63,11 +63,9 @@ log = logging.getLogger(__name__)
 _SPAN = 4096
 
 
-def _reference_dir(module: Any, given: str | Path | None, what: str) -> Path:
-    """``given`` (``cache_reference``), else the directory ``module`` was loaded from."""
-    path = given if given is not None else getattr(module, "name_or_path", None)
+def _reference_dir(path: str | Path | None, source: str) -> Path:
+    """``path`` (which came from ``source``) as a local directory; ``ValueError`` if it is not one."""
     if not path or not Path(path).expanduser().is_dir():
-        source = "cache_reference" if given is not None else f"{what}.name_or_path"
         raise ValueError(f"CachedDPOTrainer needs the reference as a local model directory; {source} is {path!r} "
                          "(pass cache_reference= the directory, or a model loaded with from_pretrained from one)")
     return Path(path).expanduser()
@@ -253,13 +251,23 @@ class CachedDPOTrainer(DPOTrainer):
             raise ValueError("CachedDPOTrainer needs args=DPOConfig(...)")
         if getattr(args, "ld_alpha", None) is not None:
             raise ValueError("CachedDPOTrainer does not support ld_alpha yet (TRL folds it into the reference sums)")
-        if isinstance(model, (str, Path)) or isinstance(ref_model, (str, Path)):
-            raise ValueError("CachedDPOTrainer needs model (and ref_model) as loaded models, not paths; name the "
-                             "reference's directory with cache_reference=")
-        # TRL's reference is ref_model, or the policy as passed: the cache must be of that module.
-        what, module = ("ref_model", ref_model) if ref_model is not None else ("model", model)
-        self._ref_path = _reference_dir(module, cache_reference, what)
-        check_reference_weights(module, self._ref_path, what, given=cache_reference is not None)
+        if isinstance(ref_model, (str, Path)):
+            raise ValueError("CachedDPOTrainer: ref_model must be a loaded model (TRL 1.16 loads none from a path); "
+                             "pass the reference's directory as cache_reference=")
+        if ref_model is None and isinstance(model, (str, Path)):
+            # TRL loads the policy from this directory itself, so its reference is that directory's weights.
+            model = str(model)  # TRL tells a path from a model by isinstance(model, str)
+            if cache_reference is not None and Path(cache_reference).resolve() != Path(model).resolve():
+                raise ValueError(f"CachedDPOTrainer: cache_reference {cache_reference} is not the directory model "
+                                 f"is loaded from ({model}), which is TRL's reference; leave cache_reference unset")
+            self._ref_path = _reference_dir(model, "model")
+        else:
+            # TRL's reference is ref_model, or the policy as passed: the cache must be of that module.
+            what, module = ("ref_model", ref_model) if ref_model is not None else ("model", model)
+            given = cache_reference if cache_reference is not None else getattr(module, "name_or_path", None)
+            self._ref_path = _reference_dir(given, "cache_reference" if cache_reference is not None
+                                            else f"{what}.name_or_path")
+            check_reference_weights(module, self._ref_path, what, given=cache_reference is not None)
         self._cache_device = torch.device(cache_device) if cache_device else default_device()
         self._cache_dtype = self._resolve_cache_dtype(cache_dtype, args)
         self._cache_root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
