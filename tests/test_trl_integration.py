@@ -140,6 +140,23 @@ def test_model_changed_in_memory_is_refused(setup, adapter_dir):
         assert "save_pretrained" in str(err.value) and "\n" not in str(err.value)
 
 
+def test_weight_check_reads_bin_checkpoints_too(setup, tmp_path):
+    """pytorch_model.bin is compared memory-mapped as safetensors are; a legacy (pre-zipfile) one,
+    which cannot be memory-mapped, is not compared (construction then warns) rather than loaded."""
+    from transformers import AutoModelForCausalLM
+
+    from dpocache.integrations.trl import _base_tensors, _differs
+
+    model = AutoModelForCausalLM.from_pretrained(setup[0], dtype=torch.float32)
+    torch.save(model.state_dict(), tmp_path / "new.bin")
+    torch.save(model.state_dict(), tmp_path / "legacy.bin", _use_new_zipfile_serialization=False)
+    assert _differs([tmp_path / "new.bin"], _base_tensors(model)) == (None, len(model.state_dict()))
+    with torch.no_grad():
+        model.model.layers[1].self_attn.o_proj.weight[-1, 3] += 1
+    assert _differs([tmp_path / "new.bin"], _base_tensors(model))[0] == "model.layers.1.self_attn.o_proj.weight"
+    assert _differs([tmp_path / "legacy.bin"], _base_tensors(model)) == (None, 0)
+
+
 def test_trained_peft_adapter_needs_its_directory_and_then_starts_at_log2(setup, adapter_dir):
     """A PeftModel loaded from an adapter directory has name_or_path = the base, but TRL's
     reference is base + adapter: without cache_reference it is refused; with it, step 0 is log 2."""

@@ -101,7 +101,10 @@ def _file_tensors(path: Path) -> Iterator[tuple[str, tuple[int, ...], Callable[[
                 part = f.get_slice(name)
                 yield name, tuple(part.get_shape()), (lambda i, n=name, s=part: s[i] if i else f.get_tensor(n))
     else:
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        try:
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except RuntimeError:  # a legacy (pre-zipfile) .bin cannot be memory-mapped: not compared (warned)
+            return
         for name, t in state.items():
             yield name, tuple(t.shape), (lambda i, t=t: t[i])
 
