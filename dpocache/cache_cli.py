@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from .cache import CacheError, CacheStore, default_cache_dir, export_rows, namespace_for_dir, verify
+from .cache.atomic import atomic_output
 from .cache.build import (build_distributed, namespace_dirs, open_namespace_dir, reference_source,
                           reference_weights_dir)
 from .cache.probes import ProbeMemo
@@ -165,10 +166,29 @@ def cmd_verify(args) -> int:
     return 0 if report.ok else 1
 
 
+def truncation_warning(data: PreferenceData, max_length: int | None, max_prompt_length: int | None,
+                       fmt: str | None) -> str | None:
+    """The one-line warning of an export whose data has rows dpocache truncated; None if none.
+    ``fmt``: ``--format`` (None: the cache's own JSON lines, whose --with-ids shows the tokens)."""
+    if not data.truncated:
+        return None
+    marked = {None: "--with-ids shows the tokens scored", "safetensors": "tensor 'truncated' marks them"}
+    floor = max_prompt_length if max_prompt_length is not None else max_length // 2
+    return (f"warning: {data.truncated} of {len(data)} rows exceed --max-length {max_length} and were scored as "
+            f"dpocache truncates them (the prompt keeps its end, {floor} tokens or more where it has them, the "
+            "completions their start); TRL 1.16's collator keeps the start of prompt + completion instead (and "
+            "drops rows whose prompt fills max_length), so these rows' exported values belong to other tokens than "
+            f"TRL would train on ({marked.get(fmt, 'column dpocache_truncated marks them')})")
+
+
 def cmd_export(args) -> int:
     device = torch.device(args.device) if args.device else default_device()
     tokenizer = load_tokenizer(args.tokenizer)
     data = _load_data(args, tokenizer)
+    # Said before the values are read, so that it shows even when the export then fails.
+    warning = truncation_warning(data, args.max_length, args.max_prompt_length, args.format)
+    if warning:
+        print(warning, file=sys.stderr)
     store, _ = _open_store(args, device)
     out: Path = args.out
     if args.format is not None:
@@ -177,7 +197,7 @@ def cmd_export(args) -> int:
         print(f"wrote {export(args.format, out, args.data, store, data.pairs)} rows to {out} ({args.format})")
         return 0
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", encoding="utf-8") as f:
+    with atomic_output(out) as tmp, open(tmp, "w", encoding="utf-8") as f:  # no torn file if stopped
         for row in export_rows(store, data.pairs, args.with_ids):
             f.write(json.dumps(row) + "\n")
     print(f"wrote {len(data.pairs)} rows to {out}")

@@ -77,3 +77,51 @@ def test_unknown_format_is_one_line_exit_2(exported, model_dir, pref_jsonl, caps
     assert code == 2
     err = capsys.readouterr().err
     assert "--format" in err and "csv" in err and len(err.strip().splitlines()) == 1
+
+
+def test_rows_dpocache_truncated_are_counted_on_stderr_and_marked(exported, model_dir, pref_jsonl, tokenizer, capsys):
+    """dpocache's truncation is not TRL's collator's: the export says how many rows it cut (one
+    line) and marks them in every format."""
+    from datasets import load_dataset
+    from safetensors.numpy import load_file
+
+    from dpocache.data import load_preference_data
+
+    root, _ = exported
+    truncated = [p.truncated for p in load_preference_data(pref_jsonl, tokenizer, 32, show_progress=False).pairs]
+    assert 0 < sum(truncated) < len(truncated)  # the data has both kinds at --max-length 32
+    capsys.readouterr()
+    out = _export(root, model_dir, pref_jsonl, "parquet", "marked.parquet")
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and f"{sum(truncated)} of {len(truncated)} rows" in warnings[0]
+    assert "--max-length 32" in warnings[0] and "TRL" in warnings[0]
+    assert load_dataset("parquet", data_files=str(out), split="train")["dpocache_truncated"] == truncated
+    tensors = load_file(str(_export(root, model_dir, pref_jsonl, "safetensors", "marked.safetensors")))
+    assert tensors["truncated"].tolist() == truncated
+
+
+def test_jsonl_export_of_a_parquet_source_with_dates_and_bytes(exported, model_dir, pref_rows, capsys):
+    """A parquet source may hold values JSON cannot: dates are written as ISO strings, bytes are
+    refused in one line naming the column (exit 2), and a failed export leaves no --out file."""
+    import datetime
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root, own = exported
+    created = [datetime.datetime(2024, 5, 1, 12, i % 60, tzinfo=datetime.timezone.utc) for i in range(len(pref_rows))]
+    table = pa.Table.from_pylist([{**r, "created": c} for r, c in zip(pref_rows, created)])
+    pq.write_table(table, root / "dated.parquet")
+    out = _export(root, model_dir, root / "dated.parquet", "jsonl", "dated.jsonl")
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["created"] for r in rows] == [c.isoformat() for c in created]
+    _check_rows([{k: v for k, v in r.items() if k != "created"} for r in rows], pref_rows, own)
+
+    pq.write_table(table.append_column("blob", pa.array([b"\x00\x01"] * len(pref_rows))), root / "bytes.parquet")
+    bad = root / "bytes.jsonl"
+    capsys.readouterr()
+    assert main(_cache_args("export", model_dir, root / "bytes.parquet", root / "cache", "--out", bad,
+                            "--format", "jsonl")) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("warning:")]
+    assert len(err) == 1 and "'blob'" in err[0] and "--format parquet" in err[0]
+    assert not bad.exists() and not list(root.glob(".bytes.jsonl.*"))  # no empty or partial file left

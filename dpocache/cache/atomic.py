@@ -46,6 +46,29 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
+@contextlib.contextmanager
+def atomic_output(path: str | Path) -> Iterator[Path]:
+    """A new temp file next to ``path`` for a writer that takes a file name (pyarrow,
+    safetensors) or streams rows; when the block ends cleanly it is fsynced and renamed over
+    ``path``, else removed: ``path`` is the old file or the whole new one, never a torn or empty one."""
+    path = Path(path)
+    fd, tmp = _create_temp(path)
+    os.close(fd)
+    try:
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
 def _create_temp(path: Path) -> tuple[int, Path]:
     """A new, exclusive temp file next to ``path``, mode 0666 less the umask (the kernel applies it)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)

@@ -1,18 +1,34 @@
 """``dpocache cache export --format``: the cached reference values in the files other trainers read.
 
 - ``jsonl``, ``parquet``, ``datasets`` (a ``save_to_disk`` directory): the input's rows, in input
-  order, with TRL's precomputed-reference columns ``ref_chosen_logps`` and ``ref_rejected_logps``
-  added beside them (TRL's ``DPOTrainer`` reads those columns when ``precompute_ref_log_probs``
-  is set, so it runs no reference forward).
+  order, with the columns ``ref_chosen_logps`` and ``ref_rejected_logps`` added beside them
+  (named as TRL's precomputed-reference columns). Stock TRL 1.16 ``DPOTrainer`` does not read
+  them from a file: with ``precompute_ref_log_probs`` off, ``_compute_loss`` ignores them and runs
+  its own reference; with it on, ``_precompute_ref_logps`` recomputes every value and then fails
+  on the duplicated columns. They are for code that reads them itself (the user's own loop, or a
+  ``DPOTrainer`` subclass whose ``_precompute_ref_logps`` keeps them); dpocache's
+  ``CachedDPOTrainer`` overrides that hook and fills the columns from the cache directly.
 - ``safetensors``: index-aligned ``chosen_logps`` / ``rejected_logps`` ``(N,)`` float32 tensors
   (what open-instruct caches with ``torch.save``, without pickle), plus ``index``, the source row
   of each entry, so rows skipped as invalid cannot shift the alignment unnoticed.
 
-Values are the summed completion log-probs of the cache, exactly as stored (float32).
+Values are the summed completion log-probs of the cache, exactly as stored (float32). Files are
+written through a temp file, fsynced and renamed (``atomic.atomic_output``): a failed export
+leaves the old ``--out`` or none, never an empty or partial one. In ``jsonl``, dates and times of
+the source (parquet, datasets) are ISO 8601 strings; a value JSON cannot hold (bytes) is refused
+in one line naming its column.
+
+Rows longer than ``max_length`` were scored as dpocache truncates them (``data.truncate_pair``:
+the prompt keeps its end, at least ``max_length // 2`` tokens of it, the completions their
+start), not as TRL 1.16's collator does (the start of prompt + completion, dropping rows whose
+prompt fills ``max_length``): for those rows the values belong to other token sequences than TRL
+would train on. Each export marks them: ``dpocache_truncated`` (bool) beside the reference
+columns, ``truncated`` ``(N,)`` bool in ``safetensors``; ``cache export`` also warns with the count.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -23,15 +39,20 @@ from safetensors.torch import save_file
 
 from ..cache_args import EXPORT_FORMATS as FORMATS
 from ..data import TokenizedPair, read_rows
+from ..preflight import UsageError
+from .atomic import atomic_output
 from .store import CacheStore
 
 
-# TRL 1.x DPOTrainer's precomputed-reference column names.
+# The column names of TRL 1.x DPOTrainer's precomputed reference (which it fills itself, see above).
 REF_CHOSEN, REF_REJECTED = "ref_chosen_logps", "ref_rejected_logps"
+# True where dpocache truncated the pair (see above); prefixed so it cannot be taken for a column of TRL's.
+TRUNCATED = "dpocache_truncated"
 
 
 def rows_with_reference(source: Any, store: CacheStore, pairs: Sequence[TokenizedPair]) -> list[dict]:
-    """The source rows of ``pairs`` (in input order) with the two reference columns added.
+    """The source rows of ``pairs`` (in input order) with the two reference columns and
+    ``dpocache_truncated`` added.
 
     Raises ``MissingReferenceError`` (a ``CacheError``) when a pair has no cached value.
     """
@@ -43,14 +64,36 @@ def rows_with_reference(source: Any, store: CacheStore, pairs: Sequence[Tokenize
         row = dict(row) if isinstance(row, Mapping) else {"row": row}
         row[REF_CHOSEN] = float(values.chosen_logps[i])
         row[REF_REJECTED] = float(values.rejected_logps[i])
+        row[TRUNCATED] = bool(p.truncated)
         out.append(row)
     return out
 
 
+def _json_value(value: Any) -> Any:
+    """``json.dumps``'s ``default``: dates and times (parquet and datasets sources hold them) as
+    ISO 8601 strings; anything else JSON cannot hold raises ``TypeError``."""
+    if isinstance(value, (datetime.date, datetime.time)):  # datetime is a date
+        return value.isoformat()
+    raise TypeError(type(value).__name__)
+
+
+def _json_line(row: dict) -> str:
+    try:
+        return json.dumps(row, ensure_ascii=False, default=_json_value)
+    except TypeError:
+        for column, value in row.items():  # name the column, which json's message does not
+            try:
+                json.dumps(value, default=_json_value)
+            except TypeError as e:
+                raise UsageError(f"--format jsonl: column '{column}' holds {e} values, which JSON cannot hold; "
+                                 "export with --format parquet or datasets") from None
+        raise
+
+
 def _write_jsonl(rows: list[dict], out: Path) -> None:
-    with open(out, "w", encoding="utf-8") as f:
+    with atomic_output(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            f.write(_json_line(row) + "\n")
 
 
 def _write_dataset(rows: list[dict], out: Path, fmt: str) -> None:
@@ -58,9 +101,10 @@ def _write_dataset(rows: list[dict], out: Path, fmt: str) -> None:
 
     dataset = Dataset.from_list(rows)
     if fmt == "parquet":
-        dataset.to_parquet(str(out))
+        with atomic_output(out) as tmp:
+            dataset.to_parquet(str(tmp))
     else:
-        dataset.save_to_disk(str(out))
+        dataset.save_to_disk(str(out))  # a directory, written by datasets (it may be one that exists)
 
 
 def _write_safetensors(store: CacheStore, pairs: Sequence[TokenizedPair], out: Path) -> None:
@@ -69,8 +113,10 @@ def _write_safetensors(store: CacheStore, pairs: Sequence[TokenizedPair], out: P
         "chosen_logps": values.chosen_logps.float().contiguous(),  # (N,)
         "rejected_logps": values.rejected_logps.float().contiguous(),  # (N,)
         "index": torch.tensor([p.index for p in pairs], dtype=torch.int64),  # (N,) source row of entry i
+        "truncated": torch.tensor([p.truncated for p in pairs], dtype=torch.bool),  # (N,) cut by dpocache's rule
     }
-    save_file(tensors, str(out), metadata={"format": "dpocache-reference", "namespace": store.namespace.id})
+    with atomic_output(out) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "dpocache-reference", "namespace": store.namespace.id})
 
 
 def export(fmt: str, out: str | Path, source: Any, store: CacheStore, pairs: Sequence[TokenizedPair]) -> int:
