@@ -231,5 +231,5 @@ def run(args: argparse.Namespace) -> int:
     except (DataError, ValueError) as err:
         if args.verbose:
             raise
-        print(f"dpocache: error: {err}", file=sys.stderr)
+        print(f"dpocache score: error: {err}", file=sys.stderr)
         return 2

@@ -77,3 +77,14 @@ def test_unknown_format_is_one_line_exit_2(exported, model_dir, pref_jsonl, caps
     assert code == 2
     err = capsys.readouterr().err
     assert "--format" in err and "csv" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_missing_value_is_named_after_the_command(exported, model_dir, tmp_path, pref_rows, capsys):
+    """Every command's errors start with ``dpocache COMMAND: error:``."""
+    from dpocache.data import write_jsonl
+
+    root, _ = exported
+    data = write_jsonl([{**pref_rows[0], "chosen": pref_rows[0]["chosen"] + " 0"}], tmp_path / "new.jsonl")
+    code = main(_cache_args("export", model_dir, data, root / "cache", "--out", tmp_path / "o.jsonl"))
+    assert code == 1
+    assert capsys.readouterr().err.startswith("dpocache cache export: error: ")
