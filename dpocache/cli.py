@@ -22,7 +22,7 @@ import sys
 import traceback
 
 from .allocator import configure_cpu_allocator, configure_cuda_allocator
-from .config import ConfigError
+from .config import ConfigError, validate_environment
 from .data import DataError
 from .preflight import UsageError
 from .signals import Interrupted, ignore_stop_signals, stop_signals
@@ -100,9 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     if extra and words not in CONFIG_COMMANDS and args.command != "demo":
         print(f"{prog}: error: unrecognized arguments: {' '.join(extra)}", file=sys.stderr)
         return 2
-    configure_cpu_allocator()
-    configure_cuda_allocator()
     try:
+        validate_environment()  # before the allocator reads its variable
+        configure_cpu_allocator()
+        configure_cuda_allocator()
         # SIGTERM/SIGINT while loading end here at once; builds and training stop at safe points.
         with stop_signals():
             if args.command == "cache":

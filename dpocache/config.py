@@ -20,7 +20,10 @@ from typing import Any
 
 import yaml
 
-from .layouts import ATTENTIONS, CAUSAL_SDPA_ENV, CAUSAL_SDPA_MODES, COMPILES, LAYOUTS
+from .allocator import ENV as CPU_ALLOCATOR_ENV
+from .allocator import MODES as CPU_ALLOCATOR_MODES
+from .layouts import ATTENTIONS, BF16_MATMUL_ENV, BF16_MATMUL_MODES, CAUSAL_SDPA_ENV, CAUSAL_SDPA_MODES, COMPILES
+from .layouts import LAYOUTS
 
 # torch (and dpocache.losses, which needs it) is imported by validate() and help_text() only:
 # 1.5 s of imports that reading the options and checking the paths they name do not need.
@@ -158,7 +161,7 @@ class Config:
         _validate_choices(self)
         _validate_counts(self)
         _validate_device(self.model.device)
-        _validate_environment()
+        validate_environment()
         return self
 
 
@@ -291,11 +294,14 @@ def _validate_counts(cfg: Config) -> None:
                           f"got {cfg.lora.alpha}")
 
 
-def _validate_environment() -> None:
-    """The environment variables dpocache reads whose values are a choice."""
-    value = os.environ.get(CAUSAL_SDPA_ENV)
-    if value is not None and value not in CAUSAL_SDPA_MODES:
-        raise ConfigError(f"${CAUSAL_SDPA_ENV} must be {' or '.join(CAUSAL_SDPA_MODES)}; got '{value}'")
+def validate_environment() -> None:
+    """The environment variables dpocache reads whose values are a choice (every command checks
+    them first: ``dpocache.cli``)."""
+    for name, modes in ((CAUSAL_SDPA_ENV, CAUSAL_SDPA_MODES), (CPU_ALLOCATOR_ENV, CPU_ALLOCATOR_MODES),
+                        (BF16_MATMUL_ENV, BF16_MATMUL_MODES)):
+        value = os.environ.get(name)
+        if value is not None and value not in modes and not (value == "" and name == CPU_ALLOCATOR_ENV):
+            raise ConfigError(f"${name} must be {' or '.join(modes)}; got '{value}'")
 
 
 def _validate_device(device: str | None) -> None:
