@@ -27,6 +27,10 @@ OPTIONS = {
 }
 # The short flags the cache commands had before they read the configuration, kept working.
 CACHE_ALIASES = {"layout": "cache.layout"}
+# --help shows the model, data and cache sections, plus FSDP (cache build reads it), less what
+# only training reads (the policy's attention kernel and activation checkpointing).
+HELP_FIELDS = {"build": ("distributed.fsdp",)}
+HELP_EXCLUDE = ("model.attn_implementation", "model.gradient_checkpointing")
 USAGE = """usage: dpocache cache {command} [CONFIG.yaml] [--key value ...]
 
 {text}.
@@ -43,7 +47,9 @@ Fields:
 {fields}"""
 TEXTS = {"build": "Compute the reference log-probs the cache lacks", "info": "List the cache's namespaces",
          "verify": "Check every shard's checksum and recompute a sample",
-         "export": "Write the cached values of every row, in data order, as JSON lines"}
+         "export": "Write the cached values of every row, in data order: the cache's own JSON lines, or with "
+                   "--format the input rows plus TRL's reference columns (jsonl, parquet, datasets) or index-aligned "
+                   "tensors (safetensors)"}
 
 
 def parse_args(command: str, rest: list[str]) -> argparse.Namespace | None:
@@ -54,7 +60,8 @@ def parse_args(command: str, rest: list[str]) -> argparse.Namespace | None:
         options = "\n".join(f"  --{k.replace('_', '-'):<50} {t.__name__:<14} default: {d!r}\n      {h}"
                             for k, (t, d, h) in OPTIONS[command].items()) or "  (none)"
         print(USAGE.format(command=command, text=TEXTS[command], options=options,
-                           fields=help_text(("model", "data", "cache"))))
+                           fields=help_text(("model", "data", "cache"), HELP_FIELDS.get(command, ()), HELP_EXCLUDE,
+                                            CACHE_ALIASES)))
         return None
     config = None
     if rest and not rest[0].startswith("-"):

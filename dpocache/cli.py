@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in (("build", "compute the reference log-probs the cache lacks"),
                        ("info", "namespaces, their model and dtype, pair counts, size on disk"),
                        ("verify", "check every shard's checksum and recompute a sample"),
-                       ("export", "cached values of every row, in data order, as JSON lines")):
+                       ("export", "cached values of every row, in data order (JSON lines, or --format "
+                                  "jsonl, parquet, datasets, safetensors)")):
         c = csub.add_parser(name, help=f"{text} (see dpocache cache {name} --help)", add_help=False)
         # Everything after the subcommand is ours to parse (dpocache.cache_args), as for train.
         c.add_argument("rest", nargs=argparse.REMAINDER)
