@@ -20,8 +20,9 @@ OPTIONS = {
     "info": {},
     "verify": {"samples": (int, 32, "pairs recomputed and compared with the cache"),
                "seed": (int, 0, "which pairs are sampled")},
-    "export": {"out": (Path, None, "the JSON-lines file to write (required)"),
-               "with_ids": (bool, False, "include the token ids the values were computed on"),
+    "export": {"out": (Path, None, "the file to write, or with --format datasets the directory (required)"),
+               "with_ids": (bool, False, "include the token ids the values were computed on (the cache's own "
+                                         "JSON lines only: refused with --format)"),
                "format": (str, None, "the input rows plus ref_chosen_logps/ref_rejected_logps as "
                                      f"{', '.join(EXPORT_FORMATS)} (default: the cache's own JSON lines)")},
 }
@@ -93,6 +94,9 @@ def parse_args(command: str, rest: list[str]) -> argparse.Namespace | None:
         raise UsageError("--out FILE is required")
     if command == "export" and own.get("format") not in (None, *EXPORT_FORMATS):
         raise UsageError(f"--format must be one of {', '.join(EXPORT_FORMATS)}; got {own['format']!r}")
+    if command == "export" and own.get("with_ids") and own.get("format") is not None:
+        raise UsageError(f"--with-ids: only the cache's own JSON lines (no --format) hold token ids; "
+                         f"drop --with-ids or --format {own['format']}")
     return _namespace(cfg, command, own)
 
 

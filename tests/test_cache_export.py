@@ -79,6 +79,18 @@ def test_unknown_format_is_one_line_exit_2(exported, model_dir, pref_jsonl, caps
     assert "--format" in err and "csv" in err and len(err.strip().splitlines()) == 1
 
 
+def test_with_ids_and_format_is_one_line_exit_2(exported, model_dir, pref_jsonl, capsys):
+    """--with-ids was silently ignored with --format: refused, before anything loads."""
+    root, _ = exported
+    out = root / "ids.parquet"
+    code = main(_cache_args("export", model_dir, pref_jsonl, root / "cache", "--out", out, "--format", "parquet",
+                            "--with-ids", "true"))
+    assert code == 2 and not out.exists()
+    err = capsys.readouterr().err
+    assert err.startswith("dpocache cache export: error: --with-ids") and "--format parquet" in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_a_missing_value_is_named_after_the_command(exported, model_dir, tmp_path, pref_rows, capsys):
     """Every command's errors start with ``dpocache COMMAND: error:``."""
     from dpocache.data import write_jsonl
