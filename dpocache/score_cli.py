@@ -37,9 +37,13 @@ def add_score_parser(sub) -> None:
     s.add_argument("--data", required=True, help="rows: prompt + completions (text or messages) or prompt_ids + "
                    "completion_ids; .jsonl/.json/.parquet/.csv")
     s.add_argument("--out", type=Path, required=True, help="output JSONL, one line per row, in data order")
-    s.add_argument("--cache-dir", type=Path, default=None, help="look-aside cache (default: the reference cache root)")
-    s.add_argument("--dtype", default="auto", help="auto (bf16 where the hardware has it), float32, bfloat16")
-    s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    s.add_argument("--cache-dir", type=Path, default=None,
+                   help="look-aside cache (default: the reference cache root: $DPOCACHE_CACHE_DIR, else "
+                   "$XDG_CACHE_HOME/dpocache, else ~/.cache/dpocache)")
+    s.add_argument("--dtype", default="auto",
+                   help="auto (bf16 on a CUDA GPU with bf16 or a CPU with AMX, else float32), float32, bfloat16")
+    s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available; under torchrun "
+                   "cuda:LOCAL_RANK)")
     s.add_argument("--max-tokens", type=int, default=None,
                    help="token slots per forward (default: 4096 on a CPU, 16384 on a GPU)")
     s.add_argument("--chunk-rows", type=int, default=256, help="rows scored (and cached) at a time")

@@ -72,7 +72,8 @@ class CachedDPOTrainer(DPOTrainer):
     """``DPOTrainer`` whose reference values come from dpocache's cache.
 
     Args (beyond ``DPOTrainer``'s):
-        cache_dir: the cache root (default: ``$DPOCACHE_CACHE_DIR`` or ``~/.cache/dpocache``).
+        cache_dir: the cache root (default: ``$DPOCACHE_CACHE_DIR``, else ``$XDG_CACHE_HOME/dpocache``, else
+            ``~/.cache/dpocache``).
         cache_dtype: dtype of the reference pass: ``float32`` (default), ``bfloat16`` or ``auto``;
             it is part of the cache namespace.
         cache_max_tokens: padded tokens per reference forward when building missing values
