@@ -31,8 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MODES = ("auto", "native", "fp32-gemm")
-ENV_VAR = "DPOCACHE_BF16_MATMUL"
+from .layouts import BF16_MATMUL_ENV as ENV_VAR  # defined where checking it imports no torch
+from .layouts import BF16_MATMUL_MODES as MODES
+
 # Set on a Parameter whose fp32 values are all bf16-representable; holds the tensor version at
 # the time, so an in-place update afterwards (an optimizer step) invalidates the mark.
 _EXACT_VERSION = "_dpocache_bf16_exact_version"

@@ -20,13 +20,18 @@ OPTIONS = {
     "info": {},
     "verify": {"samples": (int, 32, "pairs recomputed and compared with the cache"),
                "seed": (int, 0, "which pairs are sampled")},
-    "export": {"out": (Path, None, "the JSON-lines file to write (required)"),
-               "with_ids": (bool, False, "include the token ids the values were computed on"),
+    "export": {"out": (Path, None, "the file to write, or with --format datasets the directory (required)"),
+               "with_ids": (bool, False, "include the token ids the values were computed on (the cache's own "
+                                         "JSON lines only: refused with --format)"),
                "format": (str, None, "the input rows plus ref_chosen_logps/ref_rejected_logps as "
                                      f"{', '.join(EXPORT_FORMATS)} (default: the cache's own JSON lines)")},
 }
 # The short flags the cache commands had before they read the configuration, kept working.
 CACHE_ALIASES = {"layout": "cache.layout"}
+# --help shows the model, data and cache sections, plus FSDP (cache build reads it), less what
+# only training reads (the policy's attention kernel and activation checkpointing).
+HELP_FIELDS = {"build": ("distributed.fsdp",)}
+HELP_EXCLUDE = ("model.attn_implementation", "model.gradient_checkpointing")
 USAGE = """usage: dpocache cache {command} [CONFIG.yaml] [--key value ...]
 
 {text}.
@@ -43,7 +48,9 @@ Fields:
 {fields}"""
 TEXTS = {"build": "Compute the reference log-probs the cache lacks", "info": "List the cache's namespaces",
          "verify": "Check every shard's checksum and recompute a sample",
-         "export": "Write the cached values of every row, in data order, as JSON lines"}
+         "export": "Write the cached values of every row, in data order: the cache's own JSON lines, or with "
+                   "--format the input rows plus TRL's reference columns (jsonl, parquet, datasets) or index-aligned "
+                   "tensors (safetensors)"}
 
 
 def parse_args(command: str, rest: list[str]) -> argparse.Namespace | None:
@@ -54,7 +61,8 @@ def parse_args(command: str, rest: list[str]) -> argparse.Namespace | None:
         options = "\n".join(f"  --{k.replace('_', '-'):<50} {t.__name__:<14} default: {d!r}\n      {h}"
                             for k, (t, d, h) in OPTIONS[command].items()) or "  (none)"
         print(USAGE.format(command=command, text=TEXTS[command], options=options,
-                           fields=help_text(("model", "data", "cache"))))
+                           fields=help_text(("model", "data", "cache"), HELP_FIELDS.get(command, ()), HELP_EXCLUDE,
+                                            CACHE_ALIASES)))
         return None
     config = None
     if rest and not rest[0].startswith("-"):
@@ -86,6 +94,9 @@ def parse_args(command: str, rest: list[str]) -> argparse.Namespace | None:
         raise UsageError("--out FILE is required")
     if command == "export" and own.get("format") not in (None, *EXPORT_FORMATS):
         raise UsageError(f"--format must be one of {', '.join(EXPORT_FORMATS)}; got {own['format']!r}")
+    if command == "export" and own.get("with_ids") and own.get("format") is not None:
+        raise UsageError(f"--with-ids: only the cache's own JSON lines (no --format) hold token ids; "
+                         f"drop --with-ids or --format {own['format']}")
     return _namespace(cfg, command, own)
 
 

@@ -219,5 +219,5 @@ def run(args: argparse.Namespace) -> int:
         with disk_errors(cache_dir=args.cache_dir or default_cache_dir()):
             return commands[args.cache_command](args)
     except CacheError as err:  # a missing value, or a distributed build that left holes
-        print(f"dpocache: error: {err}", file=sys.stderr)
+        print(f"dpocache cache {args.cache_command}: error: {err}", file=sys.stderr)
         return 1

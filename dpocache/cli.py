@@ -22,7 +22,7 @@ import sys
 import traceback
 
 from .allocator import configure_cpu_allocator, configure_cuda_allocator
-from .config import ConfigError
+from .config import ConfigError, validate_environment
 from .data import DataError
 from .preflight import UsageError
 from .signals import Interrupted, ignore_stop_signals, stop_signals
@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in (("build", "compute the reference log-probs the cache lacks"),
                        ("info", "namespaces, their model and dtype, pair counts, size on disk"),
                        ("verify", "check every shard's checksum and recompute a sample"),
-                       ("export", "cached values of every row, in data order, as JSON lines")):
+                       ("export", "cached values of every row, in data order (JSON lines, or --format "
+                                  "jsonl, parquet, datasets, safetensors)")):
         c = csub.add_parser(name, help=f"{text} (see dpocache cache {name} --help)", add_help=False)
         # Everything after the subcommand is ours to parse (dpocache.cache_args), as for train.
         c.add_argument("rest", nargs=argparse.REMAINDER)
@@ -100,9 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     if extra and words not in CONFIG_COMMANDS and args.command != "demo":
         print(f"{prog}: error: unrecognized arguments: {' '.join(extra)}", file=sys.stderr)
         return 2
-    configure_cpu_allocator()
-    configure_cuda_allocator()
     try:
+        validate_environment()  # before the allocator reads its variable
+        configure_cpu_allocator()
+        configure_cuda_allocator()
         # SIGTERM/SIGINT while loading end here at once; builds and training stop at safe points.
         with stop_signals():
             if args.command == "cache":

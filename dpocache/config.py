@@ -20,7 +20,10 @@ from typing import Any
 
 import yaml
 
-from .layouts import ATTENTIONS, CAUSAL_SDPA_ENV, CAUSAL_SDPA_MODES, COMPILES, LAYOUTS
+from .allocator import ENV as CPU_ALLOCATOR_ENV
+from .allocator import MODES as CPU_ALLOCATOR_MODES
+from .layouts import ATTENTIONS, BF16_MATMUL_ENV, BF16_MATMUL_MODES, CAUSAL_SDPA_ENV, CAUSAL_SDPA_MODES, COMPILES
+from .layouts import LAYOUTS
 
 # torch (and dpocache.losses, which needs it) is imported by validate() and help_text() only:
 # 1.5 s of imports that reading the options and checking the paths they name do not need.
@@ -33,7 +36,7 @@ class ModelConfig:
     reference: str = "initial"  # initial: an adapter dir's reference is base + adapter | base: the bare base
     dtype: str = "auto"  # compute dtype: auto | float32 | bfloat16 | float16 (autocast over fp32 weights)
     device: str | None = None  # cpu | cuda (default: cuda if available)
-    attn_implementation: str = "sdpa"  # attention kernel passed to transformers (sdpa | eager | flash_attention_2)
+    attn_implementation: str = "sdpa"  # train's policy only: sdpa | eager | flash_attention_2 (transformers)
     attention: str = "auto"  # shared/packed layouts: auto (GPU: causal, else sdpa) | sdpa | flex | causal
     compile: str = "auto"  # decoder layers compiled: auto (reference passes that repay it) | on (training too) | off
     gradient_checkpointing: bool = False  # recompute activations in the backward pass (less memory, slower)
@@ -52,7 +55,7 @@ class DataConfig:
     train: str | None = None  # preference data for training
     eval: str | None = None  # held-out preference data
     max_length: int | None = 1024  # tokens of prompt + completion (see dpocache.data for the rule)
-    max_prompt_length: int | None = None  # tokens the prompt keeps at least when truncating
+    max_prompt_length: int | None = None  # tokens the prompt keeps at least when truncating (None: max_length // 2)
     skip_invalid: bool = False  # skip bad rows (reported) instead of failing
     prompt_field: str = "prompt"  # the column holding the prompt (e.g. question)
     chosen_field: str = "chosen"  # the column holding the preferred completion
@@ -119,7 +122,7 @@ class TrainLoopConfig:
 
 @dataclass
 class CacheConfig:
-    dir: str | None = None  # default: $DPOCACHE_CACHE_DIR or ~/.cache/dpocache
+    dir: str | None = None  # default: $DPOCACHE_CACHE_DIR, else $XDG_CACHE_HOME/dpocache, else ~/.cache/dpocache
     max_tokens: int | None = None  # padded tokens per reference forward (None: cache.build.default_max_tokens)
     layout: str = "auto"  # reference pass: auto | shared (each prompt once) | packed | padded (dpocache.layouts)
     shard_size: int = 4096  # pairs per cache shard (a shard is also flushed every 60 s)
@@ -127,7 +130,7 @@ class CacheConfig:
 
 @dataclass
 class DistributedConfig:
-    fsdp: bool = False  # shard the policy with FSDP2 (fully_shard) under torchrun
+    fsdp: bool = False  # under torchrun, FSDP2-shard train's policy (and its reference build), cache build's reference
     backend: str | None = None  # default: nccl on CUDA, gloo on CPU
 
 
@@ -158,7 +161,7 @@ class Config:
         _validate_choices(self)
         _validate_counts(self)
         _validate_device(self.model.device)
-        _validate_environment()
+        validate_environment()
         return self
 
 
@@ -291,11 +294,14 @@ def _validate_counts(cfg: Config) -> None:
                           f"got {cfg.lora.alpha}")
 
 
-def _validate_environment() -> None:
-    """The environment variables dpocache reads whose values are a choice."""
-    value = os.environ.get(CAUSAL_SDPA_ENV)
-    if value is not None and value not in CAUSAL_SDPA_MODES:
-        raise ConfigError(f"${CAUSAL_SDPA_ENV} must be {' or '.join(CAUSAL_SDPA_MODES)}; got '{value}'")
+def validate_environment() -> None:
+    """The environment variables dpocache reads whose values are a choice (every command checks
+    them first: ``dpocache.cli``)."""
+    for name, modes in ((CAUSAL_SDPA_ENV, CAUSAL_SDPA_MODES), (CPU_ALLOCATOR_ENV, CPU_ALLOCATOR_MODES),
+                        (BF16_MATMUL_ENV, BF16_MATMUL_MODES)):
+        value = os.environ.get(name)
+        if value is not None and value not in modes and not (value == "" and name == CPU_ALLOCATOR_ENV):
+            raise ConfigError(f"${name} must be {' or '.join(modes)}; got '{value}'")
 
 
 def _validate_device(device: str | None) -> None:
@@ -446,16 +452,18 @@ def field_help() -> dict[str, str]:
     return out
 
 
-def help_text(sections: tuple[str, ...] | None = None) -> str:
-    """Every field (of ``sections``, default all) with its type, default and description, then
-    the loss names, for ``--help``."""
+def help_text(sections: tuple[str, ...] | None = None, fields: tuple[str, ...] = (), exclude: tuple[str, ...] = (),
+              aliases: dict[str, str] | None = None) -> str:
+    """Every field (of ``sections``, default all; plus the dotted ``fields``, less ``exclude``)
+    with its type, default and description, then the loss names, for ``--help``. ``aliases``:
+    a command's own short flags (name -> dotted field), shown beside the field."""
     defaults = Config().to_dict()
-    reverse = {v: k for k, v in ALIASES.items()}
+    reverse = {v: k for k, v in {**ALIASES, **(aliases or {})}.items()}
     described = field_help()
     lines = []
     for dotted, annotation in field_types().items():
         section, name = dotted.split(".", 1)
-        if sections is not None and section not in sections:
+        if dotted in exclude or (sections is not None and section not in sections and dotted not in fields):
             continue
         alias = reverse.get(dotted)
         flag = f"--{dotted}" + (f" (--{alias.replace('_', '-')})" if alias else "")

@@ -47,6 +47,10 @@ CAUSAL = "dpocache_causal"  # transformers' name of dpocache.attention's causal 
 # cuDNN (the default), or any (SDPA's own choice; to measure the choice again).
 CAUSAL_SDPA_ENV = "DPOCACHE_CAUSAL_SDPA"
 CAUSAL_SDPA_MODES = ("no-cudnn", "any")
+# How bf16 linears run on a CPU (dpocache.bf16_matmul); here, as the two above, so that checking
+# the environment (config.validate_environment) imports no torch.
+BF16_MATMUL_ENV = "DPOCACHE_BF16_MATMUL"
+BF16_MATMUL_MODES = ("auto", "native", "fp32-gemm")
 # Attentions that serve the shared and packed layouts: with their custom mask, a dense one (sdpa,
 # eager) or a BlockMask (flex_attention), or with their sequence rows (causal; dpocache.attention).
 BLOCK_MASK_ATTENTION = ("sdpa", "eager", "flex_attention", CAUSAL)

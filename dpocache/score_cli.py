@@ -10,6 +10,10 @@ with the tokenizer's chat template, as ``cache build`` does) or as token ids::
 Each output line holds the row's index and, per completion, its per-token log-probs, their
 sum and its token count. Every chunk of rows scored is in the look-aside cache
 (``dpocache.service``) before the next starts, so a run that is stopped resumes where it was.
+
+Under ``torchrun`` each process scores its share of the rows (balanced by tokens) on
+``cuda:LOCAL_RANK`` into a part file of its own; process 0 then writes the output, in data
+order, from the parts.
 """
 
 from __future__ import annotations
@@ -33,9 +37,13 @@ def add_score_parser(sub) -> None:
     s.add_argument("--data", required=True, help="rows: prompt + completions (text or messages) or prompt_ids + "
                    "completion_ids; .jsonl/.json/.parquet/.csv")
     s.add_argument("--out", type=Path, required=True, help="output JSONL, one line per row, in data order")
-    s.add_argument("--cache-dir", type=Path, default=None, help="look-aside cache (default: the reference cache root)")
-    s.add_argument("--dtype", default="auto", help="auto (bf16 where the hardware has it), float32, bfloat16")
-    s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    s.add_argument("--cache-dir", type=Path, default=None,
+                   help="look-aside cache (default: the reference cache root: $DPOCACHE_CACHE_DIR, else "
+                   "$XDG_CACHE_HOME/dpocache, else ~/.cache/dpocache)")
+    s.add_argument("--dtype", default="auto",
+                   help="auto (bf16 on a CUDA GPU with bf16 or a CPU with AMX, else float32), float32, bfloat16")
+    s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available; under torchrun "
+                   "cuda:LOCAL_RANK)")
     s.add_argument("--max-tokens", type=int, default=None,
                    help="token slots per forward (default: 4096 on a CPU, 16384 on a GPU)")
     s.add_argument("--chunk-rows", type=int, default=256, help="rows scored (and cached) at a time")
@@ -140,27 +148,85 @@ def cmd_score(args) -> int:
     prefix = special_prefix(tokenizer) if tokenizer is not None else []
     requests = [to_request(r, tokenizer, prefix) for r in rows]
     check_rows(rows, requests, args.model)
-    service = ReferenceService.from_pretrained(args.model, args.dtype, args.device,
-                                               max_tokens=args.max_tokens,
-                                               cache_dir=args.cache_dir or default_cache_dir(), stats_file=args.stats)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    partial = args.out.with_name(args.out.name + ".partial")
-    with open(partial, "w", encoding="utf-8") as f, tqdm(total=len(rows), unit="rows", desc="reference log-probs",
-                                                         dynamic_ncols=True) as bar:
-        for start in range(0, len(rows), args.chunk_rows):
-            chunk = requests[start:start + args.chunk_rows]
-            for i, values in enumerate(service.score(chunk), start=start):
+    env = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from .distributed import init_distributed
+
+        env = init_distributed(args.device)  # cuda:LOCAL_RANK, or the CPU
+    device = str(env.device) if env is not None else args.device
+    try:
+        service = ReferenceService.from_pretrained(args.model, args.dtype, device, max_tokens=args.max_tokens,
+                                                   cache_dir=args.cache_dir or default_cache_dir(),
+                                                   stats_file=args.stats)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        partial = args.out.with_name(args.out.name + ".partial")
+        if env is None:
+            _score_rows(service, rows, requests, range(len(rows)), args.chunk_rows, partial, progress=True)
+            s = service.stats()
+        else:
+            s = _score_share(service, rows, requests, args.chunk_rows, partial, env)
+        if env is None or env.is_main:
+            os.replace(partial, args.out)
+            print(f"rows {len(rows)}: sequences {s['sequences']} ({s['cache_hits']} from the cache, "
+                  f"{s['forward_sequences']} computed in {s['forward_passes']} forward passes, {s['tokens']} tokens, "
+                  f"{s['seconds']:.1f} s); wrote {args.out}")
+    finally:
+        if env is not None:
+            from .distributed import destroy
+
+            destroy(env)
+    return 0
+
+
+def _score_rows(service, rows: list[RawRow], requests: list[dict], positions, chunk_rows: int, path: Path,
+                progress: bool) -> None:
+    """Score the rows at ``positions`` (in that order), ``chunk_rows`` at a time, one output
+    line each into ``path``."""
+    positions = list(positions)
+    with open(path, "w", encoding="utf-8") as f, tqdm(total=len(positions), unit="rows", desc="reference log-probs",
+                                                      dynamic_ncols=True, disable=not progress) as bar:
+        for start in range(0, len(positions), chunk_rows):
+            chunk = positions[start:start + chunk_rows]
+            for i, values in zip(chunk, service.score([requests[i] for i in chunk])):
                 f.write(json.dumps({
                     "index": rows[i].index, "token_logps": [v.tolist() for v in values],
                     "logps": [float(v.sum()) for v in values], "tokens": [v.numel() for v in values],
                 }) + "\n")
             bar.update(len(chunk))
-    os.replace(partial, args.out)
+
+
+def _score_share(service, rows: list[RawRow], requests: list[dict], chunk_rows: int, partial: Path, env) -> dict:
+    """Under torchrun: this rank's share of the rows (balanced by tokens; every rank computes
+    the same split) into a part file of its own; then rank 0 merges the parts, in data order,
+    into ``partial``. Returns the service's counters summed over ranks (seconds: the slowest)."""
+    from .distributed import barrier, reduce_counts, split_by_weight
+    from .service import _request_tokens
+
+    shares = [sorted(share) for share in split_by_weight(range(len(rows)), env.world_size,
+                                                          weight=lambda i: _request_tokens(requests[i]))]
+    parts = [partial.with_name(f"{partial.name}.rank{r}") for r in range(env.world_size)]
+    _score_rows(service, rows, requests, shares[env.rank], chunk_rows, parts[env.rank], progress=env.is_main)
     s = service.stats()
-    print(f"rows {len(rows)}: sequences {s['sequences']} ({s['cache_hits']} from the cache, "
-          f"{s['forward_sequences']} computed in {s['forward_passes']} forward passes, {s['tokens']} tokens, "
-          f"{s['seconds']:.1f} s); wrote {args.out}")
-    return 0
+    counted = ("sequences", "cache_hits", "forward_sequences", "forward_passes", "tokens")
+    summed = reduce_counts(env, [s[k] for k in counted])
+    s = {**dict(zip(counted, (int(v) for v in summed))), "seconds": reduce_counts(env, [s["seconds"]], "max")[0]}
+    barrier(env)  # every part is written and closed
+    if env.is_main:
+        owner = [0] * len(rows)
+        for r, share in enumerate(shares):
+            for i in share:
+                owner[i] = r
+        files = [open(p, encoding="utf-8") for p in parts]
+        try:
+            with open(partial, "w", encoding="utf-8") as f:
+                for r in owner:  # each part holds its rows in data order
+                    f.write(files[r].readline())
+        finally:
+            for handle in files:
+                handle.close()
+        for p in parts:
+            p.unlink()
+    return s
 
 
 def run(args: argparse.Namespace) -> int:
@@ -169,5 +235,5 @@ def run(args: argparse.Namespace) -> int:
     except (DataError, ValueError) as err:
         if args.verbose:
             raise
-        print(f"dpocache: error: {err}", file=sys.stderr)
+        print(f"dpocache score: error: {err}", file=sys.stderr)
         return 2

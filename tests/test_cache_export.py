@@ -125,3 +125,26 @@ def test_jsonl_export_of_a_parquet_source_with_dates_and_bytes(exported, model_d
     err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("warning:")]
     assert len(err) == 1 and "'blob'" in err[0] and "--format parquet" in err[0]
     assert not bad.exists() and not list(root.glob(".bytes.jsonl.*"))  # no empty or partial file left
+
+
+def test_with_ids_and_format_is_one_line_exit_2(exported, model_dir, pref_jsonl, capsys):
+    """--with-ids was silently ignored with --format: refused, before anything loads."""
+    root, _ = exported
+    out = root / "ids.parquet"
+    code = main(_cache_args("export", model_dir, pref_jsonl, root / "cache", "--out", out, "--format", "parquet",
+                            "--with-ids", "true"))
+    assert code == 2 and not out.exists()
+    err = capsys.readouterr().err
+    assert err.startswith("dpocache cache export: error: --with-ids") and "--format parquet" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_missing_value_is_named_after_the_command(exported, model_dir, tmp_path, pref_rows, capsys):
+    """Every command's errors start with ``dpocache COMMAND: error:``."""
+    from dpocache.data import write_jsonl
+
+    root, _ = exported
+    data = write_jsonl([{**pref_rows[0], "chosen": pref_rows[0]["chosen"] + " 0"}], tmp_path / "new.jsonl")
+    code = main(_cache_args("export", model_dir, data, root / "cache", "--out", tmp_path / "o.jsonl"))
+    assert code == 1
+    assert capsys.readouterr().err.startswith("dpocache cache export: error: ")

@@ -80,6 +80,19 @@ def test_the_help_example_exists_and_parses(capsys, argv):
     build_config(REPO / configs[0]).validate()
 
 
+@pytest.mark.parametrize("command", ["build", "verify", "export"])
+def test_cache_help_lists_what_the_command_reads(capsys, command):
+    """cache build reads --fsdp (README: a reference too big for one GPU); the policy's
+    attention kernel and activation checkpointing are training's alone, not offered here."""
+    assert cli.main(["cache", command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert ("--distributed.fsdp (--fsdp)" in out) == (command == "build")
+    assert "--model.attn_implementation" not in out and "--model.gradient_checkpointing" not in out
+    assert "--cache.layout (--layout)" in out and "$XDG_CACHE_HOME/dpocache" in out
+    if command == "export":  # not "as JSON lines" alone: --format writes parquet, datasets, safetensors
+        assert all(f in out.splitlines()[2] for f in ("--format", "parquet", "safetensors"))
+
+
 def test_top_level_help_is_a_sentence(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--help"])

@@ -211,6 +211,28 @@ def test_distributed_build_equals_single_process_and_caches_each_pair_once(asset
             assert abs(a[side] - b[side]) <= 1e-6 * max(1.0, abs(a[side])), (side, a, b)
 
 
+def test_score_splits_the_rows_over_ranks_and_writes_one_output_in_data_order(assets, tmp_path):
+    """``dpocache score`` under torchrun: each rank scores its share of the rows (no row twice),
+    rank 0 alone writes the output, the same as one process's, and no part file is left."""
+    rows = [{"prompt": r["prompt"], "completions": [r["chosen"], r["rejected"]]} for r in sorting_pairs(9, 21)]
+    data = write_jsonl(rows, tmp_path / "rows.jsonl")
+    common = ["score", "--model", str(assets["model"]), "--data", str(data), "--dtype", "float32", "--device", "cpu",
+              "--chunk-rows", "2"]
+    single, multi = tmp_path / "single.jsonl", tmp_path / "multi" / "logps.jsonl"
+    assert in_process(*common, "--out", str(single), "--cache-dir", str(tmp_path / "c1")) == 0
+    proc = torchrun(*common, "--out", str(multi), "--cache-dir", str(tmp_path / "c2"))
+    summary = [line for line in proc.stdout.splitlines() if line.startswith("rows 9:")]
+    assert len(summary) == 1 and "(0 from the cache, 18 computed" in summary[0], proc.stdout  # rank 0 speaks
+    got = [json.loads(line) for line in multi.read_text().splitlines()]
+    want = [json.loads(line) for line in single.read_text().splitlines()]
+    assert [r["index"] for r in got] == [r["index"] for r in want] == list(range(9))
+    for g, w in zip(got, want):
+        assert g["tokens"] == w["tokens"]
+        for a, b in zip(g["token_logps"], w["token_logps"]):
+            assert max(abs(x - y) for x, y in zip(a, b)) < TOL
+    assert sorted(p.name for p in multi.parent.iterdir()) == ["logps.jsonl"]
+
+
 def test_missing_after_build_names_the_keys(assets, tmp_path):
     from dpocache.cache import CacheStore, namespace_for_dir
     from dpocache.cache.build import _missing_after_build, unique_pairs

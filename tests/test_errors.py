@@ -193,6 +193,24 @@ def test_device_cuda_without_cuda(work):
     assert "--device" in line and "cuda" in line, line
 
 
+@pytest.mark.parametrize("name, value, modes", [
+    ("DPOCACHE_CPU_ALLOCATOR", "retainn", "retain or default"),
+    ("DPOCACHE_BF16_MATMUL", "fp32", "auto or native or fp32-gemm"),
+    ("DPOCACHE_CAUSAL_SDPA", "cudnn", "no-cudnn or any"),
+])
+@pytest.mark.parametrize("command", ["build", "score"])
+def test_bad_environment_variable_is_one_line(work, name, value, modes, command):
+    """A value outside a variable's choices was a ValueError's traceback, exit 1 (but for
+    $DPOCACHE_CAUSAL_SDPA), from every command."""
+    args = BUILD if command == "build" else ("score", "--model", "model", "--data", "data.jsonl", "--out", "o.jsonl",
+                                             "--device", "cpu")
+    proc = subprocess.run([sys.executable, "-m", "dpocache", *args], cwd=work, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **QUIET, name: value})
+    line = one_line(proc)
+    assert f"${name} must be {modes}; got '{value}'" in line, line
+    assert not (work / "o.jsonl").exists()
+
+
 def test_verbose_anywhere_shows_the_traceback(work):
     """Today ``dpocache -v train --model X`` read X as the YAML file."""
     for args in (("-v", "train", "--model", "no/such/dir"), ("train", "--model", "no/such/dir", "-v"),

@@ -478,7 +478,7 @@ def test_score_cli_bad_row_one_line(model_dir, tmp_path, capsys, row, message):
     data = write_jsonl([{"prompt_ids": [1, 2], "completion_ids": [[3]]}, row], tmp_path / "rows.jsonl")
     code, printed = _score_cli(["--model", model_dir, "--data", data, "--out", tmp_path / "o.jsonl",
                                 "--cache-dir", tmp_path / "c", "--device", "cpu"], capsys)
-    assert code == 2
+    assert code == 2 and printed.err.startswith("dpocache score: error: ")  # as every command's errors
     assert printed.err.count("\n") == 1 and message in printed.err and "Traceback" not in printed.err
     assert not (tmp_path / "o.jsonl").exists()
 

@@ -235,7 +235,8 @@ class CachedDPOTrainer(DPOTrainer):
         cache_reference: the directory dpocache computes the reference from: a full model
             directory, or a PEFT adapter directory (its base with that adapter on). Default: the
             directory ``ref_model`` (or ``model``) was loaded from. Checked against that module.
-        cache_dir: the cache root (default: ``$DPOCACHE_CACHE_DIR`` or ``~/.cache/dpocache``).
+        cache_dir: the cache root (default: ``$DPOCACHE_CACHE_DIR``, else ``$XDG_CACHE_HOME/dpocache``, else
+            ``~/.cache/dpocache``).
         cache_dtype: dtype of the reference pass: ``float32``, ``bfloat16``, ``float16`` or
             ``auto``; it is part of the cache namespace. Default: the precision of ``args``
             (``bf16`` → ``bfloat16``, ``fp16`` → ``float16``, else ``float32``), which TRL's own
