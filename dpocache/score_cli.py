@@ -200,10 +200,10 @@ def _score_share(service, rows: list[RawRow], requests: list[dict], chunk_rows: 
     the same split) into a part file of its own; then rank 0 merges the parts, in data order,
     into ``partial``. Returns the service's counters summed over ranks (seconds: the slowest)."""
     from .distributed import barrier, reduce_counts, split_by_weight
-    from .service import _request_tokens
+    from .service import request_tokens
 
     shares = [sorted(share) for share in split_by_weight(range(len(rows)), env.world_size,
-                                                          weight=lambda i: _request_tokens(requests[i]))]
+                                                          weight=lambda i: request_tokens(requests[i]))]
     parts = [partial.with_name(f"{partial.name}.rank{r}") for r in range(env.world_size)]
     _score_rows(service, rows, requests, shares[env.rank], chunk_rows, parts[env.rank], progress=env.is_main)
     s = service.stats()

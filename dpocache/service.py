@@ -510,7 +510,7 @@ class _Replica:
         return self.service.stats()
 
 
-def _request_tokens(request: Request) -> int:
+def request_tokens(request: Request) -> int:
     """A request's cost for splitting: the tokens of its group row."""
     try:
         return len(request["prompt_ids"]) + sum(len(c) for c in request["completion_ids"])
@@ -554,7 +554,7 @@ class ReferencePool:
         for i, r in enumerate(requests):  # here, so that an error names the caller's request index
             check_request(i, r, self.vocab_size, self.context)
         shares = [sorted(s) for s in split_by_weight(list(range(len(requests))), n, tiebreak=lambda i: i,
-                                                     weight=lambda i: _request_tokens(requests[i])) if s]
+                                                     weight=lambda i: request_tokens(requests[i])) if s]
         submit = lambda r, s: self.replicas[r].score.remote([requests[i] for i in shares[s]])  # noqa: E731
         # ref -> (replica, share, tries); share s starts on replica s
         pending = {submit(s, s): (s, s, 0) for s in range(len(shares))}
