@@ -1,6 +1,8 @@
 """Every mistake a user can make on the command line gets one line naming the flag, file, line
 or field, exit status 2 and no traceback (a traceback only with -v), before any model loads
-where the mistake can be seen then. Each case runs ``python -m dpocache`` as a subprocess."""
+where the mistake can be seen then. Each case runs the CLI in an interpreter apart from the
+tests' (``python -m dpocache``, or for the many cases of ``CASES`` one interpreter that runs them
+in turn, each with its stderr captured at the file descriptor)."""
 
 from __future__ import annotations
 
@@ -176,12 +178,61 @@ def test_model_path_mistake_is_one_line_within_seconds(work, case):
     assert all(f in line for f in fragments), line
 
 
+# Runs every case of CASES in one interpreter, one after another, as ``python -m dpocache`` would
+# (``cli.main``), capturing file descriptor 2 around each: whatever reaches stderr (Python's, a
+# logging handler's, a library's C code), as a process of its own would show it. One interpreter
+# pays torch's and transformers' imports once instead of once per case (about 4 s each).
+ALL_CASES = """
+import contextlib, json, os, sys, tempfile, traceback
+from pathlib import Path
+from dpocache.cli import main
+
+def run(args):
+    try:
+        return main(args)
+    except SystemExit as e:
+        return e.code
+    except BaseException:
+        traceback.print_exc()
+        return "raised"
+
+def shards():
+    return len(list(Path("cache").glob("*/shard-*")))
+
+results = {}
+for name, args in json.loads(sys.argv[1]).items():
+    before = shards()
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as err, open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
+        os.dup2(err.fileno(), 2)
+        try:
+            code = run(args)
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        err.seek(0)
+        stderr = err.read().decode("utf-8", "replace")
+    results[name] = {"code": code, "stderr": stderr, "shards_written": shards() - before}
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def case_results(work) -> dict:
+    proc = dpocache(json.dumps({name: list(map(str, args)) for name, (args, _) in CASES.items()}), cwd=work,
+                    code=ALL_CASES, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_mistake_is_one_line_exit_2_no_traceback(work, case):
-    args, fragments = CASES[case]
-    line = one_line(dpocache(*args, cwd=work))
-    assert all(f in line for f in fragments), line
-    assert not (work / "cache").exists() or not list((work / "cache").glob("*/shard-*"))  # nothing was computed
+def test_mistake_is_one_line_exit_2_no_traceback(case_results, case):
+    result = case_results[case]
+    line = one_line(subprocess.CompletedProcess([], result["code"], "", result["stderr"]))
+    assert all(f in line for f in CASES[case][1]), line
+    assert result["shards_written"] == 0  # nothing was computed
 
 
 def test_device_cuda_without_cuda(work):
@@ -193,12 +244,11 @@ def test_device_cuda_without_cuda(work):
     assert "--device" in line and "cuda" in line, line
 
 
-@pytest.mark.parametrize("name, value, modes", [
-    ("DPOCACHE_CPU_ALLOCATOR", "retainn", "retain or default"),
-    ("DPOCACHE_BF16_MATMUL", "fp32", "auto or native or fp32-gemm"),
-    ("DPOCACHE_CAUSAL_SDPA", "cudnn", "no-cudnn or any"),
+@pytest.mark.parametrize("name, value, modes, command", [  # each variable once, both commands between them
+    ("DPOCACHE_CPU_ALLOCATOR", "retainn", "retain or default", "build"),
+    ("DPOCACHE_BF16_MATMUL", "fp32", "auto or native or fp32-gemm", "score"),
+    ("DPOCACHE_CAUSAL_SDPA", "cudnn", "no-cudnn or any", "score"),
 ])
-@pytest.mark.parametrize("command", ["build", "score"])
 def test_bad_environment_variable_is_one_line(work, name, value, modes, command):
     """A value outside a variable's choices was a ValueError's traceback, exit 1 (but for
     $DPOCACHE_CAUSAL_SDPA), from every command."""
