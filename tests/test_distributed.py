@@ -516,7 +516,10 @@ def test_rank_failing_alone_leaves_one_line_on_the_other(assets, ddp_run, tmp_pa
     (out / "checkpoints").mkdir(parents=True)
     (out / "checkpoints" / "step-000002.tmp").write_text("in the way")
     proc = torchrun("train", *train_args(assets, out, 4), check=False)
-    assert worker_exit_codes(proc) == {0: 2, 1: 1}, proc.stderr[-6000:]
+    codes = worker_exit_codes(proc)
+    # Rank 0 exits 2 after its line, unless rank 1 (which learns of it as rank 0 ends its process
+    # group) has exited first and torchrun's SIGTERM (-15) meets rank 0 after its line.
+    assert codes.get(1) == 1 and codes.get(0) in (2, -15), proc.stderr[-6000:]
     lines = proc.stderr.splitlines()
     assert sum(line.startswith("dpocache train: error: ") and "File exists" in line for line in lines) == 1
     peer = [line for line in lines if line.startswith("dpocache (rank 1): stopped because another rank exited")]
