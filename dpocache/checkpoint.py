@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .cache.atomic import atomic_write_text
+from .loading import safetensors_files
 
 STATE_FILE = "trainer_state.json"
 
@@ -130,16 +131,9 @@ def read_full_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     ``model.safetensors``, or shards listed in an index for big models. (transformers 5 moved
     its load_sharded_checkpoint out of modeling_utils; reading the index here needs no
     transformers internals.)"""
-    single = ckpt / "model.safetensors"
-    if single.exists():
-        return load_file(str(single))
-    index = ckpt / "model.safetensors.index.json"
-    if not index.exists():
-        raise FileNotFoundError(f"{ckpt}: no model.safetensors, model.safetensors.index.json "
-                                "or adapter_model.safetensors")
     state: dict[str, torch.Tensor] = {}
-    for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-        state.update(load_file(str(ckpt / shard)))
+    for shard in safetensors_files(ckpt):
+        state.update(load_file(str(shard)))
     return state
 
 

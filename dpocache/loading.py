@@ -174,14 +174,26 @@ def meta_model(path: str | Path, attn_implementation: str | None = "sdpa") -> nn
     return model
 
 
-def _weight_files(path: Path) -> list[Path]:
-    single = path / "model.safetensors"
-    if single.exists():
-        return [single]
-    index = path / "model.safetensors.index.json"
-    if not index.exists():
+def checkpoint_files(directory: Path, stem: str = "model") -> list[Path]:
+    """The files a checkpoint in ``directory`` loads from, as transformers (``stem="model"``) or
+    PEFT (``"adapter_model"``) finds them: ``{stem}.safetensors``, or the shards its index
+    lists, else the same for the pickle format (``pytorch_model.bin`` / ``{stem}.bin``); [] if none."""
+    pickled = "pytorch_model.bin" if stem == "model" else f"{stem}.bin"
+    for single in (f"{stem}.safetensors", pickled):
+        if (directory / single).is_file():
+            return [directory / single]
+        index = directory / f"{single}.index.json"
+        if index.is_file():
+            return [directory / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return []
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """``checkpoint_files`` of a full model that must be safetensors (read by name and range)."""
+    files = [f for f in checkpoint_files(path) if f.suffix == ".safetensors"]
+    if not files:
         raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    return [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return files
 
 
 def _unit_of(key: str) -> str:
@@ -194,7 +206,7 @@ def _file_units(path: Path) -> tuple[dict[str, list[tuple[Path, str]]], set[str]
     """Every weight of the checkpoint grouped by FSDP unit, and the set of names (read from
     the files' headers only)."""
     units: dict[str, list[tuple[Path, str]]] = {}
-    for file in _weight_files(path):
+    for file in safetensors_files(path):
         with safe_open(str(file), "pt") as f:
             for key in f.keys():
                 units.setdefault(_unit_of(key), []).append((file, key))

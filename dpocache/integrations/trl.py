@@ -24,7 +24,6 @@ one message, since this overrides TRL internals (``_precompute_ref_logps``).
 from __future__ import annotations
 
 import copy
-import json
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,6 +35,7 @@ from safetensors import safe_open
 from ..cache.build import build_missing, default_cache_dir, namespace_for_dir, reference_source
 from ..cache.store import CacheStore
 from ..data import TokenizedPair, example_key
+from ..loading import checkpoint_files
 from ..reference import DTYPES, ReferenceModel, default_device, dtype_name, resolve_dtype
 
 SUPPORTED_TRL = ("1.16.",)  # versions whose DPOTrainer internals this subclass was checked against
@@ -81,15 +81,6 @@ def _sample_index(shape: tuple[int, ...]) -> Iterator[tuple[slice, ...]]:
         return
     for row in sorted({0, shape[0] // 2, shape[0] - 1}):
         yield (slice(row, row + 1), *(slice(d // 2, d // 2 + 1) for d in shape[1:-1]), slice(0, min(shape[-1], _SPAN)))
-
-
-def _weight_files(directory: Path, stem: str) -> list[Path]:
-    """The checkpoint files transformers (``stem="model"``) or PEFT (``"adapter_model"``) load."""
-    for index in (f"{stem}.safetensors.index.json", "pytorch_model.bin.index.json" if stem == "model" else None):
-        if index and (directory / index).is_file():
-            return sorted({directory / f for f in json.loads((directory / index).read_text())["weight_map"].values()})
-    names = [f"{stem}.safetensors", "pytorch_model.bin" if stem == "model" else f"{stem}.bin"]
-    return [directory / n for n in names if (directory / n).is_file()][:1]
 
 
 def _file_tensors(path: Path) -> Iterator[tuple[str, tuple[int, ...], Callable[[tuple], torch.Tensor]]]:
@@ -182,7 +173,7 @@ def check_reference_weights(module: Any, path: Path, what: str, given: bool) -> 
     base, adapter = reference_source(path)
     source = "cache_reference" if given else f"{what}.name_or_path"
     tensors = _base_tensors(module)
-    files = _weight_files(base, "model")
+    files = checkpoint_files(base, "model")
     name, compared = _differs(files, tensors)
     if name is not None:
         raise ValueError(f"CachedDPOTrainer: {what}'s weights differ from those in {base} ({source}), which the "
@@ -205,7 +196,7 @@ def check_reference_weights(module: Any, path: Path, what: str, given: bool) -> 
                          f"'{path}', is_trainable=True), or pass a full model directory")
     from peft import get_peft_model_state_dict
 
-    name, compared = _differs(_weight_files(adapter, "adapter_model"),
+    name, compared = _differs(checkpoint_files(adapter, "adapter_model"),
                               get_peft_model_state_dict(module, adapter_name="default"))
     if name is not None or not compared:
         raise ValueError(f"CachedDPOTrainer: {what}'s adapter differs from the one in {adapter} (cache_reference; "
