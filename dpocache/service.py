@@ -39,7 +39,7 @@ from torch import nn
 from .cache.build import default_max_tokens, namespace_for_dir, namespace_for_module, peak_memory_bytes
 from .cache.build import reference_source
 from .cache.fingerprint import config_sha256
-from .cache.sequences import SequenceStore, sequence_key
+from .cache.sequences import DEFAULT_MEMORY_BYTES, SequenceStore, sequence_key
 from .cache.store import Namespace
 from .distributed import split_by_weight
 from .groups import Group, budget_batches, collate_groups, collate_sequences, per_sequence, split_group
@@ -150,11 +150,15 @@ class ReferenceService:
             a GPU for a service that runs a whole training job.
         namespace: the cache namespace; by default the model's weights and config by content.
         stats_file: a JSONL file that gets ``stats()`` after every ``score`` call.
+        cache_memory_bytes: how many bytes of the look-aside cache's values stay in memory
+            (default 1 GiB); past it the least recently used shards are dropped and read from
+            disk again when asked for.
     """
 
     def __init__(self, model: nn.Module | ReferenceModel, dtype: torch.dtype = torch.float32,
                  max_tokens: int | None = None, cache_dir: str | Path | None = None, compile: bool = False,
-                 namespace: Namespace | None = None, stats_file: str | Path | None = None, layout: str = SHARED):
+                 namespace: Namespace | None = None, stats_file: str | Path | None = None, layout: str = SHARED,
+                 cache_memory_bytes: int = DEFAULT_MEMORY_BYTES):
         self.reference = model if isinstance(model, ReferenceModel) else ReferenceModel(
             model, dtype, "on" if compile else "off", layout=layout)
         config = unwrap_causal_lm(self.reference.model).config.get_text_config()
@@ -165,9 +169,10 @@ class ReferenceService:
             raise ValueError(f"max_tokens must be at least 1; got {max_tokens}")
         self.max_tokens = max_tokens or max(GROUP_MAX_TOKENS, default_max_tokens(self.reference.device))
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self.cache_memory_bytes = cache_memory_bytes
         self.store = None
         if cache_dir is not None:
-            self.store = SequenceStore(cache_dir, namespace or self._namespace_by_content())
+            self.store = SequenceStore(cache_dir, namespace or self._namespace_by_content(), cache_memory_bytes)
             self._weights = self._weights_signature()
         self.stats_file = Path(stats_file) if stats_file else None
         self._counts = dict.fromkeys(SUMMED, 0)
@@ -265,7 +270,7 @@ class ReferenceService:
             return
         old = self.store.namespace.id
         self.store.flush()
-        self.store = SequenceStore(self.cache_dir, self._namespace_by_content())
+        self.store = SequenceStore(self.cache_dir, self._namespace_by_content(), self.cache_memory_bytes)
         self._weights = now
         log.info("the reference's weights changed: its look-aside cache moves from namespace %s to %s", old,
                  self.store.namespace.id)

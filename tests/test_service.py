@@ -307,6 +307,39 @@ def test_cache_second_pass_runs_nothing(tiny_models, tmp_path):
     assert again.stats()["forward_sequences"] == 1
 
 
+def test_cache_memory_stays_bounded_and_evicted_values_come_back(tiny_models, tmp_path):
+    """A budget of one call's values: each later call drops the earlier calls' shards from
+    memory, and asking for their sequences again reads them from disk, unchanged, with no
+    forward pass."""
+    model = tiny_models["llama"]
+    calls = [make_requests(3, 4, seed=40 + i) for i in range(4)]
+    service = ReferenceService(model, cache_dir=tmp_path, cache_memory_bytes=1)
+    first = [service.score(requests) for requests in calls]
+    largest_call = max(sum(v.numel() for per in values for v in per) for values in first) * 4
+    assert 0 < service.store.held_bytes <= largest_call  # one shard held, not four
+    assert len(service.store) == 4 * 12
+    passes = service.stats()["forward_passes"]
+    again = [service.score(requests) for requests in calls]
+    s = service.stats()
+    assert s["forward_passes"] == passes and s["cache_hits"] == 4 * 12
+    assert all(torch.equal(a, b) for x, y in zip(first, again) for p, q in zip(x, y) for a, b in zip(p, q))
+    assert service.store.held_bytes <= largest_call
+
+
+def test_evicted_shard_removed_from_disk_is_recomputed(tiny_models, tmp_path):
+    """A shard dropped from memory and then deleted (a cleaned cache directory) is a miss: the
+    sequences run again, nothing fails."""
+    model = tiny_models["llama"]
+    old, new = make_requests(2, 2, seed=50), make_requests(2, 2, seed=51)
+    service = ReferenceService(model, cache_dir=tmp_path, cache_memory_bytes=1)
+    service.score(old)
+    (old_shard,) = service.store.dir.glob("seq-*.safetensors")
+    service.score(new)  # drops the first shard from memory
+    old_shard.unlink()
+    assert_matches_naive(model, old, service.score(old))
+    assert service.stats()["forward_sequences"] == 4 + 4 + 4
+
+
 def test_interrupted_call_keeps_what_it_computed(tiny_models, tmp_path):
     """Ctrl-C in the second forward of a call: the first batch's values are on disk."""
     model = tiny_models["llama"]

@@ -24,6 +24,7 @@ import json
 import logging
 import struct
 from array import array
+from collections import OrderedDict
 from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
@@ -51,64 +52,111 @@ def sequence_key(prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> by
     return h.digest()
 
 
-class SequenceStore:
-    """Per-token values by ``sequence_key``, for one namespace. Values are held in memory once
-    read (4 bytes a token)."""
+DEFAULT_MEMORY_BYTES = 1 << 30  # values held in memory per store; shards past it are read again on demand
 
-    def __init__(self, root: str | Path, namespace: Namespace):
+
+class SequenceStore:
+    """Per-token values by ``sequence_key``, for one namespace.
+
+    Every key on disk is indexed (about 100 bytes a sequence); the values themselves (4 bytes a
+    token) are held a shard at a time, least recently used shard dropped first once they pass
+    ``memory_bytes``. A dropped shard is read (and verified) again when one of its keys is
+    asked for, so a long online-RL run's memory stays bounded however many sequences it scores.
+    """
+
+    def __init__(self, root: str | Path, namespace: Namespace, memory_bytes: int = DEFAULT_MEMORY_BYTES):
+        if memory_bytes < 0:
+            raise ValueError(f"memory_bytes must be at least 0; got {memory_bytes}")
         self.namespace = namespace
         self.dir = Path(root) / namespace.id / SUBDIR
-        self._values: dict[bytes, torch.Tensor] = {}
+        self.memory_bytes = memory_bytes
+        self._shard_of: dict[bytes, str] = {}  # every key on disk -> the shard file holding it
+        self._held: OrderedDict[str, dict[bytes, torch.Tensor]] = OrderedDict()  # least recently used first
+        self._held_bytes = 0
         self._seen: set[str] = set()  # shard files already read (or found bad)
         self.corrupt: list[str] = []
-        self._pending: dict[bytes, torch.Tensor] = {}
+        self._pending: dict[bytes, torch.Tensor] = {}  # computed, not yet written
 
     def __len__(self) -> int:
-        return len(self._values)
+        return len(self._shard_of) + len(self._pending)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of values held in memory (written shards; pending values not counted)."""
+        return self._held_bytes
 
     def refresh(self) -> int:
-        """Read the shards not read yet (another process's, or a previous run's); returns how many."""
+        """Index the shards not read yet (another process's, or a previous run's); returns how many."""
         if not self.dir.exists():
             return 0
         new = sorted(p for p in self.dir.glob("seq-*.safetensors") if p.name not in self._seen)
         for path in new:
             self._seen.add(path.name)
-            self._load(path)
+            values = self._read(path)
+            if values is None:
+                continue
+            for key in values:
+                self._shard_of.setdefault(key, path.name)
+            self._hold(path.name, values)
         return len(new)
 
-    def _load(self, path: Path) -> None:
+    def _read(self, path: Path) -> dict[bytes, torch.Tensor] | None:
+        """A shard's values by key, verified against the checksum in its name; None (and an
+        entry in ``corrupt``) for a file that is not a good shard."""
         try:  # a FIFO, device, directory or link under a shard's name is refused unread
             data = read_regular_file(path, MAX_SHARD_BYTES)
         except OSError as e:
             self.corrupt.append(f"{path.name}: {e}")
             log.warning("%s: %s; not loaded", path, e)
-            return
+            return None
         digest = hashlib.sha256(data).hexdigest()
         if not path.name.startswith(f"seq-{digest[:16]}"):
             self.corrupt.append(f"{path.name}: checksum mismatch (content sha256 {digest[:16]}...)")
             log.warning("%s: checksum mismatch; not loaded", path)
-            return
+            return None
         try:
             t = load_safetensors(data)
             keys, counts, values = t["keys"], t["tokens"].long(), t["token_logps"]
         except Exception as e:  # noqa: BLE001 - a shard that hashes right but does not parse
             self.corrupt.append(f"{path.name}: unreadable ({e})")
             log.warning("%s: unreadable (%s); not loaded", path, e)
-            return
+            return None
         raw = keys.numpy().tobytes()
-        for row, part in enumerate(values.split(counts.tolist())):
-            self._values.setdefault(raw[row * KEY_BYTES:(row + 1) * KEY_BYTES], part)
+        return {raw[row * KEY_BYTES:(row + 1) * KEY_BYTES]: part
+                for row, part in enumerate(values.split(counts.tolist()))}
+
+    def _hold(self, name: str, values: dict[bytes, torch.Tensor]) -> None:
+        """Keep ``name``'s values in memory as the most recently used; drop the least recently
+        used shards past ``memory_bytes`` (always keeping this one)."""
+        self._held[name] = values
+        self._held_bytes += sum(v.numel() for v in values.values()) * 4
+        while self._held_bytes > self.memory_bytes and len(self._held) > 1:
+            _, dropped = self._held.popitem(last=False)
+            self._held_bytes -= sum(v.numel() for v in dropped.values()) * 4
 
     def get(self, key: bytes) -> torch.Tensor | None:
         """``(c,)`` fp32 per-token values, or None."""
-        return self._values.get(key)
+        value = self._pending.get(key)
+        if value is not None:
+            return value
+        name = self._shard_of.get(key)
+        if name is None:
+            return None
+        values = self._held.get(name)
+        if values is None:
+            values = self._read(self.dir / name)
+            if values is None:  # removed or damaged since it was indexed: its keys are misses now
+                self._shard_of = {k: n for k, n in self._shard_of.items() if n != name}
+                return None
+            self._hold(name, values)
+        self._held.move_to_end(name)
+        return values.get(key)
 
     def put(self, key: bytes, token_logps: torch.Tensor) -> None:
-        """Record a value (visible at once); it reaches the disk at the next ``flush``."""
-        value = token_logps.detach().float().cpu()
-        if key not in self._values:
-            self._pending[key] = value
-        self._values[key] = value
+        """Record a value (visible at once); it reaches the disk at the next ``flush``. A key
+        already stored keeps its value."""
+        if key not in self._shard_of:
+            self._pending.setdefault(key, token_logps.detach().float().cpu())
 
     def flush(self) -> None:
         """Write the pending values as one shard (atomically: a reader sees all of it or none)."""
@@ -128,4 +176,7 @@ class SequenceStore:
         name = f"seq-{hashlib.sha256(data).hexdigest()[:16]}.safetensors"
         atomic_write_bytes(self.dir / name, data)
         self._seen.add(name)
-        self._pending = {}
+        for key in keys:
+            self._shard_of[key] = name
+        pending, self._pending = self._pending, {}
+        self._hold(name, pending)
