@@ -669,6 +669,11 @@ def _mapped(row: RawRow, columns: tuple[str | None, str, str]) -> dict:
         if prompt_field is not None:
             mapped["prompt"] = values[prompt_field]
         return mapped
+    if prompt_field in values:
+        # The column is there without a value (a parquet null, "prompt": null): this row lost
+        # its prompt, and its chosen and rejected are answers, not prompt + answer.
+        raise DataError(row.location, prompt_field, "null (--data.prompt_field none reads every row's prompt "
+                        "from the common start of chosen and rejected)")
     others = _text_columns(values, columns)
     if others or prompt_field != "prompt":
         # Reading such a row as implicit-prompt would drop its prompt without a word.

@@ -117,3 +117,20 @@ def test_csv_row_longer_than_the_csv_field_limit_is_read_and_truncated(tmp_path,
     path.write_text("prompt,chosen,rejected\n" + "sort " * 40_000 + ", 1 2, 2 1\n")
     data = _load(path, tokenizer, max_length=64)
     assert (len(data), data.truncated) == (1, 1)
+
+
+def test_null_prompt_is_missing_not_an_implicit_prompt(tmp_path, tokenizer):
+    """A parquet column (or a jsonl key) that is there with no value in one row: that row was read
+    as implicit-prompt, its prompt taken from the common start of chosen and rejected ("The")."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": "what is blue?", "chosen": " the sky", "rejected": " the grass"},
+            {"prompt": None, "chosen": "The sky is blue.", "rejected": "The grass is green."}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    for source, where in ((tmp_path / "d.parquet", "row 1"), (write_jsonl(rows, tmp_path / "d.jsonl"), "2")):
+        with pytest.raises(DataError, match=rf"^{source}:{where}: field 'prompt': null"):
+            _load(source, tokenizer)
+        assert len(_load(source, tokenizer, skip_invalid=True)) == 1
+    # Rows with no prompt column at all are still implicit-prompt rows.
+    assert len(_load([{k: v for k, v in rows[1].items() if k != "prompt"}], tokenizer)) == 1
