@@ -14,7 +14,7 @@ column (an object, e.g. ``{"enable_thinking": false}``); both are passed to the 
 ``apply_chat_template`` for that row only. Plain-text rows have no template to pass them to.
 
 Sources: ``.jsonl``, ``.json`` (a list of objects, or ``{"data": [...]}``), ``.parquet``,
-``.csv`` files, a directory written by ``datasets.Dataset.save_to_disk``, a
+``.csv`` files, a directory written by ``datasets.Dataset.save_to_disk`` (or a one-split ``DatasetDict``'s), a
 ``datasets.Dataset`` or a list of dicts. Other column names are mapped with ``columns``
 (``--data.prompt_field question``); a row without the prompt column is read as an implicit-prompt
 row only when it has no other text column (a ``question`` column is more likely a prompt under
@@ -279,9 +279,12 @@ def _read_hf_dir(path: Path) -> list[RawRow]:
 
     ds = datasets.load_from_disk(str(path))
     if isinstance(ds, datasets.DatasetDict):
-        if "train" not in ds:
-            raise DataError(str(path), None, f"a DatasetDict with splits {list(ds)}; pass one split's directory")
-        ds = ds["train"]
+        # Several splits: which one is meant depends on the flag (--data or --eval-data), which
+        # this reader does not know; reading "train" for both evaluated on the training pairs.
+        if len(ds) != 1:
+            raise DataError(str(path), None, f"a DatasetDict with splits {list(ds)}; pass one split's directory "
+                            f"({path / next(iter(ds))})")
+        ds = next(iter(ds.values()))
     return [RawRow(i, f"{path}:row {i}", r) for i, r in enumerate(ds)]
 
 

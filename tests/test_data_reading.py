@@ -134,3 +134,18 @@ def test_null_prompt_is_missing_not_an_implicit_prompt(tmp_path, tokenizer):
         assert len(_load(source, tokenizer, skip_invalid=True)) == 1
     # Rows with no prompt column at all are still implicit-prompt rows.
     assert len(_load([{k: v for k, v in rows[1].items() if k != "prompt"}], tokenizer)) == 1
+
+
+def test_dataset_dict_with_several_splits_is_refused(tmp_path, tokenizer, pref_rows):
+    """A DatasetDict directory was read as its train split whatever it held, so --eval-data DIR
+    evaluated on the training pairs with no word."""
+    import datasets
+
+    splits = {"train": datasets.Dataset.from_list(pref_rows[:4]), "test": datasets.Dataset.from_list(pref_rows[4:6])}
+    datasets.DatasetDict(splits).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'dd'}: a DatasetDict with splits \['train', 'test'\]; "
+                       rf"pass one split's directory \({tmp_path / 'dd' / 'train'}\)"):
+        _load(tmp_path / "dd", tokenizer)
+    assert len(_load(tmp_path / "dd" / "test", tokenizer)) == 2
+    datasets.DatasetDict({"test": splits["test"]}).save_to_disk(str(tmp_path / "one"))
+    assert _keys(_load(tmp_path / "one", tokenizer)) == _keys(_load(pref_rows[4:6], tokenizer))
