@@ -325,7 +325,8 @@ def _check_encodable(location: str, field_name: str, value: str) -> None:
                         f"{e.start + 1} (an unpaired \\u escape) is not text") from None
 
 
-def _check_text(location: str, field_name: str, value: Any) -> str:
+def check_text(location: str, field_name: str, value: Any) -> str:
+    """A plain-text field as a string, or a ``DataError`` saying why it is not one."""
     if value is None:
         raise DataError(location, field_name, "missing")
     if not isinstance(value, str):
@@ -352,8 +353,8 @@ def _split_implicit(location: str, chosen: Any, rejected: Any) -> tuple[Any, Any
         if n == 0:
             raise DataError(location, "chosen", "implicit prompt: chosen and rejected share no first message")
         return chosen[:n], chosen[n:], rejected[n:]
-    chosen = _check_text(location, "chosen", chosen)
-    rejected = _check_text(location, "rejected", rejected)
+    chosen = check_text(location, "chosen", chosen)
+    rejected = check_text(location, "rejected", rejected)
     n = _common_prefix_len(chosen, rejected)
     # Cut at a word boundary, as TRL's extract_prompt does, so that the completion starts
     # with its own word rather than the tail of a shared one.
@@ -380,7 +381,7 @@ def _parse_json_field(loc: str, field_name: str, text: str) -> Any:
         raise DataError(loc, field_name, e.reason) from None
 
 
-def _template_inputs(loc: str, values: dict) -> dict:
+def template_inputs(loc: str, values: dict) -> dict:
     """The row's extra ``apply_chat_template`` arguments: its ``tools`` and ``chat_template_kwargs``."""
     kwargs = values.get("chat_template_kwargs")
     if kwargs is None:
@@ -418,32 +419,37 @@ def _render(row: RawRow, tokenizer) -> _RenderedRow:
         prompt, chosen, rejected = _split_implicit(loc, chosen, rejected)
     kinds = {name: _is_messages(v) for name, v in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected))}
     if all(kinds.values()):
-        return _render_conversation(loc, prompt, chosen, rejected, tokenizer, _template_inputs(loc, values))
+        prompt_text, (chosen_text, rejected_text) = render_conversation(
+            loc, prompt, [("chosen", chosen), ("rejected", rejected)], tokenizer, template_inputs(loc, values))
+        return _RenderedRow(prompt_text, chosen_text, rejected_text, templated=True)
     if any(kinds.values()):
         odd = [n for n, is_msgs in kinds.items() if not is_msgs]
         raise DataError(loc, odd[0], "mixes messages and plain text: give all fields as messages or all as strings")
     return _RenderedRow(
-        _check_text(loc, "prompt", prompt), _check_text(loc, "chosen", chosen),
-        _check_text(loc, "rejected", rejected), templated=False,
+        check_text(loc, "prompt", prompt), check_text(loc, "chosen", chosen),
+        check_text(loc, "rejected", rejected), templated=False,
     )
 
 
-def _render_conversation(loc: str, prompt: list, chosen: list, rejected: list, tokenizer,
-                         template_kwargs: dict | None = None) -> _RenderedRow:
-    """``template_kwargs``: the row's ``tools`` and ``chat_template_kwargs`` (see ``_template_inputs``)."""
+def render_conversation(loc: str, prompt: list, completions: Sequence[tuple[str, list]], tokenizer,
+                        template_kwargs: dict | None = None) -> tuple[str, list[str]]:
+    """The prompt's text (with the generation prompt) and each completion's text as it continues
+    it, after checking every message. ``completions``: (field name, messages) for each;
+    ``template_kwargs``: the row's ``tools`` and ``chat_template_kwargs`` (see ``template_inputs``).
+    The one renderer of messages, for pairs and for ``dpocache score``'s rows alike."""
     template_kwargs = template_kwargs or {}
-    for name, msgs in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+    for name, msgs in (("prompt", prompt), *completions):
         _check_messages(loc, name, msgs)
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(loc, "prompt", "conversational row but the tokenizer has no chat template")
     prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **template_kwargs)
-    completions = []
-    for name, msgs in (("chosen", chosen), ("rejected", rejected)):
+    texts = []
+    for name, msgs in completions:
         full = tokenizer.apply_chat_template(prompt + msgs, tokenize=False, **template_kwargs)
         if not full.startswith(prompt_text):
             raise DataError(loc, name, "the chat template does not render the prompt as a prefix of the conversation")
-        completions.append(full[len(prompt_text):])
-    return _RenderedRow(prompt_text, completions[0], completions[1], templated=True)
+        texts.append(full[len(prompt_text):])
+    return prompt_text, texts
 
 
 # --------------------------------------------------------------------------------------------

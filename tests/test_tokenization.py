@@ -82,3 +82,42 @@ def test_plain_text_ids_are_trls(which, request, make_rows):
     pairs = load_preference_data(rows, tok, show_progress=False).pairs
     for row, pair in zip(rows, pairs):
         assert (list(pair.prompt_ids), list(pair.chosen_ids), list(pair.rejected_ids)) == _trl_ids(row, tok), row
+
+
+def _score_ids(values: dict, tok):
+    from dpocache.data import RawRow, special_prefix
+    from dpocache.score_cli import to_request
+
+    request = to_request(RawRow(0, "rows.jsonl:1", values), tok, special_prefix(tok))
+    return request["prompt_ids"], request["completion_ids"]
+
+
+def test_score_tokenizes_conversations_as_cache_build(plain_tok):
+    """`dpocache score` rendered messages with its own copy of the template call: it dropped the
+    row's tools and chat_template_kwargs (which cache build passes) and took any content."""
+    from test_data import _tools_tokenizer
+
+    tok = _tools_tokenizer(plain_tok)
+    prompt = [{"role": "user", "content": "sort 3 1 2"}]
+    chosen, rejected = [{"role": "assistant", "content": "1 2 3"}], [{"role": "assistant", "content": "3 2 1"}]
+    extra = {"tools": [{"name": "sort_list"}], "chat_template_kwargs": {"enable_thinking": False}}
+    pair = _pair({"prompt": prompt, "chosen": chosen, "rejected": rejected, **extra}, tok)
+    prompt_ids, completion_ids = _score_ids({"prompt": prompt, "completions": [chosen, rejected], **extra}, tok)
+    assert (prompt_ids, completion_ids) == (list(pair.prompt_ids), [list(pair.chosen_ids), list(pair.rejected_ids)])
+    assert "tools: sort_list" in tok.decode(prompt_ids) and "no thinking" in tok.decode(prompt_ids)
+
+
+@pytest.mark.parametrize("values, field, reason", [
+    ({"prompt": [{"role": "user", "content": "sort"}], "completions": [[{"role": "assistant", "content": None}]]},
+     "completions[0][0]", "string 'role' and 'content'"),
+    ({"prompt": "sort \ud800", "completions": [" 1"]}, "prompt", "lone surrogate"),
+    ({"prompt": "sort", "completions": [" 1", "  "]}, "completions[1]", "empty string"),
+])
+def test_score_rows_are_checked_as_cache_builds(plain_tok, values, field, reason):
+    """A null content rendered as an empty message and scored (exit 0); a lone surrogate reached
+    the tokenizer and stopped the command with a traceback."""
+    from dpocache.data import DataError
+
+    with pytest.raises(DataError) as err:
+        _score_ids(values, plain_tok)
+    assert err.value.field == field and reason in err.value.reason and err.value.location == "rows.jsonl:1"
