@@ -508,6 +508,37 @@ def _tokenize_texts(tokenizer, texts: list[str], desc: str, show_progress: bool)
     return out
 
 
+def tokenize_continuations(tokenizer, prompts: list[str], completions: list[list[str]],
+                           show_progress: bool = False) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """Ids of each prompt, and of each of its completions as it continues that prompt; no special
+    tokens are added (``with_prefix``/``with_eos`` add plain text's).
+
+    A completion's ids are those that follow the prompt's own ids when prompt + completion is
+    tokenized as one text: the ids the model reads, and TRL 1.16's. Tokenized alone, a completion
+    can start otherwise: a SentencePiece tokenizer that puts "▁" before every text (Llama 2's,
+    Mistral v0.1's) makes " blue" "▁", "▁blue" where the whole text has "▁blue". Where tokens
+    merge across the boundary (the prompt's ids are not a prefix of the whole's), the completion
+    is tokenized alone, so that the prompt keeps exactly its own ids (TRL cuts them short
+    there instead)."""
+    prompt_ids = _tokenize_texts(tokenizer, prompts, "tokenizing prompts", show_progress)
+    owners = [(i, k) for i, texts in enumerate(completions) for k in range(len(texts))]
+    whole = _tokenize_texts(tokenizer, [prompts[i] + completions[i][k] for i, k in owners],
+                            "tokenizing prompt + completion", show_progress)
+    out: list[list[list[int]]] = [[[] for _ in texts] for texts in completions]
+    merged = []
+    for (i, k), ids in zip(owners, whole):
+        n = len(prompt_ids[i])
+        if ids[:n] == prompt_ids[i]:
+            out[i][k] = ids[n:]
+        else:
+            merged.append((i, k))
+    alone = _tokenize_texts(tokenizer, [completions[i][k] for i, k in merged], "tokenizing completions",
+                            show_progress)
+    for (i, k), ids in zip(merged, alone):
+        out[i][k] = ids
+    return prompt_ids, out
+
+
 def tokenize_rows(
     rows: list[RawRow],
     tokenizer,
@@ -529,19 +560,16 @@ def tokenize_rows(
             if not skip_invalid:
                 raise
             skipped.append(SkippedRow(e.location, e.field, e.reason))
-    # Prompt and completions are tokenized separately, so that the boundary between them is
-    # exact (TRL 1.16 tokenizes prompt + completion together and splits where the ids diverge
-    # from the prompt's: the same ids unless tokens merge across the boundary; see README).
-    # Special tokens of plain text follow TRL: the prompt gets what the tokenizer itself adds
-    # in front (a BOS only for tokenizers that add one), each completion one EOS unless it
-    # already ends with it. A chat template brings its own.
-    texts = [r.prompt for _, r in rendered] + [r.chosen for _, r in rendered] + [r.rejected for _, r in rendered]
-    ids = _tokenize_texts(tokenizer, texts, "tokenizing", show_progress)
-    n = len(rendered)
+    # Each completion's ids are those after the prompt's in prompt + completion (see
+    # tokenize_continuations). Special tokens of plain text follow TRL: the prompt gets what the
+    # tokenizer itself adds in front (a BOS only for tokenizers that add one), each completion
+    # one EOS unless it already ends with it. A chat template brings its own.
+    prompt_ids, completion_ids = tokenize_continuations(
+        tokenizer, [r.prompt for _, r in rendered], [[r.chosen, r.rejected] for _, r in rendered], show_progress)
     prefix, eos = special_prefix(tokenizer), tokenizer.eos_token_id
     pairs: list[TokenizedPair] = []
     for i, (row, r) in enumerate(rendered):
-        prompt, chosen, rejected = ids[i], ids[n + i], ids[2 * n + i]
+        prompt, (chosen, rejected) = prompt_ids[i], completion_ids[i]
         if not r.templated:
             prompt = with_prefix(prompt, prefix)
             chosen, rejected = with_eos(chosen, eos), with_eos(rejected, eos)

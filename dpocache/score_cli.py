@@ -28,8 +28,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from .data import (
-    DataError, RawRow, check_text, read_rows, render_conversation, special_prefix, template_inputs, with_eos,
-    with_prefix,
+    DataError, RawRow, check_text, read_rows, render_conversation, special_prefix, template_inputs,
+    tokenize_continuations, with_eos, with_prefix,
 )
 from .preflight import check_output
 
@@ -77,13 +77,13 @@ def _tokenize(row: RawRow, tokenizer, prefix: list[int]) -> dict:
                 raise DataError(loc, name, "the prompt is messages: give completions as messages")
         prompt_text, texts = render_conversation(loc, prompt, list(zip(names, completions)), tokenizer,
                                                  template_inputs(loc, values))
-        ids = tokenizer([prompt_text, *texts], add_special_tokens=False)["input_ids"]
-        return {"prompt_ids": ids[0], "completion_ids": ids[1:]}
-    texts = [check_text(loc, "prompt", prompt)] + [check_text(loc, n, c) for n, c in zip(names, completions)]
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        (prompt_ids,), (completion_ids,) = tokenize_continuations(tokenizer, [prompt_text], [texts])
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids}
+    texts = [check_text(loc, n, c) for n, c in zip(names, completions)]
+    (prompt_ids,), (completion_ids,) = tokenize_continuations(tokenizer, [check_text(loc, "prompt", prompt)], [texts])
     eos = tokenizer.eos_token_id
-    return {"prompt_ids": with_prefix(ids[0], prefix),
-            "completion_ids": [with_eos(c, eos) for c in ids[1:]]}
+    return {"prompt_ids": with_prefix(prompt_ids, prefix),
+            "completion_ids": [with_eos(c, eos) for c in completion_ids]}
 
 
 def to_request(row: RawRow, tokenizer, prefix: list[int]) -> dict:
