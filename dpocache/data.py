@@ -41,6 +41,7 @@ any change to the tokenizer, template or length limits that changes the ids chan
 
 from __future__ import annotations
 
+import ast
 import csv
 import hashlib
 import json
@@ -334,7 +335,27 @@ def check_text(location: str, field_name: str, value: Any) -> str:
     if not value.strip():
         raise DataError(location, field_name, "empty string")
     _check_encodable(location, field_name, value)
+    if _written_messages(value):
+        raise DataError(location, field_name, "a list of chat messages written as text (as datasets' to_csv writes "
+                        "them); give the rows as .jsonl, .parquet or a datasets directory, which keep them as lists")
     return value
+
+
+def _written_messages(text: str) -> bool:
+    """Whether the whole text is a list of {"role", "content"} messages as JSON or a Python repr
+    (what a CSV cell holds when a conversational set is written to CSV): as plain text the pair
+    would be trained on the brackets and quotes."""
+    text = text.strip()
+    if not (text.startswith("[{") and text.endswith("}]")):
+        return False
+    try:
+        value = ast.literal_eval(text)  # a Python literal; JSON's null/true/false aside, JSON is one too
+    except (ValueError, SyntaxError, MemoryError, RecursionError, TypeError):
+        try:
+            value = json.loads(text)
+        except (ValueError, RecursionError):
+            return False
+    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
 
 
 def _common_prefix_len(a: Sequence, b: Sequence) -> int:

@@ -149,3 +149,23 @@ def test_dataset_dict_with_several_splits_is_refused(tmp_path, tokenizer, pref_r
     assert len(_load(tmp_path / "dd" / "test", tokenizer)) == 2
     datasets.DatasetDict({"test": splits["test"]}).save_to_disk(str(tmp_path / "one"))
     assert _keys(_load(tmp_path / "one", tokenizer)) == _keys(_load(pref_rows[4:6], tokenizer))
+
+
+def test_messages_written_as_text_are_refused(tmp_path, tokenizer):
+    """datasets' to_csv writes a conversational set's messages as their Python repr; read back,
+    every field was a plain string and the pair was trained on the literal "[{'role': ...}]"."""
+    import datasets
+
+    msgs = {"prompt": [{"role": "user", "content": "sort 3 1 2"}],
+            "chosen": [{"role": "assistant", "content": "1 2 3"}],
+            "rejected": [{"role": "assistant", "content": "3 2 1"}]}
+    datasets.Dataset.from_list([msgs]).to_csv(str(tmp_path / "d.csv"))
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'd.csv'}:2: field 'prompt': a list of chat messages written "
+                       "as text"):
+        _load(tmp_path / "d.csv", tokenizer)
+    as_json = {k: json.dumps(v) for k, v in msgs.items()}
+    with pytest.raises(DataError, match="field 'prompt': a list of chat messages written as text"):
+        _load([as_json], tokenizer)
+    # Text that only starts like a list is text.
+    assert len(_load([{"prompt": "[{'role': 'user'} is a dict in a list", "chosen": " yes", "rejected": " no"}],
+                     tokenizer)) == 1
