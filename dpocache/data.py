@@ -197,7 +197,8 @@ def _read_jsonl(path: Path) -> list[RawRow]:
         for line_no, raw in enumerate(f, start=1):
             location = f"{path}:{line_no}"
             try:
-                line = raw.decode("utf-8")
+                # utf-8-sig on the first line: a byte-order mark (Windows editors write one) is no text
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
             except UnicodeDecodeError as e:
                 rows.append(RawRow(len(rows), location, None, _decode_error(location, e)))
                 continue
@@ -213,8 +214,9 @@ def _read_jsonl(path: Path) -> list[RawRow]:
 def _read_json(path: Path) -> list[RawRow]:
     data = path.read_bytes()
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a byte-order mark, as Windows editors write, is no text
     except UnicodeDecodeError as e:
+        data = e.object  # the bytes after a byte-order mark: e.start counts from there
         line = data.count(b"\n", 0, e.start) + 1
         column = e.start - (data.rfind(b"\n", 0, e.start) + 1)
         raise DataError(f"{path}:{line}", None,
@@ -240,7 +242,8 @@ def _read_csv(path: Path) -> list[RawRow]:
     # surrogateescape: a byte that is not UTF-8 becomes a lone surrogate (U+DC80..U+DCFF), which
     # no UTF-8 text can hold, so the row that holds it is found and named below.
     try:
-        with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
+        # utf-8-sig: a byte-order mark (spreadsheets write one) would be part of the first column's name
+        with open(path, encoding="utf-8-sig", errors="surrogateescape", newline="") as f:
             reader = csv.DictReader(f)
             for values in reader:
                 # line_num is the line the record ended on; with multi-line fields that is the

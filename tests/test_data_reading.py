@@ -169,3 +169,24 @@ def test_messages_written_as_text_are_refused(tmp_path, tokenizer):
     # Text that only starts like a list is text.
     assert len(_load([{"prompt": "[{'role': 'user'} is a dict in a list", "chosen": " yes", "rejected": " no"}],
                      tokenizer)) == 1
+
+
+@pytest.mark.parametrize("name", ["d.jsonl", "d.json", "d.csv"])
+def test_a_byte_order_mark_is_not_part_of_the_first_row(tmp_path, tokenizer, pref_rows, name):
+    """Editors and spreadsheets on Windows write UTF-8 with a BOM: the first line was malformed
+    JSON, and a CSV's first column was named '\\ufeffprompt' (so 'prompt' was missing)."""
+    import csv as csv_module
+
+    rows = pref_rows[:3]
+    path = tmp_path / name
+    with open(path, "w", encoding="utf-8-sig", newline="") as f:
+        if name.endswith(".jsonl"):
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        elif name.endswith(".json"):
+            json.dump(rows, f)
+        else:
+            writer = csv_module.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    assert path.read_bytes().startswith(b"\xef\xbb\xbf")
+    assert _keys(_load(path, tokenizer)) == _keys(_load(rows, tokenizer))
