@@ -14,7 +14,7 @@ column (an object, e.g. ``{"enable_thinking": false}``); both are passed to the 
 ``apply_chat_template`` for that row only. Plain-text rows have no template to pass them to.
 
 Sources: ``.jsonl``, ``.json`` (a list of objects, or ``{"data": [...]}``), ``.parquet``,
-``.csv`` files, a directory written by ``datasets.Dataset.save_to_disk``, a
+``.csv`` files, a directory written by ``datasets.Dataset.save_to_disk`` (or a one-split ``DatasetDict``'s), a
 ``datasets.Dataset`` or a list of dicts. Other column names are mapped with ``columns``
 (``--data.prompt_field question``); a row without the prompt column is read as an implicit-prompt
 row only when it has no other text column (a ``question`` column is more likely a prompt under
@@ -41,6 +41,7 @@ any change to the tokenizer, template or length limits that changes the ids chan
 
 from __future__ import annotations
 
+import ast
 import csv
 import hashlib
 import json
@@ -196,7 +197,8 @@ def _read_jsonl(path: Path) -> list[RawRow]:
         for line_no, raw in enumerate(f, start=1):
             location = f"{path}:{line_no}"
             try:
-                line = raw.decode("utf-8")
+                # utf-8-sig on the first line: a byte-order mark (Windows editors write one) is no text
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
             except UnicodeDecodeError as e:
                 rows.append(RawRow(len(rows), location, None, _decode_error(location, e)))
                 continue
@@ -212,8 +214,9 @@ def _read_jsonl(path: Path) -> list[RawRow]:
 def _read_json(path: Path) -> list[RawRow]:
     data = path.read_bytes()
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a byte-order mark, as Windows editors write, is no text
     except UnicodeDecodeError as e:
+        data = e.object  # the bytes after a byte-order mark: e.start counts from there
         line = data.count(b"\n", 0, e.start) + 1
         column = e.start - (data.rfind(b"\n", 0, e.start) + 1)
         raise DataError(f"{path}:{line}", None,
@@ -239,7 +242,8 @@ def _read_csv(path: Path) -> list[RawRow]:
     # surrogateescape: a byte that is not UTF-8 becomes a lone surrogate (U+DC80..U+DCFF), which
     # no UTF-8 text can hold, so the row that holds it is found and named below.
     try:
-        with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
+        # utf-8-sig: a byte-order mark (spreadsheets write one) would be part of the first column's name
+        with open(path, encoding="utf-8-sig", errors="surrogateescape", newline="") as f:
             reader = csv.DictReader(f)
             for values in reader:
                 # line_num is the line the record ended on; with multi-line fields that is the
@@ -279,9 +283,12 @@ def _read_hf_dir(path: Path) -> list[RawRow]:
 
     ds = datasets.load_from_disk(str(path))
     if isinstance(ds, datasets.DatasetDict):
-        if "train" not in ds:
-            raise DataError(str(path), None, f"a DatasetDict with splits {list(ds)}; pass one split's directory")
-        ds = ds["train"]
+        # Several splits: which one is meant depends on the flag (--data or --eval-data), which
+        # this reader does not know; reading "train" for both evaluated on the training pairs.
+        if len(ds) != 1:
+            raise DataError(str(path), None, f"a DatasetDict with splits {list(ds)}; pass one split's directory "
+                            f"({path / next(iter(ds))})")
+        ds = next(iter(ds.values()))
     return [RawRow(i, f"{path}:row {i}", r) for i, r in enumerate(ds)]
 
 
@@ -322,7 +329,8 @@ def _check_encodable(location: str, field_name: str, value: str) -> None:
                         f"{e.start + 1} (an unpaired \\u escape) is not text") from None
 
 
-def _check_text(location: str, field_name: str, value: Any) -> str:
+def check_text(location: str, field_name: str, value: Any) -> str:
+    """A plain-text field as a string, or a ``DataError`` saying why it is not one."""
     if value is None:
         raise DataError(location, field_name, "missing")
     if not isinstance(value, str):
@@ -330,7 +338,27 @@ def _check_text(location: str, field_name: str, value: Any) -> str:
     if not value.strip():
         raise DataError(location, field_name, "empty string")
     _check_encodable(location, field_name, value)
+    if _written_messages(value):
+        raise DataError(location, field_name, "a list of chat messages written as text (as datasets' to_csv writes "
+                        "them); give the rows as .jsonl, .parquet or a datasets directory, which keep them as lists")
     return value
+
+
+def _written_messages(text: str) -> bool:
+    """Whether the whole text is a list of {"role", "content"} messages as JSON or a Python repr
+    (what a CSV cell holds when a conversational set is written to CSV): as plain text the pair
+    would be trained on the brackets and quotes."""
+    text = text.strip()
+    if not (text.startswith("[{") and text.endswith("}]")):
+        return False
+    try:
+        value = ast.literal_eval(text)  # a Python literal; JSON's null/true/false aside, JSON is one too
+    except (ValueError, SyntaxError, MemoryError, RecursionError, TypeError):
+        try:
+            value = json.loads(text)
+        except (ValueError, RecursionError):
+            return False
+    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
 
 
 def _common_prefix_len(a: Sequence, b: Sequence) -> int:
@@ -349,11 +377,12 @@ def _split_implicit(location: str, chosen: Any, rejected: Any) -> tuple[Any, Any
         if n == 0:
             raise DataError(location, "chosen", "implicit prompt: chosen and rejected share no first message")
         return chosen[:n], chosen[n:], rejected[n:]
-    chosen = _check_text(location, "chosen", chosen)
-    rejected = _check_text(location, "rejected", rejected)
+    chosen = check_text(location, "chosen", chosen)
+    rejected = check_text(location, "rejected", rejected)
     n = _common_prefix_len(chosen, rejected)
-    # Cut at a word boundary, as TRL's extract_prompt does, so that the completion starts
-    # with its own word rather than the tail of a shared one.
+    # Cut at a word boundary, so that the completion starts with its own word rather than the
+    # tail of a shared one (TRL 1.16's extract_prompt cuts where the texts differ: "The answer
+    # is 4" + "2"; see README).
     while n > 0 and not chosen[n - 1].isspace() and n < len(chosen) and not chosen[n].isspace():
         n -= 1
     # Leave the space to the completion (" blue", not "blue"): BPE vocabularies hold words
@@ -377,7 +406,7 @@ def _parse_json_field(loc: str, field_name: str, text: str) -> Any:
         raise DataError(loc, field_name, e.reason) from None
 
 
-def _template_inputs(loc: str, values: dict) -> dict:
+def template_inputs(loc: str, values: dict) -> dict:
     """The row's extra ``apply_chat_template`` arguments: its ``tools`` and ``chat_template_kwargs``."""
     kwargs = values.get("chat_template_kwargs")
     if kwargs is None:
@@ -415,32 +444,37 @@ def _render(row: RawRow, tokenizer) -> _RenderedRow:
         prompt, chosen, rejected = _split_implicit(loc, chosen, rejected)
     kinds = {name: _is_messages(v) for name, v in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected))}
     if all(kinds.values()):
-        return _render_conversation(loc, prompt, chosen, rejected, tokenizer, _template_inputs(loc, values))
+        prompt_text, (chosen_text, rejected_text) = render_conversation(
+            loc, prompt, [("chosen", chosen), ("rejected", rejected)], tokenizer, template_inputs(loc, values))
+        return _RenderedRow(prompt_text, chosen_text, rejected_text, templated=True)
     if any(kinds.values()):
         odd = [n for n, is_msgs in kinds.items() if not is_msgs]
         raise DataError(loc, odd[0], "mixes messages and plain text: give all fields as messages or all as strings")
     return _RenderedRow(
-        _check_text(loc, "prompt", prompt), _check_text(loc, "chosen", chosen),
-        _check_text(loc, "rejected", rejected), templated=False,
+        check_text(loc, "prompt", prompt), check_text(loc, "chosen", chosen),
+        check_text(loc, "rejected", rejected), templated=False,
     )
 
 
-def _render_conversation(loc: str, prompt: list, chosen: list, rejected: list, tokenizer,
-                         template_kwargs: dict | None = None) -> _RenderedRow:
-    """``template_kwargs``: the row's ``tools`` and ``chat_template_kwargs`` (see ``_template_inputs``)."""
+def render_conversation(loc: str, prompt: list, completions: Sequence[tuple[str, list]], tokenizer,
+                        template_kwargs: dict | None = None) -> tuple[str, list[str]]:
+    """The prompt's text (with the generation prompt) and each completion's text as it continues
+    it, after checking every message. ``completions``: (field name, messages) for each;
+    ``template_kwargs``: the row's ``tools`` and ``chat_template_kwargs`` (see ``template_inputs``).
+    The one renderer of messages, for pairs and for ``dpocache score``'s rows alike."""
     template_kwargs = template_kwargs or {}
-    for name, msgs in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+    for name, msgs in (("prompt", prompt), *completions):
         _check_messages(loc, name, msgs)
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(loc, "prompt", "conversational row but the tokenizer has no chat template")
     prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **template_kwargs)
-    completions = []
-    for name, msgs in (("chosen", chosen), ("rejected", rejected)):
+    texts = []
+    for name, msgs in completions:
         full = tokenizer.apply_chat_template(prompt + msgs, tokenize=False, **template_kwargs)
         if not full.startswith(prompt_text):
             raise DataError(loc, name, "the chat template does not render the prompt as a prefix of the conversation")
-        completions.append(full[len(prompt_text):])
-    return _RenderedRow(prompt_text, completions[0], completions[1], templated=True)
+        texts.append(full[len(prompt_text):])
+    return prompt_text, texts
 
 
 # --------------------------------------------------------------------------------------------
@@ -499,6 +533,37 @@ def _tokenize_texts(tokenizer, texts: list[str], desc: str, show_progress: bool)
     return out
 
 
+def tokenize_continuations(tokenizer, prompts: list[str], completions: list[list[str]],
+                           show_progress: bool = False) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """Ids of each prompt, and of each of its completions as it continues that prompt; no special
+    tokens are added (``with_prefix``/``with_eos`` add plain text's).
+
+    A completion's ids are those that follow the prompt's own ids when prompt + completion is
+    tokenized as one text: the ids the model reads, and TRL 1.16's. Tokenized alone, a completion
+    can start otherwise: a SentencePiece tokenizer that puts "▁" before every text (Llama 2's,
+    Mistral v0.1's) makes " blue" "▁", "▁blue" where the whole text has "▁blue". Where tokens
+    merge across the boundary (the prompt's ids are not a prefix of the whole's), the completion
+    is tokenized alone, so that the prompt keeps exactly its own ids (TRL cuts them short
+    there instead)."""
+    prompt_ids = _tokenize_texts(tokenizer, prompts, "tokenizing prompts", show_progress)
+    owners = [(i, k) for i, texts in enumerate(completions) for k in range(len(texts))]
+    whole = _tokenize_texts(tokenizer, [prompts[i] + completions[i][k] for i, k in owners],
+                            "tokenizing prompt + completion", show_progress)
+    out: list[list[list[int]]] = [[[] for _ in texts] for texts in completions]
+    merged = []
+    for (i, k), ids in zip(owners, whole):
+        n = len(prompt_ids[i])
+        if ids[:n] == prompt_ids[i]:
+            out[i][k] = ids[n:]
+        else:
+            merged.append((i, k))
+    alone = _tokenize_texts(tokenizer, [completions[i][k] for i, k in merged], "tokenizing completions",
+                            show_progress)
+    for (i, k), ids in zip(merged, alone):
+        out[i][k] = ids
+    return prompt_ids, out
+
+
 def tokenize_rows(
     rows: list[RawRow],
     tokenizer,
@@ -520,19 +585,16 @@ def tokenize_rows(
             if not skip_invalid:
                 raise
             skipped.append(SkippedRow(e.location, e.field, e.reason))
-    # Prompt and completions are tokenized separately, so that the boundary between them is
-    # exact (TRL 1.16 tokenizes prompt + completion together and splits where the ids diverge
-    # from the prompt's: the same ids unless tokens merge across the boundary; see README).
-    # Special tokens of plain text follow TRL: the prompt gets what the tokenizer itself adds
-    # in front (a BOS only for tokenizers that add one), each completion one EOS unless it
-    # already ends with it. A chat template brings its own.
-    texts = [r.prompt for _, r in rendered] + [r.chosen for _, r in rendered] + [r.rejected for _, r in rendered]
-    ids = _tokenize_texts(tokenizer, texts, "tokenizing", show_progress)
-    n = len(rendered)
+    # Each completion's ids are those after the prompt's in prompt + completion (see
+    # tokenize_continuations). Special tokens of plain text follow TRL: the prompt gets what the
+    # tokenizer itself adds in front (a BOS only for tokenizers that add one), each completion
+    # one EOS unless it already ends with it. A chat template brings its own.
+    prompt_ids, completion_ids = tokenize_continuations(
+        tokenizer, [r.prompt for _, r in rendered], [[r.chosen, r.rejected] for _, r in rendered], show_progress)
     prefix, eos = special_prefix(tokenizer), tokenizer.eos_token_id
     pairs: list[TokenizedPair] = []
     for i, (row, r) in enumerate(rendered):
-        prompt, chosen, rejected = ids[i], ids[n + i], ids[2 * n + i]
+        prompt, (chosen, rejected) = prompt_ids[i], completion_ids[i]
         if not r.templated:
             prompt = with_prefix(prompt, prefix)
             chosen, rejected = with_eos(chosen, eos), with_eos(rejected, eos)
@@ -669,6 +731,11 @@ def _mapped(row: RawRow, columns: tuple[str | None, str, str]) -> dict:
         if prompt_field is not None:
             mapped["prompt"] = values[prompt_field]
         return mapped
+    if prompt_field in values:
+        # The column is there without a value (a parquet null, "prompt": null): this row lost
+        # its prompt, and its chosen and rejected are answers, not prompt + answer.
+        raise DataError(row.location, prompt_field, "null (--data.prompt_field none reads every row's prompt "
+                        "from the common start of chosen and rejected)")
     others = _text_columns(values, columns)
     if others or prompt_field != "prompt":
         # Reading such a row as implicit-prompt would drop its prompt without a word.

@@ -1,7 +1,8 @@
 """``dpocache score``: per-token reference log-probs of prompts and their completions, offline.
 
 A row of the data is a prompt and its completions, as text (plain, or chat messages rendered
-with the tokenizer's chat template, as ``cache build`` does) or as token ids::
+with the tokenizer's chat template and the row's ``tools`` and ``chat_template_kwargs``; checked,
+rendered and tokenized as ``cache build`` does) or as token ids::
 
     {"prompt": "sort: 3 1 2", "completions": [" 1 2 3", " 3 2 1"]}
     {"prompt": [{"role": "user", "content": "..."}], "completions": [[{"role": "assistant", "content": "..."}]]}
@@ -26,7 +27,10 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .data import DataError, RawRow, read_rows, special_prefix, with_eos, with_prefix
+from .data import (
+    DataError, RawRow, check_text, read_rows, render_conversation, special_prefix, template_inputs,
+    tokenize_continuations, with_eos, with_prefix,
+)
 from .preflight import check_output
 
 
@@ -57,41 +61,29 @@ def _is_messages(value) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
 
 
-def _text(row: RawRow, field: str, value) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise DataError(row.location, field, "expected a non-empty string or a list of messages")
-    return value
-
-
 def _tokenize(row: RawRow, tokenizer, prefix: list[int]) -> dict:
-    """A text row as a request: plain text gets the special tokens ``cache build`` gives it
-    (``data.special_prefix``/``with_eos``: TRL's rule); messages go through the chat template
-    (which adds its own)."""
-    values = row.values
+    """A text row as a request, checked and rendered by ``data.py`` as ``cache build`` does: plain
+    text gets the special tokens ``cache build`` gives it (``data.special_prefix``/``with_eos``:
+    TRL's rule); messages go through the chat template (which adds its own), with the row's
+    ``tools`` and ``chat_template_kwargs``."""
+    values, loc = row.values, row.location
     prompt, completions = values["prompt"], values.get("completions")
     if not isinstance(completions, list) or not completions:
-        raise DataError(row.location, "completions", "expected a non-empty list")
+        raise DataError(loc, "completions", "expected a non-empty list")
+    names = [f"completions[{k}]" for k in range(len(completions))]
     if _is_messages(prompt):
-        if not getattr(tokenizer, "chat_template", None):
-            raise DataError(row.location, "prompt", "conversational row but the tokenizer has no chat template")
-        prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        texts = []
-        for k, c in enumerate(completions):
+        for name, c in zip(names, completions):
             if not _is_messages(c):
-                raise DataError(row.location, f"completions[{k}]",
-                                "the prompt is messages: give completions as messages")
-            full = tokenizer.apply_chat_template(prompt + c, tokenize=False)
-            if not full.startswith(prompt_text):
-                raise DataError(row.location, f"completions[{k}]", "the chat template does not render the prompt as "
-                                "a prefix of the conversation")
-            texts.append(full[len(prompt_text):])
-        ids = tokenizer([prompt_text, *texts], add_special_tokens=False)["input_ids"]
-        return {"prompt_ids": ids[0], "completion_ids": ids[1:]}
-    texts = [_text(row, "prompt", prompt)] + [_text(row, f"completions[{k}]", c) for k, c in enumerate(completions)]
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+                raise DataError(loc, name, "the prompt is messages: give completions as messages")
+        prompt_text, texts = render_conversation(loc, prompt, list(zip(names, completions)), tokenizer,
+                                                 template_inputs(loc, values))
+        (prompt_ids,), (completion_ids,) = tokenize_continuations(tokenizer, [prompt_text], [texts])
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids}
+    texts = [check_text(loc, n, c) for n, c in zip(names, completions)]
+    (prompt_ids,), (completion_ids,) = tokenize_continuations(tokenizer, [check_text(loc, "prompt", prompt)], [texts])
     eos = tokenizer.eos_token_id
-    return {"prompt_ids": with_prefix(ids[0], prefix),
-            "completion_ids": [with_eos(c, eos) for c in ids[1:]]}
+    return {"prompt_ids": with_prefix(prompt_ids, prefix),
+            "completion_ids": [with_eos(c, eos) for c in completion_ids]}
 
 
 def to_request(row: RawRow, tokenizer, prefix: list[int]) -> dict:

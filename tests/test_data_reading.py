@@ -117,3 +117,76 @@ def test_csv_row_longer_than_the_csv_field_limit_is_read_and_truncated(tmp_path,
     path.write_text("prompt,chosen,rejected\n" + "sort " * 40_000 + ", 1 2, 2 1\n")
     data = _load(path, tokenizer, max_length=64)
     assert (len(data), data.truncated) == (1, 1)
+
+
+def test_null_prompt_is_missing_not_an_implicit_prompt(tmp_path, tokenizer):
+    """A parquet column (or a jsonl key) that is there with no value in one row: that row was read
+    as implicit-prompt, its prompt taken from the common start of chosen and rejected ("The")."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": "what is blue?", "chosen": " the sky", "rejected": " the grass"},
+            {"prompt": None, "chosen": "The sky is blue.", "rejected": "The grass is green."}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    for source, where in ((tmp_path / "d.parquet", "row 1"), (write_jsonl(rows, tmp_path / "d.jsonl"), "2")):
+        with pytest.raises(DataError, match=rf"^{source}:{where}: field 'prompt': null"):
+            _load(source, tokenizer)
+        assert len(_load(source, tokenizer, skip_invalid=True)) == 1
+    # Rows with no prompt column at all are still implicit-prompt rows.
+    assert len(_load([{k: v for k, v in rows[1].items() if k != "prompt"}], tokenizer)) == 1
+
+
+def test_dataset_dict_with_several_splits_is_refused(tmp_path, tokenizer, pref_rows):
+    """A DatasetDict directory was read as its train split whatever it held, so --eval-data DIR
+    evaluated on the training pairs with no word."""
+    import datasets
+
+    splits = {"train": datasets.Dataset.from_list(pref_rows[:4]), "test": datasets.Dataset.from_list(pref_rows[4:6])}
+    datasets.DatasetDict(splits).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'dd'}: a DatasetDict with splits \['train', 'test'\]; "
+                       rf"pass one split's directory \({tmp_path / 'dd' / 'train'}\)"):
+        _load(tmp_path / "dd", tokenizer)
+    assert len(_load(tmp_path / "dd" / "test", tokenizer)) == 2
+    datasets.DatasetDict({"test": splits["test"]}).save_to_disk(str(tmp_path / "one"))
+    assert _keys(_load(tmp_path / "one", tokenizer)) == _keys(_load(pref_rows[4:6], tokenizer))
+
+
+def test_messages_written_as_text_are_refused(tmp_path, tokenizer):
+    """datasets' to_csv writes a conversational set's messages as their Python repr; read back,
+    every field was a plain string and the pair was trained on the literal "[{'role': ...}]"."""
+    import datasets
+
+    msgs = {"prompt": [{"role": "user", "content": "sort 3 1 2"}],
+            "chosen": [{"role": "assistant", "content": "1 2 3"}],
+            "rejected": [{"role": "assistant", "content": "3 2 1"}]}
+    datasets.Dataset.from_list([msgs]).to_csv(str(tmp_path / "d.csv"))
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'd.csv'}:2: field 'prompt': a list of chat messages written "
+                       "as text"):
+        _load(tmp_path / "d.csv", tokenizer)
+    as_json = {k: json.dumps(v) for k, v in msgs.items()}
+    with pytest.raises(DataError, match="field 'prompt': a list of chat messages written as text"):
+        _load([as_json], tokenizer)
+    # Text that only starts like a list is text.
+    assert len(_load([{"prompt": "[{'role': 'user'} is a dict in a list", "chosen": " yes", "rejected": " no"}],
+                     tokenizer)) == 1
+
+
+@pytest.mark.parametrize("name", ["d.jsonl", "d.json", "d.csv"])
+def test_a_byte_order_mark_is_not_part_of_the_first_row(tmp_path, tokenizer, pref_rows, name):
+    """Editors and spreadsheets on Windows write UTF-8 with a BOM: the first line was malformed
+    JSON, and a CSV's first column was named '\\ufeffprompt' (so 'prompt' was missing)."""
+    import csv as csv_module
+
+    rows = pref_rows[:3]
+    path = tmp_path / name
+    with open(path, "w", encoding="utf-8-sig", newline="") as f:
+        if name.endswith(".jsonl"):
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        elif name.endswith(".json"):
+            json.dump(rows, f)
+        else:
+            writer = csv_module.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    assert path.read_bytes().startswith(b"\xef\xbb\xbf")
+    assert _keys(_load(path, tokenizer)) == _keys(_load(rows, tokenizer))

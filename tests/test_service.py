@@ -503,7 +503,7 @@ def test_score_cli_text_ids_and_resume(model_dir, tokenizer, tmp_path, capsys):
      "rows.jsonl:2: field 'completions[1]': token id 100000 is outside"),
     ({"prompt_ids": [], "completion_ids": [[3]]}, "rows.jsonl:2: field 'prompt_ids': empty prompt"),
     ({"prompt": "sort: 1", "completions": []}, "rows.jsonl:2: field 'completions': expected a non-empty list"),
-    ({"prompt": "sort: 1", "completions": [" 1", ""]}, "rows.jsonl:2: field 'completions[1]': expected a non-empty"),
+    ({"prompt": "sort: 1", "completions": [" 1", ""]}, "rows.jsonl:2: field 'completions[1]': empty string"),
 ])
 def test_score_cli_bad_row_one_line(model_dir, tmp_path, capsys, row, message):
     from dpocache.data import write_jsonl
