@@ -106,9 +106,7 @@ class MetricsWriter:
         names = trackers(report_to, tensorboard) if enabled else ()
         if "tensorboard" in names:
             import_tracker("tensorboard")
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(output_dir / "tensorboard"))
+            self._tb = _tensorboard_writer(output_dir / "tensorboard")
         if "wandb" in names:
             wandb = import_tracker("wandb")
             self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "dpocache"), name=output_dir.name,
@@ -119,6 +117,13 @@ class MetricsWriter:
         rows after ``step``; at step 0 (no checkpoint) every row, the step-0 eval included.
         The rows at a checkpoint's own step were all logged before it was saved, and stay. A
         torn last line (the process was killed while writing it) goes too."""
+        if self._tb is not None:
+            # The dropped rows are in the earlier attempt's event files too, and TensorBoard would
+            # draw them beside the new ones: a writer opened with ``purge_step`` hides, for
+            # TensorBoard, every earlier event from that step on.
+            log_dir = self._tb.log_dir
+            self._tb.close()
+            self._tb = _tensorboard_writer(log_dir, purge_step=step + 1 if step > 0 else 0)
         if not self.enabled or not self.path.exists():
             return
         kept = [row for row in _parse(self.path) if step > 0 and row.get("step", 0) <= step]
@@ -150,6 +155,12 @@ class MetricsWriter:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _tensorboard_writer(log_dir: str | Path, purge_step: int | None = None):
+    from torch.utils.tensorboard import SummaryWriter  # deferred: the tensorboard extra (pyproject's ruff notes)
+
+    return SummaryWriter(str(log_dir), purge_step=purge_step)
 
 
 def read_metrics(output_dir: str | Path) -> list[dict]:
