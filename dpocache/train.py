@@ -748,8 +748,10 @@ def _train(run: Run, stop: StopRequest) -> dict:
             bar.update(1)
             last = run.step == run.total_steps
             save_due, signum = _save_or_stop(run, stop)
-            # A stopped run logs its partial window: the steps since the last log are not redone.
-            if run.step % cfg.train.logging_steps == 0 or last or signum:
+            # A checkpointed step logs its partial window: a run resumed there keeps the rows up to
+            # it and redoes only the steps after it, so the steps since the last log would be in
+            # no row. (A stopped run saves too.)
+            if run.step % cfg.train.logging_steps == 0 or last or signum or save_due:
                 elapsed = time.perf_counter() - t0
                 # Measured (0.5 s, once) at the first log rather than before the first step, so it
                 # neither delays the start nor counts in a window's throughput.
