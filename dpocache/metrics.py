@@ -17,6 +17,7 @@ from . import bf16_matmul
 from .cache.atomic import atomic_write_text
 from .config import ConfigError
 from .distributed import DistEnv, all_reduce_sum
+from .preflight import UsageError
 
 
 class MetricWindow:
@@ -174,11 +175,14 @@ def _parse(path: Path) -> list[dict]:
     rows = []
     for n, (i, line) in enumerate(lines):
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError as e:
             if n == len(lines) - 1:
                 break
-            raise ValueError(f"{path}:{i}: not a JSON object ({e.msg})") from None
+            raise UsageError(f"{path}:{i}: not a JSON object ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise UsageError(f"{path}:{i}: not a JSON object (a {type(row).__name__})")
+        rows.append(row)
     return rows
 
 

@@ -142,6 +142,17 @@ def test_plot_draws_chosen_and_rejected_together_and_eval_beside_train(dpo_run):
     assert set(panels["loss"]) == {"train", "eval"}
 
 
+@pytest.mark.parametrize("damage", ["{not json", "[1, 2]"])
+def test_plot_of_a_damaged_metrics_file_is_one_line(tmp_path, capsys, damage):
+    """A damaged line before the last (the last may be torn by a kill, and is dropped) is named
+    with its line number; a traceback came instead."""
+    (tmp_path / "metrics.jsonl").write_text(f'{{"step": 1, "loss": 0.7}}\n{damage}\n{{"step": 2, "loss": 0.6}}\n')
+    assert cli_main(["plot", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{tmp_path / 'metrics.jsonl'}:2: not a JSON object" in err
+    assert not (tmp_path / "curves.png").exists()
+
+
 # ------------------------------------------------------------------------- the cache, used
 
 
