@@ -283,6 +283,8 @@ def plan_audit(run: Run) -> bool:
     if run.ref_train is None:
         reason = "no cached reference (reference-free loss)"
     elif run.step > 0:
+        if "step0_audit" in run.info["reference"]:
+            return False  # the record of the attempt that ran step 0, from the checkpoint (resume)
         reason = f"resumed at step {run.step}: the policy is no longer the reference"
     elif Path(ref_path).resolve() != Path(cfg.model.path).resolve():
         reason = "the reference (--ref-model) is another model than the policy"
@@ -465,6 +467,11 @@ def resume(run: Run) -> None:
         run.scaler.load_state_dict(state["grad_scaler"])  # the scale the run had reached, not 65536 again
     run.step = run.saved_step = state["step"]
     run.writer.rewind(run.step)
+    # run.json describes the whole run: where this attempt took over, and the step-0 audit of the
+    # attempt that ran step 0 (a resumed run runs none).
+    run.info["resumed_from"] = {"checkpoint": str(ckpt), "step": run.step}
+    if state.get("step0_audit") is not None:
+        run.info["reference"]["step0_audit"] = state["step0_audit"]
     if run.env.is_main:
         print(f"resumed from {ckpt} at step {run.step}", file=sys.stderr)
         saved = state.get("global_batch")
@@ -855,7 +862,7 @@ def _save(run: Run) -> None:
     if run.env.is_main:
         extra = {"config": run.cfg.to_dict(), "epoch": run.step / run.steps_per_epoch,
                  "world_size": run.env.world_size, "global_batch": _global_batch(run),
-                 "inputs": run.inputs}
+                 "inputs": run.inputs, "step0_audit": run.info["reference"].get("step0_audit")}
         if run.scaler is not None:
             extra["grad_scaler"] = run.scaler.state_dict()
         save_checkpoint(run.out, run.step, model, run.tokenizer, optimizer, run.scheduler, extra,

@@ -35,6 +35,10 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, base_model, train_jsonl):
     assert max_abs_diff(wa, wb) <= 1e-6
     assert max_abs_diff(wa, load_tensors(base_model / "model.safetensors")) > 1e-4
     assert run_json(b)["final"]["step"] == STEPS
+    # run.json describes the whole run: the resume, and the step-0 audit its first attempt ran.
+    assert run_json(b)["resumed_from"] == {"checkpoint": str(b / "checkpoints" / "step-000004"), "step": 4}
+    assert run_json(b)["reference"]["step0_audit"] == run_json(a)["reference"]["step0_audit"]
+    assert run_json(b)["reference"]["step0_audit"]["ok"]
 
 
 def test_lora_resume_matches_an_uninterrupted_run(tmp_path, base_model, train_jsonl):
