@@ -71,6 +71,17 @@ def test_a_checkpoint_between_logging_steps_loses_no_metrics_on_resume(tmp_path,
         assert y["loss"] == pytest.approx(x["loss"], abs=1e-6, rel=0), x["step"]
 
 
+def test_a_save_removes_what_failed_saves_left(tmp_path, base_model, train_jsonl):
+    """A save that ran out of disk (or was killed) leaves step-N.tmp; a later save of another step
+    left it there, holding the space, for good."""
+    out = tmp_path / "run"
+    unfinished = out / "checkpoints" / "step-000007.tmp"
+    unfinished.mkdir(parents=True)
+    (unfinished / "model.safetensors").write_bytes(b"partial")
+    run_training(*flags(base_model, train_jsonl, out, tmp_path / "cache", "--max-steps", "1"))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001"]
+
+
 def test_resume_without_a_checkpoint_starts_at_step_zero(tmp_path, base_model, train_jsonl, capsys):
     out = tmp_path / "run"
     run_training(*flags(base_model, train_jsonl, out, tmp_path / "cache", "--max-steps", "2", "--resume"))
