@@ -11,7 +11,7 @@ Layout of ``OUTPUT/checkpoints/step-000100/``::
     trainer_state.json                   step, optimizer param groups, scheduler, RNG, config
 
 A checkpoint is written to ``step-N.tmp`` and renamed when complete, so a crash mid-save
-leaves the previous checkpoint the newest complete one.
+leaves the previous checkpoint the newest complete one (and the next save removes the .tmp).
 """
 
 from __future__ import annotations
@@ -70,7 +70,10 @@ def save_checkpoint(output_dir: Path, step: int, model, tokenizer, optimizer, sc
     """Write checkpoint ``step`` atomically and keep only the newest ``keep``."""
     final = checkpoint_dir(output_dir, step)
     tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    # A save that failed (a full disk, a kill) left its .tmp directory: never listed or read,
+    # but holding the space this one needs.
+    for unfinished in final.parent.glob("step-*.tmp"):
+        shutil.rmtree(unfinished, ignore_errors=True)
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp)
     if tokenizer is not None:

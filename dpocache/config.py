@@ -106,7 +106,7 @@ class TrainLoopConfig:
     epochs: int = 1  # passes over the training data
     max_steps: int | None = None  # optimizer steps; overrides epochs
     seed: int = 42  # data order and LoRA initialisation
-    logging_steps: int = 10  # optimizer steps per metrics.jsonl row
+    logging_steps: int = 10  # optimizer steps per metrics.jsonl row (and a row at each checkpoint)
     eval_steps: int | None = None  # None: evaluate at the start and the end only
     eval_batch_size: int | None = None  # default: batch_size
     save_steps: int | None = None  # also save every N steps (None: by save_minutes and at the end)

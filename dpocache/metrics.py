@@ -17,6 +17,7 @@ from . import bf16_matmul
 from .cache.atomic import atomic_write_text
 from .config import ConfigError
 from .distributed import DistEnv, all_reduce_sum
+from .preflight import UsageError
 
 
 class MetricWindow:
@@ -106,9 +107,7 @@ class MetricsWriter:
         names = trackers(report_to, tensorboard) if enabled else ()
         if "tensorboard" in names:
             import_tracker("tensorboard")
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(output_dir / "tensorboard"))
+            self._tb = _tensorboard_writer(output_dir / "tensorboard")
         if "wandb" in names:
             wandb = import_tracker("wandb")
             self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "dpocache"), name=output_dir.name,
@@ -119,6 +118,13 @@ class MetricsWriter:
         rows after ``step``; at step 0 (no checkpoint) every row, the step-0 eval included.
         The rows at a checkpoint's own step were all logged before it was saved, and stay. A
         torn last line (the process was killed while writing it) goes too."""
+        if self._tb is not None:
+            # The dropped rows are in the earlier attempt's event files too, and TensorBoard would
+            # draw them beside the new ones: a writer opened with ``purge_step`` hides, for
+            # TensorBoard, every earlier event from that step on.
+            log_dir = self._tb.log_dir
+            self._tb.close()
+            self._tb = _tensorboard_writer(log_dir, purge_step=step + 1 if step > 0 else 0)
         if not self.enabled or not self.path.exists():
             return
         kept = [row for row in _parse(self.path) if step > 0 and row.get("step", 0) <= step]
@@ -152,6 +158,12 @@ class MetricsWriter:
             self._wandb.finish()
 
 
+def _tensorboard_writer(log_dir: str | Path, purge_step: int | None = None):
+    from torch.utils.tensorboard import SummaryWriter  # deferred: the tensorboard extra (pyproject's ruff notes)
+
+    return SummaryWriter(str(log_dir), purge_step=purge_step)
+
+
 def read_metrics(output_dir: str | Path) -> list[dict]:
     return _parse(Path(output_dir) / "metrics.jsonl")
 
@@ -163,11 +175,14 @@ def _parse(path: Path) -> list[dict]:
     rows = []
     for n, (i, line) in enumerate(lines):
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError as e:
             if n == len(lines) - 1:
                 break
-            raise ValueError(f"{path}:{i}: not a JSON object ({e.msg})") from None
+            raise UsageError(f"{path}:{i}: not a JSON object ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise UsageError(f"{path}:{i}: not a JSON object (a {type(row).__name__})")
+        rows.append(row)
     return rows
 
 

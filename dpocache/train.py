@@ -121,6 +121,8 @@ def setup(cfg: Config) -> Run:
     out = Path(cfg.train.output_dir)
     resumed_from = check_resumable(cfg, out)
     check_lora_settings(cfg)
+    if not cfg.train.resume:
+        start_fresh(cfg, out, env)  # before any model loads: refusing later would waste the reference pass
     if env.is_main:
         out.mkdir(parents=True, exist_ok=True)
     barrier(env)
@@ -166,8 +168,6 @@ def setup(cfg: Config) -> Run:
                   "reference_namespace": ref_info.get("namespace")}
     if cfg.train.resume:
         resume(run)
-    else:
-        start_fresh(run)
     run.audit_step0 = plan_audit(run)
     return run
 
@@ -185,19 +185,30 @@ def unused_settings(cfg: Config, env: DistEnv) -> list[str]:
     return notes
 
 
-def start_fresh(run: Run) -> None:
-    """A run that does not resume must not mix with an earlier one's metrics or checkpoints
-    (a later --resume would pick up the wrong checkpoint): refuse, unless told to overwrite."""
-    earlier = latest_checkpoint(run.out) is not None or (run.out / "metrics.jsonl").exists()
-    if earlier and not run.cfg.train.overwrite:
+# What a run leaves in its output directory. A fresh run there with --train.overwrite removes
+# them all: an earlier final/ left in place would mix with the new one (an old adapter_config.json
+# beside new full weights makes transformers load the old adapter), and old TensorBoard events
+# would be drawn as the new run's.
+RUN_OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "run.json", "tensorboard", "curves.png")
+
+
+def start_fresh(cfg: Config, out: Path, env: DistEnv) -> None:
+    """A run that does not resume must not mix with an earlier one's outputs (a later --resume
+    would pick up the wrong checkpoint, final/ would hold two models' files): refuse, unless
+    told to overwrite. Runs before any model loads and before the metrics writer opens its files."""
+    earlier = latest_checkpoint(out) is not None or (out / "metrics.jsonl").exists() or (out / "final").exists()
+    if earlier and not cfg.train.overwrite:
         raise FileExistsError(
-            f"{run.out} holds an earlier run (metrics.jsonl or checkpoints). Pass --resume to continue it, "
+            f"{out} holds an earlier run (metrics.jsonl, checkpoints or final/). Pass --resume to continue it, "
             "--train.overwrite to start afresh there, or another --output-dir."
         )
-    if earlier and run.env.is_main:
-        shutil.rmtree(run.out / "checkpoints", ignore_errors=True)
-        (run.out / "metrics.jsonl").unlink(missing_ok=True)
-    barrier(run.env)
+    if earlier and env.is_main:
+        for name in RUN_OUTPUTS:
+            path = out / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
 
 
 def _load_data(cfg: Config, source: str, tokenizer, env: DistEnv) -> PreferenceData:
@@ -272,6 +283,8 @@ def plan_audit(run: Run) -> bool:
     if run.ref_train is None:
         reason = "no cached reference (reference-free loss)"
     elif run.step > 0:
+        if "step0_audit" in run.info["reference"]:
+            return False  # the record of the attempt that ran step 0, from the checkpoint (resume)
         reason = f"resumed at step {run.step}: the policy is no longer the reference"
     elif Path(ref_path).resolve() != Path(cfg.model.path).resolve():
         reason = "the reference (--ref-model) is another model than the policy"
@@ -454,6 +467,11 @@ def resume(run: Run) -> None:
         run.scaler.load_state_dict(state["grad_scaler"])  # the scale the run had reached, not 65536 again
     run.step = run.saved_step = state["step"]
     run.writer.rewind(run.step)
+    # run.json describes the whole run: where this attempt took over, and the step-0 audit of the
+    # attempt that ran step 0 (a resumed run runs none).
+    run.info["resumed_from"] = {"checkpoint": str(ckpt), "step": run.step}
+    if state.get("step0_audit") is not None:
+        run.info["reference"]["step0_audit"] = state["step0_audit"]
     if run.env.is_main:
         print(f"resumed from {ckpt} at step {run.step}", file=sys.stderr)
         saved = state.get("global_batch")
@@ -737,8 +755,10 @@ def _train(run: Run, stop: StopRequest) -> dict:
             bar.update(1)
             last = run.step == run.total_steps
             save_due, signum = _save_or_stop(run, stop)
-            # A stopped run logs its partial window: the steps since the last log are not redone.
-            if run.step % cfg.train.logging_steps == 0 or last or signum:
+            # A checkpointed step logs its partial window: a run resumed there keeps the rows up to
+            # it and redoes only the steps after it, so the steps since the last log would be in
+            # no row. (A stopped run saves too.)
+            if run.step % cfg.train.logging_steps == 0 or last or signum or save_due:
                 elapsed = time.perf_counter() - t0
                 # Measured (0.5 s, once) at the first log rather than before the first step, so it
                 # neither delays the start nor counts in a window's throughput.
@@ -842,7 +862,7 @@ def _save(run: Run) -> None:
     if run.env.is_main:
         extra = {"config": run.cfg.to_dict(), "epoch": run.step / run.steps_per_epoch,
                  "world_size": run.env.world_size, "global_batch": _global_batch(run),
-                 "inputs": run.inputs}
+                 "inputs": run.inputs, "step0_audit": run.info["reference"].get("step0_audit")}
         if run.scaler is not None:
             extra["grad_scaler"] = run.scaler.state_dict()
         save_checkpoint(run.out, run.step, model, run.tokenizer, optimizer, run.scheduler, extra,
@@ -852,13 +872,21 @@ def _save(run: Run) -> None:
 
 
 def save_final(run: Run) -> Path:
+    """``final/``: the trained model and tokenizer, and nothing else. Written to ``final.tmp``
+    and renamed, as checkpoints are: files an earlier final/ held (a LoRA adapter's config beside
+    full weights, which transformers would load instead) never mix in, and a save that fails
+    midway leaves no final/ that looks complete."""
     final = run.out / "final"
     model = run.policy
     if _sharded(run):
         model = GatheredModel(run.policy, full_model_state(run.policy))
     if run.env.is_main:
-        model.save_pretrained(final)
-        run.tokenizer.save_pretrained(final)
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        run.tokenizer.save_pretrained(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
     barrier(run.env)
     return final
 

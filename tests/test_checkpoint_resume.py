@@ -35,6 +35,10 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, base_model, train_jsonl):
     assert max_abs_diff(wa, wb) <= 1e-6
     assert max_abs_diff(wa, load_tensors(base_model / "model.safetensors")) > 1e-4
     assert run_json(b)["final"]["step"] == STEPS
+    # run.json describes the whole run: the resume, and the step-0 audit its first attempt ran.
+    assert run_json(b)["resumed_from"] == {"checkpoint": str(b / "checkpoints" / "step-000004"), "step": 4}
+    assert run_json(b)["reference"]["step0_audit"] == run_json(a)["reference"]["step0_audit"]
+    assert run_json(b)["reference"]["step0_audit"]["ok"]
 
 
 def test_lora_resume_matches_an_uninterrupted_run(tmp_path, base_model, train_jsonl):
@@ -46,6 +50,36 @@ def test_lora_resume_matches_an_uninterrupted_run(tmp_path, base_model, train_js
     wa = load_tensors(a / "final" / "adapter_model.safetensors")
     wb = load_tensors(b / "final" / "adapter_model.safetensors")
     assert max_abs_diff(wa, wb) <= 1e-6
+
+
+def test_a_checkpoint_between_logging_steps_loses_no_metrics_on_resume(tmp_path, base_model, train_jsonl):
+    """Logged every 4 steps, saved every 2: a run killed after its step-2 checkpoint resumes
+    there. Steps 1-2 were in no row yet (their window was in memory), so the step-4 row of the
+    resumed run averaged steps 3-4 only, and steps 1-2 were in no row of the history."""
+    import shutil
+
+    common = ("--max-steps", "4", "--save-steps", "2", "--logging-steps", "4")
+    a, b, cache = tmp_path / "a", tmp_path / "b", tmp_path / "cache"
+    run_training(*flags(base_model, train_jsonl, a, cache, *common))
+    shutil.copytree(a, b)  # B's first attempt is A's, killed after its step-2 checkpoint
+    shutil.rmtree(b / "checkpoints" / "step-000004")
+    shutil.rmtree(b / "final")
+    run_training(*flags(base_model, train_jsonl, b, cache, *common, "--resume"))
+    ra, rb = train_records(a), train_records(b)
+    assert [r["step"] for r in rb] == [r["step"] for r in ra] == [2, 4]  # a checkpoint's steps are logged with it
+    for x, y in zip(ra, rb):
+        assert y["loss"] == pytest.approx(x["loss"], abs=1e-6, rel=0), x["step"]
+
+
+def test_a_save_removes_what_failed_saves_left(tmp_path, base_model, train_jsonl):
+    """A save that ran out of disk (or was killed) leaves step-N.tmp; a later save of another step
+    left it there, holding the space, for good."""
+    out = tmp_path / "run"
+    unfinished = out / "checkpoints" / "step-000007.tmp"
+    unfinished.mkdir(parents=True)
+    (unfinished / "model.safetensors").write_bytes(b"partial")
+    run_training(*flags(base_model, train_jsonl, out, tmp_path / "cache", "--max-steps", "1"))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001"]
 
 
 def test_resume_without_a_checkpoint_starts_at_step_zero(tmp_path, base_model, train_jsonl, capsys):

@@ -4,6 +4,7 @@ with one line naming the namespace directory, the worst pairs and the rebuild co
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -17,6 +18,7 @@ import torch
 from dpocache.audit import ReferenceAuditFailed, audit_tolerance
 from dpocache.cache import CacheStore, namespace_for_dir
 from dpocache.cache_cli import load_tokenizer
+from dpocache.checkpoint import STATE_FILE
 from dpocache.cli import main as cli_main
 from dpocache.data import KEY_BYTES, load_preference_data
 from train_fixtures import (  # noqa: F401  (fixtures are used by name; one_thread is autouse)
@@ -139,6 +141,15 @@ def test_no_audit_with_another_reference_or_after_step0(tmp_path, base_model, tr
     shutil.rmtree(out / "final")
     run_training(*flags(base_model, train_jsonl, out, tmp_path / "cache", "--max-steps", "2", "--resume",
                         "--ref-model", str(ref)))  # the same reference: --resume refuses another
+    # The first attempt's record stays (a checkpoint carries it); one without it says why none ran.
+    assert "another model" in run_json(out)["reference"]["step0_audit"]["skipped"]
+    assert run_json(out)["resumed_from"]["step"] == 1
+    state_file = out / "checkpoints" / "step-000001" / STATE_FILE
+    state_file.write_text(json.dumps({**json.loads(state_file.read_text()), "step0_audit": None}))
+    shutil.rmtree(out / "checkpoints" / "step-000002")
+    shutil.rmtree(out / "final")
+    run_training(*flags(base_model, train_jsonl, out, tmp_path / "cache", "--max-steps", "2", "--resume",
+                        "--ref-model", str(ref)))
     assert "resumed at step 1" in run_json(out)["reference"]["step0_audit"]["skipped"]
 
 

@@ -95,3 +95,16 @@ def test_training_reports_to_tensorboard(tmp_path, base_model, train_jsonl):
     assert [step for step, _ in scalars["loss"]] == [1, 2]
     train_loss = [round(r["loss"], 6) for r in read_metrics(out) if "loss" in r]
     assert [v for _, v in scalars["loss"]] == train_loss
+
+
+@pytest.mark.skipif(not HAS_TENSORBOARD, reason="tensorboard is not installed")
+def test_a_resumed_run_has_each_step_once_in_tensorboard(tmp_path, base_model, train_jsonl):
+    """The killed attempt logged steps 5-8 after its step-4 checkpoint; the resumed run logs them
+    again. TensorBoard shows each step once, with the resumed run's values (as metrics.jsonl)."""
+    from train_fixtures import RESUME_STEPS, interrupted_then_resumed
+
+    _, b = interrupted_then_resumed(tmp_path, base_model, train_jsonl, tmp_path / "cache", "--report-to",
+                                    "tensorboard")
+    scalars = _tensorboard_scalars(b / "tensorboard")
+    assert [step for step, _ in scalars["loss"]] == list(range(1, RESUME_STEPS + 1))
+    assert [v for _, v in scalars["loss"]] == [round(r["loss"], 6) for r in read_metrics(b) if "loss" in r]

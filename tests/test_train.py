@@ -142,6 +142,17 @@ def test_plot_draws_chosen_and_rejected_together_and_eval_beside_train(dpo_run):
     assert set(panels["loss"]) == {"train", "eval"}
 
 
+@pytest.mark.parametrize("damage", ["{not json", "[1, 2]"])
+def test_plot_of_a_damaged_metrics_file_is_one_line(tmp_path, capsys, damage):
+    """A damaged line before the last (the last may be torn by a kill, and is dropped) is named
+    with its line number; a traceback came instead."""
+    (tmp_path / "metrics.jsonl").write_text(f'{{"step": 1, "loss": 0.7}}\n{damage}\n{{"step": 2, "loss": 0.6}}\n')
+    assert cli_main(["plot", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{tmp_path / 'metrics.jsonl'}:2: not a JSON object" in err
+    assert not (tmp_path / "curves.png").exists()
+
+
 # ------------------------------------------------------------------------- the cache, used
 
 
@@ -416,6 +427,37 @@ def test_a_fresh_run_refuses_an_output_dir_with_an_earlier_run(tmp_path, base_mo
     run_training(*args, "--train.overwrite", "true", "--max-steps", "1")
     assert [r["step"] for r in train_records(out)] == [1]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001"]
+
+
+def test_an_output_dir_with_an_earlier_run_is_refused_before_any_model_loads(tmp_path, base_model, train_jsonl,
+                                                                             shared_cache, monkeypatch, capsys):
+    out = tmp_path / "run"
+    run_training(*flags(base_model, train_jsonl, out, shared_cache, "--max-steps", "1"))
+    capsys.readouterr()
+    monkeypatch.setattr(train_mod, "load_policy", lambda *a, **k: pytest.fail("the policy was loaded"))
+    fresh_cache = tmp_path / "fresh-cache"  # a reference pass would write its shards here
+    assert cli_main(["train", *flags(base_model, train_jsonl, out, fresh_cache, "--max-steps", "1")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--train.overwrite" in err
+    assert not list(fresh_cache.rglob("*.safetensors"))
+
+
+def test_overwrite_leaves_nothing_of_the_earlier_run(tmp_path, base_model, train_jsonl, shared_cache):
+    """A LoRA run, then a full fine-tuning run over it with --train.overwrite: final/ holds the new
+    model only (an adapter_config.json left beside it makes transformers load the old adapter)."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    run_training(*flags(base_model, train_jsonl, out, shared_cache, "--max-steps", "1", "--lora-r", "4"))
+    (out / "tensorboard").mkdir()
+    (out / "tensorboard" / "events.out.tfevents.earlier").write_bytes(b"")
+    run_training(*flags(base_model, train_jsonl, out, shared_cache, "--max-steps", "2", "--train.overwrite", "true"))
+    assert not (out / "final" / "adapter_config.json").exists() and not (out / "tensorboard").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(str(out / "final"))
+    assert type(loaded).__name__ == "LlamaForCausalLM"
+    saved = load_tensors(out / "checkpoints" / "step-000002" / "model.safetensors")
+    assert max_abs_diff({k: v for k, v in loaded.state_dict().items() if k in saved}, saved) == 0
+    assert run_json(out)["final"]["step"] == 2
 
 
 def test_push_to_hub_fails_clearly_and_keeps_the_checkpoint(tmp_path, base_model, train_jsonl, shared_cache, capsys):
