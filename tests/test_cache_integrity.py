@@ -27,7 +27,8 @@ from safetensors.torch import load_file, save, save_file
 from dpocache.cache import CacheError, CacheStore, build_missing, namespace_for_dir, verify
 from dpocache.cache.build import open_namespace_dir
 from dpocache.cache.fingerprint import FingerprintMemo, model_dir_fingerprint
-from dpocache.cache.store import MANIFEST, parse_manifest
+from dpocache.cache.sequences import SequenceStore, sequence_key
+from dpocache.cache.store import MANIFEST, Namespace, parse_manifest
 from dpocache.reference import ReferenceModel
 from train_fixtures import flags, run_json
 
@@ -128,6 +129,52 @@ def test_a_shard_copied_from_another_namespace_is_refused_and_quarantined(tmp_pa
     assert _store(tmp_path, model_dir).corrupt == []
     summary = _build(_store(tmp_path, model_dir, repair=True), theirs, reference)
     assert summary.computed == len(theirs)  # computed by this namespace's own model
+
+
+def _sequence_shard(directory: Path, tensors: dict, namespace_id: str) -> Path:
+    """A look-aside shard as ``SequenceStore.flush`` names it, with any content."""
+    raw = save(tensors, metadata={"namespace": namespace_id})
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"seq-{hashlib.sha256(raw).hexdigest()[:16]}.safetensors"
+    path.write_bytes(raw)
+    return path
+
+
+def test_a_sequence_shard_from_another_namespace_or_malformed_is_refused(tmp_path):
+    """The service's look-aside shards get the pair shards' checks: a shard copied from another
+    model's directory holds that model's values, and a malformed or non-finite one is one bad
+    file, not a crash of the service or a NaN served."""
+    mine, theirs = Namespace("a" * 64, "c" * 64, "float32"), Namespace("b" * 64, "c" * 64, "float32")
+    key, other_key = sequence_key([1, 2], [3, 4]), sequence_key([1, 2], [3, 5])
+    elsewhere = SequenceStore(tmp_path, theirs)
+    elsewhere.put(key, torch.tensor([-1.0, -2.0]))
+    elsewhere.flush()
+    store = SequenceStore(tmp_path, mine)
+    (foreign,) = elsewhere.dir.glob("seq-*.safetensors")
+    store.dir.mkdir(parents=True)
+    shutil.copy(foreign, store.dir / foreign.name)
+    keys = torch.frombuffer(bytearray(other_key), dtype=torch.uint8).reshape(1, 16)
+    _sequence_shard(store.dir, {"keys": keys, "tokens": torch.tensor([5], dtype=torch.int32),
+                                "token_logps": torch.tensor([-1.0, -2.0])}, mine.id)
+    _sequence_shard(store.dir, {"keys": keys, "tokens": torch.tensor([2], dtype=torch.int32),
+                                "token_logps": torch.tensor([float("nan"), -2.0])}, mine.id)
+    store.refresh()
+    assert store.get(key) is None and store.get(other_key) is None and len(store) == 0
+    reasons = sorted(store.corrupt)
+    assert len(reasons) == 3 and any("foreign" in r and theirs.id in r for r in reasons)
+    assert any("non-finite" in r for r in reasons) and any("value per counted token" in r for r in reasons)
+
+
+def test_a_non_finite_sequence_value_is_not_cached_and_costs_no_other_value(tmp_path):
+    store = SequenceStore(tmp_path, Namespace("a" * 64, "c" * 64, "float32"))
+    good, bad = sequence_key([1, 2], [3, 4]), sequence_key([1, 2], [3, 5])
+    store.put(good, torch.tensor([-1.0, -2.0]))
+    store.put(bad, torch.tensor([-1.0, float("nan")]))
+    store.flush()
+    assert store.get(bad) is None
+    later = SequenceStore(tmp_path, store.namespace)
+    later.refresh()
+    assert later.corrupt == [] and torch.equal(later.get(good), torch.tensor([-1.0, -2.0])) and later.get(bad) is None
 
 
 def test_a_replaced_namespace_directory_is_refused(tmp_path, cli, model_dir, other_model_dir, data, reference,

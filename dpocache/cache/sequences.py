@@ -3,9 +3,10 @@
 
 The same content-addressed scheme as the pair cache (``store.py``): one directory per
 ``Namespace`` (weights, config, dtype), safetensors shards named by the start of their own
-SHA-256 and verified before use, written atomically. The values live in a ``sequences/``
-sub-directory of the namespace's directory, so the pair cache's shards and manifest are not
-touched and the two kinds of values never mix::
+SHA-256, written atomically and verified before use as the pair shards are (checksum, the
+namespace in their metadata, shapes, finite values: a bad one is reported and never loaded).
+The values live in a ``sequences/`` sub-directory of the namespace's directory, so the pair
+cache's shards and manifest are not touched and the two kinds of values never mix::
 
     CACHE_DIR/<namespace id>/sequences/
       namespace.json                      the namespace in words (for people)
@@ -30,12 +31,11 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from ..data import KEY_BYTES
 from .atomic import atomic_write_bytes, atomic_write_text, read_regular_file
-from .store import MAX_SHARD_BYTES, Namespace
+from .store import MAX_SHARD_BYTES, Namespace, count_non_finite, read_namespaced_shard
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +101,9 @@ class SequenceStore:
         return len(new)
 
     def _read(self, path: Path) -> dict[bytes, torch.Tensor] | None:
-        """A shard's values by key, verified against the checksum in its name; None (and an
-        entry in ``corrupt``) for a file that is not a good shard."""
+        """A shard's values by key, verified against the checksum in its name, the namespace in
+        its metadata, its shapes and finite values; None (and an entry in ``corrupt``) for a
+        file that is not a good shard."""
         try:  # a FIFO, device, directory or link under a shard's name is refused unread
             data = read_regular_file(path, MAX_SHARD_BYTES)
         except OSError as e:
@@ -114,13 +115,13 @@ class SequenceStore:
             self.corrupt.append(f"{path.name}: checksum mismatch (content sha256 {digest[:16]}...)")
             log.warning("%s: checksum mismatch; not loaded", path)
             return None
-        try:
-            t = load_safetensors(data)
-            keys, counts, values = t["keys"], t["tokens"].long(), t["token_logps"]
-        except Exception as e:  # noqa: BLE001 - a shard that hashes right but does not parse
-            self.corrupt.append(f"{path.name}: unreadable ({e})")
-            log.warning("%s: unreadable (%s); not loaded", path, e)
+        problem, t = read_namespaced_shard(data, self.namespace.id)
+        problem = problem or _shape_problem(t) or _finite_problem(t)
+        if problem:
+            self.corrupt.append(f"{path.name}: {problem}")
+            log.warning("%s: %s; not loaded", path, problem)
             return None
+        keys, counts, values = t["keys"], t["tokens"].long(), t["token_logps"]
         raw = keys.numpy().tobytes()
         return {raw[row * KEY_BYTES:(row + 1) * KEY_BYTES]: part
                 for row, part in enumerate(values.split(counts.tolist()))}
@@ -153,10 +154,13 @@ class SequenceStore:
         return values.get(key)
 
     def put(self, key: bytes, token_logps: torch.Tensor) -> None:
-        """Record a value (visible at once); it reaches the disk at the next ``flush``. A key
+        """Record a finite value (visible at once); it reaches the disk at the next ``flush``. A key
         already stored keeps its value."""
+        value = token_logps.detach().float().cpu()
+        if not bool(torch.isfinite(value).all()):
+            return  # a NaN or inf is never cached: it would be served again (and its shard refused whole)
         if key not in self._shard_of:
-            self._pending.setdefault(key, token_logps.detach().float().cpu())
+            self._pending.setdefault(key, value)
 
     def flush(self) -> None:
         """Write the pending values as one shard (atomically: a reader sees all of it or none)."""
@@ -180,3 +184,21 @@ class SequenceStore:
             self._shard_of[key] = name
         pending, self._pending = self._pending, {}
         self._hold(name, pending)
+
+
+def _shape_problem(t: dict[str, torch.Tensor]) -> str | None:
+    """What is wrong with a look-aside shard's tensors, or None: the shapes ``flush`` writes."""
+    keys, tokens, values = t.get("keys"), t.get("tokens"), t.get("token_logps")
+    if keys is None or keys.dtype != torch.uint8 or keys.dim() != 2 or keys.shape[1] != KEY_BYTES:
+        return "no (n, 16) uint8 'keys' tensor"
+    n = keys.shape[0]
+    if tokens is None or tokens.dtype != torch.int32 or tuple(tokens.shape) != (n,) or bool((tokens < 0).any()):
+        return f"'tokens' is not a ({n},) int32 tensor of counts"
+    if values is None or values.dtype != torch.float32 or tuple(values.shape) != (int(tokens.long().sum()),):
+        return "'token_logps' does not hold one float32 value per counted token"
+    return None
+
+
+def _finite_problem(t: dict[str, torch.Tensor]) -> str | None:
+    bad = count_non_finite(t)
+    return f"holds {bad} non-finite values (NaN or inf)" if bad else None

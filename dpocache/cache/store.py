@@ -338,7 +338,7 @@ class CacheStore:
 
     def add_shard(self, tensors: dict[str, torch.Tensor], update_manifest: bool = True) -> ShardInfo:
         """Write one shard atomically, register it, and (by default) record it in the manifest."""
-        bad = _non_finite(tensors)
+        bad = count_non_finite(tensors)
         if bad:
             raise CacheError(f"refusing to store {bad} non-finite reference values (NaN or inf)")
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -367,7 +367,7 @@ def _has_per_token(tensors: dict[str, torch.Tensor]) -> bool:
     return all(name in tensors for name in PairValues.token_fields())
 
 
-def _non_finite(tensors: dict[str, torch.Tensor]) -> int:
+def count_non_finite(tensors: dict[str, torch.Tensor]) -> int:
     return sum(int((~torch.isfinite(t)).sum()) for t in tensors.values() if t.is_floating_point())
 
 
@@ -434,9 +434,25 @@ def _fields_problem(obj, types: dict[str, type], what: str, required: tuple[str,
 
 
 def _parse_shard(data: bytes, namespace_id: str) -> tuple[str | None, dict[str, torch.Tensor]]:
-    """``(problem, tensors)`` of a shard's bytes: the header size is bounded before it is
-    parsed, the namespace in its metadata must be ``namespace_id``, and shapes and values must
-    be those ``ShardWriter`` writes."""
+    """``(problem, tensors)`` of a shard's bytes: ``read_namespaced_shard``'s checks, and shapes
+    and values must be those ``ShardWriter`` writes."""
+    problem, tensors = read_namespaced_shard(data, namespace_id)
+    if problem:
+        return problem, {}
+    problem = _shape_problem(tensors)
+    if problem:
+        return problem, {}
+    bad = count_non_finite(tensors)
+    if bad:
+        return f"holds {bad} non-finite values (NaN or inf)", {}
+    return None, tensors
+
+
+def read_namespaced_shard(data: bytes, namespace_id: str) -> tuple[str | None, dict[str, torch.Tensor]]:
+    """``(problem, tensors)`` of any cache shard's safetensors bytes (this module's pair shards,
+    ``sequences.py``'s look-aside shards): the header size is bounded before it is parsed, and
+    the namespace in its metadata must be ``namespace_id`` (a shard copied from another
+    namespace's directory holds another model's, config's or dtype's values)."""
     if len(data) < 8:
         return "truncated (no safetensors header)", {}
     header_bytes = int.from_bytes(data[:8], "little")
@@ -451,12 +467,6 @@ def _parse_shard(data: bytes, namespace_id: str) -> tuple[str | None, dict[str, 
     if recorded != namespace_id:
         return (f"foreign shard: written for namespace {str(recorded)[:40]} (another model, config or dtype), "
                 f"not {namespace_id}"), {}
-    problem = _shape_problem(tensors)
-    if problem:
-        return problem, {}
-    bad = _non_finite(tensors)
-    if bad:
-        return f"holds {bad} non-finite values (NaN or inf)", {}
     return None, tensors
 
 
