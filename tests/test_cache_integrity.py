@@ -25,10 +25,11 @@ import torch
 from safetensors.torch import load_file, save, save_file
 
 from dpocache.cache import CacheError, CacheStore, build_missing, namespace_for_dir, verify
-from dpocache.cache.build import open_namespace_dir
+from dpocache.cache.build import build_distributed, open_namespace_dir
 from dpocache.cache.fingerprint import FingerprintMemo, model_dir_fingerprint
 from dpocache.cache.sequences import SequenceStore, sequence_key
 from dpocache.cache.store import MANIFEST, Namespace, parse_manifest
+from dpocache.distributed import DistEnv
 from dpocache.reference import ReferenceModel
 from train_fixtures import flags, run_json
 
@@ -440,6 +441,21 @@ def test_a_second_build_skips_what_a_concurrent_one_has_written(tmp_path, model_
     # Its first flush adopts the other build's shards; every later batch finds its pairs there.
     assert 0 < summary.computed < 12 and summary.computed + summary.reused == 12
     assert _manifest_files(late) == {p.name for p in _shards(late.dir)}
+
+
+def test_pairs_a_concurrent_build_wrote_count_as_reused_in_the_build_summary(tmp_path, model_dir, data, reference):
+    """``build_distributed`` (what ``cache build`` and ``train`` run) counts them too: its
+    summary's computed + reused is every pair, as ``build_missing``'s is."""
+    pairs = data.pairs[:12]
+
+    def load_after_another_build():  # the other build finishes while this one loads its model
+        _build(_store(tmp_path, model_dir), pairs, reference)
+        return reference
+
+    summary = build_distributed(CacheStore(tmp_path, namespace_for_dir(model_dir, torch.float32, tmp_path)), pairs,
+                                load_after_another_build, DistEnv(), max_tokens=64, shard_pairs=1,
+                                show_progress=False)
+    assert 0 < summary.computed < 12 and summary.computed + summary.reused == 12
 
 
 _RENDEZVOUS_BUILD = """

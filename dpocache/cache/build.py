@@ -422,9 +422,10 @@ def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_refere
     except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks learn of it
         error = e
     # Also the synchronisation point: every rank's shards are flushed and renamed into place.
-    computed, tokens, passes, failed = reduce_counts(env, [
-        local.computed if local else 0, local.tokens if local else 0, local.forward_passes if local else 0,
-        1.0 if error else 0.0])
+    # A share's reused pairs are those another build in this directory wrote while it ran.
+    computed, reused, tokens, passes, failed = reduce_counts(env, [
+        local.computed if local else 0, local.reused if local else 0, local.tokens if local else 0,
+        local.forward_passes if local else 0, 1.0 if error else 0.0])
     peak, signum = reduce_counts(env, [local.peak_memory_bytes if local else 0, stop.signum or 0], op="max")
     if error is not None:
         raise error
@@ -440,7 +441,8 @@ def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_refere
         raise CacheError(problem)
     seconds = time.perf_counter() - start
     summary = BuildSummary(
-        pairs=len(pairs), unique=len(by_key), computed=int(computed), reused=len(by_key) - len(todo_keys),
+        pairs=len(pairs), unique=len(by_key), computed=int(computed),
+        reused=len(by_key) - len(todo_keys) + int(reused),
         tokens=int(tokens), seconds=seconds, tokens_per_s=tokens / seconds if tokens else 0.0,
         peak_memory_bytes=int(peak), cache_dir=str(store.dir), namespace=store.namespace.id,
         forward_passes=int(passes),
