@@ -88,6 +88,9 @@ def parse_args(command: str, rest: list[str]) -> argparse.Namespace | None:
         check_data_path(cfg.data.train, "--data")
         check_data_path(cfg.data.eval if command == "build" else None, "--eval-data")
     cfg.validate(required=() if command == "info" else ("model.path", "data.train"))
+    if command != "build" and cfg.cache.dir and not Path(cfg.cache.dir).is_dir():
+        # info, verify and export only read the cache: a directory that is not there is a typo, not an empty cache.
+        raise UsageError(f"--cache-dir {cfg.cache.dir}: no such directory")
     if own.get("samples") is not None and own["samples"] < 0:
         raise UsageError(f"--samples: must be >= 0, got {own['samples']}")
     if command == "export" and own.get("out") is None:

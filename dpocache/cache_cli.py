@@ -128,8 +128,6 @@ def _print_build_summary(args, s, store: CacheStore, dtype: torch.dtype, data: P
 
 def cmd_info(args) -> int:
     cache_dir = args.cache_dir or default_cache_dir()
-    if args.cache_dir is not None and not Path(cache_dir).is_dir():  # a typo, not an empty cache
-        raise UsageError(f"--cache-dir {cache_dir}: no such directory")
     dirs = namespace_dirs(cache_dir)
     if not dirs:
         print(f"{cache_dir}: no cached namespaces")

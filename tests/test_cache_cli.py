@@ -188,6 +188,17 @@ def _poison_chosen_logps(shard) -> int:
     return n
 
 
+@pytest.mark.parametrize("command", ["verify", "export"])
+def test_reading_commands_refuse_a_cache_dir_that_is_not_there(tmp_path, cli, model_dir, pref_jsonl, command):
+    """A typo in --cache-dir is one line and exit 2, as for ``cache info``: not a model loaded to
+    report every pair missing, and no directory created under the typo."""
+    typo = tmp_path / "cahce"
+    extra = ("--out", tmp_path / "out.jsonl") if command == "export" else ()
+    rc, _, err = cli(*cache_args(command, model_dir, pref_jsonl, typo, *extra))
+    assert rc == 2 and err.strip() == f"dpocache cache {command}: error: --cache-dir {typo}: no such directory"
+    assert not typo.exists()
+
+
 def test_corrupt_shard_is_named_by_info_verify_and_build(tmp_path, cli, build, model_dir, pref_jsonl, pref_rows):
     cache = tmp_path / "cache"
     build(pref_jsonl, cache, "--shard-size", 8, "--max-tokens", 256)
