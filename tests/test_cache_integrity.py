@@ -345,6 +345,29 @@ def _some_pairs_token(pairs) -> int:
     return min((c, t) for t, c in counts.items() if len(pairs) // 4 <= c <= len(pairs) // 2)[1]
 
 
+_READ_PROBE_MEMO = """
+import sys
+from dpocache.cache.probes import ProbeMemo
+print(ProbeMemo(sys.argv[1]).get("any key"))
+"""
+
+
+def test_a_fifo_or_link_under_the_probe_memo_name_is_not_read(tmp_path):
+    """``probes.json`` is read as the other cache files are: a FIFO (a read would block
+    forever) or a link costs a probe, not a hang."""
+    for kind in ("fifo", "link"):
+        cache = tmp_path / kind
+        cache.mkdir()
+        if kind == "fifo":
+            os.mkfifo(cache / "probes.json")
+        else:
+            (tmp_path / "elsewhere.json").write_text(json.dumps({"any key": True}))
+            (cache / "probes.json").symlink_to(tmp_path / "elsewhere.json")
+        done = subprocess.run([sys.executable, "-c", _READ_PROBE_MEMO, str(cache)], capture_output=True, text=True,
+                              timeout=HOSTILE_DEADLINE_S)
+        assert done.returncode == 0 and done.stdout.strip() == "None", done.stderr
+
+
 def test_a_build_stores_no_non_finite_value_and_names_the_pairs(tmp_path, model_dir, data):
     pairs = data.pairs
     token = _some_pairs_token(pairs)

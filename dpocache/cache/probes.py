@@ -27,10 +27,11 @@ from pathlib import Path
 import torch
 
 from .. import __version__
-from .atomic import atomic_write_text
+from .atomic import atomic_write_text, read_regular_file
 from .fingerprint import config_sha256
 
 PROBES_FILE = "probes.json"
+MAX_PROBES_BYTES = 16 << 20  # about 200,000 verdicts
 
 
 def probe_key(config, dtype: torch.dtype, device: torch.device | str) -> str:
@@ -51,9 +52,9 @@ class ProbeMemo:
         self.path = Path(cache_dir) / PROBES_FILE
 
     def _read(self) -> dict[str, bool]:
-        try:
-            raw = json.loads(self.path.read_text())
-        except (OSError, ValueError):
+        try:  # as every cache file: a link, FIFO or device under its name is not read (UnsafeFileError)
+            raw = json.loads(read_regular_file(self.path, MAX_PROBES_BYTES).decode("utf-8"))
+        except (OSError, ValueError, RecursionError):
             return {}
         if not isinstance(raw, dict):
             return {}
