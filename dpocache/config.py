@@ -215,8 +215,8 @@ def flag_name(dotted: str) -> str:
 def _validate_loss(loss: LossConfig) -> None:
     from .losses import check_loss_values, check_params_read, parse_loss_spec  # noqa: PLC0415 - see the note on torch above
 
-    if not loss.beta > 0:  # also catches NaN
-        raise ConfigError(f"{flag_name('loss.beta')}: must be > 0, got {loss.beta}")
+    if not (loss.beta > 0 and math.isfinite(loss.beta)):  # also catches NaN
+        raise ConfigError(f"{flag_name('loss.beta')}: must be a finite number > 0, got {loss.beta}")
     try:
         spec = parse_loss_spec(loss.name, **loss.params())
         check_loss_values(spec)

@@ -721,9 +721,17 @@ def check_loss_values(spec: LossSpec) -> None:
         raise ValueError(f"{spec}: every term's weight is 0 or less; a term needs a weight > 0")
     for name, _ in spec.terms:
         p = {**LOSSES[name].defaults, **{k: v for k, v in spec.params.items() if k in LOSSES[name].defaults}}
+        # An inf or NaN param (beta, gamma, orpo_alpha, bco_delta, ...) makes every loss NaN or
+        # inf: refused here, not at the first step after the model and the reference pass.
+        for key, value in p.items():
+            if not math.isfinite(value):
+                raise ValueError(f"{name}: {key} must be a finite number, got {value}")
         # IPO, SPPO and the SimPO ratio divide by beta; a non-positive beta flips every loss.
         if not p["beta"] > 0:
             raise ValueError(f"{name}: beta must be > 0, got {p['beta']}")
+        # orpo_alpha weighs the odds-ratio term: a negative one maximises it (as a negative loss weight would).
+        if name == "orpo" and not p["orpo_alpha"] >= 0:
+            raise ValueError(f"orpo: orpo_alpha (the paper's lambda) must be >= 0, got {p['orpo_alpha']}")
         eps = p.get("label_smoothing")
         if name == "exo_pair" and not 0 < eps < 1:
             raise ValueError(f"exo_pair: label_smoothing (the paper's epsilon) must be in (0, 1), got {eps}")

@@ -485,6 +485,15 @@ def test_bad_specs(spec, kwargs, match):
         ("sigmoid", {"label_smoothing": 0.7}, "label_smoothing must be in"),
         ("discopop", {"discopop_tau": 0.0}, "discopop_tau must be > 0"),
         ("sigmoid", {"rpo_alpha": -1.0}, "rpo_alpha"),
+        # non-finite params made every loss NaN or inf at the first step instead of failing here
+        ("sigmoid", {"beta": math.inf}, "beta must be a finite number"),
+        ("simpo", {"gamma": math.nan}, "simpo: gamma must be a finite number"),
+        ("simpo", {"gamma": math.inf}, "simpo: gamma must be a finite number"),
+        ("orpo", {"orpo_alpha": math.nan}, "orpo: orpo_alpha must be a finite number"),
+        ("bco_pair", {"bco_delta": math.nan}, "bco_pair: bco_delta must be a finite number"),
+        ("discopop", {"discopop_tau": math.inf}, "discopop: discopop_tau must be a finite number"),
+        # a negative lambda maximises the odds-ratio term, as a negative loss weight would
+        ("orpo", {"orpo_alpha": -1.0}, r"orpo: orpo_alpha .* >= 0"),
     ],
 )
 def test_bad_param_values(name, params, match):
