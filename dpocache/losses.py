@@ -611,7 +611,8 @@ class LossSpec:
 
     @property
     def needs_reference(self) -> bool:
-        return any(LOSSES[name].needs_reference for name, _ in self.terms)
+        # A term of weight 0 contributes nothing, so it must not cost a reference pass.
+        return any(LOSSES[name].needs_reference for name, weight in self.terms if weight > 0)
 
 
 def _check_name(name: str) -> str:
@@ -706,7 +707,7 @@ def _zip_weights(names: list[str], weights: Sequence[float]) -> list[tuple[str, 
 
 
 def needs_reference(name_or_spec: str | Sequence[str] | LossSpec) -> bool:
-    """True when the loss (or any loss of the spec) reads reference log-probs."""
+    """True when the loss (or any loss of the spec of weight > 0) reads reference log-probs."""
     return parse_loss_spec(name_or_spec).needs_reference
 
 
@@ -799,7 +800,7 @@ def _prepare(spec: LossSpec, tensors: dict[str, Tensor | None]) -> list[Tensor |
     (as TRL does) so an empty completion divides by 1, not 0.
     """
     if spec.needs_reference and (tensors["ref_chosen"] is None or tensors["ref_rejected"] is None):
-        needing = [name for name, _ in spec.terms if LOSSES[name].needs_reference]
+        needing = [name for name, weight in spec.terms if weight > 0 and LOSSES[name].needs_reference]
         raise ValueError(
             f"loss {', '.join(needing)} needs reference log-probs, but ref_chosen/ref_rejected is None; "
             f"reference-free losses: {', '.join(n for n, e in LOSSES.items() if not e.needs_reference)}"
@@ -836,11 +837,12 @@ def preference_loss(
 
     Args:
         name: a loss name (``"sigmoid"``), a spec string (``"sigmoid:1,sft:0.5"``), a list of
-            names, or a :class:`LossSpec`. A spec gives the weighted sum of its losses.
+            names, or a :class:`LossSpec`. A spec gives the weighted sum of its losses; a
+            term of weight 0 is not computed (nor does it need the reference).
         policy_chosen: policy summed completion log-probs of the chosen responses, ``(B,)``.
         policy_rejected: same for the rejected responses, ``(B,)``.
         ref_chosen: reference summed log-probs of chosen, ``(B,)``; None allowed only when
-            every loss of the spec is reference-free.
+            every loss of the spec of weight > 0 is reference-free.
         ref_rejected: same for rejected, ``(B,)`` or None.
         chosen_tokens: completion token counts of chosen, ``(B,)``, int or float.
         rejected_tokens: completion token counts of rejected, ``(B,)``, int or float.
@@ -859,7 +861,7 @@ def preference_loss(
     Returns:
         ``(losses, chosen_rewards, rejected_rewards)``, each ``(B,)`` in float32 (float64 if the
         inputs are): losses differentiable w.r.t. the policy inputs; rewards detached, those of
-        the first loss in the spec.
+        the first loss in the spec of weight > 0.
 
     Raises:
         ValueError: unknown loss or param, bad param value, missing reference, bad shapes.
@@ -881,6 +883,8 @@ def preference_loss(
     scored = _f_divergence_args(spec, args)
     total, rewards = None, None
     for loss_name, weight in spec.terms:
+        if weight == 0:  # not computed: it adds nothing, and its reference may not have been loaded
+            continue
         entry = LOSSES[loss_name]
         own = {k: v for k, v in spec.params.items() if k in entry.defaults}
         f_scored = scored is not None and loss_name != "sft"  # sft reads the raw chosen sum
@@ -888,7 +892,7 @@ def preference_loss(
         if f_scored:  # rewards stay beta * log(pi/pi_ref), as TRL logs them under every divergence
             chosen_r, rejected_r = _sum_rewards({**entry.defaults, **own}["beta"], *args[:4])
         total = weight * losses if total is None else total + weight * losses
-        if rewards is None:  # rewards are those of the first loss of the spec
+        if rewards is None:  # rewards are those of the first computed loss of the spec
             rewards = (chosen_r, rejected_r)
     if _option(spec, "use_weighting"):
         if chosen_wpo_logps is None or rejected_wpo_logps is None:

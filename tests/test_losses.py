@@ -389,6 +389,19 @@ def test_combination_is_weighted_sum_with_first_loss_rewards():
     _close(cr, _avg_rewards()[0])
 
 
+def test_a_zero_weight_term_needs_no_reference_and_is_not_computed():
+    # "sigmoid:0,simpo:1" made train build the reference cache for a term that adds nothing.
+    assert not needs_reference("sigmoid:0,simpo:1")
+    assert not parse_loss_spec([("ipo", 0), ("sft", 1)]).needs_reference
+    pc, pr, _, _, ct, rt = _batch()
+    losses, cr, rr = preference_loss("sigmoid:0,simpo:1", pc, pr, None, None, ct, rt)
+    # SimPO (eq. 6) by hand at beta 0.1, gamma 0.5; rewards beta * average log-prob, SimPO's own
+    logits = [BETA * p / c - BETA * q / r - 0.5 for p, q, c, r in zip(PC, PR, CT, RT)]
+    _close(losses, [-logsig(z) for z in logits])
+    _close(cr, [BETA * p / c for p, c in zip(PC, CT)])
+    _close(rr, [BETA * q / r for q, r in zip(PR, RT)])
+
+
 def test_combination_params_reach_each_loss():
     losses = _run("sigmoid,discopop", beta=0.5, discopop_tau=1.0, label_smoothing=0.1)[0]
     z, tau = 0.5 * 1.5, 1.0
