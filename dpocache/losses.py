@@ -791,9 +791,11 @@ def _check_options(spec: LossSpec) -> None:
         raise ValueError("use_weighting (WPO) does not apply to aot or aot_unpaired: their losses are batch quantiles")
 
 
-def _prepare(spec: LossSpec, tensors: dict[str, Tensor | None]) -> list[Tensor | None]:
+def _prepare(spec: LossSpec, tensors: dict[str, Tensor | None],
+             shape_checked: Mapping[str, Tensor] | None = None) -> list[Tensor | None]:
     """Check shapes and reference presence; upcast to at least float32; clamp counts to >= 1.
     Returns the tensors in the order given (the loss functions' argument order).
+    ``shape_checked``: further inputs that must be ``(B,)`` too (WPO's sums), not returned.
 
     Upcast because a bf16 sum of ~300 log-probs has a resolution of 2 nats: the policy-minus-
     reference differences the losses are made of would be noise. Token counts are clamped at 1
@@ -805,7 +807,7 @@ def _prepare(spec: LossSpec, tensors: dict[str, Tensor | None]) -> list[Tensor |
             f"loss {', '.join(needing)} needs reference log-probs, but ref_chosen/ref_rejected is None; "
             f"reference-free losses: {', '.join(n for n, e in LOSSES.items() if not e.needs_reference)}"
         )
-    present = {k: v for k, v in tensors.items() if v is not None}
+    present = {k: v for k, v in {**tensors, **(shape_checked or {})}.items() if v is not None}
     for key, value in present.items():
         if not isinstance(value, Tensor) or value.dim() != 1:
             shape = getattr(value, "shape", type(value).__name__)
@@ -868,6 +870,12 @@ def preference_loss(
     """
     spec = parse_loss_spec(name, **params)
     check_loss_values(spec)
+    wpo = {}
+    if _option(spec, "use_weighting"):
+        if chosen_wpo_logps is None or rejected_wpo_logps is None:
+            raise ValueError("use_weighting (WPO) needs chosen_wpo_logps and rejected_wpo_logps, got None")
+        # shape-checked with the rest: a (1,) or (B, 1) weight would broadcast, not fail
+        wpo = {"chosen_wpo_logps": chosen_wpo_logps, "rejected_wpo_logps": rejected_wpo_logps}
     args = _prepare(
         spec,
         {
@@ -878,6 +886,7 @@ def preference_loss(
             "chosen_tokens": chosen_tokens,
             "rejected_tokens": rejected_tokens,
         },
+        shape_checked=wpo,
     )
     pc, _, _, _, ct, rt = args
     scored = _f_divergence_args(spec, args)
@@ -894,9 +903,7 @@ def preference_loss(
         total = weight * losses if total is None else total + weight * losses
         if rewards is None:  # rewards are those of the first computed loss of the spec
             rewards = (chosen_r, rejected_r)
-    if _option(spec, "use_weighting"):
-        if chosen_wpo_logps is None or rejected_wpo_logps is None:
-            raise ValueError("use_weighting (WPO) needs chosen_wpo_logps and rejected_wpo_logps, got None")
+    if wpo:
         total = total * wpo_weights(chosen_wpo_logps.to(total.dtype), rejected_wpo_logps.to(total.dtype), ct, rt)
     rpo_alpha = spec.params.get("rpo_alpha", GLOBAL_DEFAULTS["rpo_alpha"])
     if rpo_alpha is not None:

@@ -163,6 +163,18 @@ def test_wpo_needs_its_inputs_and_refuses_aot():
         _loss("aot", *PAIR, use_weighting=True)
 
 
+@pytest.mark.parametrize("shape", [(1,), (4, 1), (3,)])
+def test_wpo_sums_of_the_wrong_shape_are_one_clear_error(shape):
+    # (1,) broadcast to every pair and (B, 1) made the (B,) losses (B, B), both silently
+    b = 4
+    sums = [torch.full((b,), -v) for v in (1.0, 2.0, 1.5, 2.5)]
+    counts = torch.full((b,), 3.0)
+    with pytest.raises(ValueError, match=r"shape \(B,\)|same batch size") as error:
+        preference_loss("sigmoid", *sums, counts, counts, use_weighting=True,
+                        chosen_wpo_logps=torch.zeros(shape), rejected_wpo_logps=torch.zeros(b))
+    assert "chosen_wpo_logps" in str(error.value) and "\n" not in str(error.value)
+
+
 def test_wpo_weight_has_no_gradient():
     pc = torch.tensor([-1.0], requires_grad=True)
     aligned = torch.tensor([-0.5], requires_grad=True)
