@@ -61,6 +61,9 @@ DEFAULT_BETA = 0.1
 # gradient is NaN (TRL has that NaN); -1e-6 is a per-token probability of 0.999999.
 _ORPO_MAX_AVG_LOGP = -1e-6
 
+# |logit| beyond which EXO's loss is flat to float64 precision (exo_pair_loss).
+_EXO_MAX_LOGIT = 1e4
+
 
 # ---------------------------------------------------------------------------------------------
 # Shared pieces
@@ -87,6 +90,8 @@ def _smoothed_sigmoid(logits: Tensor, label_smoothing: float) -> Tensor:
     """Conservative-DPO BCE: the label is flipped with probability ``label_smoothing``
     (Mitchell 2023, "A note on DPO with noisy preferences"). ``logits`` already carries beta.
     ``(B,)`` in, ``(B,)`` out; equals -logsigmoid(logits) when label_smoothing is 0."""
+    if not label_smoothing:  # also at an infinite logit (f-DPO), where 0 * logsigmoid(-inf) would be NaN
+        return -F.logsigmoid(logits)
     return -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing
 
 
@@ -158,7 +163,9 @@ def exo_pair_loss(pc, pr, rc, rr, ct, rt, *, beta: float, label_smoothing: float
     Args: pc, pr, rc, rr ``(B,)``; ct, rt ``(B,)`` unused. Needs the reference.
     """
     chosen_lr, rejected_lr = _logratios(pc, pr, rc, rr)
-    logits = beta * (chosen_lr - rejected_lr)
+    # Beyond |logits| = 1e4 both terms are at their limits (sigma(-1e4) is 0 in float64), so the
+    # clamp changes no value; it keeps an infinite logit (f-DPO's forward_kl) from 0 * inf = NaN.
+    logits = (beta * (chosen_lr - rejected_lr)).clamp(-_EXO_MAX_LOGIT, _EXO_MAX_LOGIT)
     losses = torch.sigmoid(logits) * (F.logsigmoid(logits) - math.log1p(-label_smoothing)) + torch.sigmoid(
         -logits
     ) * (F.logsigmoid(-logits) - math.log(label_smoothing))
@@ -189,6 +196,8 @@ def robust_loss(pc, pr, rc, rr, ct, rt, *, beta: float, label_smoothing: float) 
     chosen_lr, rejected_lr = _logratios(pc, pr, rc, rr)
     z = beta * (chosen_lr - rejected_lr)
     eps = label_smoothing
+    if not eps:  # sigmoid's loss, also at an infinite z (f-DPO), where 0 * logsigmoid(-inf) would be NaN
+        return (-F.logsigmoid(z), *_sum_rewards(beta, pc, pr, rc, rr))
     losses = (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
     return (losses, *_sum_rewards(beta, pc, pr, rc, rr))
 
@@ -435,7 +444,11 @@ def f_divergence_scores(logratios: Tensor, f_divergence_type: str, f_alpha_diver
     if f_divergence_type == "reverse_kl":
         return logratios
     if f_divergence_type == "forward_kl":
-        return 1 - torch.exp(-logratios)
+        # Below -log(float max) (-88.7 nats in float32) exp(-logratio) overflows: the score is -inf
+        # as exp makes it, but its gradient is 0, not 0 * inf = NaN, so a rejected pushed that far
+        # gives the saturated loss its limits (loss and gradient 0), not a NaN.
+        overflow = -logratios > math.log(torch.finfo(logratios.dtype).max)
+        return (1 - torch.exp(-logratios.masked_fill(overflow, 0.0))).masked_fill(overflow, -math.inf)
     if f_divergence_type == "js_divergence":
         return math.log(2) + F.logsigmoid(logratios)
     if f_divergence_type == "alpha_divergence":

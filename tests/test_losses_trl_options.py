@@ -39,6 +39,35 @@ def test_forward_kl_hand_worked():
     assert (rc.item(), rr.item()) == pytest.approx((0.5, -0.5))
 
 
+@pytest.mark.parametrize("name, params", [("sigmoid", {}), ("sigmoid_norm", {}), ("hinge", {}), ("robust", {}),
+                                          ("exo_pair", {}), ("exo_pair", {"label_smoothing": 0.2}), ("discopop", {})])
+def test_forward_kl_far_below_the_reference_is_the_formulas_limit_not_nan(name, params):
+    # A rejected log-ratio below -88.7 nats overflows float32's exp(-logratio) in f'(u) = 1 - 1/u:
+    # the loss was NaN (0 * logsigmoid(-inf)) and the gradient 0 * inf = NaN, where the formula,
+    # evaluated in float64 below, has a saturated loss and a gradient of 0.
+    beta, counts = 0.1, (3.0, 4.0)
+    lr = torch.tensor([[0.7, -100.0], [-2.0, -300.0]], dtype=torch.float64, requires_grad=True)  # (chosen, rejected)
+    score = 1 - torch.exp(-lr)
+    z = beta * (score[:, 0] - score[:, 1])
+    eps = params.get("label_smoothing", 1e-3)
+    expected = {
+        "sigmoid": lambda: -F.logsigmoid(z), "robust": lambda: -F.logsigmoid(z), "hinge": lambda: torch.relu(1 - z),
+        "sigmoid_norm": lambda: -F.logsigmoid(beta * (score[:, 0] / counts[0] - score[:, 1] / counts[1])),
+        "exo_pair": lambda: (torch.sigmoid(z) * (F.logsigmoid(z) - math.log1p(-eps))
+                             + torch.sigmoid(-z) * (F.logsigmoid(-z) - math.log(eps))),
+        "discopop": lambda: (-F.logsigmoid(z) * torch.sigmoid(-z / 0.05)
+                             + torch.sigmoid(z / 0.05) * torch.exp(-z)),
+    }[name]()
+    expected.sum().backward()
+    policy = lr.detach().float().requires_grad_(True)  # reference sums 0: the policy sums are the log-ratios
+    zeros, ct, rt = torch.zeros(2), torch.full((2,), counts[0]), torch.full((2,), counts[1])
+    losses, _, _ = preference_loss(name, policy[:, 0], policy[:, 1], zeros, zeros, ct, rt, beta=beta,
+                                   f_divergence_type="forward_kl", **params)
+    losses.sum().backward()
+    torch.testing.assert_close(losses.double(), expected.detach(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(policy.grad.double(), lr.grad, atol=1e-6, rtol=1e-5)
+
+
 def test_js_divergence_hand_worked():
     # f'(u) = log(2u/(1+u)) = log 2 + log sigma(lr); the log 2 cancels and
     # log sigma(x) - log sigma(-x) = x, so delta = 0.5 and the loss is -log sigma(0.5) = 0.4740770
