@@ -600,6 +600,13 @@ def train_step(run: Run, window: MetricWindow) -> None:
     not_finite, norm = torch.cat([not_finite, grad_norm.double().reshape(1).to(run.env.device)]).tolist()  # one sync
     if not_finite:
         _stop_non_finite(run, losses_seen)
+    if run.scaler is None and not math.isfinite(norm):
+        # A finite loss whose gradient overflowed (a bfloat16 backward, a loss at the edge of its
+        # range): the update would write NaN into every weight, and the monitor would then blame
+        # the weights' growth. float16's scaler skips such a step instead (_apply_update).
+        raise TrainingDiverged(f"step {run.step + 1}: the gradient norm is {norm} (not finite) while the loss is "
+                               f"finite. Stopped before the update, without saving; {_last_good(run)}. Try "
+                               "--dtype float32, or another --beta or loss.")
     skipped = _apply_update(run, window, grad_norm, norm)
     run.optimizer.zero_grad(set_to_none=True)
     run.step += 1

@@ -66,6 +66,36 @@ def test_weights_growing_without_bound_stop(tmp_path, base_model, train_jsonl, c
     assert "step 1: the trainable weights' norm is" in err and "growing without bound" in err
 
 
+class _InfiniteGradient(torch.autograd.Function):
+    """The identity forward, an infinite gradient backward: a finite loss whose gradient overflowed."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+def test_a_finite_loss_with_a_non_finite_gradient_stops_before_the_update(tmp_path, base_model, train_jsonl,
+                                                                         monkeypatch):
+    """The update is never applied: before, it wrote NaN into every weight and the run stopped
+    one check later blaming the weights' growth."""
+    real = train_mod.preference_loss
+
+    def overflowing(*args, **kwargs):
+        losses, rc, rr = real(*args, **kwargs)
+        return _InfiniteGradient.apply(losses), rc, rr
+
+    monkeypatch.setattr(train_mod, "preference_loss", overflowing)
+    with pytest.raises(train_mod.TrainingDiverged) as err:
+        run_training(*flags(base_model, train_jsonl, tmp_path / "run", tmp_path / "cache", "--max-steps", "2"))
+    message = str(err.value)
+    assert message.startswith("step 1: the gradient norm is") and "not finite) while the loss is finite" in message
+    assert "growing without bound" not in message
+
+
 def test_nan_from_the_cache_is_named(tmp_path, base_model, train_jsonl, monkeypatch):
     """A NaN cached value in step 2's batch (past the step-0 audit) is blamed on the cache.
 
