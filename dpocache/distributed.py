@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import hashlib
 import heapq
 import os
 import weakref
@@ -100,13 +101,18 @@ def reduce_counts(env: DistEnv, counts: Sequence[float], op: str = "sum") -> lis
     return t.cpu().tolist()
 
 
-def same_on_all_ranks(env: DistEnv, value: int) -> bool:
-    """Whether an integer (a count, a digest truncated to 62 bits) is equal on every rank."""
+def differing_on_ranks(env: DistEnv, values: dict[str, object]) -> list[str]:
+    """The names of ``values`` (a setting, a digest: anything whose ``repr`` is stable across
+    processes) that are not equal on every rank, in one reduction; [] in one process. Each
+    value crosses ranks as 62 bits of a hash of its ``repr``."""
     if not env.enabled:
-        return True
-    t = torch.tensor([value, -value], dtype=torch.int64, device=env.device)
-    all_reduce_max(env, t)
-    return int(t[0]) == -int(t[1])
+        return []
+    digests = [int.from_bytes(hashlib.blake2b(repr(v).encode(), digest_size=8).digest(), "little") >> 2
+               for v in values.values()]
+    t = torch.tensor(digests + [-d for d in digests], dtype=torch.int64, device=env.device)
+    highest = all_reduce_max(env, t).tolist()  # max(d) and -min(d) of each value: equal when every rank agrees
+    k = len(digests)
+    return [name for name, top, bottom in zip(values, highest[:k], highest[k:]) if top != -bottom]
 
 
 def broadcast_object(env: DistEnv, obj):

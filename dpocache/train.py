@@ -23,6 +23,7 @@ import platform
 import shutil
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
@@ -47,7 +48,8 @@ from .divergence import ProgressMonitor
 from .fsdp import (GatheredModel, GatheredOptimizer, full_model_state, full_optimizer_state,
                    load_full_weights)
 from .hub import push_folder
-from .distributed import DistEnv, all_reduce_max, barrier, broadcast_object, destroy, init_distributed
+from .distributed import (DistEnv, all_reduce_max, barrier, broadcast_object, destroy, differing_on_ranks,
+                          init_distributed)
 from .logprobs import CompletionLogProbs, autocast
 from .hub_ids import resolve_model_path
 from .layouts import LayoutChoice
@@ -111,6 +113,20 @@ def setup(cfg: Config) -> Run:
     for name in trackers(cfg.train.report_to, cfg.train.tensorboard):
         import_tracker(name)  # a missing tracker library: one line now, not after the reference pass
     env = init_distributed(cfg.model.device, cfg.distributed.backend)
+    try:
+        return _setup(cfg, env)
+    except BaseException as failed:
+        # ``train`` ends the group only for a run it got: one that failed here must end it too,
+        # while the interpreter is alive (``distributed.destroy``; a gloo group that had run a
+        # collective aborted the process at exit, exit -6, instead of the error's exit 2). What
+        # the failed frames held (a model wrapped in DDP holds the group) is dropped first.
+        traceback.clear_frames(failed.__traceback__)
+        destroy(env)
+        raise
+
+
+def _setup(cfg: Config, env: DistEnv) -> Run:
+    check_same_settings_on_every_rank(cfg, env)  # as given: a Hub id resolves to each machine's own cache
     cfg.model.path, cfg.model.ref_model = resolve_model_path(cfg.model.path), resolve_model_path(cfg.model.ref_model)
     if cfg.distributed.fsdp and env.enabled and cfg.lora.r > 0:
         raise ConfigError("--fsdp (distributed.fsdp) with LoRA is not supported: "
@@ -133,6 +149,7 @@ def setup(cfg: Config) -> Run:
     if resumed_from is not None:
         resumed_from.check_data(cfg, train_data)
     eval_data = _load_data(cfg, cfg.data.eval, tokenizer, env) if cfg.data.eval else None
+    check_same_data_on_every_rank(cfg, env, train_data, eval_data)
     if eval_data is not None and len(eval_data) < env.world_size:
         raise DataError(str(cfg.data.eval), None, f"{len(eval_data)} pairs, fewer than the {env.world_size} "
                         "ranks that share it")
@@ -170,6 +187,39 @@ def setup(cfg: Config) -> Run:
         resume(run)
     run.audit_step0 = plan_audit(run)
     return run
+
+
+# Settings that may differ between the machines of one run: where things are shown or pushed
+# (rank 0 alone does it), and a cache directory each machine may hold a copy of at its own path.
+PER_MACHINE_SETTINGS = ("cache.dir", "train.progress", "train.report_to", "train.tensorboard", "train.push_to_hub")
+
+
+def check_same_settings_on_every_rank(cfg: Config, env: DistEnv) -> None:
+    """Every rank must run the same training: a config file that differs between machines (on a
+    disk that is not shared) would give each rank its own learning rate, batch or loss, which
+    DDP does not notice (its replicas drift apart) and which no collective reports."""
+    settings = {f"{section}.{name}": value for section, fields in cfg.to_dict().items()
+                for name, value in fields.items() if f"{section}.{name}" not in PER_MACHINE_SETTINGS}
+    differing = differing_on_ranks(env, settings)
+    if differing:
+        raise ConfigError(f"the ranks were started with different values of {', '.join(map(flag_name, differing))} "
+                          "(a config file that differs between machines?); every rank must run the same training")
+
+
+def check_same_data_on_every_rank(cfg: Config, env: DistEnv, train_data: PreferenceData,
+                                  eval_data: PreferenceData | None) -> None:
+    """Every rank must read the same pairs (each takes its share of a step's batch by index, so
+    a data file that differs between machines, on a disk that is not shared, would train and
+    evaluate on a mixture, silently). Before any model loads."""
+    digests = {"data.train": data_digest(train_data)}
+    if eval_data is not None:
+        digests["data.eval"] = data_digest(eval_data)
+    differing = differing_on_ranks(env, digests)
+    if differing:
+        dotted = differing[0]
+        raise ConfigError(f"{flag_name(dotted)} {getattr(cfg.data, dotted.split('.')[1])}: the ranks read different "
+                          "pairs from it (a file that differs between machines, or is not on a shared disk?); every "
+                          "rank must read the same data")
 
 
 def unused_settings(cfg: Config, env: DistEnv) -> list[str]:

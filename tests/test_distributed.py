@@ -508,6 +508,58 @@ def test_setup_mistake_under_torchrun_is_one_line_per_rank(assets, tmp_path):
     assert 1 <= len(lines) <= 2 and not worker_traceback(proc), proc.stderr[-6000:]
 
 
+# Rank 1 runs in directory RANK1_CWD (a relative path then names another file there, as a path on
+# a disk that is not shared does) and with the flags RANK1_ARGS added (a config file that differs).
+RANK1_DIFFERS = r"""
+import os, sys
+from dpocache.cli import main
+
+args = sys.argv[1:]
+if os.environ["RANK"] == "1":
+    os.chdir(os.environ.get("RANK1_CWD", "."))
+    args += os.environ.get("RANK1_ARGS", "").split()
+raise SystemExit(main(args))
+"""
+
+
+@pytest.mark.parametrize("differs", ["data", "setting", "reference"])
+def test_ranks_with_other_data_settings_or_reference_are_refused(assets, tmp_path, monkeypatch, differs):
+    """A data file whose path holds other pairs on rank 1, a setting rank 1 alone was given, or
+    a reference directory whose path holds another model on rank 1 stops every rank with one
+    line naming it, before any model loads (it trained, exit 0, each rank on its own pairs, with
+    its own learning rate, or against its own reference's values from a cache holding both)."""
+    for rank in (0, 1):
+        rows = sorting_pairs(16, 14 if differs == "data" and rank == 1 else 12)
+        write_jsonl(rows, tmp_path / f"rank{rank}" / "train.jsonl")
+        ref = assets["tied"] if differs == "reference" and rank == 1 else assets["ref"]  # neither is the policy
+        (tmp_path / f"rank{rank}" / "ref").symlink_to(ref)
+    if differs == "reference":  # a cache complete for both: no build to disagree on what it lacks
+        for model in (assets["ref"], assets["tied"]):
+            data = tmp_path / "rank0" / "train.jsonl"
+            assert in_process("cache", "build", "--model", str(model), "--data", str(data),
+                              "--cache-dir", str(tmp_path / "cache"), "--dtype", "float32", "--device", "cpu",
+                              "--max-length", "64") == 0
+    monkeypatch.chdir(tmp_path / "rank0")  # torchrun's processes inherit it, RANK1_CWD and RANK1_ARGS
+    monkeypatch.setenv("RANK1_CWD", str(tmp_path / "rank1"))
+    monkeypatch.setenv("RANK1_ARGS", "--lr 2e-3" if differs == "setting" else "")
+    driver = tmp_path / "driver.py"
+    driver.write_text(RANK1_DIFFERS)
+    args = train_args(assets, tmp_path / "run", 4)
+    for flag, value in (("--data", "train.jsonl"), ("--eval-data", "train.jsonl"), ("--ref-model", "ref"),
+                        ("--cache-dir", str(tmp_path / "cache"))):
+        args[args.index(flag) + 1] = value
+    proc = torchrun("train", *args, script=driver, check=False)
+    codes = worker_exit_codes(proc)
+    code = 1 if differs == "reference" else 2  # the reference's namespace is the cache build's check (CacheError)
+    assert code in codes.values() and set(codes.values()) <= {code, -15}, proc.stderr[-6000:]
+    named = {"data": "--data (data.train) train.jsonl: the ranks read different pairs",
+             "setting": "the ranks were started with different values of --lr (optim.lr)",
+             "reference": "ranks disagree on the reference's namespace"}[differs]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("dpocache train: error: ")]
+    assert 1 <= len(lines) <= 2 and all(named in line for line in lines), proc.stderr[-6000:]
+    assert not worker_traceback(proc) and not (tmp_path / "run" / "run.json").exists(), proc.stderr[-6000:]
+
+
 def test_rank_failing_alone_leaves_one_line_on_the_other(assets, ddp_run, tmp_path):
     """Rank 0 fails while saving a checkpoint (a plain file where its temporary directory goes)
     and exits with its own line; rank 1, waiting for it in a collective, says in one line that

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from ..batching import PairBatch, collate_pairs, token_budget_batches
 from ..data import TokenizedPair
-from ..distributed import DistEnv, barrier, broadcast_object, reduce_counts, same_on_all_ranks, split_by_weight
+from ..distributed import DistEnv, barrier, broadcast_object, differing_on_ranks, reduce_counts, split_by_weight
 from ..layouts import PADDED, PROMPT_SHARING
 from ..prefix import score_batch_shared
 from ..reference import ReferenceModel, dtype_name
@@ -402,7 +402,13 @@ def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_refere
         store.open()
     by_key = unique_pairs(pairs)
     todo_keys = store.missing(by_key, kwargs["per_token"])
-    if not same_on_all_ranks(env, _keys_digest(todo_keys)):
+    differing = differing_on_ranks(env, {"namespace": store.namespace.id, "missing": _keys_digest(todo_keys)})
+    if "namespace" in differing:
+        # Each rank would read another reference's values from its own namespace, even with a complete cache.
+        raise CacheError(f"ranks disagree on the reference's namespace ({store.namespace.id} on rank {env.rank}): "
+                         "its weights, config or adapter differ between machines; every rank must load the same "
+                         "reference model")
+    if differing:
         raise CacheError("ranks disagree on which pairs the cache lacks: every rank must load the same data with the "
                          "same tokenizer and length limits, and see the same cache directory")
     mine = split_by_tokens([by_key[k] for k in todo_keys], env.world_size)[env.rank]
