@@ -26,6 +26,8 @@ from torch.distributed.device_mesh import init_device_mesh
 # ``init_distributed`` they would hold the group for the life of the process (see ``destroy``).
 import torch.distributed.nn  # noqa: F401
 
+from .config import ConfigError, flag_name
+
 T = TypeVar("T")
 
 # The meshes ``device_mesh`` made, weakly: ``destroy`` cuts those still alive from the group.
@@ -66,11 +68,28 @@ def init_distributed(device: str | None = None, backend: str | None = None) -> D
         torch.cuda.set_device(dev)
     owns = False
     if world > 1 and not dist.is_initialized():
+        if backend is not None:
+            check_backend(backend, dev)
         backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
         kwargs = {"device_id": dev} if backend == "nccl" else {}
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30), **kwargs)
         owns = True
     return DistEnv(rank, world, local_rank, dev, owns)
+
+
+def check_backend(backend: str, device: torch.device) -> None:
+    """A backend named alone must be one torch knows, for this run's device type: torch answers
+    a typo with an assertion and ``nccl`` on the CPU with a ValueError, a traceback on every rank.
+    (A per-device list, ``cpu:gloo,cuda:nccl``, goes to torch as it is.)"""
+    capability = dist.Backend.backend_capability  # {name: device types}, with any registered backend
+    if ":" in backend or "," in backend:
+        return
+    flag, devices = flag_name("distributed.backend"), capability.get(backend.lower())
+    if devices is None:
+        raise ConfigError(f"{flag} {backend}: not a torch.distributed backend (one of {', '.join(capability)})")
+    if device.type not in devices:
+        raise ConfigError(f"{flag} {backend}: runs on {' or '.join(devices)} devices, and this run uses "
+                          f"{device.type} (--device); use gloo on the CPU")
 
 
 def barrier(env: DistEnv) -> None:

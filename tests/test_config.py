@@ -178,3 +178,18 @@ def test_every_shipped_yaml_parses(path):
     # the loss it names exists, its params are valid and each is read by a loss of the spec
     check_params_read(parse_loss_spec(cfg.loss.name, **cfg.loss.params()))
     assert cfg.model.dtype in ("auto", "float32", "bfloat16", "float16")
+
+
+@pytest.mark.parametrize("backend, fragment", [("ncl", "not a torch.distributed backend"),
+                                               ("nccl", "runs on cuda devices, and this run uses cpu")])
+def test_distributed_backend_mistake_is_a_config_error_before_the_group_starts(monkeypatch, backend, fragment):
+    """Under torchrun a backend torch does not know, or nccl on the CPU, was torch's assertion
+    or ValueError from init_process_group: a traceback on every rank, exit 1."""
+    import torch.distributed as dist
+
+    from dpocache.distributed import init_distributed
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it; the check comes before any rendezvous
+    with pytest.raises(ConfigError, match=f"--distributed.backend {backend}: {fragment}"):
+        init_distributed("cpu", backend)
+    assert not dist.is_initialized()
