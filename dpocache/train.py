@@ -190,8 +190,11 @@ def _setup(cfg: Config, env: DistEnv) -> Run:
 
 
 # Settings that may differ between the machines of one run: where things are shown or pushed
-# (rank 0 alone does it), and a cache directory each machine may hold a copy of at its own path.
-PER_MACHINE_SETTINGS = ("cache.dir", "train.progress", "train.report_to", "train.tensorboard", "train.push_to_hub")
+# (rank 0 alone does it), a cache directory each machine may hold a copy of at its own path, and
+# the data files, whose pairs are compared instead (check_same_data_on_every_rank): a copy at
+# another path on each machine is the same data.
+PER_MACHINE_SETTINGS = ("cache.dir", "train.progress", "train.report_to", "train.tensorboard", "train.push_to_hub",
+                        "data.train", "data.eval")
 
 
 def check_same_settings_on_every_rank(cfg: Config, env: DistEnv) -> None:
