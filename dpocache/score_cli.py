@@ -20,6 +20,7 @@ order, from the parts.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -147,6 +148,15 @@ def cmd_score(args) -> int:
         env = init_distributed(args.device)  # cuda:LOCAL_RANK, or the CPU
     device = str(env.device) if env is not None else args.device
     try:
+        if env is not None:
+            from .distributed import differing_on_ranks
+
+            # Each rank scores its share of the rows by index: a file that differs between
+            # machines would merge rows of two data sets into one output.
+            if differing_on_ranks(env, {"rows": hashlib.blake2b(repr(requests).encode()).hexdigest()}):
+                raise DataError(f"--data {args.data}", None, "the ranks read different rows from it (a file that "
+                                "differs between machines, or is not on a shared disk?); every rank must read the "
+                                "same rows")
         service = ReferenceService.from_pretrained(args.model, args.dtype, device, max_tokens=args.max_tokens,
                                                    cache_dir=args.cache_dir or default_cache_dir(),
                                                    stats_file=args.stats)

@@ -233,6 +233,27 @@ def test_score_splits_the_rows_over_ranks_and_writes_one_output_in_data_order(as
     assert sorted(p.name for p in multi.parent.iterdir()) == ["logps.jsonl"]
 
 
+def test_score_refuses_ranks_that_read_different_rows(assets, tmp_path, monkeypatch):
+    """A rows file whose path holds other rows on rank 1: one line naming --data, exit 2, no
+    output (each rank scored its share of its own file and rank 0 merged them, exit 0)."""
+    for rank, seed in ((0, 21), (1, 22)):
+        rows = [{"prompt": r["prompt"], "completions": [r["chosen"]]} for r in sorting_pairs(4, seed)]
+        write_jsonl(rows, tmp_path / f"rank{rank}" / "rows.jsonl")
+    monkeypatch.chdir(tmp_path / "rank0")
+    monkeypatch.setenv("RANK1_CWD", str(tmp_path / "rank1"))
+    driver = tmp_path / "driver.py"
+    driver.write_text(RANK1_DIFFERS)
+    out = tmp_path / "out.jsonl"
+    proc = torchrun("score", "--model", str(assets["model"]), "--data", "rows.jsonl", "--dtype", "float32",
+                    "--device", "cpu", "--out", str(out), "--cache-dir", str(tmp_path / "cache"), script=driver,
+                    check=False)
+    codes = worker_exit_codes(proc)
+    assert 2 in codes.values() and set(codes.values()) <= {2, -15}, proc.stderr[-6000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("dpocache score: error: ")]
+    assert lines and all("--data rows.jsonl: the ranks read different rows" in line for line in lines), proc.stderr
+    assert not worker_traceback(proc) and not out.exists()
+
+
 def test_missing_after_build_names_the_keys(assets, tmp_path):
     from dpocache.cache import CacheStore, namespace_for_dir
     from dpocache.cache.build import _missing_after_build, unique_pairs
