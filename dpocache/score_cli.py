@@ -20,7 +20,6 @@ order, from the parts.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -153,7 +152,7 @@ def cmd_score(args) -> int:
 
             # Each rank scores its share of the rows by index: a file that differs between
             # machines would merge rows of two data sets into one output.
-            if differing_on_ranks(env, {"rows": hashlib.blake2b(repr(requests).encode()).hexdigest()}):
+            if differing_on_ranks(env, {"rows": requests}):  # compared as a hash of their repr
                 raise DataError(f"--data {args.data}", None, "the ranks read different rows from it (a file that "
                                 "differs between machines, or is not on a shared disk?); every rank must read the "
                                 "same rows")

@@ -35,7 +35,7 @@ from safetensors.torch import save as save_safetensors
 
 from ..data import KEY_BYTES
 from .atomic import atomic_write_bytes, atomic_write_text, read_regular_file
-from .store import MAX_SHARD_BYTES, Namespace, count_non_finite, read_namespaced_shard
+from .store import MAX_SHARD_BYTES, Namespace, non_finite_problem, read_namespaced_shard
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class SequenceStore:
             log.warning("%s: checksum mismatch; not loaded", path)
             return None
         problem, t = read_namespaced_shard(data, self.namespace.id)
-        problem = problem or _shape_problem(t) or _finite_problem(t)
+        problem = problem or _shape_problem(t) or non_finite_problem(t)
         if problem:
             self.corrupt.append(f"{path.name}: {problem}")
             log.warning("%s: %s; not loaded", path, problem)
@@ -197,8 +197,3 @@ def _shape_problem(t: dict[str, torch.Tensor]) -> str | None:
     if values is None or values.dtype != torch.float32 or tuple(values.shape) != (int(tokens.long().sum()),):
         return "'token_logps' does not hold one float32 value per counted token"
     return None
-
-
-def _finite_problem(t: dict[str, torch.Tensor]) -> str | None:
-    bad = count_non_finite(t)
-    return f"holds {bad} non-finite values (NaN or inf)" if bad else None

@@ -338,7 +338,7 @@ class CacheStore:
 
     def add_shard(self, tensors: dict[str, torch.Tensor], update_manifest: bool = True) -> ShardInfo:
         """Write one shard atomically, register it, and (by default) record it in the manifest."""
-        bad = count_non_finite(tensors)
+        bad = _count_non_finite(tensors)
         if bad:
             raise CacheError(f"refusing to store {bad} non-finite reference values (NaN or inf)")
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -367,8 +367,14 @@ def _has_per_token(tensors: dict[str, torch.Tensor]) -> bool:
     return all(name in tensors for name in PairValues.token_fields())
 
 
-def count_non_finite(tensors: dict[str, torch.Tensor]) -> int:
+def _count_non_finite(tensors: dict[str, torch.Tensor]) -> int:
     return sum(int((~torch.isfinite(t)).sum()) for t in tensors.values() if t.is_floating_point())
+
+
+def non_finite_problem(tensors: dict[str, torch.Tensor]) -> str | None:
+    """What a loaded shard's NaN or inf values make of it, or None (any kind of shard)."""
+    bad = _count_non_finite(tensors)
+    return f"holds {bad} non-finite values (NaN or inf)" if bad else None
 
 
 _MANIFEST_FIELDS = {"schema", "namespace_id", "namespace", "pairs", "shards", "updated"}
@@ -439,12 +445,9 @@ def _parse_shard(data: bytes, namespace_id: str) -> tuple[str | None, dict[str, 
     problem, tensors = read_namespaced_shard(data, namespace_id)
     if problem:
         return problem, {}
-    problem = _shape_problem(tensors)
+    problem = _shape_problem(tensors) or non_finite_problem(tensors)
     if problem:
         return problem, {}
-    bad = count_non_finite(tensors)
-    if bad:
-        return f"holds {bad} non-finite values (NaN or inf)", {}
     return None, tensors
 
 
