@@ -66,6 +66,10 @@ def load_policy(cfg: Config, device: torch.device) -> nn.Module:
 
         model = PeftModel.from_pretrained(load_causal_lm(base, device, cfg.model.attn_implementation), str(path),
                                           is_trainable=True)
+        # The base as loaded, a local directory (a Hub id's snapshot is named by its id again when
+        # saved: checkpoint.name_hub_base), so that PEFT's save looks for its config locally.
+        for adapter in model.peft_config.values():
+            adapter.base_model_name_or_path, adapter.revision = str(base), None
         set_lora_dropout(model, cfg.lora.dropout)
     else:
         model = load_causal_lm(path, device, cfg.model.attn_implementation)
@@ -76,17 +80,15 @@ def load_policy(cfg: Config, device: torch.device) -> nn.Module:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if hasattr(model, "enable_input_require_grads"):
             model.enable_input_require_grads()
-    model.config.use_cache = False
     return model.to(device)
 
 
 def _prepare_policy(model: nn.Module, cfg: Config) -> None:
     """What ``load_policy`` does to a full-weight model after loading: no dropout, per-layer
-    activation checkpointing if asked, no KV cache."""
+    activation checkpointing if asked."""
     disable_dropout(model)
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
 
 
 def load_sharded_policy(cfg: Config, env: DistEnv, dtype: torch.dtype,

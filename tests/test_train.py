@@ -122,6 +122,15 @@ def test_run_json_records_config_versions_reference(dpo_run, base_model):
     assert not any(k.startswith("_") for k in info)
 
 
+def test_final_config_keeps_the_base_models_use_cache(dpo_run, base_model):
+    # Training never reads the KV cache (every forward passes use_cache=False), so the saved model
+    # keeps the base's setting: a final/ saying use_cache false made a plain forward return no cache.
+    base = json.loads((base_model / "config.json").read_text())
+    final = json.loads((dpo_run / "final" / "config.json").read_text())
+    assert base.get("use_cache", True) is True
+    assert final.get("use_cache", True) is True
+
+
 def test_plot_writes_a_png(dpo_run, capsys):
     assert cli_main(["plot", str(dpo_run)]) == 0
     png = dpo_run / "curves.png"
