@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .cache.atomic import atomic_write_text
+from .hub_ids import snapshot_repo
 from .loading import safetensors_files
 
 STATE_FILE = "trainer_state.json"
@@ -65,6 +66,21 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torc
     return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
 
 
+def name_hub_base(directory: Path) -> None:
+    """A PEFT adapter saved in ``directory`` names its base by Hub id and commit when the base was
+    loaded from a snapshot of the local Hugging Face cache (``--model org/name``): the snapshot's
+    path exists on this machine only, and an adapter pushed with ``--train.push_to_hub`` would
+    name it to every reader. PEFT reads ``revision`` as the base's."""
+    config_file = directory / "adapter_config.json"
+    if not config_file.is_file():
+        return
+    fields = json.loads(config_file.read_text())
+    hub = snapshot_repo(fields.get("base_model_name_or_path") or "")
+    if hub is not None:
+        fields["base_model_name_or_path"], fields["revision"] = hub
+        atomic_write_text(config_file, json.dumps(fields, indent=2, sort_keys=True) + "\n")
+
+
 def save_checkpoint(output_dir: Path, step: int, model, tokenizer, optimizer, scheduler, extra: dict,
                     keep: int) -> Path:
     """Write checkpoint ``step`` atomically and keep only the newest ``keep``."""
@@ -76,6 +92,7 @@ def save_checkpoint(output_dir: Path, step: int, model, tokenizer, optimizer, sc
         shutil.rmtree(unfinished, ignore_errors=True)
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp)
+    name_hub_base(tmp)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     tensors, opt_meta = _optimizer_tensors(optimizer)

@@ -84,3 +84,35 @@ def resolve_model_path(spec: str | None) -> str | None:
     if spec is None or parse_model_id(spec) is None:
         return spec
     return str(resolve(spec).path)
+
+
+def snapshot_repo(path: str | Path) -> tuple[str, str] | None:
+    """``(repo_id, commit)`` when ``path`` is a snapshot directory of the Hugging Face cache
+    layout (``.../models--org--name/snapshots/<commit>``), else None. What a saved adapter names
+    as its base: the snapshot's path exists on this machine only, the Hub id on every one."""
+    path = Path(path)
+    repo_dir = path.parent.parent
+    if path.parent.name != "snapshots" or not repo_dir.name.startswith("models--") or not _COMMIT.match(path.name):
+        return None
+    org_name = repo_dir.name[len("models--"):]
+    if "--" not in org_name:  # models--name: a repo without an organisation
+        return org_name, path.name
+    org, name = org_name.split("--", 1)
+    return f"{org}/{name}", path.name
+
+
+def local_base_dir(base: str | None, revision: str | None = None) -> Path | None:
+    """The local directory of an adapter's ``base_model_name_or_path``: the directory itself, or
+    a Hub id's snapshot in the local cache (at the adapter's ``revision``, a commit for the
+    adapters dpocache saves); None when it is neither."""
+    if not base:
+        return None
+    if Path(base).is_dir():
+        return Path(base)
+    parsed = parse_model_id(base)
+    if parsed is None:
+        return None
+    try:
+        return resolve(f"{parsed[0]}@{revision}" if revision else base).path
+    except ModelNotCachedError:
+        return None

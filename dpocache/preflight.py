@@ -16,6 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from .hub_ids import local_base_dir
+
 # The weight files dpocache.cache.fingerprint hashes (its WEIGHT_SUFFIXES; a test keeps the two
 # equal). Not imported from there: the cache package imports torch, which these checks precede.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -45,13 +47,15 @@ def _adapter_base(path: Path, flag: str) -> Path | None:
     if not adapter_config.is_file():
         return None
     try:
-        base = json.loads(adapter_config.read_text(encoding="utf-8")).get("base_model_name_or_path")
+        fields = json.loads(adapter_config.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise UsageError(f"{flag} {path}: adapter_config.json is not valid JSON ({e})") from None
-    if not base or not Path(base).is_dir():
-        raise UsageError(f"{flag} {path}: adapter_config.json names base_model_name_or_path '{base}', "
-                         "which is not a local directory")
-    return Path(base)
+    base = local_base_dir(fields.get("base_model_name_or_path"), fields.get("revision"))
+    if base is None:
+        raise UsageError(f"{flag} {path}: adapter_config.json names base_model_name_or_path "
+                         f"'{fields.get('base_model_name_or_path')}', which is neither a local directory nor a Hub "
+                         "id in the local Hugging Face cache")
+    return base
 
 
 def check_model_dir(path: str | Path, flag: str = "--model", tokenizer: bool = True) -> Path:

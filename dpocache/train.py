@@ -40,7 +40,7 @@ from .cache.fingerprint import default_memo_path
 from .cache.probes import ProbeMemo
 from .cache_cli import load_tokenizer
 from .checkpoint import (STATE_FILE, checkpoint_dir, latest_checkpoint, load_model_weights, load_trainer_state,
-                         save_checkpoint)
+                         name_hub_base, save_checkpoint)
 from .compiling import compile_layers
 from .config import Config, ConfigError, check_batch_fits, flag_name
 from .data import DataError, PreferenceData, TokenizedPair, load_preference_data
@@ -944,6 +944,7 @@ def save_final(run: Run) -> Path:
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp)
+        name_hub_base(tmp)
         run.tokenizer.save_pretrained(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)

@@ -91,3 +91,31 @@ def test_train_with_a_missing_id_exits_2_in_one_line_at_once(hf_home, no_network
     rc = cli_main(["train", *flags("org/absent", train_jsonl, tmp_path / "run", tmp_path / "cache")])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and "org/absent" in err, err
+
+
+def test_snapshot_repo_reads_the_cache_layout(tmp_path):
+    from dpocache.hub_ids import snapshot_repo
+
+    snapshot = tmp_path / "hub" / "models--org--tiny-v2" / "snapshots" / COMMIT
+    assert snapshot_repo(snapshot) == ("org/tiny-v2", COMMIT)
+    assert snapshot_repo(tmp_path / "hub" / "models--gpt2" / "snapshots" / COMMIT) == ("gpt2", COMMIT)
+    assert snapshot_repo(tmp_path / "models" / "tiny") is None
+    assert snapshot_repo(tmp_path / "hub" / "models--org--tiny" / "snapshots" / "not-a-commit") is None
+
+
+def test_lora_from_a_hub_id_saves_an_adapter_naming_the_hub_id(hf_home, no_network, tmp_path, train_jsonl):
+    # The adapter's base was the snapshot's local path, which exists on this machine only (and in
+    # an adapter pushed with --train.push_to_hub, on none of its readers').
+    import json
+
+    from train_fixtures import run_training
+
+    out = tmp_path / "run"
+    run_training(*flags("org/tiny", train_jsonl, out, tmp_path / "cache", "--max-steps", "1", "--lora-r", "4"))
+    adapter = json.loads((out / "final" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == "org/tiny" and adapter["revision"] == COMMIT
+    # The adapter directory trains on: its base is found in the local cache, at that commit.
+    out2 = tmp_path / "run2"
+    run_training(*flags(str(out / "final"), train_jsonl, out2, tmp_path / "cache", "--max-steps", "1"))
+    assert train_records(out2)[0]["step"] == 1
+    assert COMMIT in run_json(out2)["reference"]["model"]

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from ..batching import PairBatch, collate_pairs, token_budget_batches
 from ..data import TokenizedPair
 from ..distributed import DistEnv, barrier, broadcast_object, differing_on_ranks, reduce_counts, split_by_weight
+from ..hub_ids import local_base_dir
 from ..layouts import PADDED, PROMPT_SHARING
 from ..prefix import score_batch_shared
 from ..reference import ReferenceModel, dtype_name
@@ -67,10 +68,12 @@ def adapter_base_dir(model_path: str | Path) -> Path | None:
     adapter_config = Path(model_path) / "adapter_config.json"
     if not adapter_config.exists():
         return None
-    base = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
-    if not base or not Path(base).is_dir():
-        raise FileNotFoundError(f"{adapter_config}: base_model_name_or_path '{base}' is not a local directory")
-    return Path(base)
+    fields = json.loads(adapter_config.read_text())
+    base = local_base_dir(fields.get("base_model_name_or_path"), fields.get("revision"))
+    if base is None:
+        raise FileNotFoundError(f"{adapter_config}: base_model_name_or_path '{fields.get('base_model_name_or_path')}' "
+                                "is neither a local directory nor a Hub id in the local Hugging Face cache")
+    return base
 
 
 def reference_weights_dir(model_path: str | Path) -> Path:
