@@ -59,6 +59,31 @@ def test_jsonl_and_datasets_exports(exported, model_dir, pref_jsonl, pref_rows):
     _check_rows(list(load_from_disk(str(out))), pref_rows, own)
 
 
+def test_a_failed_datasets_export_leaves_the_old_directory(exported, model_dir, pref_jsonl, pref_rows,
+                                                          monkeypatch):
+    # save_to_disk wrote straight into --out: a failure midway left a directory that
+    # load_from_disk read as a complete data set, or could not read at all.
+    from datasets import Dataset, load_from_disk
+
+    root, own = exported
+    out = _export(root, model_dir, pref_jsonl, "datasets", "again_ds")
+    save = Dataset.save_to_disk
+
+    def fail_midway(self, path, *args, **kwargs):
+        save(self.select(range(2)), path, *args, **kwargs)  # files written, then the disk fills
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Dataset, "save_to_disk", fail_midway)
+    assert main(_cache_args("export", model_dir, pref_jsonl, root / "cache", "--out", out,
+                            "--format", "datasets")) != 0
+    _check_rows(list(load_from_disk(str(out))), pref_rows, own)  # the earlier export, whole
+    assert not list(root.glob(".again_ds.*"))  # no temp directory left
+    monkeypatch.setattr(Dataset, "save_to_disk", save)
+    _check_rows(list(load_from_disk(str(_export(root, model_dir, pref_jsonl, "datasets", "again_ds")))),
+                pref_rows, own)  # replaced whole
+    assert not list(root.glob(".again_ds.*"))
+
+
 def test_safetensors_export_loads_with_safetensors_only(exported, model_dir, pref_jsonl):
     from safetensors.numpy import load_file
 

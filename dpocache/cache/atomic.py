@@ -17,6 +17,7 @@ import contextlib
 import fcntl
 import os
 import secrets
+import shutil
 import stat
 from pathlib import Path
 from typing import Iterator
@@ -57,6 +58,36 @@ def atomic_output(path: str | Path) -> Iterator[Path]:
             os.unlink(tmp)
         raise
     _fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def atomic_output_dir(path: str | Path) -> Iterator[Path]:
+    """``atomic_output`` for a writer that makes a directory (``datasets``' ``save_to_disk``): a
+    new temp directory next to ``path``; when the block ends cleanly its files are fsynced and it
+    takes the place of ``path`` (an old directory there is moved aside, then removed), else it is
+    removed. ``path`` is never a partly written directory."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    tmp.mkdir()
+    try:
+        yield tmp
+        for file in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            fd = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        old = None
+        if path.exists():
+            old = path.with_name(f".{path.name}.{secrets.token_hex(6)}.old")
+            os.rename(path, old)
+        os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(path.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _create_temp(path: Path) -> tuple[int, Path]:

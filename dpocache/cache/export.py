@@ -13,7 +13,8 @@
   of each entry, so rows skipped as invalid cannot shift the alignment unnoticed.
 
 Values are the summed completion log-probs of the cache, exactly as stored (float32). Files are
-written through a temp file, fsynced and renamed (``atomic.atomic_output``): a failed export
+written through a temp file (or, for ``datasets``, a temp directory), fsynced and renamed
+(``atomic.atomic_output``, ``atomic_output_dir``): a failed export
 leaves the old ``--out`` or none, never an empty or partial one. In ``jsonl``, dates and times of
 the source (parquet, datasets) are ISO 8601 strings; a value JSON cannot hold (bytes) is refused
 in one line naming its column.
@@ -40,7 +41,7 @@ from safetensors.torch import save_file
 from ..cache_args import EXPORT_FORMATS as FORMATS
 from ..data import TokenizedPair, read_rows
 from ..preflight import UsageError
-from .atomic import atomic_output
+from .atomic import atomic_output, atomic_output_dir
 from .store import CacheStore
 
 
@@ -104,7 +105,8 @@ def _write_dataset(rows: list[dict], out: Path, fmt: str) -> None:
         with atomic_output(out) as tmp:
             dataset.to_parquet(str(tmp))
     else:
-        dataset.save_to_disk(str(out))  # a directory, written by datasets (it may be one that exists)
+        with atomic_output_dir(out) as tmp:  # a directory, written by datasets (it may be one that exists)
+            dataset.save_to_disk(str(tmp))
 
 
 def _write_safetensors(store: CacheStore, pairs: Sequence[TokenizedPair], out: Path) -> None:
