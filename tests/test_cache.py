@@ -251,6 +251,35 @@ def test_a_corrupt_shard_is_named_not_loaded_and_quarantined(tmp_path, model_dir
     assert _store(tmp_path, model_dir).corrupt == []
 
 
+def test_a_builds_open_removes_temp_files_of_killed_writes(tmp_path, model_dir, data, reference):
+    """A SIGKILL during a shard's write left ``.shard-*.tmp`` for ever: never read, never removed."""
+    from dpocache.cache.store import STALE_TEMP_SECONDS
+
+    store = _store(tmp_path, model_dir)
+    _build(store, data.pairs[:4], reference, max_tokens=64)
+    shard = _shards(store)[0]
+    stale = store.dir / f".{shard.name}.0123456789ab.tmp"
+    stale.write_bytes(shard.read_bytes()[:100])  # torn: what the kill left
+    stale_dir = store.dir / ".prefs_ds.0123456789ab.tmp"  # a directory (atomic_output_dir's)
+    stale_dir.mkdir()
+    (stale_dir / "data.arrow").write_bytes(b"x")
+    old = os.stat(stale).st_mtime - STALE_TEMP_SECONDS - 60
+    for path in (stale, stale_dir):
+        os.utime(path, (old, old))
+    live = store.dir / ".manifest.json.ba9876543210.tmp"  # a write in progress in another process
+    live.write_bytes(b"{")
+    keep = store.dir / ".notes.tmp"  # not a name dpocache writes
+    keep.write_bytes(b"mine")
+    os.utime(keep, (old, old))
+
+    _store(tmp_path, model_dir)  # a read-only open removes nothing
+    assert stale.exists() and stale_dir.exists()
+    reopened = CacheStore(tmp_path, store.namespace).open(repair=True)
+    assert not stale.exists() and not stale_dir.exists()
+    assert live.exists() and keep.exists()
+    assert reopened.corrupt == [] and len(reopened) == 4
+
+
 def test_shards_missing_from_the_manifest_are_adopted(tmp_path, model_dir, data, reference):
     """What a build killed between writing a shard and its manifest leaves behind."""
     pairs = data.pairs[:10]

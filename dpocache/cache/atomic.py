@@ -16,9 +16,11 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import secrets
 import shutil
 import stat
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -88,6 +90,35 @@ def atomic_output_dir(path: str | Path) -> Iterator[Path]:
     _fsync_dir(path.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+# The names _create_temp and atomic_output_dir give: "." + the final name + 12 hex digits.
+TEMP_NAME = re.compile(r"\.[^/]+\.[0-9a-f]{12}\.(tmp|old)")
+
+
+def remove_stale_temps(directory: str | Path, older_than_s: float) -> int:
+    """Remove this module's temp files and directories in ``directory`` last modified more than
+    ``older_than_s`` ago: those of a writer killed mid-write (SIGKILL, a lost machine), which no
+    reader ever opens but which hold their space. A live writer's temp file is seconds old.
+    Returns how many were removed."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return 0
+    removed, now = 0, time.time()
+    for entry in os.scandir(directory):
+        if not TEMP_NAME.fullmatch(entry.name):
+            continue
+        try:
+            if now - entry.stat(follow_symlinks=False).st_mtime <= older_than_s:
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
+            removed += 1
+        except FileNotFoundError:  # another build removed it first
+            continue
+    return removed
 
 
 def _create_temp(path: Path) -> tuple[int, Path]:

@@ -54,9 +54,13 @@ from safetensors.torch import save as save_safetensors
 from ..config import CacheConfig
 from ..data import KEY_BYTES
 from ..values import PairValues
-from .atomic import UnsafeFileError, atomic_write_bytes, atomic_write_text, locked, read_regular_file
+from .atomic import (UnsafeFileError, atomic_write_bytes, atomic_write_text, locked, read_regular_file,
+                     remove_stale_temps)
 
 SCHEMA_VERSION = 1
+# A temp file older than this was left by a writer that died mid-write (a shard is written in
+# seconds), and a repairing open removes it.
+STALE_TEMP_SECONDS = 3600
 MANIFEST = "manifest.json"
 LOCK_FILE = "manifest.lock"
 SHARD_NAME = re.compile(r"shard-[0-9a-f]{16}\.safetensors")  # the only file names a manifest may give
@@ -144,8 +148,9 @@ class CacheStore:
         """Load every shard that passes its checks; bad shards go to ``self.corrupt``, unloaded.
 
         Read-only unless ``repair``: then bad shards are renamed ``*.corrupt`` (so no later run
-        trips on them again) and the manifest is rewritten to list exactly the good shards,
-        adopting those a killed build (or another rank) wrote but did not record. Only entries
+        trips on them again), the manifest is rewritten to list exactly the good shards,
+        adopting those a killed build (or another rank) wrote but did not record, and the temp
+        files of writes killed more than ``STALE_TEMP_SECONDS`` ago are removed. Only entries
         of this directory's own listing are ever renamed, never a name read from the manifest."""
         self.shards, self.corrupt, self._index = [], [], {}
         self._seen, self._loaded, self._quarantine = set(), set(), []
@@ -157,6 +162,7 @@ class CacheStore:
             self._load_shard(name, recorded.get(name, {}).get("sha256"))
         if repair:
             self.dir.mkdir(parents=True, exist_ok=True)
+            remove_stale_temps(self.dir, STALE_TEMP_SECONDS)
             for name in self._quarantine:
                 path = self.dir / name
                 if os.path.lexists(path):  # renames the entry itself, a link included, never its target
