@@ -79,14 +79,15 @@ def run_worker(mode: str, spec: dict, scratch: Path, log: Path) -> dict:
 NOMINAL_BF16_PEAKS = {"H100 PCIe": 756e12, "H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
 
 
-def measure_peak(dtype_name: str, device: str = "cpu", seconds: float = 3.0) -> float:
+def measure_peak(dtype_name: str, device: str = "cpu", seconds: float = 3.0, cached: bool = True) -> float:
     import torch
 
     from dpocache.metrics import measured_peak_flops
 
     dtype = getattr(torch, dtype_name)
     sizes, seconds = ((1024, 2048), seconds) if device == "cpu" else ((4096, 8192), 1.0)
-    return max(measured_peak_flops(torch.device(device), dtype, size=size, seconds=seconds) for size in sizes)
+    return max(measured_peak_flops(torch.device(device), dtype, size=size, seconds=seconds, cached=cached)
+               for size in sizes)
 
 
 def nominal_peaks(device: str) -> dict:

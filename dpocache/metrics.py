@@ -214,10 +214,11 @@ def model_shape(model: torch.nn.Module) -> tuple[int, int]:
     return int(layers), int(hidden)
 
 
-_PEAK_CACHE: dict[tuple[str, str], float] = {}
+_PEAK_CACHE: dict[tuple[str, str, int], float] = {}
 
 
-def measured_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 2048, seconds: float = 0.5) -> float:
+def measured_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 2048, seconds: float = 0.5,
+                        cached: bool = True) -> float:
     """The machine's matmul throughput (FLOP/s) for ``dtype``, measured: the best of repeated
     square products. MFU is reported against this, not a datasheet figure.
 
@@ -225,11 +226,12 @@ def measured_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 20
     fp32 GEMM is what the model's products execute, so that is the peak measured. The matrices
     grow from 256 rows to ``size`` only while one product takes under 50 ms: a CPU without fast
     bf16 kernels took 63 s for one 2048 x 2048 bf16 product (1.2 GFLOP/s, an AVX2-only EPYC),
-    and this measurement must never cost more than a fraction of a second."""
+    and this measurement must never cost more than a fraction of a second. A process measures
+    once per device, dtype and size unless ``cached`` is False (a benchmark following the machine's drift)."""
     if device.type == "cpu" and dtype == torch.bfloat16 and bf16_matmul.resolve_mode() == "fp32-gemm":
         dtype = torch.float32
-    key = (str(device), str(dtype))
-    if key in _PEAK_CACHE:
+    key = (str(device), str(dtype), size)  # a caller may take the best of several sizes
+    if cached and key in _PEAK_CACHE:
         return _PEAK_CACHE[key]
     n = min(256, size)
     # A generator of its own: drawing from the global one would shift a training run's dropout

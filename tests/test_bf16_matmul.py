@@ -149,4 +149,20 @@ def test_peak_flops_of_bf16_under_the_fp32_gemm_route_is_the_fp32_gemms(monkeypa
     monkeypatch.setattr(metrics, "_PEAK_CACHE", {})
     monkeypatch.setenv("DPOCACHE_BF16_MATMUL", "fp32-gemm")
     peak = metrics.measured_peak_flops(torch.device("cpu"), torch.bfloat16, size=512, seconds=0.05)
-    assert list(metrics._PEAK_CACHE) == [("cpu", "torch.float32")] and peak > 0
+    assert list(metrics._PEAK_CACHE) == [("cpu", "torch.float32", 512)] and peak > 0
+
+
+def test_peak_flops_are_remembered_per_size(monkeypatch):
+    # The key was (device, dtype): the best of two sizes (bench_vs_trl.measure_peak) returned the
+    # first size's figure twice.
+    from dpocache import metrics
+
+    monkeypatch.setattr(metrics, "_PEAK_CACHE", {})
+    monkeypatch.setattr(metrics, "_time_mm", lambda a, b: 0.01)  # every product 10 ms: the size shows
+    small = metrics.measured_peak_flops(torch.device("cpu"), torch.float32, size=256, seconds=0)
+    large = metrics.measured_peak_flops(torch.device("cpu"), torch.float32, size=512, seconds=0)
+    assert (small, large) == (2.0 * 256**3 / 0.01, 2.0 * 512**3 / 0.01)
+    monkeypatch.setattr(metrics, "_time_mm", lambda a, b: 0.02)
+    assert metrics.measured_peak_flops(torch.device("cpu"), torch.float32, size=512, seconds=0) == large  # cached
+    assert metrics.measured_peak_flops(torch.device("cpu"), torch.float32, size=512, seconds=0,
+                                       cached=False) == large / 2
