@@ -93,13 +93,21 @@ def import_tracker(name: str):
                           f"(pip install 'dpocache[{extra}]')") from None
 
 
+# The W&B run id of a training run, beside its outputs: a resumed run continues that W&B run.
+WANDB_RUN_ID_FILE = "wandb-run-id"
+
+
 class MetricsWriter:
     """``metrics.jsonl`` (one object per line), and the numbers of each row to the trackers asked
     for: TensorBoard events under ``output_dir/tensorboard``, a W&B run (``WANDB_MODE=offline``
-    writes it under ``output_dir/wandb`` with no network; ``WANDB_PROJECT`` names the project)."""
+    writes it under ``output_dir/wandb`` with no network; ``WANDB_PROJECT`` names the project).
+
+    ``resume``: a run continued from its checkpoint (``--resume``) logs into the W&B run of the
+    first attempt (its id kept in ``WANDB_RUN_ID_FILE``), unless ``WANDB_RUN_ID`` says which. W&B
+    drops the rows of steps it already has, which the exact resume logs again with the same values."""
 
     def __init__(self, output_dir: Path, tensorboard: bool = False, enabled: bool = True, report_to: str = "none",
-                 config: dict | None = None):
+                 config: dict | None = None, resume: bool = False):
         self.enabled = enabled
         self.path = output_dir / "metrics.jsonl"
         self._tb = None
@@ -110,8 +118,13 @@ class MetricsWriter:
             self._tb = _tensorboard_writer(output_dir / "tensorboard")
         if "wandb" in names:
             wandb = import_tracker("wandb")
+            id_file = output_dir / WANDB_RUN_ID_FILE
+            same_run = {}
+            if resume and id_file.is_file() and not os.environ.get("WANDB_RUN_ID"):
+                same_run = {"id": id_file.read_text(encoding="utf-8").strip(), "resume": "allow"}
             self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "dpocache"), name=output_dir.name,
-                                     dir=str(output_dir), config=config)
+                                     dir=str(output_dir), config=config, **same_run)
+            atomic_write_text(id_file, f"{self._wandb.id}\n")
 
     def rewind(self, step: int) -> None:
         """Drop the rows a run resumed at ``step`` logs again, so the history has each once:

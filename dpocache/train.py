@@ -55,8 +55,8 @@ from .hub_ids import resolve_model_path
 from .layouts import LayoutChoice
 from .ld_dpo import ld_values
 from .losses import parse_loss_spec, preference_loss, wpo_weights
-from .metrics import (MetricWindow, MetricsWriter, count_params, import_tracker, measured_peak_flops, model_shape,
-                      trackers, train_flops_per_token)
+from .metrics import (WANDB_RUN_ID_FILE, MetricWindow, MetricsWriter, count_params, import_tracker,
+                      measured_peak_flops, model_shape, trackers, train_flops_per_token)
 from .policy import (build_grad_scaler, build_optimizer, build_scheduler, check_lora_settings, load_policy,
                      load_sharded_policy, wrap_for_distributed)
 from .preflight import model_context, model_vocab_size
@@ -176,7 +176,7 @@ def _setup(cfg: Config, env: DistEnv) -> Run:
     optimizer = build_optimizer(cfg, policy)
     scheduler = build_scheduler(cfg, optimizer, total)
     writer = MetricsWriter(out, cfg.train.tensorboard, enabled=env.is_main, report_to=cfg.train.report_to,
-                           config=cfg.to_dict())
+                           config=cfg.to_dict(), resume=cfg.train.resume)
     run = Run(cfg, env, out, dtype, tokenizer, train_data, eval_data, ref_train, ref_eval, spec, policy, scorer,
               optimizer, scheduler, total, epoch_steps, writer, layout, compiled_layers,
               scaler=build_grad_scaler(dtype, env.device, fsdp))
@@ -242,7 +242,8 @@ def unused_settings(cfg: Config, env: DistEnv) -> list[str]:
 # them all: an earlier final/ left in place would mix with the new one (an old adapter_config.json
 # beside new full weights makes transformers load the old adapter), and old TensorBoard events
 # would be drawn as the new run's.
-RUN_OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "run.json", "tensorboard", "curves.png")
+RUN_OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "run.json", "tensorboard", "curves.png",
+               WANDB_RUN_ID_FILE)
 
 
 def start_fresh(cfg: Config, out: Path, env: DistEnv) -> None:

@@ -108,3 +108,51 @@ def test_a_resumed_run_has_each_step_once_in_tensorboard(tmp_path, base_model, t
     scalars = _tensorboard_scalars(b / "tensorboard")
     assert [step for step, _ in scalars["loss"]] == list(range(1, RESUME_STEPS + 1))
     assert [v for _, v in scalars["loss"]] == [round(r["loss"], 6) for r in read_metrics(b) if "loss" in r]
+
+
+class _FakeWandb:
+    """What dpocache calls of ``wandb``: ``init`` (its keyword arguments recorded), a run's ``id``,
+    ``log`` and ``finish``. W&B is an optional extra, not installed in CI."""
+
+    def __init__(self):
+        self.inits: list[dict] = []
+        self.logged: dict[str, list[int]] = {}
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        run_id = kwargs.get("id") or f"run{len(self.inits)}"
+        steps = self.logged.setdefault(run_id, [])
+        fake = self
+
+        class Run:
+            id = run_id
+
+            def log(self, scalars, step):
+                if not steps or step > steps[-1]:  # W&B drops a step below the run's last
+                    steps.append(step)
+
+            def finish(self):
+                fake.finished = True
+
+        return Run()
+
+
+def test_a_resumed_run_continues_its_wandb_run(tmp_path, base_model, train_jsonl, monkeypatch):
+    """``--resume`` used to start a second W&B run: the curves of one training run split in two,
+    the second starting at the checkpoint's step."""
+    from train_fixtures import RESUME_STEPS, interrupted_then_resumed
+
+    fake = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.delenv("WANDB_RUN_ID", raising=False)
+    _, b = interrupted_then_resumed(tmp_path, base_model, train_jsonl, tmp_path / "cache", "--report-to", "wandb")
+    first, resumed = fake.inits
+    assert "id" not in first and "resume" not in first
+    assert resumed["id"] == "run1" and resumed["resume"] == "allow"
+    assert fake.logged == {"run1": list(range(1, RESUME_STEPS + 1))}  # each step once, in one run
+    assert (b / "wandb-run-id").read_text().strip() == "run1"
+
+    fresh = tmp_path / "fresh"  # a run that does not resume starts a W&B run of its own
+    run_training(*flags(base_model, train_jsonl, fresh, tmp_path / "cache", "--max-steps", "1",
+                        "--report-to", "wandb"))
+    assert "id" not in fake.inits[-1] and (fresh / "wandb-run-id").read_text().strip() == "run3"
