@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -235,6 +236,6 @@ def run(args: argparse.Namespace) -> int:
         return cmd_score(args)
     except (DataError, ValueError) as err:
         if args.verbose:
-            raise
+            traceback.print_exc()  # then the one line and status 2, as cli.main does for the other commands
         print(f"dpocache score: error: {err}", file=sys.stderr)
         return 2

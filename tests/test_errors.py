@@ -270,6 +270,16 @@ def test_verbose_anywhere_shows_the_traceback(work):
         assert "Traceback" in proc.stderr and "--model no/such/dir" in proc.stderr.splitlines()[-1]
 
 
+def test_verbose_shows_the_traceback_of_a_score_mistake(work):
+    """score handles its own errors: -v was taken out of its arguments before they were parsed,
+    so the line came without the traceback."""
+    proc = dpocache("score", "-v", "--model", "model", "--data", "data.jsonl", "--out", "o.jsonl", "--device", "cpu",
+                    cwd=work)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" in proc.stderr and "data.jsonl:1" in proc.stderr.splitlines()[-1], proc.stderr
+    assert not (work / "o.jsonl").exists()
+
+
 FULL_DISK = """
 import errno, os, sys
 def fail(fd):
