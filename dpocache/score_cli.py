@@ -125,8 +125,11 @@ def cmd_score(args) -> int:
     # does for its other commands: building the parser stays light.
     from .cache import default_cache_dir
     from .cache_cli import load_tokenizer
+    from .config import validate_device
     from .service import ReferenceService
 
+    # Before the rows are read and the model loads (torch's own error came from the model's move).
+    validate_device(args.device, "--device")
     if not Path(args.model).is_dir():
         raise DataError(f"--model {args.model}", None, "not a model directory")
     check_output(args.out, "--out", {"--data": args.data, "--model": args.model})

@@ -67,6 +67,8 @@ def work(tmp_path_factory, model_dir, pref_rows) -> Path:
     (root / "long.jsonl").write_text(json.dumps(pref_rows[0]) + "\n"
                                      + json.dumps({"prompt": "sort " * 600, "chosen": " 1", "rejected": " 2"}) + "\n")
     (root / "a-file").write_text("not a directory\n")
+    write_jsonl([{"prompt": r["prompt"], "completions": [r["chosen"], r["rejected"]]} for r in pref_rows],
+                root / "score.jsonl")  # rows as score reads them
     (root / "broken.parquet").write_bytes(b"PAR1 but nothing else")
     # Weights saved under other names (a PEFT-wrapped model's state dict saved as a full model):
     # transformers would fill every weight at random.
@@ -166,6 +168,8 @@ CASES = {
                                  "--device", "cpu"), ["--out data.jsonl", "overwrite --data"]),
     "score into a directory": (("score", "--model", "model", "--data", "data.jsonl", "--out", "model",
                                 "--device", "cpu"), ["--out model", "overwrite --model"]),
+    "score on a device that is not one": (("score", "--model", "model", "--data", "score.jsonl", "--out", "o.jsonl",
+                                          "--device", "gpu"), ["--device", "'gpu'", "not a device"]),
     "token ids beyond the model's vocabulary": (("cache", "build", "--model", "small-vocab", *BUILD[4:]),
                                                 ["data.jsonl:1", "outside the model's vocabulary", "vocab_size 8"]),
 }
@@ -242,6 +246,11 @@ def test_device_cuda_without_cuda(work):
         pytest.skip("this machine has CUDA")
     line = one_line(dpocache(*TRAIN[:-4], "--device", "cuda", cwd=work))
     assert "--device" in line and "cuda" in line, line
+    # score read the rows and loaded the model first: torch's AssertionError, a traceback, exit 1.
+    line = one_line(dpocache("score", "--model", "model", "--data", "score.jsonl", "--out", "o.jsonl", "--device",
+                             "cuda", cwd=work))
+    assert "--device cuda" in line and "no CUDA device" in line, line
+    assert not (work / "o.jsonl").exists()
 
 
 @pytest.mark.parametrize("name, value, modes, command", [  # each variable once, both commands between them
