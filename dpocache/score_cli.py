@@ -32,7 +32,7 @@ from .data import (
     DataError, RawRow, check_text, read_rows, render_conversation, special_prefix, template_inputs,
     tokenize_continuations, with_eos, with_prefix,
 )
-from .preflight import check_output
+from .preflight import check_model_dir, check_output
 
 
 def add_score_parser(sub) -> None:
@@ -132,6 +132,8 @@ def cmd_score(args) -> int:
     validate_device(args.device, "--device")
     if not Path(args.model).is_dir():
         raise DataError(f"--model {args.model}", None, "not a model directory")
+    # Its config and weights now; its tokenizer below, if the rows are text (token ids need none).
+    check_model_dir(args.model, "--model", tokenizer=False)
     check_output(args.out, "--out", {"--data": args.data, "--model": args.model})
     name, rows = read_rows(args.data)
     if not rows:
@@ -140,6 +142,8 @@ def cmd_score(args) -> int:
         if value is not None and value < 1:
             raise DataError(flag, None, f"must be at least 1; got {value}")
     needs_tokenizer = any(isinstance(r.values, dict) and "prompt" in r.values for r in rows)
+    if needs_tokenizer:
+        check_model_dir(args.model, "--model")  # without tokenizer files transformers' error was many lines
     tokenizer = load_tokenizer(args.model) if needs_tokenizer else None
     prefix = special_prefix(tokenizer) if tokenizer is not None else []
     requests = [to_request(r, tokenizer, prefix) for r in rows]
