@@ -32,7 +32,7 @@ from .data import (
     DataError, RawRow, check_text, read_rows, render_conversation, special_prefix, template_inputs,
     tokenize_continuations, with_eos, with_prefix,
 )
-from .preflight import check_model_dir, check_output
+from .preflight import check_model_dir, check_output, check_writable_dir
 
 
 def add_score_parser(sub) -> None:
@@ -135,6 +135,13 @@ def cmd_score(args) -> int:
     # Its config and weights now; its tokenizer below, if the rows are text (token ids need none).
     check_model_dir(args.model, "--model", tokenizer=False)
     check_output(args.out, "--out", {"--data": args.data, "--model": args.model})
+    # Every path written, before the model loads: a file where a directory goes, or a directory
+    # for --stats, failed after the model loaded (--stats after every row was scored).
+    check_writable_dir(args.out.parent, "--out")
+    if args.stats is not None:
+        check_output(args.stats, "--stats", {"--data": args.data, "--model": args.model, "--out": args.out})
+        check_writable_dir(args.stats.parent, "--stats")
+    check_writable_dir(args.cache_dir or default_cache_dir(), "--cache-dir")
     name, rows = read_rows(args.data)
     if not rows:
         raise DataError(name, None, "no rows")
