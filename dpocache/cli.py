@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     if words in CONFIG_COMMANDS:
         argv = [*words, "--", *argv[len(words):]]
     args, extra = build_parser().parse_known_args(argv)
+    args.verbose = verbose  # taken out of argv above; score reads it to show its errors' traceback
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     prog = " ".join(["dpocache", *words])

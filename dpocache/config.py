@@ -160,7 +160,7 @@ class Config:
         _validate_data(self.data)
         _validate_choices(self)
         _validate_counts(self)
-        _validate_device(self.model.device)
+        validate_device(self.model.device)
         validate_environment()
         return self
 
@@ -304,19 +304,22 @@ def validate_environment() -> None:
             raise ConfigError(f"${name} must be {' or '.join(modes)}; got '{value}'")
 
 
-def _validate_device(device: str | None) -> None:
+def validate_device(device: str | None, flag: str | None = None) -> None:
+    """``device`` (None: the default) names a device this machine has; ``flag`` names it in the
+    error (default: ``model.device``'s flag; ``score``, which has no configuration, passes ``--device``)."""
     if device is None:
         return
     import torch  # noqa: PLC0415 - see the note on torch above
 
+    flag = flag or flag_name("model.device")
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError):
-        raise ConfigError(f"{flag_name('model.device')}: '{device}' is not a device (cpu, cuda, cuda:N)") from None
+        raise ConfigError(f"{flag}: '{device}' is not a device (cpu, cuda, cuda:N)") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"{flag_name('model.device')} {device}: no CUDA device is available; use --device cpu")
+        raise ConfigError(f"{flag} {device}: no CUDA device is available; use --device cpu")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ConfigError(f"{flag_name('model.device')} {device}: only {torch.cuda.device_count()} CUDA devices")
+        raise ConfigError(f"{flag} {device}: only {torch.cuda.device_count()} CUDA devices")
 
 
 def _sections() -> dict[str, type]:

@@ -184,7 +184,13 @@ def read_metrics(output_dir: str | Path) -> list[dict]:
 def _parse(path: Path) -> list[dict]:
     """The rows of a metrics file. Its last line may be torn (a kill mid-write): it is
     dropped; a bad line before it is damage, named with its line number."""
-    lines = [(i, line) for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if line.strip()]
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:  # a ValueError, which the command line took for a bug: a traceback
+        line = data.count(b"\n", 0, e.start) + 1
+        raise UsageError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x})") from None
+    lines = [(i, line) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
     rows = []
     for n, (i, line) in enumerate(lines):
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .metrics import read_metrics
+from .preflight import UsageError, check_output
 
 # (panel title, metric keys drawn together in it)
 PANELS = (("loss", ("loss",)), ("reward accuracy", ("rewards/accuracies",)), ("reward margin", ("rewards/margins",)),
@@ -33,8 +34,18 @@ def plot_run(output_dir: str | Path, out_file: str | Path | None = None) -> Path
 
     matplotlib.use("Agg")  # files only; no display needed
     import matplotlib.pyplot as plt
+    from matplotlib.backend_bases import FigureCanvasBase
 
+    metrics = Path(output_dir) / "metrics.jsonl"
     out_file = Path(out_file) if out_file else Path(output_dir) / "curves.png"
+    # The user's mistakes before anything is drawn (each was a traceback, or for a directory
+    # --out a file written beside it under another name).
+    if metrics.exists() and not metrics.is_file():
+        raise UsageError(f"{metrics}: not a file (OUTPUT_DIR is a training run's output directory)")
+    check_output(out_file, "--out", {"OUTPUT_DIR's metrics.jsonl": metrics})
+    kind = out_file.suffix[1:].lower()
+    if kind and kind not in FigureCanvasBase.get_supported_filetypes():
+        raise UsageError(f"--out {out_file}: matplotlib cannot write .{kind} files; name a .png, .pdf or .svg file")
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     for ax, (title, series) in zip(axes.flat, panel_series(read_metrics(output_dir)).items()):
         for label, (steps, values) in series.items():

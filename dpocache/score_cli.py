@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -31,7 +32,7 @@ from .data import (
     DataError, RawRow, check_text, read_rows, render_conversation, special_prefix, template_inputs,
     tokenize_continuations, with_eos, with_prefix,
 )
-from .preflight import check_output
+from .preflight import check_model_dir, check_output, check_writable_dir
 
 
 def add_score_parser(sub) -> None:
@@ -124,11 +125,23 @@ def cmd_score(args) -> int:
     # does for its other commands: building the parser stays light.
     from .cache import default_cache_dir
     from .cache_cli import load_tokenizer
+    from .config import validate_device
     from .service import ReferenceService
 
+    # Before the rows are read and the model loads (torch's own error came from the model's move).
+    validate_device(args.device, "--device")
     if not Path(args.model).is_dir():
         raise DataError(f"--model {args.model}", None, "not a model directory")
+    # Its config and weights now; its tokenizer below, if the rows are text (token ids need none).
+    check_model_dir(args.model, "--model", tokenizer=False)
     check_output(args.out, "--out", {"--data": args.data, "--model": args.model})
+    # Every path written, before the model loads: a file where a directory goes, or a directory
+    # for --stats, failed after the model loaded (--stats after every row was scored).
+    check_writable_dir(args.out.parent, "--out")
+    if args.stats is not None:
+        check_output(args.stats, "--stats", {"--data": args.data, "--model": args.model, "--out": args.out})
+        check_writable_dir(args.stats.parent, "--stats")
+    check_writable_dir(args.cache_dir or default_cache_dir(), "--cache-dir")
     name, rows = read_rows(args.data)
     if not rows:
         raise DataError(name, None, "no rows")
@@ -136,6 +149,8 @@ def cmd_score(args) -> int:
         if value is not None and value < 1:
             raise DataError(flag, None, f"must be at least 1; got {value}")
     needs_tokenizer = any(isinstance(r.values, dict) and "prompt" in r.values for r in rows)
+    if needs_tokenizer:
+        check_model_dir(args.model, "--model")  # without tokenizer files transformers' error was many lines
     tokenizer = load_tokenizer(args.model) if needs_tokenizer else None
     prefix = special_prefix(tokenizer) if tokenizer is not None else []
     requests = [to_request(r, tokenizer, prefix) for r in rows]
@@ -235,6 +250,6 @@ def run(args: argparse.Namespace) -> int:
         return cmd_score(args)
     except (DataError, ValueError) as err:
         if args.verbose:
-            raise
+            traceback.print_exc()  # then the one line and status 2, as cli.main does for the other commands
         print(f"dpocache score: error: {err}", file=sys.stderr)
         return 2

@@ -67,6 +67,8 @@ def work(tmp_path_factory, model_dir, pref_rows) -> Path:
     (root / "long.jsonl").write_text(json.dumps(pref_rows[0]) + "\n"
                                      + json.dumps({"prompt": "sort " * 600, "chosen": " 1", "rejected": " 2"}) + "\n")
     (root / "a-file").write_text("not a directory\n")
+    write_jsonl([{"prompt": r["prompt"], "completions": [r["chosen"], r["rejected"]]} for r in pref_rows],
+                root / "score.jsonl")  # rows as score reads them
     (root / "broken.parquet").write_bytes(b"PAR1 but nothing else")
     # Weights saved under other names (a PEFT-wrapped model's state dict saved as a full model):
     # transformers would fill every weight at random.
@@ -166,6 +168,19 @@ CASES = {
                                  "--device", "cpu"), ["--out data.jsonl", "overwrite --data"]),
     "score into a directory": (("score", "--model", "model", "--data", "data.jsonl", "--out", "model",
                                 "--device", "cpu"), ["--out model", "overwrite --model"]),
+    "score: model without weights": (("score", "--model", "no-weights", "--data", "score.jsonl", "--out", "o.jsonl",
+                                      "--device", "cpu"), ["--model no-weights", "no model weights"]),
+    "score: text rows, model without a tokenizer": (("score", "--model", "no-tokenizer", "--data", "score.jsonl",
+                                                     "--out", "o.jsonl", "--device", "cpu"),
+                                                    ["--model no-tokenizer", "no tokenizer"]),
+    "score --out under a file": (("score", "--model", "model", "--data", "score.jsonl", "--out", "a-file/o.jsonl",
+                                  "--device", "cpu"), ["--out a-file", "cannot write"]),
+    "score --stats a directory": (("score", "--model", "model", "--data", "score.jsonl", "--out", "o.jsonl",
+                                   "--stats", "no-weights", "--device", "cpu"), ["--stats no-weights", "a directory"]),
+    "score --cache-dir a file": (("score", "--model", "model", "--data", "score.jsonl", "--out", "o.jsonl",
+                                  "--cache-dir", "a-file", "--device", "cpu"), ["--cache-dir a-file", "cannot write"]),
+    "score on a device that is not one": (("score", "--model", "model", "--data", "score.jsonl", "--out", "o.jsonl",
+                                          "--device", "gpu"), ["--device", "'gpu'", "not a device"]),
     "token ids beyond the model's vocabulary": (("cache", "build", "--model", "small-vocab", *BUILD[4:]),
                                                 ["data.jsonl:1", "outside the model's vocabulary", "vocab_size 8"]),
 }
@@ -242,6 +257,11 @@ def test_device_cuda_without_cuda(work):
         pytest.skip("this machine has CUDA")
     line = one_line(dpocache(*TRAIN[:-4], "--device", "cuda", cwd=work))
     assert "--device" in line and "cuda" in line, line
+    # score read the rows and loaded the model first: torch's AssertionError, a traceback, exit 1.
+    line = one_line(dpocache("score", "--model", "model", "--data", "score.jsonl", "--out", "o.jsonl", "--device",
+                             "cuda", cwd=work))
+    assert "--device cuda" in line and "no CUDA device" in line, line
+    assert not (work / "o.jsonl").exists()
 
 
 @pytest.mark.parametrize("name, value, modes, command", [  # each variable once, both commands between them
@@ -268,6 +288,16 @@ def test_verbose_anywhere_shows_the_traceback(work):
         proc = dpocache(*args, cwd=work, timeout=MODEL_PATH_BOUND_S)
         assert proc.returncode == 2
         assert "Traceback" in proc.stderr and "--model no/such/dir" in proc.stderr.splitlines()[-1]
+
+
+def test_verbose_shows_the_traceback_of_a_score_mistake(work):
+    """score handles its own errors: -v was taken out of its arguments before they were parsed,
+    so the line came without the traceback."""
+    proc = dpocache("score", "-v", "--model", "model", "--data", "data.jsonl", "--out", "o.jsonl", "--device", "cpu",
+                    cwd=work)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" in proc.stderr and "data.jsonl:1" in proc.stderr.splitlines()[-1], proc.stderr
+    assert not (work / "o.jsonl").exists()
 
 
 FULL_DISK = """

@@ -162,6 +162,30 @@ def test_plot_of_a_damaged_metrics_file_is_one_line(tmp_path, capsys, damage):
     assert not (tmp_path / "curves.png").exists()
 
 
+@pytest.mark.parametrize("case", ["metrics not UTF-8", "metrics a directory", "--out of an unknown format",
+                                  "--out a directory"])
+def test_plot_mistake_is_one_line(tmp_path, capsys, case):
+    """Each was a traceback with exit 1 (UnicodeDecodeError, IsADirectoryError, matplotlib's
+    ValueError), or, for --out a directory, a PNG written beside it under another name, exit 0."""
+    metrics, args, fragments = tmp_path / "metrics.jsonl", [], ["metrics.jsonl"]
+    if case == "metrics not UTF-8":
+        metrics.write_bytes(b'{"step": 1, "loss": 0.7}\n{"step": 2, "loss": "\xff"}\n{"step": 3, "loss": 0.6}\n')
+        fragments = [f"{metrics}", "UTF-8", "0xff"]
+    elif case == "metrics a directory":
+        metrics.mkdir()
+        fragments = [f"{metrics}", "not a file"]
+    else:
+        metrics.write_text('{"step": 1, "loss": 0.7}\n')
+        out = tmp_path / ("curves.txt" if case == "--out of an unknown format" else "pngs")
+        if case == "--out a directory":
+            out.mkdir()
+        args, fragments = ["--out", str(out)], [f"--out {out}"]
+    assert cli_main(["plot", str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and all(f in err for f in fragments), err
+    assert {p.name for p in tmp_path.iterdir()} <= {"metrics.jsonl", "pngs"}  # nothing drawn
+
+
 # ------------------------------------------------------------------------- the cache, used
 
 
