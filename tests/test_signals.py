@@ -171,6 +171,7 @@ def test_sigterm_then_sigint_during_build_keep_every_computed_pair(tmp_path, mod
     line = assert_one_line_stop(first, "SIGTERM")
     seen1 = int(report.read_text())
     assert seen1 == 13 and f"{seen1} of the {n} pairs" in line
+    assert "run the same command again" in line  # train's reference pass says this too: not "the build"
     stored, manifest = _stored_pairs(model_dir, cache)
     assert stored == manifest["pairs"] == seen1
 

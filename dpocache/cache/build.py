@@ -306,10 +306,11 @@ def _any_rank_layout(env: DistEnv, layout: dict | None) -> dict | None:
 
 
 def interrupted_message(summary: BuildSummary) -> str:
-    """The line a stopped build ends with: what was saved, what remains."""
+    """The line a stopped build ends with: what was saved, what remains. Said of ``cache build``
+    and of ``train``'s own reference pass alike: the same command, run again, reuses what was saved."""
     missing = summary.unique - summary.reused
     return (f"{summary.computed} of the {missing} pairs the cache lacked were computed and saved in "
-            f"{summary.cache_dir}; run the build again to compute the other {missing - summary.computed}")
+            f"{summary.cache_dir}; run the same command again to compute the other {missing - summary.computed}")
 
 
 def _finite_only(batch: list[TokenizedPair],
