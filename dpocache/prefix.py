@@ -206,6 +206,22 @@ def shared_prompt_supported(model: nn.Module) -> bool:
     return getattr(config, "_attn_implementation", None) in BLOCK_MASK_ATTENTION
 
 
+def sliding_layers(config) -> tuple[list[str] | None, int | None, bool]:
+    """``(layer types, window, every layer slides)``; window None where no layer slides.
+
+    A model with ``layer_types`` (Gemma 2, Qwen2) slides on its ``sliding_attention`` layers.
+    One without (Mistral, whose config defaults to a 4096 window, Mixtral, Phi-3, Starcoder2,
+    Qwen3-MoE) slides on every layer wherever ``sliding_window`` is set: transformers builds
+    their sliding mask from that alone, so a block mask without the window attends further back
+    than the model does, silently, once a sequence is longer than the window."""
+    layer_types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if layer_types:
+        return layer_types, (window if "sliding_attention" in layer_types else None), False
+    every_layer = window is not None and getattr(config, "use_sliding_window", True)
+    return None, (window if every_layer else None), bool(every_layer)
+
+
 def attention_mask(batch: SharedPromptBatch, config, dtype: torch.dtype = torch.float32):
     """The block mask ``(B, 1, T, T)``, or ``{layer type: mask}`` for models with sliding layers.
 
@@ -226,9 +242,8 @@ def attention_mask(batch: SharedPromptBatch, config, dtype: torch.dtype = torch.
         allowed &= documents[:, :, None] == documents[:, None, :]  # block-diagonal between packed pairs
     allowed |= (sq == PAD) & torch.eye(t, dtype=torch.bool, device=seg.device)
     masks = {"full_attention": allowed}
-    layer_types = getattr(config, "layer_types", None)
-    window = getattr(config, "sliding_window", None)
-    if layer_types and "sliding_attention" in layer_types and window:
+    layer_types, window, every_layer = sliding_layers(config)
+    if window:
         distance = pos[:, :, None] - pos[:, None, :]  # (B, T, T) query position - key position
         masks["sliding_attention"] = allowed & (distance < window)
     impl = getattr(config, "_attn_implementation", "sdpa")
@@ -238,7 +253,7 @@ def attention_mask(batch: SharedPromptBatch, config, dtype: torch.dtype = torch.
     masks = {k: m[:, None] for k, m in masks.items()}  # (B, 1, T, T)
     if layer_types:
         return {lt: masks.get(lt, masks["full_attention"]) for lt in set(layer_types)}
-    return masks["full_attention"]
+    return masks["sliding_attention" if every_layer else "full_attention"]
 
 
 def key_ranges(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -293,9 +308,8 @@ def flex_block_masks(batch, config, block: int = FLEX_BLOCK):
 
     # The same rule as key intervals: the prompt [lo, min(pe, q + 1)) and the own run [ss, q + 1).
     masks = {"full_attention": block_mask_from_ranges((lo, torch.minimum(pe, after)), (ss, after), allowed, block)}
-    layer_types = getattr(config, "layer_types", None)
-    window = getattr(config, "sliding_window", None)
-    if layer_types and "sliding_attention" in layer_types and window:
+    layer_types, window, every_layer = sliding_layers(config)
+    if window:
         def sliding(bi, h, q, k):  # query position - key position < window
             prompt = (k >= lo[bi, q]) & (k < pe[bi, q]) & (shift[bi, q] - k < window)
             own = (k >= ss[bi, q]) & (q - k < window)
@@ -306,7 +320,7 @@ def flex_block_masks(batch, config, block: int = FLEX_BLOCK):
         masks["sliding_attention"] = block_mask_from_ranges(prompt, own, sliding, block)
     if layer_types:
         return {lt: masks.get(lt, masks["full_attention"]) for lt in set(layer_types)}
-    return masks["full_attention"]
+    return masks["sliding_attention" if every_layer else "full_attention"]
 
 
 def block_mask_from_ranges(first: tuple[torch.Tensor, torch.Tensor], second: tuple[torch.Tensor, torch.Tensor],

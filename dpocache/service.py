@@ -541,8 +541,14 @@ class ReferencePool:
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False)
         self._ray = ray
-        gpus = ray.cluster_resources().get("GPU", 0)
+        cluster = ray.cluster_resources()
+        gpus, cpus = cluster.get("GPU", 0), cluster.get("CPU", 0)
         resources = {"num_gpus": 1} if gpus >= num_replicas else {"num_cpus": 1}
+        if "num_cpus" in resources and cpus < num_replicas:
+            # Ray leaves an actor it has no room for unscheduled, with no error: ready() below
+            # would wait for it for ever, saying nothing.
+            raise ValueError(f"num_replicas={num_replicas}: each replica takes one CPU and the Ray cluster has "
+                             f"{cpus:g}; ask for at most {int(cpus)}, or give Ray more (ray.init(num_cpus=...))")
         actor = ray.remote(_Replica).options(max_restarts=max_restarts, max_task_retries=max_task_retries, **resources)
         self.replicas = [actor.remote(str(path), service_kwargs, _exit_once) for _ in range(num_replicas)]
         _, self.vocab_size, self.context, self.special_ids = ray.get([r.ready.remote() for r in self.replicas])[0]

@@ -579,3 +579,25 @@ def test_default_budget_keeps_a_wide_group_in_one_row(tiny_models):
     assert service.stats()["prompt_tokens_saved"] == prompt * (completions - 1)  # the prompt ran once
     for c, v in zip(request[0]["completion_ids"], values[0]):  # values equal the model's own forward
         assert torch.allclose(v, naive(tiny_models["llama"], request[0]["prompt_ids"], c), atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_window_on_every_layer_without_layer_types(tokenizer, attention):
+    """Mistral, Mixtral, Phi-3 and Starcoder2 configs have a ``sliding_window`` and no
+    ``layer_types``: every layer slides. The group row's block mask ignored the window there,
+    so a sequence longer than it got full-attention values (0.33 off on this Mixtral)."""
+    from dpocache.groups import Group, collate_groups
+    from dpocache.prefix import PAD, flex_block_masks
+
+    model = build_model("mixtral", tokenizer, sliding_window=5).eval()
+    model.set_attn_implementation(attention)
+    requests = make_requests(3, 4, seed=60, prompt=(6, 12), completion=(4, 10))
+    assert_matches_naive(model, requests, ReferenceService(model).score(requests))
+    # FlexAttention's rule is the dense mask's, window included (evaluated element by element).
+    batch = collate_groups([Group(0, tuple(range(9, 20)), ((1,), (2, 3, 4, 5, 6, 7, 8)), (0, 1))])
+    t = batch.input_ids.shape[1]
+    q, k = torch.arange(t)[None, :, None], torch.arange(t)[None, None, :]
+    flex = flex_block_masks(batch, model.config).mask_mod(torch.zeros(1, 1, 1, dtype=torch.long), None, q, k)
+    dense = attention_mask(batch, type("C", (), {"_attn_implementation": "sdpa", "sliding_window": 5})())[:, 0]
+    real = batch.segments != PAD
+    assert torch.equal(flex.expand(1, t, t)[real], dense[real]) and not dense[0, -1, :11].any()

@@ -69,3 +69,26 @@ def test_replica_killed_mid_call_answers_everything_once(local_ray, model_dir, t
         assert pool.stats()["requests"] <= len(requests)
     finally:
         pool.shutdown()
+
+
+def test_more_cpu_replicas_than_the_cluster_has_cpus_is_one_line(local_ray, model_dir):
+    """Each CPU replica takes one CPU: a pool of 3 on the 2-CPU cluster left its third actor
+    unscheduled and its constructor waiting for it for ever, saying nothing. (Run in a thread,
+    so that a hang fails the test instead of the run.)"""
+    import threading
+
+    from dpocache.service import ReferencePool
+
+    outcome = []
+
+    def start():
+        try:
+            ReferencePool(model_dir, num_replicas=3, dtype="float32", device="cpu")
+        except ValueError as e:
+            outcome.append(str(e))
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert outcome == ["num_replicas=3: each replica takes one CPU and the Ray cluster has 2; ask for at most 2, "
+                       "or give Ray more (ray.init(num_cpus=...))"]
