@@ -98,6 +98,41 @@ def test_gemma2_sliding_window_on_positions(tokenizer, pairs):
     assert _max_diff(pr, sr) < TOL
 
 
+def test_window_on_every_layer_in_the_shared_and_packed_layouts(tokenizer, pairs, mixed_pairs):
+    """A ``sliding_window`` without ``layer_types`` (Mistral, Mixtral, Phi-3, Starcoder2) slides on
+    every layer. The block masks applied it only with ``layer_types``: the cache build and
+    training got full-attention values for sequences longer than the window."""
+    model = build_model("mixtral", tokenizer, sliding_window=6).eval()
+    pad = tokenizer.pad_token_id
+    for data in (pairs, mixed_pairs):
+        assert max(p.unique_tokens for p in data) > 12
+        pc, pr = padded_values(model, data, pad)
+        for batch in (collate_shared(data, pad), collate_packed(data, pad)):
+            with torch.no_grad():
+                logps = shared_prompt_logps(CompletionLogProbs(model), batch)  # (M,)
+            sc, sr = split_per_token(logps, batch)
+            assert _max_diff(pc, sc) < TOL and _max_diff(pr, sr) < TOL
+
+
+def test_models_sliding_on_every_layer_get_a_namespace_of_their_own():
+    """Their values stored before the window rule may be wrong; no other model's namespace moves."""
+    import hashlib
+    import json
+
+    from dpocache.cache.fingerprint import config_sha256
+
+    def before(config):  # the digest as it was computed until the window rule
+        return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
+
+    llama = {"model_type": "llama", "hidden_size": 64}
+    gemma2 = {"model_type": "gemma2", "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]}
+    qwen3_moe = {"model_type": "qwen3_moe", "sliding_window": 4096, "use_sliding_window": False}
+    mistral = {"model_type": "mistral", "sliding_window": 4096}
+    for unchanged in (llama, gemma2, qwen3_moe, {**mistral, "sliding_window": None}):
+        assert config_sha256(unchanged) == before(unchanged)
+    assert config_sha256(mistral) != before(mistral)
+
+
 def test_layout_of_one_pair(tokenizer, pairs):
     p = pairs[0]
     batch = collate_shared([p], tokenizer.pad_token_id)
