@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import sys
 from typing import Callable
 
@@ -70,8 +71,9 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(max(lists, key=len)) if lists else []
 
 
-def logit_transform(config) -> Callable[[torch.Tensor], torch.Tensor]:
-    """What the model's own forward does to ``lm_head``'s output, from its config."""
+def logit_transform(config, temperature: float = 1.0) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What the model's own forward does to ``lm_head``'s output, from its config; then the
+    division by a sampling ``temperature`` (1: none)."""
     softcap = getattr(config, "final_logit_softcapping", None)
     scale = getattr(config, "logit_scale", None)  # Cohere multiplies
     divide = getattr(config, "logits_scaling", None)  # Granite divides
@@ -84,6 +86,8 @@ def logit_transform(config) -> Callable[[torch.Tensor], torch.Tensor]:
         if softcap is not None:
             # Gemma 2 (Gemma Team, 2024, arXiv 2408.00118, section 2): tanh soft-capping.
             logits = torch.tanh(logits / softcap) * softcap
+        if temperature != 1.0:
+            logits = logits / temperature
         return logits
 
     return transform
@@ -109,15 +113,18 @@ class CompletionLogProbs(nn.Module):
     - ``body(input_ids, attention_mask, position_ids=None) -> hidden (N, T, H)``: the decoder,
       final norm applied; a mixture-of-experts model's router loss is kept in ``aux_loss``.
     - ``head_logps(hidden (M, H), labels (M,)) -> (M,)`` fp32: the output head on the gathered
-      positions only, chunked (or tiled), with the model's logit transform.
+      positions only, chunked (or tiled), with the model's logit transform and then the
+      division by ``temperature`` (1 by default; online RL's sampling temperature).
     - ``gathered_logps``: ``body`` then ``head_logps`` at flat positions (``forward``'s gathered mode).
     - ``fast_path`` (``probe_fast_path``): whether ``head_logps`` reproduces the model's own head;
       ``router_loss``: whether the model has a MoE router loss.
     """
 
     def __init__(self, model: nn.Module, logits_budget: int = DEFAULT_LOGITS_BUDGET, probe: bool = True,
-                 sum_sq_probs: bool = False):
+                 sum_sq_probs: bool = False, temperature: float = 1.0):
         super().__init__()
+        if not (math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"temperature must be a finite number above 0; got {temperature}")
         self.model = model
         lm = unwrap_causal_lm(model)
         # Under CPU bf16 autocast on a CPU without AMX, linear layers use the fp32 GEMM on
@@ -125,7 +132,10 @@ class CompletionLogProbs(nn.Module):
         bf16_matmul.install(model)
         self.config = lm.config
         self.logits_budget = logits_budget
-        self._transform = logit_transform(lm.config)
+        # The sampling temperature online RL divides the logits by, for the policy and the
+        # reference alike (TRL's GRPO, verl, OpenRLHF), after the model's own transform.
+        self.temperature = float(temperature)
+        self._transform = logit_transform(lm.config, self.temperature)
         self._router = router_shape(lm.config)
         # MoE load-balancing loss of the last forward (a scalar in the graph), else None.
         self.aux_loss: torch.Tensor | None = None
@@ -196,7 +206,7 @@ class CompletionLogProbs(nn.Module):
                 result = self.causal_lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **moe)
             self.aux_loss = getattr(result, "aux_loss", None)
             logits = result.logits
-            full = logits[:, :-1][target].float().log_softmax(-1)  # (M, V)
+            full = (logits[:, :-1][target].float() / self.temperature).log_softmax(-1)  # (M, V)
             logps = full.gather(-1, labels[:, None]).squeeze(-1)  # (M,)
             if self.sum_sq_probs:
                 self.log_sum_sq_probs = (2 * full.detach()).logsumexp(-1)  # (M,)
@@ -370,7 +380,8 @@ class CompletionLogProbs(nn.Module):
             hook.remove()
             lm.train(was_training)
         labels = ids[:, 1:][target]  # (9,)
-        naive = logits[:, :-1][target].log_softmax(-1).gather(-1, labels[:, None]).squeeze(-1)  # (9,)
+        naive = (logits[:, :-1][target] / self.temperature).log_softmax(-1)  # (9, V)
+        naive = naive.gather(-1, labels[:, None]).squeeze(-1)  # (9,)
         if len(captured) != 1:
             log.warning("%s: its forward does not call its decoder once; using the full forward", type(lm).__name__)
             return False

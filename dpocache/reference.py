@@ -59,7 +59,7 @@ class ReferenceModel:
 
     def __init__(self, model: nn.Module, dtype: torch.dtype = torch.float32, compile: str = "off",
                  adapter_disabled: bool = False, layout: str = "auto", scorer: CompletionLogProbs | None = None,
-                 attention: str | None = None):
+                 attention: str | None = None, temperature: float = 1.0):
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got '{layout}'")
         if compile not in COMPILES:
@@ -71,7 +71,10 @@ class ReferenceModel:
         if not adapter_disabled:
             model.eval()
             model.requires_grad_(False)
-        self._scorer = scorer if scorer is not None else CompletionLogProbs(model)  # given: sharded (dpocache.sharded)
+        if scorer is not None and temperature != 1.0:
+            raise ValueError("a temperature other than 1 needs the reference's own scorer (not a sharded one)")
+        # Given: sharded (dpocache.sharded). temperature: online RL's sampling temperature (logprobs).
+        self._scorer = scorer if scorer is not None else CompletionLogProbs(model, temperature=temperature)
         # How pairs are laid out for the forward (dpocache.layouts): "shared" runs each prompt
         # once for both completions; "padded" runs prompt + chosen and prompt + rejected rows.
         # Models whose attention takes no custom mask, or whose head is unknown, run "padded".
@@ -91,7 +94,8 @@ class ReferenceModel:
     def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype = "float32",
                         device: str | torch.device | None = None,
                         compile: str = "off", layout: str = "auto",
-                        adapter: str | Path | None = None, attention: str | None = None) -> "ReferenceModel":
+                        adapter: str | Path | None = None, attention: str | None = None,
+                        temperature: float = 1.0) -> "ReferenceModel":
         """The model in ``path``; with ``adapter`` (a PEFT adapter directory whose base is
         ``path``), that adapter on top, unmerged: the same layers the policy loaded from the
         adapter directory runs, so at step 0 both compute the same numbers."""
@@ -112,7 +116,7 @@ class ReferenceModel:
         if staged:
             store_frozen_matrices_(model, dtype)
             model.to(device)
-        reference = cls(model, dtype, compile, layout=layout, attention=attention)
+        reference = cls(model, dtype, compile, layout=layout, attention=attention, temperature=temperature)
         if dtype == torch.bfloat16:
             # This model is ours and frozen: its fp32 weights are only ever used as bf16 values.
             bf16_matmul.round_frozen_weights_(model)
@@ -121,11 +125,17 @@ class ReferenceModel:
         return reference
 
     @classmethod
-    def from_peft_policy(cls, policy: nn.Module, dtype: torch.dtype = torch.float32) -> "ReferenceModel":
+    def from_peft_policy(cls, policy: nn.Module, dtype: torch.dtype = torch.float32,
+                         temperature: float = 1.0) -> "ReferenceModel":
         """The policy's base weights, with every LoRA adapter disabled during each call."""
         if not hasattr(policy, "disable_adapter"):
             raise TypeError("from_peft_policy needs a PEFT model (with disable_adapter)")
-        return cls(policy, dtype, adapter_disabled=True)
+        return cls(policy, dtype, adapter_disabled=True, temperature=temperature)
+
+    @property
+    def temperature(self) -> float:
+        """What the logits are divided by before the log-softmax (1: the model's own values)."""
+        return self._scorer.temperature
 
     def prepare(self, tokens: int) -> None:
         """Before a pass over ``tokens`` (each prompt once): compile the decoder layers if

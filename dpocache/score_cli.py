@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import traceback
@@ -52,6 +53,9 @@ def add_score_parser(sub) -> None:
     s.add_argument("--max-tokens", type=int, default=None,
                    help="token slots per forward (default: 4096 on a CPU, 16384 on a GPU)")
     s.add_argument("--chunk-rows", type=int, default=256, help="rows scored (and cached) at a time")
+    s.add_argument("--temperature", type=float, default=1.0,
+                   help="divide the logits by this before the log-softmax: the sampling temperature of "
+                   "the rollouts, as GRPO/PPO trainers do for the reference (default 1: the model's own values)")
     s.add_argument("--stats", type=Path, default=None, help="append the service's counters to this JSONL file")
 
 
@@ -148,6 +152,8 @@ def cmd_score(args) -> int:
     for flag, value in (("--chunk-rows", args.chunk_rows), ("--max-tokens", args.max_tokens)):
         if value is not None and value < 1:
             raise DataError(flag, None, f"must be at least 1; got {value}")
+    if not (math.isfinite(args.temperature) and args.temperature > 0):
+        raise DataError("--temperature", None, f"must be a finite number above 0; got {args.temperature}")
     needs_tokenizer = any(isinstance(r.values, dict) and "prompt" in r.values for r in rows)
     if needs_tokenizer:
         check_model_dir(args.model, "--model")  # without tokenizer files transformers' error was many lines
@@ -173,7 +179,7 @@ def cmd_score(args) -> int:
                                 "same rows")
         service = ReferenceService.from_pretrained(args.model, args.dtype, device, max_tokens=args.max_tokens,
                                                    cache_dir=args.cache_dir or default_cache_dir(),
-                                                   stats_file=args.stats)
+                                                   stats_file=args.stats, temperature=args.temperature)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         partial = args.out.with_name(args.out.name + ".partial")
         if env is None:

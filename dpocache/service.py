@@ -28,7 +28,7 @@ import operator
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain
 from pathlib import Path
 from typing import Any, Sequence
@@ -153,14 +153,21 @@ class ReferenceService:
         cache_memory_bytes: how many bytes of the look-aside cache's values stay in memory
             (default 1 GiB); past it the least recently used shards are dropped and read from
             disk again when asked for.
+        temperature: the sampling temperature of the rollouts: the logits are divided by it
+            before the log-softmax, as GRPO and PPO trainers (TRL, verl, OpenRLHF) do for the
+            policy and the reference alike, so the KL is 0 where the policy equals the
+            reference. Values at another temperature are cached under a namespace of their own.
     """
 
     def __init__(self, model: nn.Module | ReferenceModel, dtype: torch.dtype = torch.float32,
                  max_tokens: int | None = None, cache_dir: str | Path | None = None, compile: bool = False,
                  namespace: Namespace | None = None, stats_file: str | Path | None = None, layout: str = SHARED,
-                 cache_memory_bytes: int = DEFAULT_MEMORY_BYTES):
+                 cache_memory_bytes: int = DEFAULT_MEMORY_BYTES, temperature: float = 1.0):
         self.reference = model if isinstance(model, ReferenceModel) else ReferenceModel(
-            model, dtype, "on" if compile else "off", layout=layout)
+            model, dtype, "on" if compile else "off", layout=layout, temperature=temperature)
+        if self.reference.temperature != temperature:
+            raise ValueError(f"temperature={temperature:g}, but the ReferenceModel given divides its logits by "
+                             f"{self.reference.temperature:g}: build it with ReferenceModel(..., temperature=...)")
         config = unwrap_causal_lm(self.reference.model).config.get_text_config()
         self.vocab_size = int(config.vocab_size)
         self.context = getattr(config, "max_position_embeddings", None)
@@ -172,7 +179,8 @@ class ReferenceService:
         self.cache_memory_bytes = cache_memory_bytes
         self.store = None
         if cache_dir is not None:
-            self.store = SequenceStore(cache_dir, namespace or self._namespace_by_content(), cache_memory_bytes)
+            namespace = replace(namespace, temperature=temperature) if namespace else self._namespace_by_content()
+            self.store = SequenceStore(cache_dir, namespace, cache_memory_bytes)
             self._weights = self._weights_signature()
         self.stats_file = Path(stats_file) if stats_file else None
         self._counts = dict.fromkeys(SUMMED, 0)
@@ -190,7 +198,8 @@ class ReferenceService:
         base, adapter = reference_source(path, reference)
         layout = kwargs.pop("layout", SHARED)
         model = ReferenceModel.from_pretrained(base, dtype, device, compile="on" if compile else "off",
-                                               layout=layout, adapter=adapter)
+                                               layout=layout, adapter=adapter,
+                                               temperature=kwargs.get("temperature", 1.0))
         namespace = (namespace_for_dir(path, model.dtype, Path(cache_dir), reference) if cache_dir is not None
                      else None)
         return cls(model, max_tokens=max_tokens, cache_dir=cache_dir, namespace=namespace, **kwargs)
@@ -199,7 +208,7 @@ class ReferenceService:
     def from_peft_policy(cls, policy: nn.Module, dtype: torch.dtype = torch.float32, **kwargs) -> "ReferenceService":
         """The policy's base weights, its adapter disabled during every forward. Its namespace is
         that of the base weights alone (the adapter trains; the values do not depend on it)."""
-        reference = ReferenceModel.from_peft_policy(policy, dtype)
+        reference = ReferenceModel.from_peft_policy(policy, dtype, kwargs.get("temperature", 1.0))
         if kwargs.get("cache_dir") is not None and kwargs.get("namespace") is None:
             kwargs["namespace"] = base_namespace(policy, dtype)
         return cls(reference, **kwargs)
@@ -253,8 +262,10 @@ class ReferenceService:
     def _namespace_by_content(self) -> Namespace:
         """The namespace of the weights as they are now (a PEFT policy's: its base weights)."""
         if self.reference.adapter_disabled:
-            return base_namespace(self.reference.model, self.reference.dtype)
-        return namespace_for_module(unwrap_causal_lm(self.reference.model), self.reference.dtype)
+            namespace = base_namespace(self.reference.model, self.reference.dtype)
+        else:
+            namespace = namespace_for_module(unwrap_causal_lm(self.reference.model), self.reference.dtype)
+        return replace(namespace, temperature=self.reference.temperature)
 
     def _weights_signature(self) -> tuple:
         # A PEFT policy's adapter trains while the service runs; the reference is its base.

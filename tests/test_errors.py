@@ -181,6 +181,8 @@ CASES = {
                                   "--cache-dir", "a-file", "--device", "cpu"), ["--cache-dir a-file", "cannot write"]),
     "score on a device that is not one": (("score", "--model", "model", "--data", "score.jsonl", "--out", "o.jsonl",
                                           "--device", "gpu"), ["--device", "'gpu'", "not a device"]),
+    "score at temperature 0": (("score", "--model", "model", "--data", "score.jsonl", "--out", "o.jsonl",
+                                "--temperature", "0", "--device", "cpu"), ["--temperature", "above 0"]),
     "token ids beyond the model's vocabulary": (("cache", "build", "--model", "small-vocab", *BUILD[4:]),
                                                 ["data.jsonl:1", "outside the model's vocabulary", "vocab_size 8"]),
 }

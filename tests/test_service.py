@@ -32,21 +32,23 @@ def make_requests(n: int, g: int, seed: int = 0, vocab: int = 500, prompt=(3, 24
 
 
 @torch.no_grad()
-def naive(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
-    """``(c,)`` log-probs of ``completion`` after ``prompt`` from the model's own full forward."""
+def naive(model, prompt: list[int], completion: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """``(c,)`` log-probs of ``completion`` after ``prompt`` from the model's own full forward,
+    its logits divided by ``temperature`` (as TRL's GRPO does)."""
     ids = torch.tensor([prompt + completion])
-    logits = model(input_ids=ids, use_cache=False).logits[0].float()  # (p + c, V)
+    logits = model(input_ids=ids, use_cache=False).logits[0].float() / temperature  # (p + c, V)
     logps = logits[len(prompt) - 1:-1].log_softmax(-1)  # (c, V): position t predicts token t + 1
     return logps.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
 
 
-def assert_matches_naive(model, requests, values) -> None:
+def assert_matches_naive(model, requests, values, temperature: float = 1.0) -> None:
     assert len(values) == len(requests)
     for req, per_completion in zip(requests, values):
         assert len(per_completion) == len(req["completion_ids"])
         for comp, got in zip(req["completion_ids"], per_completion):
             assert got.dtype == torch.float32 and got.device.type == "cpu" and got.shape == (len(comp),)
-            assert (got - naive(model, req["prompt_ids"], comp)).abs().max().item() < TOL
+            want = naive(model, req["prompt_ids"], comp, temperature)
+            assert (got - want).abs().max().item() < TOL
 
 
 @pytest.mark.parametrize("g", [1, 2, 8])
@@ -601,3 +603,45 @@ def test_window_on_every_layer_without_layer_types(tokenizer, attention):
     dense = attention_mask(batch, type("C", (), {"_attn_implementation": "sdpa", "sliding_window": 5})())[:, 0]
     real = batch.segments != PAD
     assert torch.equal(flex.expand(1, t, t)[real], dense[real]) and not dense[0, -1, :11].any()
+
+
+@pytest.mark.parametrize("layout", ["shared", "padded"])
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_temperature_divides_the_logits_before_the_log_softmax(tiny_models, arch, layout, tmp_path):
+    """GRPO and PPO trainers (TRL, verl, OpenRLHF) divide the policy's and the reference's logits
+    by the sampling temperature: without it the reference's values were the model's own, and the
+    KL against a policy equal to the reference was not 0. Gemma 2: after its soft-capping."""
+    model = tiny_models[arch]
+    requests = make_requests(4, 3, seed=31)
+    hot = ReferenceService(model, max_tokens=96, layout=layout, temperature=0.7, cache_dir=tmp_path)
+    assert_matches_naive(model, requests, hot.score(requests), temperature=0.7)
+    assert hot.stats()["cache_hits"] == 0
+    # The same weights at temperature 1 are another namespace: none of those values is served.
+    plain = ReferenceService(model, max_tokens=96, layout=layout, cache_dir=tmp_path)
+    assert plain.store.namespace.id != hot.store.namespace.id
+    assert_matches_naive(model, requests, plain.score(requests))
+    assert plain.stats()["cache_hits"] == 0
+    again = ReferenceService(model, max_tokens=96, layout=layout, temperature=0.7, cache_dir=tmp_path)
+    assert_matches_naive(model, requests, again.score(requests), temperature=0.7)
+    assert again.stats()["cache_hits"] == sum(len(r["completion_ids"]) for r in requests)
+
+
+def test_temperature_in_the_full_forward_fallback(tiny_models):
+    """A model whose head the fast path cannot reproduce runs its own forward: the temperature
+    applies there too."""
+    from dpocache.logprobs import CompletionLogProbs
+
+    model = tiny_models["llama"]
+    scorer = CompletionLogProbs(model, temperature=0.5)
+    assert scorer.fast_path  # the probe compares the fast head with the forward at the same temperature
+    scorer.fast_path = False
+    request = make_requests(1, 1, seed=32)[0]
+    prompt, comp = request["prompt_ids"], request["completion_ids"][0]
+    ids = torch.tensor([prompt + comp])
+    completion_mask = torch.zeros_like(ids)
+    completion_mask[0, len(prompt):] = 1
+    with torch.no_grad():
+        got = scorer(ids, torch.ones_like(ids), completion_mask)[0, len(prompt):]
+    assert (got - naive(model, prompt, comp, temperature=0.5)).abs().max().item() < TOL
+    with pytest.raises(ValueError, match="temperature"):
+        ReferenceService(model, temperature=0)

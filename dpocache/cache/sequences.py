@@ -26,7 +26,6 @@ import logging
 import struct
 from array import array
 from collections import OrderedDict
-from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
@@ -169,7 +168,7 @@ class SequenceStore:
         self.dir.mkdir(parents=True, exist_ok=True)
         info = self.dir / "namespace.json"
         if not info.exists():
-            atomic_write_text(info, json.dumps(asdict(self.namespace), indent=1))
+            atomic_write_text(info, json.dumps(self.namespace.record(), indent=1))
         keys = list(self._pending)
         tensors = {
             "keys": torch.frombuffer(bytearray(b"".join(keys)), dtype=torch.uint8).reshape(-1, KEY_BYTES),

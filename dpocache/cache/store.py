@@ -94,12 +94,24 @@ class Namespace:
     dtype: str
     model: str = ""  # where the weights were read from: for people, not hashed
     schema: int = SCHEMA_VERSION
+    # The sampling temperature the logits are divided by (online RL: dpocache.service). Hashed,
+    # and recorded, only when it is not 1, so every other namespace keeps its id.
+    temperature: float = 1.0
 
     @property
     def id(self) -> str:
         hashed = {"weights": self.weights_sha256, "config": self.config_sha256, "dtype": self.dtype,
                   "schema": self.schema}
+        if self.temperature != 1.0:
+            hashed["temperature"] = self.temperature
         return hashlib.sha256(json.dumps(hashed, sort_keys=True).encode()).hexdigest()[:20]
+
+    def record(self) -> dict:
+        """The namespace as manifests and ``namespace.json`` record it."""
+        fields = asdict(self)
+        if self.temperature == 1.0:
+            del fields["temperature"]
+        return fields
 
 
 @dataclass
@@ -266,7 +278,7 @@ class CacheStore:
             manifest = {
                 "schema": SCHEMA_VERSION,
                 "namespace_id": ns.id,
-                "namespace": asdict(ns),
+                "namespace": ns.record(),
                 "pairs": len(self._index),
                 "shards": [asdict(s.info) for s in self.shards],
                 "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -384,7 +396,8 @@ def non_finite_problem(tensors: dict[str, torch.Tensor]) -> str | None:
 
 
 _MANIFEST_FIELDS = {"schema", "namespace_id", "namespace", "pairs", "shards", "updated"}
-_NAMESPACE_TYPES = {"weights_sha256": str, "config_sha256": str, "dtype": str, "model": str, "schema": int}
+_NAMESPACE_TYPES = {"weights_sha256": str, "config_sha256": str, "dtype": str, "model": str, "schema": int,
+                    "temperature": float}
 _ENTRY_TYPES = {"file": str, "sha256": str, "pairs": int, "per_token": bool, "bytes": int}
 
 
