@@ -43,9 +43,11 @@ from .cache.sequences import DEFAULT_MEMORY_BYTES, SequenceStore, sequence_key
 from .cache.store import Namespace
 from .distributed import split_by_weight
 from .groups import Group, budget_batches, collate_groups, collate_sequences, per_sequence, split_group
-from .layouts import PADDED, SHARED
+from .hub_ids import resolve_model_path
+from .layouts import CAUSAL, PADDED, SHARED
 from .logprobs import unwrap_causal_lm
-from .reference import ReferenceModel, dtype_name
+from .preflight import check_model_dir
+from .reference import ReferenceModel, dtype_name, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -163,8 +165,14 @@ class ReferenceService:
                  max_tokens: int | None = None, cache_dir: str | Path | None = None, compile: bool = False,
                  namespace: Namespace | None = None, stats_file: str | Path | None = None, layout: str = SHARED,
                  cache_memory_bytes: int = DEFAULT_MEMORY_BYTES, temperature: float = 1.0):
+        if isinstance(dtype, str):  # as from_pretrained takes it ("auto": by the model's device)
+            dtype = resolve_dtype(dtype, next(model.parameters()).device if isinstance(model, nn.Module) else "cpu")
         self.reference = model if isinstance(model, ReferenceModel) else ReferenceModel(
             model, dtype, "on" if compile else "off", layout=layout, temperature=temperature)
+        if self.reference.layout_choice.attention == CAUSAL:
+            # Its rows are the training layouts' (SequenceRows); a group row has none to give it.
+            raise ValueError("the reference service needs an attention that takes a mask (sdpa, eager or flex); "
+                             "this ReferenceModel runs dpocache's causal backend: build it with attention='sdpa'")
         if self.reference.temperature != temperature:
             raise ValueError(f"temperature={temperature:g}, but the ReferenceModel given divides its logits by "
                              f"{self.reference.temperature:g}: build it with ReferenceModel(..., temperature=...)")
@@ -195,6 +203,8 @@ class ReferenceService:
                         **kwargs) -> "ReferenceService":
         """A model directory. For a PEFT adapter directory the reference is the initial policy,
         base + that adapter (``reference="base"``: the bare base), as in ``dpocache train``."""
+        path = resolve_model_path(str(path))  # a Hub id: its snapshot in the local cache
+        check_model_dir(path, "path", tokenizer=False)  # one line, not transformers' traceback
         base, adapter = reference_source(path, reference)
         layout = kwargs.pop("layout", SHARED)
         model = ReferenceModel.from_pretrained(base, dtype, device, compile="on" if compile else "off",
@@ -546,6 +556,7 @@ class ReferencePool:
 
     def __init__(self, path: str | Path, num_replicas: int = 2, max_restarts: int = 3, max_task_retries: int = 3,
                  _exit_once: str | None = None, **service_kwargs):
+        check_model_dir(resolve_model_path(str(path)), "path", tokenizer=False)  # not in every replica
         ray = _import_ray()
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be at least 1; got {num_replicas}")

@@ -17,6 +17,7 @@ import torch
 from dpocache.cache import namespace_for_module
 from dpocache.groups import Group, collate_groups
 from dpocache.prefix import attention_mask
+from dpocache.reference import ReferenceModel
 from dpocache.service import ReferenceService, base_namespace
 from dpocache.tiny import build_model
 
@@ -645,3 +646,47 @@ def test_temperature_in_the_full_forward_fallback(tiny_models):
     assert (got - naive(model, prompt, comp, temperature=0.5)).abs().max().item() < TOL
     with pytest.raises(ValueError, match="temperature"):
         ReferenceService(model, temperature=0)
+
+
+def test_construction_mistakes_are_one_clear_error(tiny_models, tokenizer, tmp_path):
+    """A missing model directory was transformers' traceback (and, for a pool, every replica's
+    after Ray started); a dtype given as a string, as from_pretrained takes it, a TypeError from
+    inside autocast; a ReferenceModel on the causal backend an AttributeError at the first call."""
+    from dpocache.preflight import UsageError
+
+    with pytest.raises(UsageError, match=f"path {tmp_path / 'nowhere'}: no such directory"):
+        ReferenceService.from_pretrained(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UsageError, match="no config.json"):
+        ReferenceService.from_pretrained(tmp_path / "empty")
+    model = tiny_models["llama"]
+    requests = make_requests(2, 2, seed=33)
+    service = ReferenceService(model, dtype="float32")
+    assert service.reference.dtype == torch.float32
+    assert_matches_naive(model, requests, service.score(requests))
+    causal = ReferenceModel(build_model("llama", tokenizer).eval(), layout="shared", attention="causal")
+    assert causal.layout_choice.attention == "dpocache_causal"
+    with pytest.raises(ValueError, match="attention='sdpa'"):
+        ReferenceService(causal)
+
+
+def test_the_look_aside_cache_removes_temp_files_of_killed_writes(tiny_models, tmp_path):
+    import os
+
+    from dpocache.cache.store import STALE_TEMP_SECONDS
+
+    model = tiny_models["llama"]
+    requests = make_requests(2, 2, seed=34)
+    service = ReferenceService(model, cache_dir=tmp_path)
+    service.score(requests)
+    seq_dir = service.store.dir
+    stale = seq_dir / ".seq-0123456789abcdef.safetensors.0123456789ab.tmp"
+    stale.write_bytes(b"torn")
+    old = os.stat(stale).st_mtime - STALE_TEMP_SECONDS - 60
+    os.utime(stale, (old, old))
+    fresh = seq_dir / ".seq-fedcba9876543210.safetensors.ba9876543210.tmp"
+    fresh.write_bytes(b"a write in progress")
+    again = ReferenceService(model, cache_dir=tmp_path)
+    assert not stale.exists() and fresh.exists()
+    assert_matches_naive(model, requests, again.score(requests))
+    assert again.stats()["cache_hits"] == 4

@@ -33,8 +33,8 @@ import torch
 from safetensors.torch import save as save_safetensors
 
 from ..data import KEY_BYTES
-from .atomic import atomic_write_bytes, atomic_write_text, read_regular_file
-from .store import MAX_SHARD_BYTES, Namespace, non_finite_problem, read_namespaced_shard
+from .atomic import atomic_write_bytes, atomic_write_text, read_regular_file, remove_stale_temps
+from .store import MAX_SHARD_BYTES, STALE_TEMP_SECONDS, Namespace, non_finite_problem, read_namespaced_shard
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,7 @@ class SequenceStore:
             raise ValueError(f"memory_bytes must be at least 0; got {memory_bytes}")
         self.namespace = namespace
         self.dir = Path(root) / namespace.id / SUBDIR
+        remove_stale_temps(self.dir, STALE_TEMP_SECONDS)  # a shard write killed (SIGKILL) long ago
         self.memory_bytes = memory_bytes
         self._shard_of: dict[bytes, str] = {}  # every key on disk -> the shard file holding it
         self._held: OrderedDict[str, dict[bytes, torch.Tensor]] = OrderedDict()  # least recently used first
