@@ -159,21 +159,23 @@ class ReferenceService:
             before the log-softmax, as GRPO and PPO trainers (TRL, verl, OpenRLHF) do for the
             policy and the reference alike, so the KL is 0 where the policy equals the
             reference. Values at another temperature are cached under a namespace of their own.
+            None: 1, or the temperature of the ``ReferenceModel`` given.
     """
 
     def __init__(self, model: nn.Module | ReferenceModel, dtype: torch.dtype = torch.float32,
                  max_tokens: int | None = None, cache_dir: str | Path | None = None, compile: bool = False,
                  namespace: Namespace | None = None, stats_file: str | Path | None = None, layout: str = SHARED,
-                 cache_memory_bytes: int = DEFAULT_MEMORY_BYTES, temperature: float = 1.0):
+                 cache_memory_bytes: int = DEFAULT_MEMORY_BYTES, temperature: float | None = None):
         if isinstance(dtype, str):  # as from_pretrained takes it ("auto": by the model's device)
             dtype = resolve_dtype(dtype, next(model.parameters()).device if isinstance(model, nn.Module) else "cpu")
         self.reference = model if isinstance(model, ReferenceModel) else ReferenceModel(
-            model, dtype, "on" if compile else "off", layout=layout, temperature=temperature)
+            model, dtype, "on" if compile else "off", layout=layout,
+            temperature=1.0 if temperature is None else temperature)
         if self.reference.layout_choice.attention == CAUSAL:
             # Its rows are the training layouts' (SequenceRows); a group row has none to give it.
             raise ValueError("the reference service needs an attention that takes a mask (sdpa, eager or flex); "
                              "this ReferenceModel runs dpocache's causal backend: build it with attention='sdpa'")
-        if self.reference.temperature != temperature:
+        if temperature is not None and self.reference.temperature != temperature:
             raise ValueError(f"temperature={temperature:g}, but the ReferenceModel given divides its logits by "
                              f"{self.reference.temperature:g}: build it with ReferenceModel(..., temperature=...)")
         config = unwrap_causal_lm(self.reference.model).config.get_text_config()
@@ -187,7 +189,8 @@ class ReferenceService:
         self.cache_memory_bytes = cache_memory_bytes
         self.store = None
         if cache_dir is not None:
-            namespace = replace(namespace, temperature=temperature) if namespace else self._namespace_by_content()
+            namespace = (replace(namespace, temperature=self.reference.temperature) if namespace
+                         else self._namespace_by_content())
             self.store = SequenceStore(cache_dir, namespace, cache_memory_bytes)
             self._weights = self._weights_signature()
         self.stats_file = Path(stats_file) if stats_file else None
@@ -209,7 +212,7 @@ class ReferenceService:
         layout = kwargs.pop("layout", SHARED)
         model = ReferenceModel.from_pretrained(base, dtype, device, compile="on" if compile else "off",
                                                layout=layout, adapter=adapter,
-                                               temperature=kwargs.get("temperature", 1.0))
+                                               temperature=_temperature(kwargs))
         namespace = (namespace_for_dir(path, model.dtype, Path(cache_dir), reference) if cache_dir is not None
                      else None)
         return cls(model, max_tokens=max_tokens, cache_dir=cache_dir, namespace=namespace, **kwargs)
@@ -218,7 +221,7 @@ class ReferenceService:
     def from_peft_policy(cls, policy: nn.Module, dtype: torch.dtype = torch.float32, **kwargs) -> "ReferenceService":
         """The policy's base weights, its adapter disabled during every forward. Its namespace is
         that of the base weights alone (the adapter trains; the values do not depend on it)."""
-        reference = ReferenceModel.from_peft_policy(policy, dtype, kwargs.get("temperature", 1.0))
+        reference = ReferenceModel.from_peft_policy(policy, dtype, _temperature(kwargs))
         if kwargs.get("cache_dir") is not None and kwargs.get("namespace") is None:
             kwargs["namespace"] = base_namespace(policy, dtype)
         return cls(reference, **kwargs)
@@ -395,6 +398,12 @@ class ReferenceService:
         self.stats_file.parent.mkdir(parents=True, exist_ok=True)
         with open(self.stats_file, "a", encoding="utf-8") as f:
             f.write(json.dumps({"time": time.time(), "pid": os.getpid(), **self.stats()}) + "\n")
+
+
+def _temperature(service_kwargs: dict) -> float:
+    """The ``temperature`` a constructor's keyword arguments ask for (absent or None: 1)."""
+    value = service_kwargs.get("temperature")
+    return 1.0 if value is None else value
 
 
 def base_namespace(policy: nn.Module, dtype: torch.dtype) -> Namespace:

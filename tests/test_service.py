@@ -644,8 +644,13 @@ def test_temperature_in_the_full_forward_fallback(tiny_models):
     with torch.no_grad():
         got = scorer(ids, torch.ones_like(ids), completion_mask)[0, len(prompt):]
     assert (got - naive(model, prompt, comp, temperature=0.5)).abs().max().item() < TOL
-    with pytest.raises(ValueError, match="temperature"):
+    with pytest.raises(ValueError, match="temperature must be a finite number above 0"):
         ReferenceService(model, temperature=0)
+    # A ReferenceModel brings its own temperature; asking the service for another is refused.
+    hot = ReferenceModel(model, temperature=0.5)
+    assert_matches_naive(model, [request], ReferenceService(hot).score([request]), temperature=0.5)
+    with pytest.raises(ValueError, match="divides its logits by 0.5"):
+        ReferenceService(hot, temperature=1.0)
 
 
 def test_construction_mistakes_are_one_clear_error(tiny_models, tokenizer, tmp_path):
