@@ -35,11 +35,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_vs_trl import flops_of_build, measure_peak  # noqa: E402
 from common import CONFIGS, bench_pairs  # noqa: E402
+from token_budget_ab import timed_pass  # noqa: E402
 
-from dpocache.cache.build import reference_batches, score_batch  # noqa: E402
+from dpocache.cache.build import reference_batches  # noqa: E402
 from dpocache.logprobs import CPU_TILE_ROWS, CPU_TILE_VOCAB, decoder_layers, unwrap_causal_lm  # noqa: E402
 from dpocache.prefix import attention_mask, collate_layout  # noqa: E402
 from dpocache.reference import ReferenceModel  # noqa: E402
+
+CPU = torch.device("cpu")
 
 
 def product_work(reference: ReferenceModel, batches: list) -> list[tuple]:
@@ -83,13 +86,6 @@ def products_pass(reference: ReferenceModel, work: list[tuple]) -> float:
     return time.perf_counter() - start
 
 
-def timed_pass(reference: ReferenceModel, batches: list, budget: int) -> float:
-    start = time.perf_counter()
-    for batch in batches:
-        score_batch(reference, batch, 0, budget)
-    return time.perf_counter() - start
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default="58m", choices=list(CONFIGS))
@@ -102,16 +98,16 @@ def main() -> None:
     flops = flops_of_build(inputs, json.loads((inputs / "info.json").read_text()))
     all_tokens = flops["unique_tokens"]
     executed = flops["executed"] * sum(p.unique_tokens for p in pairs) / all_tokens  # these pairs' share
-    reference = ReferenceModel.from_pretrained(model, "float32", torch.device("cpu"), layout="shared",
+    reference = ReferenceModel.from_pretrained(model, "float32", CPU, layout="shared",
                                                attention="sdpa")
     batches = reference_batches(reference, pairs, args.budget)
     work = product_work(reference, batches)
-    timed_pass(reference, batches[-1:], args.budget)  # warm-up: allocator, first calls
+    timed_pass(reference, batches[-1:], args.budget, CPU)  # warm-up: allocator, first calls
     products_pass(reference, work[-1:])
     seconds: dict[str, list[float]] = {"pass": [], "products": []}
     peaks: list[float] = []
     for r in range(args.rounds):
-        seconds["pass"].append(timed_pass(reference, batches, args.budget))
+        seconds["pass"].append(timed_pass(reference, batches, args.budget, CPU))
         seconds["products"].append(products_pass(reference, work))
         peaks.append(measure_peak("float32", cached=False))  # each round: the machine's speed drifts
         print(f"round {r + 1}: pass {seconds['pass'][-1]:.2f} s, products {seconds['products'][-1]:.2f} s, "

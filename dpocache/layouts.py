@@ -36,6 +36,7 @@ build's JSON summary carry the choice.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any, Callable
 
 PADDED, SHARED, PACKED = "padded", "shared", "packed"  # one row per sequence; one per pair; several pairs a row
 LAYOUTS = ("auto", PADDED, SHARED, PACKED)
@@ -54,6 +55,16 @@ BF16_MATMUL_MODES = ("auto", "native", "fp32-gemm")
 # Attentions that serve the shared and packed layouts: with their custom mask, a dense one (sdpa,
 # eager) or a BlockMask (flex_attention), or with their sequence rows (causal; dpocache.attention).
 BLOCK_MASK_ATTENTION = ("sdpa", "eager", "flex_attention", CAUSAL)
+
+
+def every_layer_slides(get: Callable[[str, Any], Any]) -> bool:
+    """Whether a model slides a window on every layer, its config's fields read through
+    ``get(name, default)`` (a config object's ``getattr``, a ``config.json`` dict's ``get``): a
+    ``sliding_window`` and no ``layer_types`` (Mistral, Mixtral, Phi-3, Starcoder2), unless
+    ``use_sliding_window`` is false (Qwen3-MoE's default). transformers builds such a model's
+    sliding mask from these fields alone (``prefix.sliding_layers``)."""
+    return (get("sliding_window", None) is not None and not get("layer_types", None)
+            and bool(get("use_sliding_window", True)))
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ from . import packing
 from .attention import FLEX_BLOCK, SequenceRows, choose_layout, is_causal, is_flex, row_multiple
 from .batching import collate_pairs, pair_logprobs
 from .data import TokenizedPair
-from .layouts import BLOCK_MASK_ATTENTION, PACKED, PROMPT_SHARING, LayoutChoice
+from .layouts import BLOCK_MASK_ATTENTION, PACKED, PROMPT_SHARING, LayoutChoice, every_layer_slides
 from .logprobs import CompletionLogProbs, unwrap_causal_lm
 from .values import PairValues
 
@@ -218,8 +218,8 @@ def sliding_layers(config) -> tuple[list[str] | None, int | None, bool]:
     window = getattr(config, "sliding_window", None)
     if layer_types:
         return layer_types, (window if "sliding_attention" in layer_types else None), False
-    every_layer = window is not None and getattr(config, "use_sliding_window", True)
-    return None, (window if every_layer else None), bool(every_layer)
+    every_layer = every_layer_slides(lambda name, default: getattr(config, name, default))
+    return None, (window if every_layer else None), every_layer
 
 
 def attention_mask(batch: SharedPromptBatch, config, dtype: torch.dtype = torch.float32):

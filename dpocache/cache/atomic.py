@@ -49,11 +49,7 @@ def atomic_output(path: str | Path) -> Iterator[Path]:
     os.close(fd)
     try:
         yield tmp
-        fd = os.open(tmp, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -74,11 +70,7 @@ def atomic_output_dir(path: str | Path) -> Iterator[Path]:
     try:
         yield tmp
         for file in sorted(p for p in tmp.rglob("*") if p.is_file()):
-            fd = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync_file(file)
         old = None
         if path.exists():
             old = path.with_name(f".{path.name}.{secrets.token_hex(6)}.old")
@@ -90,6 +82,14 @@ def atomic_output_dir(path: str | Path) -> Iterator[Path]:
     _fsync_dir(path.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 # The names _create_temp and atomic_output_dir give: "." + the final name + 12 hex digits.

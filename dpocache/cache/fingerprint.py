@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ..layouts import every_layer_slides
 from .atomic import atomic_write_text, read_regular_file
 
 log = logging.getLogger(__name__)
@@ -116,21 +117,13 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 def config_sha256(config: dict) -> str:
     kept = {k: v for k, v in config.items() if k not in _CONFIG_IGNORED}
-    if every_layer_slides(kept):
+    if every_layer_slides(kept.get):
         # The shared and packed layouts left out the window of these models until the window
         # rule of prefix.sliding_layers: values of sequences longer than the window, stored
         # before, are wrong. A mark of the corrected rule gives them a namespace of their own,
         # so none is served again; every other model keeps its namespace and its values.
         kept["dpocache_window_on_every_layer"] = 1
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def every_layer_slides(config: dict) -> bool:
-    """A config whose model slides on every layer (``prefix.sliding_layers``): a
-    ``sliding_window`` and no ``layer_types`` (Mistral, Mixtral, Phi-3, Starcoder2), unless
-    ``use_sliding_window`` is false (Qwen3-MoE's default)."""
-    return (config.get("sliding_window") is not None and not config.get("layer_types")
-            and bool(config.get("use_sliding_window", True)))
 
 
 def model_dir_fingerprint(model_dir: str | Path, memo: FingerprintMemo) -> dict:
