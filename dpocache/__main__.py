@@ -1,3 +1,3 @@
-from .cli import main
+from dpocache.cli.entry import main
 
 raise SystemExit(main())

@@ -20,12 +20,19 @@ from typing import Any
 
 import yaml
 
-from .allocator import ENV as CPU_ALLOCATOR_ENV
-from .allocator import MODES as CPU_ALLOCATOR_MODES
-from .layouts import ATTENTIONS, BF16_MATMUL_ENV, BF16_MATMUL_MODES, CAUSAL_SDPA_ENV, CAUSAL_SDPA_MODES, COMPILES
-from .layouts import LAYOUTS
+from dpocache.runtime.allocator import ENV as CPU_ALLOCATOR_ENV
+from dpocache.runtime.allocator import MODES as CPU_ALLOCATOR_MODES
+from dpocache.scoring.layout_choice import (
+    ATTENTIONS,
+    BF16_MATMUL_ENV,
+    BF16_MATMUL_MODES,
+    CAUSAL_SDPA_ENV,
+    CAUSAL_SDPA_MODES,
+    COMPILES,
+    LAYOUTS,
+)
 
-# torch (and dpocache.losses, which needs it) is imported by validate() and help_text() only:
+# torch (and dpocache.losses.formulas, which needs it) is imported by validate() and help_text() only:
 # 1.5 s of imports that reading the options and checking the paths they name do not need.
 
 
@@ -54,7 +61,7 @@ class LoraConfig:
 class DataConfig:
     train: str | None = None  # preference data for training
     eval: str | None = None  # held-out preference data
-    max_length: int | None = 1024  # tokens of prompt + completion (see dpocache.data for the rule)
+    max_length: int | None = 1024  # tokens of prompt + completion (see dpocache.data.pairs for the rule)
     max_prompt_length: int | None = None  # tokens the prompt keeps at least when truncating (None: max_length // 2)
     skip_invalid: bool = False  # skip bad rows (reported) instead of failing
     prompt_field: str = "prompt"  # the column holding the prompt (e.g. question)
@@ -124,7 +131,7 @@ class TrainLoopConfig:
 class CacheConfig:
     dir: str | None = None  # default: $DPOCACHE_CACHE_DIR, else $XDG_CACHE_HOME/dpocache, else ~/.cache/dpocache
     max_tokens: int | None = None  # padded tokens per reference forward (None: cache.build.default_max_tokens)
-    layout: str = "auto"  # reference pass: auto | shared (each prompt once) | packed | padded (dpocache.layouts)
+    layout: str = "auto"  # reference pass: auto | shared (each prompt once) | packed | padded (scoring.layout_choice)
     shard_size: int = 4096  # pairs per cache shard (a shard is also flushed every 60 s)
 
 
@@ -213,7 +220,7 @@ def flag_name(dotted: str) -> str:
 
 
 def _validate_loss(loss: LossConfig) -> None:
-    from .losses import check_loss_values, check_params_read, parse_loss_spec  # noqa: PLC0415 - see the note on torch above
+    from dpocache.losses.formulas import check_loss_values, check_params_read, parse_loss_spec  # noqa: PLC0415 - see the note on torch above
 
     if not (loss.beta > 0 and math.isfinite(loss.beta)):  # also catches NaN
         raise ConfigError(f"{flag_name('loss.beta')}: must be a finite number > 0, got {loss.beta}")
@@ -296,7 +303,7 @@ def _validate_counts(cfg: Config) -> None:
 
 def validate_environment() -> None:
     """The environment variables dpocache reads whose values are a choice (every command checks
-    them first: ``dpocache.cli``)."""
+    them first: ``dpocache.cli.entry``)."""
     for name, modes in ((CAUSAL_SDPA_ENV, CAUSAL_SDPA_MODES), (CPU_ALLOCATOR_ENV, CPU_ALLOCATOR_MODES),
                         (BF16_MATMUL_ENV, BF16_MATMUL_MODES)):
         value = os.environ.get(name)
@@ -475,7 +482,7 @@ def help_text(sections: tuple[str, ...] | None = None, fields: tuple[str, ...] =
         if dotted in described:
             lines.append(f"      {described[dotted]}")
     if sections is None or "loss" in sections:
-        from .losses import LOSSES  # noqa: PLC0415 - see the note on torch above
+        from dpocache.losses.formulas import LOSSES  # noqa: PLC0415 - see the note on torch above
 
         lines += ["", "Losses (--loss NAME, or a weighted sum such as sigmoid:1,sft:0.1):", "  " + ", ".join(LOSSES)]
     return "\n".join(lines)

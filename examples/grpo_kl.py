@@ -1,6 +1,6 @@
 """A tiny GRPO loop with the reference as a service: minutes on a CPU, nothing downloaded.
 
-The task is the demo's (``dpocache.demo``): the prompt is a list of numbers, a good completion
+The task is the demo's (``dpocache.training.demo``): the prompt is a list of numbers, a good completion
 is the list sorted. Each step the policy samples G = 8 completions per prompt, a rule scores
 them, the group-normalised rewards are the advantages (GRPO, Shao et al. 2024, arXiv
 2402.03300), the ``ReferenceService`` returns the reference's per-token log-probs of every
@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dpocache.groups import Group, collate_sequences, per_sequence
-from dpocache.logprobs import CompletionLogProbs
-from dpocache.loading import disable_dropout
-from dpocache.service import ReferencePool, ReferenceService
-from dpocache.tiny import save_tiny_model
+from dpocache.scoring.groups import Group, collate_sequences, per_sequence
+from dpocache.scoring.logprobs import CompletionLogProbs
+from dpocache.models.loading import disable_dropout
+from dpocache.service.reference_service import ReferencePool, ReferenceService
+from dpocache.models.tiny import save_tiny_model
 
 
 def parse_args() -> argparse.Namespace:

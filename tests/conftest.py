@@ -58,7 +58,7 @@ def make_rows_fixture():
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from dpocache.tiny import build_tokenizer
+    from dpocache.models.tiny import build_tokenizer
 
     return build_tokenizer()
 
@@ -66,7 +66,7 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def tiny_models(tokenizer):
     """``arch -> model`` built from config (fp32, eval mode); callers must not mutate them."""
-    from dpocache.tiny import ARCHITECTURES, build_model
+    from dpocache.models.tiny import ARCHITECTURES, build_model
 
     models = {}
     for arch in ARCHITECTURES:
@@ -77,7 +77,7 @@ def tiny_models(tokenizer):
 
 
 def _save_model(out: Path, tokenizer, arch: str, seed: int) -> Path:
-    from dpocache.tiny import build_model
+    from dpocache.models.tiny import build_model
 
     out.mkdir(parents=True, exist_ok=True)
     build_model(arch, tokenizer, seed=seed).save_pretrained(out)
@@ -104,7 +104,7 @@ def pref_rows() -> list[dict]:
 
 @pytest.fixture(scope="session")
 def pref_jsonl(tmp_path_factory, pref_rows) -> Path:
-    from dpocache.data import write_jsonl
+    from dpocache.data.pairs import write_jsonl
 
     return write_jsonl(pref_rows, tmp_path_factory.mktemp("data") / "prefs.jsonl")
 
@@ -112,7 +112,7 @@ def pref_jsonl(tmp_path_factory, pref_rows) -> Path:
 @pytest.fixture(scope="module")
 def data(tokenizer, pref_jsonl):
     """The generated preference set, read and tokenized (``PreferenceData``)."""
-    from dpocache.data import load_preference_data
+    from dpocache.data.pairs import load_preference_data
 
     return load_preference_data(pref_jsonl, tokenizer, show_progress=False)
 
@@ -120,7 +120,7 @@ def data(tokenizer, pref_jsonl):
 @pytest.fixture(scope="module")
 def reference(model_dir):
     """The saved tiny model as an fp32 CPU ``ReferenceModel``."""
-    from dpocache.reference import ReferenceModel
+    from dpocache.models.reference import ReferenceModel
 
     return ReferenceModel.from_pretrained(model_dir, "float32", device="cpu")
 
@@ -128,7 +128,7 @@ def reference(model_dir):
 @pytest.fixture
 def cli(capsys):
     """Run ``dpocache ARGS`` in-process; returns (exit code, stdout, stderr)."""
-    from dpocache.cli import main
+    from dpocache.cli.entry import main
 
     def run(*args):
         rc = main([str(a) for a in args])

@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 
 import dpocache
-from dpocache.batching import collate_pairs
-from dpocache.data import load_preference_data
-from dpocache.logprobs import CompletionLogProbs
+from dpocache.scoring.padded import collate_pairs
+from dpocache.data.pairs import load_preference_data
+from dpocache.scoring.logprobs import CompletionLogProbs
 
 PACKAGE = Path(dpocache.__file__).parent
 
@@ -83,12 +83,12 @@ def test_dead_config_and_globals_are_gone():
     """The reference pass counts its passes in the build's summary (tests/test_train.py), not in
     a process-global counter. Cache defaults live once, in the config. (``model.compile``, once
     an unread field, is read now: tests/test_compiling.py.)"""
-    import dpocache.reference
+    import dpocache.models.reference
     from dpocache.cache.build import CPU_MAX_TOKENS, GPU_MAX_TOKENS, build_missing, default_max_tokens
     from dpocache.cache.store import DEFAULT_SHARD_PAIRS, CacheStore
     from dpocache.config import CacheConfig
 
-    assert not hasattr(dpocache.reference, "FORWARD_PASSES")
+    assert not hasattr(dpocache.models.reference, "FORWARD_PASSES")
     assert DEFAULT_SHARD_PAIRS == CacheConfig.shard_size
     # The token budget has no one default: each device's is chosen where the reference is loaded.
     assert CacheConfig.max_tokens is None and inspect.signature(build_missing).parameters["max_tokens"].default is None

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dpocache.cli import main as cli_main
+from dpocache.cli.entry import main as cli_main
 from dpocache.config import ALIASES, Config, ConfigError, build_config, field_types
 
 REPO = Path(__file__).resolve().parents[1]
@@ -172,7 +172,7 @@ def test_there_are_shipped_configs():
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[str(p.relative_to(REPO)) for p in SHIPPED])
 def test_every_shipped_yaml_parses(path):
-    from dpocache.losses import check_params_read, parse_loss_spec
+    from dpocache.losses.formulas import check_params_read, parse_loss_spec
 
     cfg = build_config(path)
     # the loss it names exists, its params are valid and each is read by a loss of the spec
@@ -187,7 +187,7 @@ def test_distributed_backend_mistake_is_a_config_error_before_the_group_starts(m
     or ValueError from init_process_group: a traceback on every rank, exit 1."""
     import torch.distributed as dist
 
-    from dpocache.distributed import init_distributed
+    from dpocache.distributed.process_group import init_distributed
 
     monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it; the check comes before any rendezvous
     with pytest.raises(ConfigError, match=f"--distributed.backend {backend}: {fragment}"):

@@ -43,14 +43,14 @@ def one_thread():
 @pytest.fixture(scope="session")
 def base_model(tmp_path_factory) -> Path:
     """A tiny Llama and its tokenizer, saved as a Hugging Face model directory."""
-    from dpocache.tiny import save_tiny_model
+    from dpocache.models.tiny import save_tiny_model
 
     return _once("base_model", lambda: save_tiny_model(tmp_path_factory.mktemp("train-base-model"), "llama"))
 
 
 def _rows_file(tmp_path_factory, name: str, n: int, seed: int) -> Path:
-    from dpocache.data import write_jsonl
-    from dpocache.demo import sorting_pairs
+    from dpocache.data.pairs import write_jsonl
+    from dpocache.training.demo import sorting_pairs
 
     return _once(name, lambda: write_jsonl(sorting_pairs(n, seed),
                                            tmp_path_factory.mktemp("train-data") / f"{name}.jsonl"))
@@ -80,13 +80,13 @@ def flags(model: Path, data: Path, out: Path, cache: Path, *extra: str) -> list[
 def run_training(*args: str) -> dict:
     """``build_config(None, args)`` then ``train``; returns the run summary."""
     from dpocache.config import build_config
-    from dpocache.train import train
+    from dpocache.training.loop import train
 
     return train(build_config(None, list(args)))
 
 
 def records(out: Path) -> list[dict]:
-    from dpocache.metrics import read_metrics
+    from dpocache.training.metrics import read_metrics
 
     return read_metrics(out)
 
@@ -128,8 +128,8 @@ def interrupted_then_resumed(tmp_path: Path, base_model: Path, train_jsonl: Path
 
     B's first attempt would be the same deterministic run as A, so B starts as a copy of A's
     directory (half the test's time); B's steps 5..8 all come from the resumed run."""
-    from dpocache import metrics
-    from dpocache.checkpoint import STATE_FILE, latest_checkpoint
+    from dpocache.training import metrics
+    from dpocache.models.checkpoint import STATE_FILE, latest_checkpoint
 
     common = ("--max-steps", str(RESUME_STEPS), "--save-steps", "4", *extra)
     a, b = tmp_path / "a", tmp_path / "b"

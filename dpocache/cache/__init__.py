@@ -1,12 +1,15 @@
-"""The persistent, content-addressed reference cache (see docs/ARCHITECTURE.md and ``store``)."""
+"""The persistent, content-addressed reference cache (docs/cache.md): the store and its
+namespaces (``store``), the build (``build``), the look-aside cache of single sequences
+(``sequences``), exports (``export``)."""
 
-from .build import (
-    BuildSummary, build_missing, default_cache_dir, export_rows, namespace_for_dir, namespace_for_module, verify,
-)
-from ..values import PairValues
-from .store import CacheError, CacheStore, CorruptShard, MissingReferenceError, Namespace
+from dpocache.imports import lazy_surface
 
-__all__ = [
-    "BuildSummary", "CacheError", "CacheStore", "CorruptShard", "MissingReferenceError", "Namespace", "PairValues",
-    "build_missing", "default_cache_dir", "export_rows", "namespace_for_dir", "namespace_for_module", "verify",
-]
+__getattr__, __dir__, __all__ = lazy_surface(__name__, {
+    "dpocache.cache.build": [
+        "BuildOptions", "BuildSummary", "build_missing", "default_cache_dir", "export_rows",
+        "namespace_for_dir", "namespace_for_module", "verify"
+    ],
+    "dpocache.data.values": ["PairValues"],
+    "dpocache.cache.store": ["CacheError", "CacheStore", "CorruptShard", "MissingReferenceError", "Namespace"],
+    "dpocache.cache.sequences": ["SequenceStore"],
+})

@@ -23,17 +23,24 @@ from typing import Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from ..batching import PairBatch, collate_pairs, token_budget_batches
-from ..data import TokenizedPair
-from ..distributed import DistEnv, barrier, broadcast_object, differing_on_ranks, reduce_counts, split_by_weight
-from ..hub_ids import local_base_dir
-from ..layouts import PADDED, PROMPT_SHARING
-from ..prefix import score_batch_shared
-from ..reference import ReferenceModel, dtype_name
-from ..signals import StopRequest, stop_signals
-from ..values import PairValues
-from .fingerprint import FingerprintMemo, default_memo_path, model_dir_fingerprint, module_fingerprint
-from .store import DEFAULT_SHARD_PAIRS, CacheError, CacheStore, CorruptShard, Namespace
+from dpocache.cache.fingerprint import FingerprintMemo, default_memo_path, model_dir_fingerprint, module_fingerprint
+from dpocache.cache.store import DEFAULT_SHARD_PAIRS, CacheError, CacheStore, CorruptShard, Namespace
+from dpocache.data.pairs import TokenizedPair
+from dpocache.data.values import PairValues
+from dpocache.distributed.process_group import (
+    DistEnv,
+    barrier,
+    broadcast_object,
+    differing_on_ranks,
+    reduce_counts,
+    split_by_weight,
+)
+from dpocache.models.hub_ids import local_base_dir
+from dpocache.models.reference import ReferenceModel, dtype_name
+from dpocache.runtime.signals import StopRequest, stop_signals
+from dpocache.scoring.layout_choice import PADDED, PROMPT_SHARING
+from dpocache.scoring.padded import PairBatch, collate_pairs, token_budget_batches
+from dpocache.scoring.shared import score_batch_shared
 
 # Padded token slots per reference forward when none is given (``--max-tokens``), by device.
 # The CPU's: on the 2-core bench CPU (32 MiB L3) the 58m fp32 pass ran 1.18x faster at 1024 than
@@ -158,10 +165,10 @@ class BuildSummary:
     corrupt_shards: list[str] = field(default_factory=list)
     world_size: int = 1  # processes that shared the work (the counts above are their totals)
     interrupted: int = 0  # the signal that stopped the build (0: it ran to the end)
-    # The reference pass's layout (dpocache.layouts.LayoutChoice.to_json: requested, used,
+    # The reference pass's layout (dpocache.scoring.layout_choice.LayoutChoice.to_json: requested, used,
     # attention, reason); None when no pass ran (every pair was cached).
     layout: dict | None = None
-    compiled_layers: int = 0  # decoder layers the reference pass ran compiled (dpocache.compiling)
+    compiled_layers: int = 0  # decoder layers the reference pass ran compiled (dpocache.scoring.compiling)
     max_tokens: int | None = None  # the token budget of its forwards (None when no pass ran)
 
     def to_json(self) -> dict:
@@ -383,7 +390,7 @@ def build_distributed(
     others are done (or stopped too), every rank's shards are in the manifest and every rank
     raises ``signals.Interrupted``.
 
-    ``sharded``: ``load_reference`` returns a ``dpocache.sharded.ShardedReference`` (its
+    ``sharded``: ``load_reference`` returns a ``dpocache.distributed.sharded_reference.ShardedReference`` (its
     weights sharded over the ranks), loaded on every rank and drained (``build_share_sharded``).
     """
     # Every rank stops at the same place: a stop signal (torchrun forwards SIGTERM to every
@@ -423,8 +430,8 @@ def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_refere
             return score_missing(store, mine, load, stop, update_manifest=not env.enabled, **kwargs)
 
         if sharded and env.enabled:
-            # Here, not at the top: dpocache.sharded imports this package (its probes and score_batch).
-            from ..sharded import build_share_sharded  # noqa: PLC0415
+            # Here, not at the top: the sharded reference imports this package (its probes and score_batch).
+            from dpocache.distributed.sharded_reference import build_share_sharded  # noqa: PLC0415
 
             local = build_share_sharded(build_share, load_reference, bool(todo_keys), kwargs["pad_id"])
         else:

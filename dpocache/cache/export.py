@@ -38,12 +38,11 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from ..cache_args import EXPORT_FORMATS as FORMATS
-from ..data import TokenizedPair, read_rows
-from ..preflight import UsageError
-from .atomic import atomic_output, atomic_output_dir
-from .store import CacheStore
-
+from dpocache.cache.atomic import atomic_output, atomic_output_dir
+from dpocache.cache.store import CacheStore
+from dpocache.cli.cache_args import EXPORT_FORMATS as FORMATS
+from dpocache.data.pairs import TokenizedPair, read_rows
+from dpocache.runtime.preflight import UsageError
 
 # The column names of TRL 1.x DPOTrainer's precomputed reference (which it fills itself, see above).
 REF_CHOSEN, REF_REJECTED = "ref_chosen_logps", "ref_rejected_logps"

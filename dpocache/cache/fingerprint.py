@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from ..layouts import every_layer_slides
-from .atomic import atomic_write_text, read_regular_file
+from dpocache.cache.atomic import atomic_write_text, read_regular_file
+from dpocache.scoring.layout_choice import every_layer_slides
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from .. import __version__
-from .atomic import atomic_write_text, read_regular_file
-from .fingerprint import config_sha256
+from dpocache import __version__
+from dpocache.cache.atomic import atomic_write_text, read_regular_file
+from dpocache.cache.fingerprint import config_sha256
 
 PROBES_FILE = "probes.json"
 MAX_PROBES_BYTES = 16 << 20  # about 200,000 verdicts

@@ -1,5 +1,5 @@
 """Per-token reference values of single sequences ``prompt + completion``: the look-aside cache of
-``dpocache.service``.
+``dpocache.service.reference_service``.
 
 The same content-addressed scheme as the pair cache (``store.py``): one directory per
 ``Namespace`` (weights, config, dtype), safetensors shards named by the start of their own
@@ -32,9 +32,15 @@ from typing import Sequence
 import torch
 from safetensors.torch import save as save_safetensors
 
-from ..data import KEY_BYTES
-from .atomic import atomic_write_bytes, atomic_write_text, read_regular_file, remove_stale_temps
-from .store import MAX_SHARD_BYTES, STALE_TEMP_SECONDS, Namespace, non_finite_problem, read_namespaced_shard
+from dpocache.cache.atomic import atomic_write_bytes, atomic_write_text, read_regular_file, remove_stale_temps
+from dpocache.cache.store import (
+    MAX_SHARD_BYTES,
+    STALE_TEMP_SECONDS,
+    Namespace,
+    non_finite_problem,
+    read_namespaced_shard,
+)
+from dpocache.data.pairs import KEY_BYTES
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ Shard tensors (n pairs; per-token arrays only in per-token shards)::
     chosen_token_logps   (sum chosen_tokens,)   float32, pair after pair
     rejected_token_logps (sum rejected_tokens,) float32
 
-Besides ``keys``, a shard holds the fields of ``dpocache.values.PairValues`` under their own
+Besides ``keys``, a shard holds the fields of ``dpocache.data.values.PairValues`` under their own
 names, as its ``stored`` declarations say: this module reads, checks and writes them from those
 declarations, so a field added there is cached with no change here.
 """
@@ -51,11 +51,17 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from ..config import CacheConfig
-from ..data import KEY_BYTES
-from ..values import PairValues
-from .atomic import (UnsafeFileError, atomic_write_bytes, atomic_write_text, locked, read_regular_file,
-                     remove_stale_temps)
+from dpocache.cache.atomic import (
+    UnsafeFileError,
+    atomic_write_bytes,
+    atomic_write_text,
+    locked,
+    read_regular_file,
+    remove_stale_temps,
+)
+from dpocache.config import CacheConfig
+from dpocache.data.pairs import KEY_BYTES
+from dpocache.data.values import PairValues
 
 SCHEMA_VERSION = 1
 # A temp file older than this was left by a writer that died mid-write (a shard is written in
@@ -94,7 +100,7 @@ class Namespace:
     dtype: str
     model: str = ""  # where the weights were read from: for people, not hashed
     schema: int = SCHEMA_VERSION
-    # The sampling temperature the logits are divided by (online RL: dpocache.service). Hashed,
+    # The sampling temperature the logits are divided by (online RL: dpocache.service.reference_service). Hashed,
     # and recorded, only when it is not 1, so every other namespace keeps its id.
     temperature: float = 1.0
 

@@ -32,11 +32,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ..cache.build import build_missing, default_cache_dir, namespace_for_dir, reference_source
-from ..cache.store import CacheStore
-from ..data import TokenizedPair, example_key
-from ..loading import checkpoint_files
-from ..reference import DTYPES, ReferenceModel, default_device, dtype_name, resolve_dtype
+from dpocache.cache.build import build_missing, default_cache_dir, namespace_for_dir, reference_source
+from dpocache.cache.store import CacheStore
+from dpocache.data.pairs import TokenizedPair, example_key
+from dpocache.models.loading import checkpoint_files
+from dpocache.models.reference import DTYPES, ReferenceModel, default_device, dtype_name, resolve_dtype
 
 SUPPORTED_TRL = ("1.16.",)  # versions whose DPOTrainer internals this subclass was checked against
 

@@ -1,0 +1,232 @@
+"""``dpocache cache build|info|verify|export``: argument handling and printing only; the work
+is in ``dpocache.cache``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from dpocache.cache import CacheError, CacheStore, default_cache_dir, export_rows, namespace_for_dir, verify
+from dpocache.cache.atomic import atomic_output
+from dpocache.cache.build import (
+    build_distributed,
+    namespace_dirs,
+    open_namespace_dir,
+    reference_source,
+    reference_weights_dir,
+)
+from dpocache.cache.probes import ProbeMemo
+from dpocache.data.pairs import PreferenceData, load_preference_data
+from dpocache.distributed.process_group import destroy, init_distributed
+from dpocache.distributed.sharded_reference import reference_loader
+from dpocache.models.reference import ReferenceModel, default_device, dtype_name, resolve_dtype
+from dpocache.runtime.preflight import (
+    UsageError,
+    check_output,
+    check_writable_dir,
+    disk_errors,
+    model_context,
+    model_vocab_size,
+)
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def load_tokenizer(model_path: str | Path):
+    from transformers import AutoTokenizer
+
+    path = Path(model_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError):
+        # A PEFT adapter directory may hold no tokenizer; its base does.
+        tokenizer = AutoTokenizer.from_pretrained(str(reference_weights_dir(path)))
+    if len(tokenizer) == 0:  # transformers builds an empty one from a directory without a vocabulary
+        raise UsageError(f"--model {path}: the tokenizer there has an empty vocabulary")
+    return tokenizer
+
+
+def _load_data(args, tokenizer, verbose: bool = True, source: str | None = None) -> PreferenceData:
+    cfg = args.cfg
+    data = load_preference_data(source or args.data, tokenizer, args.max_length, args.max_prompt_length,
+                                args.skip_invalid, show_progress=verbose, columns=cfg.data.columns(),
+                                context=model_context(args.model), vocab_size=model_vocab_size(args.model))
+    if data.skipped and verbose:
+        print(f"skipped {len(data.skipped)} invalid rows:", file=sys.stderr)
+        for s in data.skipped[:20]:
+            print(f"  {s}", file=sys.stderr)
+        if len(data.skipped) > 20:
+            print(f"  ... and {len(data.skipped) - 20} more", file=sys.stderr)
+    return data
+
+
+def _open_store(args, device, open_now: bool = True, verbose: bool = True) -> tuple[CacheStore, torch.dtype]:
+    dtype = resolve_dtype(args.dtype, device)
+    if args.dtype == "auto" and verbose:
+        print(f"dtype: {dtype_name(dtype)} (auto, chosen for {device.type})", file=sys.stderr)
+    cache_dir = args.cache_dir or default_cache_dir()
+    reading = args.cache_command != "build"  # verify and export only read the cache
+    store = CacheStore(cache_dir, namespace_for_dir(args.model, dtype, cache_dir, args.reference, read_only=reading))
+    if open_now:
+        store.open()
+        for bad in store.corrupt:
+            print(f"corrupt shard {store.dir / bad.file}: {bad.reason}; not loaded", file=sys.stderr)
+    return store, dtype
+
+
+def _load_reference(args, dtype, device) -> ReferenceModel:
+    """``--model`` as the reference, whole in this process (``--reference``: an adapter directory
+    with its adapter on, or its base)."""
+    base, adapter = reference_source(args.model, args.reference)
+    return ReferenceModel.from_pretrained(base, dtype, device, layout=args.layout, adapter=adapter,
+                                          attention=args.attention, compile=args.compile)
+
+
+def cmd_build(args) -> int:
+    """Under torchrun every rank scores its token-balanced share of the missing pairs
+    (``build_distributed``); rank 0 prints the totals."""
+    env = init_distributed(args.device)
+    try:
+        tokenizer = load_tokenizer(args.tokenizer)
+        data = _load_data(args, tokenizer, verbose=env.is_main)
+        pairs = data.pairs
+        if args.eval_data:  # a config's eval set is cached too, as train would
+            pairs = pairs + _load_data(args, tokenizer, verbose=env.is_main, source=args.eval_data).pairs
+        store, dtype = _open_store(args, env.device, open_now=False, verbose=env.is_main)
+        base, adapter = reference_source(args.model, args.reference)
+        load = reference_loader(base, dtype, env, args.layout, sharded=args.fsdp, adapter=adapter,
+                                attention=args.attention, probe_memo=ProbeMemo(store.root), compile=args.compile)
+        summary = build_distributed(
+            store, pairs, load, env, pad_id=tokenizer.pad_token_id or 0,
+            per_token=args.per_token, max_tokens=args.max_tokens, shard_pairs=args.shard_size,
+            sharded=args.fsdp,
+        )
+        if env.is_main:
+            _print_build_summary(args, summary, store, dtype, data)
+    finally:
+        destroy(env)
+    return 0
+
+
+def _print_build_summary(args, s, store: CacheStore, dtype: torch.dtype, data: PreferenceData) -> None:
+    for bad in s.corrupt_shards:
+        print(f"corrupt shard {store.dir / bad}; not loaded", file=sys.stderr)
+    ranks = f" on {s.world_size} ranks" if s.world_size > 1 else ""
+    print(f"pairs {s.pairs} (unique {s.unique}): computed {s.computed}{ranks}, reused {s.reused}")
+    print(f"rows: {data.truncated} truncated to max_length={args.max_length}, {data.identical} with chosen == "
+          f"rejected, {len(data.skipped)} skipped")
+    print(f"tokens {s.tokens} in {s.seconds:.1f} s ({s.tokens_per_s:.0f} tokens/s), "
+          f"peak memory {_human_bytes(s.peak_memory_bytes)}"
+          + (" (largest rank)" if s.world_size > 1 else ""))
+    print(f"cache {s.cache_dir} (dtype {dtype_name(dtype)}, {len(store)} pairs stored, "
+          f"{_human_bytes(store.size_bytes())})")
+    if args.json:
+        out = s.to_json()
+        out.update(skipped=len(data.skipped), truncated=data.truncated, identical=data.identical)
+        print(json.dumps(out))
+
+
+def cmd_info(args) -> int:
+    cache_dir = args.cache_dir or default_cache_dir()
+    dirs = namespace_dirs(cache_dir)
+    if not dirs:
+        print(f"{cache_dir}: no cached namespaces")
+        return 0
+    status = 0
+    for ns_dir in dirs:
+        store = open_namespace_dir(ns_dir)
+        ns = store.namespace
+        per_token = sum(s.info.pairs for s in store.shards if s.info.per_token)
+        print(f"{ns_dir.name}  model {ns.model}  dtype {ns.dtype}  pairs {len(store)} (per-token {per_token})  "
+              f"shards {len(store.shards)}  size {_human_bytes(store.size_bytes())}")
+        for bad in store.corrupt:
+            print(f"  CORRUPT {ns_dir / bad.file}: {bad.reason}")
+            status = 1
+    return status
+
+
+def cmd_verify(args) -> int:
+    device = torch.device(args.device) if args.device else default_device()
+    tokenizer = load_tokenizer(args.tokenizer)
+    data = _load_data(args, tokenizer)
+    store, dtype = _open_store(args, device)
+    reference = _load_reference(args, dtype, device)
+    report = verify(store, data.pairs, reference, args.samples, args.seed, tokenizer.pad_token_id or 0,
+                    args.max_tokens)
+    print(f"checked {report.checked} pairs: max |stored - recomputed| = {report.max_abs_diff:.3g}")
+    for line in report.mismatches:
+        print(f"MISMATCH {line}")
+    for bad in report.corrupt_shards:
+        print(f"CORRUPT {store.dir / bad.file}: {bad.reason}")
+    if report.missing:
+        print(f"MISSING {report.missing} pairs of the data have no cached value (run dpocache cache build)")
+    print("OK" if report.ok else "FAILED")
+    return 0 if report.ok else 1
+
+
+def truncation_warning(data: PreferenceData, max_length: int | None, max_prompt_length: int | None,
+                       fmt: str | None) -> str | None:
+    """The one-line warning of an export whose data has rows dpocache truncated; None if none.
+    ``fmt``: ``--format`` (None: the cache's own JSON lines, whose --with-ids shows the tokens)."""
+    if not data.truncated:
+        return None
+    marked = {None: "--with-ids shows the tokens scored", "safetensors": "tensor 'truncated' marks them"}
+    floor = max_prompt_length if max_prompt_length is not None else max_length // 2
+    return (f"warning: {data.truncated} of {len(data)} rows exceed --max-length {max_length} and were scored as "
+            f"dpocache truncates them (the prompt keeps its end, {floor} tokens or more where it has them, the "
+            "completions their start); TRL 1.16's collator keeps the start of prompt + completion instead (and "
+            "drops rows whose prompt fills max_length), so these rows' exported values belong to other tokens than "
+            f"TRL would train on ({marked.get(fmt, 'column dpocache_truncated marks them')})")
+
+
+def cmd_export(args) -> int:
+    device = torch.device(args.device) if args.device else default_device()
+    tokenizer = load_tokenizer(args.tokenizer)
+    data = _load_data(args, tokenizer)
+    # Said before the values are read, so that it shows even when the export then fails.
+    warning = truncation_warning(data, args.max_length, args.max_prompt_length, args.format)
+    if warning:
+        print(warning, file=sys.stderr)
+    store, _ = _open_store(args, device)
+    out: Path = args.out
+    if args.format is not None:
+        from dpocache.cache.export import export
+
+        print(f"wrote {export(args.format, out, args.data, store, data.pairs)} rows to {out} ({args.format})")
+        return 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_output(out) as tmp, open(tmp, "w", encoding="utf-8") as f:  # no torn file if stopped
+        for row in export_rows(store, data.pairs, args.with_ids):
+            f.write(json.dumps(row) + "\n")
+    print(f"wrote {len(data.pairs)} rows to {out}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """``args``: from ``dpocache.cli.cache_args.parse_args`` (the configuration, paths checked)."""
+    if args.cache_command != "build" and int(os.environ.get("RANK", "0")) != 0:
+        return 0  # only build shares its work across torchrun's ranks; the others run once, on rank 0
+    if args.cache_command == "build":
+        check_writable_dir(args.cache_dir or default_cache_dir(), "--cache-dir")
+    if args.cache_command == "export":
+        check_output(args.out, "--out", {"--data": args.data, "--model": args.model, "--tokenizer": args.tokenizer},
+                     directory=args.format == "datasets")
+        check_writable_dir(args.out.parent, "--out")
+    commands = {"build": cmd_build, "info": cmd_info, "verify": cmd_verify, "export": cmd_export}
+    try:
+        with disk_errors(cache_dir=args.cache_dir or default_cache_dir()):
+            return commands[args.cache_command](args)
+    except CacheError as err:  # a missing value, or a distributed build that left holes
+        print(f"dpocache cache {args.cache_command}: error: {err}", file=sys.stderr)
+        return 1

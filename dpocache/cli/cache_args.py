@@ -1,0 +1,134 @@
+"""``dpocache cache build|info|verify|export``: the options, read into the same typed
+configuration as ``dpocache train`` (``dpocache.config``) plus each command's own few. The paths
+are checked before torch is even imported, so a wrong ``--model`` costs a fraction of a second."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from dpocache.config import Config, build_config, help_text, parse_overrides
+from dpocache.models.hub_ids import resolve_model_path
+from dpocache.runtime.preflight import UsageError, check_data_path, check_model_dir
+
+# Each command's own options, which are not configuration: name -> (type, default, help).
+# cache export's formats (dpocache.cache.export writes them); here so that checking a flag imports no torch.
+EXPORT_FORMATS = ("jsonl", "parquet", "datasets", "safetensors")
+OPTIONS = {
+    "build": {"per_token": (bool, False, "also store per-token log-probs"),
+              "json": (bool, False, "print the summary as one JSON object on the last line")},
+    "info": {},
+    "verify": {"samples": (int, 32, "pairs recomputed and compared with the cache"),
+               "seed": (int, 0, "which pairs are sampled")},
+    "export": {"out": (Path, None, "the file to write, or with --format datasets the directory (required)"),
+               "with_ids": (bool, False, "include the token ids the values were computed on (the cache's own "
+                                         "JSON lines only: refused with --format)"),
+               "format": (str, None, "the input rows plus ref_chosen_logps/ref_rejected_logps as "
+                                     f"{', '.join(EXPORT_FORMATS)} (default: the cache's own JSON lines)")},
+}
+# The short flags the cache commands had before they read the configuration, kept working.
+CACHE_ALIASES = {"layout": "cache.layout"}
+# --help shows the model, data and cache sections, plus FSDP (cache build reads it), less what
+# only training reads (the policy's attention kernel and activation checkpointing).
+HELP_FIELDS = {"build": ("distributed.fsdp",)}
+HELP_EXCLUDE = ("model.attn_implementation", "model.gradient_checkpointing")
+USAGE = """usage: dpocache cache {command} [CONFIG.yaml] [--key value ...]
+
+{text}.
+Settings are those of `dpocache train`: the same YAML file, --section.field flags and defaults
+(--model is the reference model unless model.ref_model is set; --data the data to cache).
+
+Example:
+  dpocache cache {command} configs/lora-single-gpu.yaml --model ./sft --data prefs.jsonl
+
+Options of this command:
+{options}
+
+Fields:
+{fields}"""
+TEXTS = {"build": "Compute the reference log-probs the cache lacks", "info": "List the cache's namespaces",
+         "verify": "Check every shard's checksum and recompute a sample",
+         "export": "Write the cached values of every row, in data order: the cache's own JSON lines, or with "
+                   "--format the input rows plus TRL's reference columns (jsonl, parquet, datasets) or index-aligned "
+                   "tensors (safetensors)"}
+
+
+def parse_args(command: str, rest: list[str]) -> argparse.Namespace | None:
+    """The typed configuration plus this command's options, as the attributes the commands
+    read (``args.model``, ``args.max_length``, ...). None after printing ``--help``."""
+    rest = [a for a in rest if a != "--"]
+    if "-h" in rest or "--help" in rest:
+        options = "\n".join(f"  --{k.replace('_', '-'):<50} {t.__name__:<14} default: {d!r}\n      {h}"
+                            for k, (t, d, h) in OPTIONS[command].items()) or "  (none)"
+        print(USAGE.format(command=command, text=TEXTS[command], options=options,
+                           fields=help_text(("model", "data", "cache"), HELP_FIELDS.get(command, ()), HELP_EXCLUDE,
+                                            CACHE_ALIASES)))
+        return None
+    config = None
+    if rest and not rest[0].startswith("-"):
+        config, rest = rest[0], rest[1:]
+        if not Path(config).is_file():
+            raise UsageError(f"{config}: no such config file (the first argument, if any, is a YAML file)")
+    own, overrides = {}, []
+    for key, value in parse_overrides(rest):
+        name = key.replace("-", "_")
+        if name in OPTIONS[command]:
+            own[name] = _option_value(name, OPTIONS[command][name][0], value)
+        else:
+            overrides.append(f"--{key}={value}")
+    cfg = build_config(config, overrides, CACHE_ALIASES)
+    # A Hub id (org/name[@revision]) becomes its snapshot directory in the local Hugging Face cache.
+    cfg.model.path, cfg.model.ref_model = resolve_model_path(cfg.model.path), resolve_model_path(cfg.model.ref_model)
+    if command != "info":
+        # The paths first: they need no imports, and a wrong --model must not wait for torch.
+        if cfg.model.path:
+            check_model_dir(cfg.model.path, "--model")
+        if cfg.model.ref_model:
+            check_model_dir(cfg.model.ref_model, "--ref-model", tokenizer=False)
+        check_data_path(cfg.data.train, "--data")
+        check_data_path(cfg.data.eval if command == "build" else None, "--eval-data")
+    cfg.validate(required=() if command == "info" else ("model.path", "data.train"))
+    if command != "build" and cfg.cache.dir and not Path(cfg.cache.dir).is_dir():
+        # info, verify and export only read the cache: a directory that is not there is a typo, not an empty cache.
+        raise UsageError(f"--cache-dir {cfg.cache.dir}: no such directory")
+    if own.get("samples") is not None and own["samples"] < 0:
+        raise UsageError(f"--samples: must be >= 0, got {own['samples']}")
+    if command == "export" and own.get("out") is None:
+        raise UsageError("--out FILE is required")
+    if command == "export" and own.get("format") not in (None, *EXPORT_FORMATS):
+        raise UsageError(f"--format must be one of {', '.join(EXPORT_FORMATS)}; got {own['format']!r}")
+    if command == "export" and own.get("with_ids") and own.get("format") is not None:
+        raise UsageError(f"--with-ids: only the cache's own JSON lines (no --format) hold token ids; "
+                         f"drop --with-ids or --format {own['format']}")
+    return _namespace(cfg, command, own)
+
+
+def _option_value(name: str, type_: type, value: str):
+    if type_ is bool:
+        if value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+    else:
+        try:
+            return type_(value)
+        except ValueError:
+            pass
+    raise UsageError(f"--{name.replace('_', '-')}: expected {type_.__name__}, got {value!r}")
+
+
+def _namespace(cfg: Config, command: str, own: dict) -> argparse.Namespace:
+    """The names the commands below were written against, read from the configuration."""
+    defaults = {k: d for k, (_, d, _) in OPTIONS[command].items()}
+    options = {**defaults, **own}
+    if command == "build" and cfg.loss.ld_alpha is not None:
+        options["per_token"] = True  # LD-DPO trains on per-token values: store them, as train's own build would
+    return argparse.Namespace(
+        cfg=cfg, cache_command=command, model=cfg.model.ref_model or cfg.model.path, tokenizer=cfg.model.path,
+        reference=cfg.model.reference,
+        data=cfg.data.train, eval_data=cfg.data.eval, max_length=cfg.data.max_length,
+        max_prompt_length=cfg.data.max_prompt_length, skip_invalid=cfg.data.skip_invalid,
+        dtype=cfg.model.dtype, device=cfg.model.device, cache_dir=Path(cfg.cache.dir) if cfg.cache.dir else None,
+        max_tokens=cfg.cache.max_tokens, layout=cfg.cache.layout, attention=cfg.model.attention,
+        compile=cfg.model.compile, shard_size=cfg.cache.shard_size,
+        fsdp=cfg.distributed.fsdp,
+        **options,
+    )

@@ -1,0 +1,166 @@
+"""Training checkpoints: loadable by transformers and PEFT as they are, plus the optimizer,
+scheduler and RNG state needed to resume exactly. No pickle: tensors go to safetensors, the
+rest to JSON.
+
+Layout of ``OUTPUT/checkpoints/step-000100/``::
+
+    model.safetensors + config.json      (full fine-tuning; save_pretrained)
+    adapter_model.safetensors + adapter_config.json   (LoRA; PEFT save_pretrained)
+    tokenizer files
+    optimizer.safetensors                AdamW moments, ``state.<param index>.<name>``
+    trainer_state.json                   step, optimizer param groups, scheduler, RNG, config
+
+A checkpoint is written to ``step-N.tmp`` and renamed when complete, so a crash mid-save
+leaves the previous checkpoint the newest complete one (and the next save removes the .tmp).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dpocache.cache.atomic import atomic_write_text
+from dpocache.models.hub_ids import snapshot_repo
+from dpocache.models.loading import safetensors_files
+
+STATE_FILE = "trainer_state.json"
+
+
+def checkpoint_dir(output_dir: Path, step: int) -> Path:
+    return output_dir / "checkpoints" / f"step-{step:06d}"
+
+
+def checkpoints(output_dir: Path, complete: bool = True) -> list[Path]:
+    """``output_dir``'s checkpoint directories, oldest first: by step number, not by name
+    (``step-1000000`` is newer than ``step-999999``). ``complete``: only those with their
+    trainer state (a save killed before its rename leaves a ``.tmp`` directory, never listed)."""
+    root = output_dir / "checkpoints"
+    if not root.exists():
+        return []
+    found = []
+    for p in root.glob("step-*"):
+        step = p.name[len("step-"):]
+        if step.isdigit() and p.is_dir() and (not complete or (p / STATE_FILE).exists()):
+            found.append((int(step), p))
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    done = checkpoints(output_dir)
+    return done[-1] if done else None
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    state = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for idx, values in state["state"].items():
+        for name, value in values.items():
+            if torch.is_tensor(value):
+                tensors[f"state.{idx}.{name}"] = value.detach().cpu().contiguous()
+            else:
+                scalars[f"{idx}.{name}"] = value
+    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
+
+
+def name_hub_base(directory: Path) -> None:
+    """A PEFT adapter saved in ``directory`` names its base by Hub id and commit when the base was
+    loaded from a snapshot of the local Hugging Face cache (``--model org/name``): the snapshot's
+    path exists on this machine only, and an adapter pushed with ``--train.push_to_hub`` would
+    name it to every reader. PEFT reads ``revision`` as the base's."""
+    config_file = directory / "adapter_config.json"
+    if not config_file.is_file():
+        return
+    fields = json.loads(config_file.read_text())
+    hub = snapshot_repo(fields.get("base_model_name_or_path") or "")
+    if hub is not None:
+        fields["base_model_name_or_path"], fields["revision"] = hub
+        atomic_write_text(config_file, json.dumps(fields, indent=2, sort_keys=True) + "\n")
+
+
+def save_checkpoint(output_dir: Path, step: int, model, tokenizer, optimizer, scheduler, extra: dict,
+                    keep: int) -> Path:
+    """Write checkpoint ``step`` atomically and keep only the newest ``keep``."""
+    final = checkpoint_dir(output_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    # A save that failed (a full disk, a kill) left its .tmp directory: never listed or read,
+    # but holding the space this one needs.
+    for unfinished in final.parent.glob("step-*.tmp"):
+        shutil.rmtree(unfinished, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp)
+    name_hub_base(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    tensors, opt_meta = _optimizer_tensors(optimizer)
+    tensors["rng.torch"] = torch.get_rng_state()
+    if torch.cuda.is_available():
+        tensors["rng.cuda"] = torch.cuda.get_rng_state()
+    save_file(tensors, str(tmp / "optimizer.safetensors"))
+    state = {"step": step, "optimizer": opt_meta, "scheduler": scheduler.state_dict(), **extra}
+    atomic_write_text(tmp / STATE_FILE, json.dumps(state, indent=1, default=str))
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    _prune(output_dir, keep)
+    return final
+
+
+def _prune(output_dir: Path, keep: int) -> None:
+    done = checkpoints(output_dir, complete=False)
+    for old in done[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_trainer_state(ckpt: Path, optimizer, scheduler) -> dict:
+    """Restore optimizer, scheduler and RNG from ``ckpt``; returns the saved state dict."""
+    state = json.loads((ckpt / STATE_FILE).read_text())
+    tensors = load_file(str(ckpt / "optimizer.safetensors"))
+    opt_state: dict = {}
+    for key, value in tensors.items():
+        if key.startswith("state."):
+            _, idx, name = key.split(".", 2)
+            opt_state.setdefault(int(idx), {})[name] = value
+    for key, value in state["optimizer"]["scalars"].items():
+        idx, name = key.split(".", 1)
+        opt_state.setdefault(int(idx), {})[name] = value
+    optimizer.load_state_dict({"state": opt_state, "param_groups": state["optimizer"]["param_groups"]})
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(tensors["rng.torch"])
+    if "rng.cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["rng.cuda"])
+    return state
+
+
+def load_model_weights(ckpt: Path, model) -> None:
+    """Load a checkpoint's weights into the live policy (full or LoRA)."""
+    adapter = ckpt / "adapter_model.safetensors"
+    if adapter.exists():
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, load_file(str(adapter)))
+        return
+    missing, unexpected = model.load_state_dict(read_full_weights(ckpt), strict=False)
+    check_loaded_keys(ckpt, missing, unexpected)
+
+
+def read_full_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    """A Hugging Face checkpoint's full weights: ``save_pretrained`` writes one
+    ``model.safetensors``, or shards listed in an index for big models. (transformers 5 moved
+    its load_sharded_checkpoint out of modeling_utils; reading the index here needs no
+    transformers internals.)"""
+    state: dict[str, torch.Tensor] = {}
+    for shard in safetensors_files(ckpt):
+        state.update(load_file(str(shard)))
+    return state
+
+
+def check_loaded_keys(ckpt: Path, missing, unexpected) -> None:
+    """Tied weights (lm_head = embeddings) are saved once; anything else missing, or any
+    unexpected key, means the checkpoint is not this model's."""
+    real_missing = [k for k in missing if "lm_head" not in k]
+    if real_missing or unexpected:
+        raise RuntimeError(f"{ckpt}: weights do not match the model (missing {real_missing[:5]}, "
+                           f"unexpected {list(unexpected)[:5]})")

@@ -1,0 +1,232 @@
+"""The memory plan: per-device memory of the reference pass and of training, from a model's
+config, a device count and a device size, before anything is loaded.
+
+Every figure is a sum of named parts (weights, gradients, optimizer state, gathered FSDP units,
+activations, output-head chunks), so a reader can see where the bytes go and check each part
+against its formula. The parts follow what dpocache runs:
+
+- **Reference pass** (``dpocache cache build``): inference only, so the weights and one layer's
+  activations at a time; the output head runs on completion positions in chunks of
+  ``DEFAULT_LOGITS_BUDGET`` fp32 logits (``dpocache.scoring.logprobs``). ``weight_bytes`` is 4 for the
+  fp32 master weights loaded today, 2 for weights held in bf16. Sharded (FSDP2), a device holds
+  1/N of the weights plus the units gathered at once: each matrix of a layer is a unit of its
+  own (``dpocache.distributed.fsdp.matrix_units``), so two of the largest matrix (a gathered unit is held
+  twice for a moment: its all-gather buffer and the parameters) and, with an untied head, one
+  tile of a vocabulary table (the embeddings and the head are streamed from their shards,
+  ``dpocache.distributed.vocab_stream``); with a tied head the root (embeddings, final norm, head:
+  ``dpocache.distributed.fsdp``) is gathered too.
+- **Training** (full fine-tuning, FSDP2 over N devices, AdamW): fp32 master weights, fp32
+  gradients and the two fp32 Adam moments, each sharded 1/N (16 bytes per parameter in all,
+  ZeRO-3's accounting: Rajbhandari et al. 2020, section 3); gathered units in the compute dtype
+  (``gather_bytes``: 4 with fp32 compute, 2 with bf16, FSDP2's ``MixedPrecisionPolicy``), plus one
+  layer's unsharded fp32 gradient before its reduce-scatter; activations with
+  per-layer checkpointing (each layer keeps its input, one layer's internals are live at a
+  time); the checkpointed head chunk's logits and their gradient.
+
+Activation bytes per token of one decoder layer (bf16 autocast, SDPA so no ``T x T`` scores
+kept) are ``ACTIVATION_HIDDEN_COEF * H + ACTIVATION_INTERMEDIATE_COEF * I`` bytes. The
+coefficients were measured on a Llama decoder layer: the bytes autograd saves per token
+(``tests/test_memory_plan.py`` measures them again and checks the formula).
+
+Run ``python -m dpocache.models.memory_plan`` for the README's table, or pass ``--config
+config.json`` for any Llama-style model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from dpocache.distributed.vocab_stream import TILE_BYTES
+from dpocache.scoring.logprobs import DEFAULT_LOGITS_BUDGET
+
+GIB = 1 << 30
+
+# Autograd-saved bytes per token of one Llama decoder layer under bf16 autocast over fp32 weights,
+# measured (saved_tensors_hooks, difference between two sequence lengths, at two widths each):
+# 32 per hidden unit (the fp32 residual stream at both norms, the bf16 normed inputs, q, k, v,
+# attention output) and 8 per MLP unit (gate, up and their product in bf16, the SiLU output).
+# tests/test_memory_plan.py::test_activation_formula_matches_autograd measures it again.
+ACTIVATION_HIDDEN_COEF = 32
+ACTIVATION_INTERMEDIATE_COEF = 8
+# Inference keeps nothing for backward; one layer's live tensors at its peak: the fp32 residual
+# stream, the normed input, q/k/v and the attention output, the MLP's gate, up and product. An
+# estimate from those tensors' sizes (not measured): it is small next to the weights.
+INFERENCE_HIDDEN_COEF = 16
+INFERENCE_INTERMEDIATE_COEF = 6
+# Under autocast the residual stream between layers stays fp32 (fp32 input + bf16 block output).
+RESIDUAL_BYTES = 4
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A Llama-style decoder: embeddings, ``layers`` blocks (attention with ``kv_heads``
+    grouped key/value heads, a gated MLP of width ``intermediate``), a final norm, a head."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool = False
+    name: str = "model"
+
+    @classmethod
+    def from_config(cls, config, name: str | None = None) -> "ModelShape":
+        """From a transformers config (object or dict, e.g. a ``config.json`` read as JSON)."""
+        get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+        hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
+        return cls(
+            vocab=int(get("vocab_size")), hidden=hidden, layers=int(get("num_hidden_layers")),
+            intermediate=int(get("intermediate_size")), heads=heads,
+            kv_heads=int(get("num_key_value_heads") or heads), head_dim=int(get("head_dim") or hidden // heads),
+            tied=bool(get("tie_word_embeddings", False)), name=name or str(get("_name_or_path") or "model"),
+        )
+
+    @property
+    def layer_params(self) -> int:
+        """One decoder block: q and o projections, k and v (grouped), gate/up/down, two norms."""
+        h, kv = self.hidden, self.kv_heads * self.head_dim
+        attention = h * self.heads * self.head_dim * 2 + h * kv * 2
+        return attention + 3 * h * self.intermediate + 2 * h
+
+    @property
+    def largest_matrix_params(self) -> int:
+        """The largest matrix of a decoder block: an MLP projection, or the q/o projection."""
+        return max(self.hidden * self.intermediate, self.hidden * self.heads * self.head_dim)
+
+    @property
+    def root_params(self) -> int:
+        """What no layer owns: embeddings, final norm and (untied) output head."""
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.root_params
+
+
+# Public configs (Meta's Llama 3.1 config.json files).
+LLAMA_3_8B = ModelShape(128256, 4096, 32, 14336, 32, 8, 128, name="Llama-3.1-8B")
+LLAMA_3_70B = ModelShape(128256, 8192, 80, 28672, 64, 8, 128, name="Llama-3.1-70B")
+
+
+def activation_bytes_per_token(shape: ModelShape) -> float:
+    """Bytes autograd keeps per token for one decoder layer's backward (bf16 autocast)."""
+    return ACTIVATION_HIDDEN_COEF * shape.hidden + ACTIVATION_INTERMEDIATE_COEF * shape.intermediate
+
+
+def _head_chunk_bytes(shape: ModelShape, training: bool) -> float:
+    """fp32 logits of one head chunk (``DEFAULT_LOGITS_BUDGET`` elements, capped at a whole
+    row); training also holds their gradient and the recomputed chunk in backward."""
+    elements = max(DEFAULT_LOGITS_BUDGET, shape.vocab)
+    return 4.0 * elements * (3 if training else 1)
+
+
+def reference_memory(shape: ModelShape, devices: int = 1, tokens: int = 4096, weight_bytes: int = 2,
+                     sharded: bool = False) -> dict[str, float]:
+    """Per-device bytes of the reference pass, by part.
+
+    Args:
+        tokens: tokens of one forward (the cache build's ``--max-tokens``).
+        weight_bytes: 4 for fp32 weights (what ``cache build`` loads today), 2 for bf16.
+        sharded: FSDP2 over ``devices`` (else every device holds the whole model).
+    """
+    parts: dict[str, float] = {}
+    if sharded:
+        parts["weights (1/N shard)"] = shape.params * weight_bytes / devices
+        matrices = 2 * shape.largest_matrix_params * weight_bytes  # dpocache.distributed.fsdp.matrix_units
+        if shape.tied:
+            parts["gathered units (root + 2 matrices)"] = shape.root_params * weight_bytes + matrices
+        else:  # the embeddings and the head are used a tile at a time, never gathered (distributed.vocab_stream)
+            parts["gathered units (2 matrices + a vocabulary tile)"] = matrices + TILE_BYTES
+    else:
+        parts["weights"] = shape.params * weight_bytes
+    per_token = INFERENCE_HIDDEN_COEF * shape.hidden + INFERENCE_INTERMEDIATE_COEF * shape.intermediate
+    parts["activations (one layer)"] = tokens * per_token
+    parts["head chunk logits"] = _head_chunk_bytes(shape, training=False)
+    return parts
+
+
+def training_memory(shape: ModelShape, devices: int, tokens: int = 4096, gather_bytes: int = 4) -> dict[str, float]:
+    """Per-device bytes of full fine-tuning with FSDP2 over ``devices`` (``tokens`` per micro-batch
+    per device, the two completions of each pair included), with per-layer activation
+    checkpointing (``--gradient-checkpointing``; without it every layer keeps its activations)."""
+    p, n = shape.params, devices
+    return {
+        "fp32 weights (1/N)": 4.0 * p / n,
+        "fp32 gradients (1/N)": 4.0 * p / n,
+        "AdamW moments (1/N)": 8.0 * p / n,
+        "gathered units (root + 2 layers)": (shape.root_params + 2 * shape.layer_params) * gather_bytes,
+        "unsharded layer gradient": 4.0 * shape.layer_params,
+        "checkpointed layer inputs": float(tokens * shape.hidden * RESIDUAL_BYTES * shape.layers),
+        "activations (one layer, recomputed)": tokens * activation_bytes_per_token(shape),
+        "head chunk logits + grad": _head_chunk_bytes(shape, training=True),
+    }
+
+
+@dataclass
+class PlanRow:
+    model: str
+    job: str
+    devices: int
+    per_device_gib: float
+    fits: bool
+    parts: dict[str, float]
+
+
+def plan(shape: ModelShape, device_counts=(1, 8, 16), device_gib: float = 80.0, tokens: int = 4096,
+         usable: float = 0.9) -> list[PlanRow]:
+    """Rows for the reference pass (fp32 unsharded, bf16 unsharded, bf16 sharded)
+    and FSDP2 training (fp32 compute, bf16 compute) on each device count. ``usable`` leaves room
+    for the CUDA context, allocator fragmentation and communication buffers."""
+    rows = []
+    for n in device_counts:
+        jobs = {
+            "reference, fp32 weights, whole model per device": reference_memory(shape, n, tokens, 4, sharded=False),
+            "reference, bf16 weights, whole model per device": reference_memory(shape, n, tokens, 2, sharded=False),
+            "reference, bf16 weights, FSDP2-sharded": reference_memory(shape, n, tokens, 2, sharded=True),
+            "training, FSDP2 (fp32 compute)": training_memory(shape, n, tokens, gather_bytes=4),
+            "training, FSDP2 (bf16 compute)": training_memory(shape, n, tokens, gather_bytes=2),
+        }
+        for job, parts in jobs.items():
+            if "sharded" in job and n == 1:
+                continue
+            total = sum(parts.values()) / GIB
+            rows.append(PlanRow(shape.name, job, n, total, total <= usable * device_gib, parts))
+    return rows
+
+
+def format_table(rows: list[PlanRow], device_gib: float) -> str:
+    lines = [f"| model | job | devices | GiB per device | fits in {device_gib:g} GiB |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.model} | {r.job} | {r.devices} | {r.per_device_gib:.1f} | {'yes' if r.fits else 'no'} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m dpocache.models.memory_plan",
+                                     description="Per-device memory of the reference pass and of training.")
+    parser.add_argument("--config", type=Path, action="append",
+                        help="a model's config.json (repeatable; default: Llama 3.1 8B and 70B)")
+    parser.add_argument("--devices", type=int, nargs="+", default=[1, 8, 16])
+    parser.add_argument("--device-gib", type=float, default=80.0)
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per forward / micro-batch per device")
+    parser.add_argument("--parts", action="store_true", help="also print each row's parts")
+    args = parser.parse_args(argv)
+    shapes = ([ModelShape.from_config(json.loads(p.read_text()), name=p.parent.name or p.stem) for p in args.config]
+              if args.config else [LLAMA_3_8B, LLAMA_3_70B])
+    rows = [row for s in shapes for row in plan(s, args.devices, args.device_gib, args.tokens)]
+    print(format_table(rows, args.device_gib))
+    if args.parts:
+        for r in rows:
+            print(f"\n{r.model}, {r.job}, {r.devices} devices:")
+            for name, value in r.parts.items():
+                print(f"  {name:<40} {value / GIB:8.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()

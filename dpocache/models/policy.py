@@ -1,0 +1,206 @@
+"""The policy: loading (full or LoRA), the optimizer, the schedule, distributed wrapping."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from dpocache.cache.build import adapter_base_dir
+from dpocache.cache.probes import ProbeMemo
+from dpocache.config import Config, ConfigError, LoraConfig, flag_name
+from dpocache.distributed.fsdp import shard_policy
+from dpocache.distributed.process_group import DistEnv
+from dpocache.distributed.sharded_reference import probe_sharded, report_shards
+from dpocache.models.loading import disable_dropout, load_causal_lm, load_for_sharding
+from dpocache.scoring.logprobs import CompletionLogProbs
+
+
+def check_lora_settings(cfg: Config) -> None:
+    """LoRA fields that would be ignored, refused before any model loads: ``--lora.alpha`` (or
+    dropout, targets) without ``--lora-r`` trained every weight; ``--lora-r``, alpha or targets
+    with a PEFT adapter directory as ``--model`` trained the saved adapter as it was. An
+    adapter directory takes ``--lora.dropout`` (``set_lora_dropout``)."""
+    defaults = LoraConfig()
+
+    def changed(*names: str) -> str:
+        return ", ".join(f"{flag_name('lora.' + n)} {getattr(cfg.lora, n)!r}" for n in names
+                         if getattr(cfg.lora, n) != getattr(defaults, n))
+
+    if cfg.model.path and (Path(cfg.model.path) / "adapter_config.json").is_file():
+        if flags := changed("r", "alpha", "target_modules"):
+            raise ConfigError(f"{flags}: --model {cfg.model.path} is a PEFT adapter, which trains with its own rank, "
+                              "alpha and target modules (adapter_config.json); drop these flags, or pass its base "
+                              "model as --model to train a fresh adapter")
+    elif cfg.lora.r == 0 and (flags := changed("alpha", "dropout", "target_modules")):
+        raise ConfigError(f"{flags} set without {flag_name('lora.r')}: a rank of 0 trains every weight (no LoRA); "
+                          "pass --lora-r N for a LoRA adapter")
+
+
+def set_lora_dropout(model: nn.Module, p: float) -> int:
+    """Give every LoRA layer of ``model`` dropout ``p`` (peft's ``nn.Identity`` for 0), in place of
+    the rate saved with a loaded adapter: ``--lora.dropout`` is the run's, and the base model's
+    dropout is off (``disable_dropout``). Returns how many layers were set."""
+    count = 0
+    for module in model.modules():
+        rates = getattr(module, "lora_dropout", None)
+        if isinstance(rates, nn.ModuleDict):
+            for name in rates:
+                rates[name] = nn.Dropout(p) if p > 0 else nn.Identity()
+                count += 1
+    return count
+
+
+def load_policy(cfg: Config, device: torch.device) -> nn.Module:
+    """fp32 master weights (autocast supplies bf16 compute). With ``lora.r > 0`` a fresh PEFT
+    LoRA adapter is added; a PEFT adapter directory as ``model.path`` is loaded trainable, with
+    the run's ``lora.dropout``."""
+    path = Path(cfg.model.path)
+    base = adapter_base_dir(path)  # the same base the reference of an adapter directory loads
+    if base is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(load_causal_lm(base, device, cfg.model.attn_implementation), str(path),
+                                          is_trainable=True)
+        # The base as loaded, a local directory (a Hub id's snapshot is named by its id again when
+        # saved: checkpoint.name_hub_base), so that PEFT's save looks for its config locally.
+        for adapter in model.peft_config.values():
+            adapter.base_model_name_or_path, adapter.revision = str(base), None
+        set_lora_dropout(model, cfg.lora.dropout)
+    else:
+        model = load_causal_lm(path, device, cfg.model.attn_implementation)
+        if cfg.lora.r > 0:
+            model = add_lora(model, cfg)
+    if cfg.model.gradient_checkpointing:
+        # Non-reentrant: works with inputs that do not require grad (frozen embeddings in LoRA).
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "enable_input_require_grads"):
+            model.enable_input_require_grads()
+    return model.to(device)
+
+
+def _prepare_policy(model: nn.Module, cfg: Config) -> None:
+    """What ``load_policy`` does to a full-weight model after loading: no dropout, per-layer
+    activation checkpointing if asked."""
+    disable_dropout(model)
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def load_sharded_policy(cfg: Config, env: DistEnv, dtype: torch.dtype,
+                        probe_memo: ProbeMemo | None = None) -> tuple[nn.Module, nn.Module]:
+    """``train --fsdp``'s policy, created on the meta device on every rank and filled shard by
+    shard from the files, each rank reading its own rows (``dpocache.models.loading.load_for_sharding``),
+    sharded with FSDP2 in ``dtype``'s mixed precision. A collective. Returns ``(policy, scorer)``: the causal LM and
+    the ``CompletionLogProbs`` that is FSDP's root."""
+    if (Path(cfg.model.path) / "adapter_config.json").exists():
+        raise ConfigError(f"{cfg.model.path}: --fsdp (distributed.fsdp) trains full weights; a PEFT adapter "
+                          "directory is a LoRA run (use DDP: no --fsdp)")
+
+    def shard(model):
+        scorer = CompletionLogProbs(model, probe=False)  # probed below, once its shards are filled
+        return shard_policy(scorer, model, env, compute_dtype=dtype)
+
+    policy, scorer = load_for_sharding(cfg.model.path, env, lambda m: _prepare_policy(m, cfg), shard,
+                                       cfg.model.attn_implementation)
+    # The fast-path verdict of the sharded reference pass when it ran on this architecture
+    # (dpocache.cache.probes): probing here would gather the whole output head and embeddings.
+    probe_sharded(scorer, env, dtype, probe_memo)
+    report_shards("policy", policy, env)
+    return policy, scorer
+
+
+def add_lora(model: nn.Module, cfg: Config) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    targets = cfg.lora.target_modules
+    lora = LoraConfig(
+        r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout, task_type="CAUSAL_LM",
+        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
+    )
+    return get_peft_model(model, lora)
+
+
+def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on biases and norm weights (1-D parameters), as is standard."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 else decay).append(p)
+    o = cfg.optim
+    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # On GPUs the fused kernel updates every parameter in a few launches (the default, foreach,
+    # makes several passes over the weights and states); CPUs keep the default, whose results
+    # the CPU tests compare bit for bit across process counts.
+    on_cuda = all(p.is_cuda for group in groups for p in group["params"])
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+                             fused=True if on_cuda and (decay or no_decay) else None)
+
+
+def build_grad_scaler(dtype: torch.dtype, device: torch.device, sharded: bool):
+    """Loss scaling for float16 autocast; None for bfloat16 and float32, whose exponent range
+    holds any gradient. float16's smallest normal value is 6.1e-5 (subnormals end at 6e-8), and
+    a preference loss's gradient is beta times a sigmoid, divided over the global batch and
+    spread over the tokens: unscaled, much of it rounds to zero in float16 backward, silently.
+    The loss is multiplied by a scale before backward and the gradients divided by it before
+    clipping; a step whose gradients overflow is skipped and the scale halved, and the scale
+    doubles after 2,000 clean steps (torch.amp.GradScaler's defaults, which Hugging Face's
+    Trainer uses for fp16 too). FSDP2: each rank holds a shard of the gradients, so the overflow
+    flag is reduced over the ranks (ShardedGradScaler)."""
+    if dtype != torch.float16:
+        return None
+    if sharded:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device=device.type)
+    return torch.amp.GradScaler(device.type)
+
+
+def lr_multiplier(step: int, total: int, warmup: int, schedule: str) -> float:
+    """Linear warm-up over ``warmup`` steps, then linear or cosine decay to 0 at ``total``.
+    Warm-up step ``s`` runs at ``(s + 1) / warmup`` of the peak: no step is spent at lr 0
+    (transformers' schedules start at 0, so their ramp ends one step later)."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup) / max(1, total - warmup)
+    progress = min(1.0, max(0.0, progress))
+    if schedule == "linear":
+        return 1.0 - progress
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"optim.schedule must be linear, cosine or constant; got '{schedule}'")
+
+
+def warmup_steps(ratio: float, total_steps: int) -> int:
+    """Warm-up steps for ``optim.warmup_ratio``: rounded up, as transformers does, so a ratio
+    above 0 always warms up (0.05 of 9 steps rounded to nearest was no warm-up at all). The
+    product is rounded to 9 decimals first: 0.1 * 30 is 3.0000000000000004 in floats, and 10%
+    of 30 steps is 3, not 4."""
+    return math.ceil(round(ratio * total_steps, 9))
+
+
+def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int):
+    warmup = warmup_steps(cfg.optim.warmup_ratio, total_steps)
+    lr_multiplier(0, total_steps, warmup, cfg.optim.schedule)  # validate the schedule name now
+    return torch.optim.lr_scheduler.LambdaLR(optimizer,
+                                             lambda s: lr_multiplier(s, total_steps, warmup, cfg.optim.schedule))
+
+
+def wrap_for_distributed(scorer: nn.Module, policy: nn.Module, cfg: Config, env: DistEnv) -> nn.Module:
+    """DDP (or FSDP2 with ``distributed.fsdp``) around the log-prob module under torchrun."""
+    if not env.enabled:
+        return scorer
+    if cfg.distributed.fsdp:
+        return shard_policy(scorer, policy, env)
+    device_ids = [env.device.index] if env.device.type == "cuda" else None
+    # The only buffers are constants (rotary frequencies): no need to broadcast them before
+    # every forward, and without that collective an eval forward needs no other rank.
+    no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                      else {"broadcast_buffers": False})  # the name before torch 2.13
+    return DDP(scorer, device_ids=device_ids, **no_buffer_sync)

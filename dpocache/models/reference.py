@@ -1,0 +1,178 @@
+"""The reference model: frozen, inference only, with counters of its own work (the cache
+build returns them in its summary).
+
+Either a model of its own (``from_pretrained``: a model directory, optionally with a PEFT
+adapter on, frozen) or the policy itself with its LoRA adapter disabled (``from_peft_policy``:
+the reference of a fresh LoRA on a full model is that model, the adapter off).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dpocache.models.loading import disable_dropout, load_causal_lm, store_frozen_matrices_
+from dpocache.scoring import bf16_matmul
+from dpocache.scoring.attention import choose_layout
+from dpocache.scoring.bf16_matmul import cpu_has_amx_bf16
+from dpocache.scoring.compiling import compile_layers, should_compile
+from dpocache.scoring.layout_choice import COMPILES, LAYOUTS
+from dpocache.scoring.logprobs import CompletionLogProbs, autocast, unwrap_causal_lm
+from dpocache.scoring.shared import shared_prompt_logps
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
+    """``auto`` → bfloat16 where it is faster than float32: CUDA devices with bf16, and CPUs
+    with AMX tiles. CPUs with only AVX512-BF16 run bf16 matrix products *slower* than fp32
+    (measured on one: 86 against 153 GFLOP/s at 2048x2048), so they get float32. An explicit
+    bfloat16 there runs its linear layers through the fp32 GEMM (``dpocache.scoring.bf16_matmul``),
+    which still measured slower end to end than float32 (bench/README.md)."""
+    if name == "auto":
+        device = torch.device(device)
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+        return torch.bfloat16 if cpu_has_amx_bf16() else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got '{name}'")
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+class ReferenceModel:
+    """Frozen log-prob scorer. ``logprobs`` runs under ``inference_mode`` and counts its work."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.float32, compile: str = "off",
+                 adapter_disabled: bool = False, layout: str = "auto", scorer: CompletionLogProbs | None = None,
+                 attention: str | None = None, temperature: float = 1.0):
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got '{layout}'")
+        if compile not in COMPILES:
+            raise ValueError(f"compile must be one of {', '.join(COMPILES)}; got '{compile}'")
+        self.model = model
+        self.dtype = dtype
+        self.device = next(model.parameters()).device
+        self.adapter_disabled = adapter_disabled
+        if not adapter_disabled:
+            model.eval()
+            model.requires_grad_(False)
+        if scorer is not None and temperature != 1.0:
+            raise ValueError("a temperature other than 1 needs the reference's own scorer (not a sharded one)")
+        # Given: sharded (distributed.sharded_reference). temperature: online RL's sampling temperature.
+        self._scorer = scorer if scorer is not None else CompletionLogProbs(model, temperature=temperature)
+        # How pairs are laid out for the forward (dpocache.scoring.layout_choice): "shared" runs each prompt
+        # once for both completions; "padded" runs prompt + chosen and prompt + rejected rows.
+        # Models whose attention takes no custom mask, or whose head is unknown, run "padded".
+        # The attention backend first (dpocache.scoring.attention: auto | sdpa | flex; None: as loaded).
+        self.layout_choice = choose_layout(unwrap_causal_lm(model), self._scorer, layout, attention)
+        self.layout = self.layout_choice.used
+        # Decoder layers compiled (dpocache.scoring.compiling): "on" now, "auto" once the pass's size is
+        # known (``prepare``), "off" never.
+        self.compile = compile
+        self.compiled_layers = compile_layers(model) if compile == "on" else 0
+        self._run_shared = shared_prompt_logps  # a sharded reference wraps it (dpocache.distributed.sharded_reference)
+        self.forward_passes = 0
+        self.tokens = 0
+        self.seconds = 0.0
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype = "float32",
+                        device: str | torch.device | None = None,
+                        compile: str = "off", layout: str = "auto",
+                        adapter: str | Path | None = None, attention: str | None = None,
+                        temperature: float = 1.0) -> "ReferenceModel":
+        """The model in ``path``; with ``adapter`` (a PEFT adapter directory whose base is
+        ``path``), that adapter on top, unmerged: the same layers the policy loaded from the
+        adapter directory runs, so at step 0 both compute the same numbers."""
+        device = torch.device(device) if device is not None else default_device()
+        if isinstance(dtype, str):
+            dtype = resolve_dtype(dtype, device)
+        # Off the CPU, the matrices are stored in the compute dtype (below) before the weights
+        # move to the device, so the fp32 copy never takes device memory: on an H100 the 1.1B
+        # bench model's fp32 weights (4,196 MiB) would top the causal pass's whole peak at the
+        # 16384 budget (3,303 MiB, measured with this staging).
+        staged = device.type != "cpu" and dtype != torch.float32
+        model = load_causal_lm(path, "cpu" if staged else device)
+        if adapter is not None:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, str(adapter), is_trainable=False).to(model.device)
+            disable_dropout(model)
+        if staged:
+            store_frozen_matrices_(model, dtype)
+            model.to(device)
+        reference = cls(model, dtype, compile, layout=layout, attention=attention, temperature=temperature)
+        if dtype == torch.bfloat16:
+            # This model is ours and frozen: its fp32 weights are only ever used as bf16 values.
+            bf16_matmul.round_frozen_weights_(model)
+        # ... so store its matrices in the compute dtype where no fp32 route needs them (dpocache.models.loading).
+        store_frozen_matrices_(model, dtype)
+        return reference
+
+    @classmethod
+    def from_peft_policy(cls, policy: nn.Module, dtype: torch.dtype = torch.float32,
+                         temperature: float = 1.0) -> "ReferenceModel":
+        """The policy's base weights, with every LoRA adapter disabled during each call."""
+        if not hasattr(policy, "disable_adapter"):
+            raise TypeError("from_peft_policy needs a PEFT model (with disable_adapter)")
+        return cls(policy, dtype, adapter_disabled=True, temperature=temperature)
+
+    @property
+    def temperature(self) -> float:
+        """What the logits are divided by before the log-softmax (1: the model's own values)."""
+        return self._scorer.temperature
+
+    def prepare(self, tokens: int) -> None:
+        """Before a pass over ``tokens`` (each prompt once): compile the decoder layers if
+        ``compile`` is ``auto`` and the pass is long enough to repay it (``dpocache.scoring.compiling``)."""
+        if self.compile != "auto" or self.compiled_layers:
+            return
+        parameters = sum(p.numel() for p in self.model.parameters())
+        if should_compile("auto", self.device.type, self.dtype, tokens, parameters):
+            self.compiled_layers = compile_layers(self.model)
+            log.info("compiled the reference's %d decoder layers for a pass of %d tokens", self.compiled_layers,
+                     tokens)
+
+    def _adapter_context(self):
+        return self.model.disable_adapter() if self.adapter_disabled else contextlib.nullcontext()
+
+    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 completion_mask: torch.Tensor) -> torch.Tensor:
+        """``(N, T)`` inputs → ``(N, T)`` fp32 per-token log-probs, 0 at prompt and padding."""
+        return self._call(lambda: self._scorer(input_ids.to(self.device), attention_mask.to(self.device),
+                                               completion_mask.to(self.device)), int(attention_mask.sum()))
+
+    def shared_prompt_logprobs(self, batch) -> torch.Tensor:
+        """``(M,)`` fp32 log-probs of the scored tokens of a ``dpocache.scoring.shared.SharedPromptBatch``
+        (each prompt run once for both completions)."""
+        return self._call(lambda: self._run_shared(self._scorer, batch.to(self.device)), batch.num_tokens)
+
+    def _call(self, fn, tokens: int) -> torch.Tensor:
+        """Run ``fn`` frozen (eval, inference mode, autocast, adapter off) and count the pass."""
+        start = time.perf_counter()
+        was_training = self.model.training
+        self.model.eval()  # an adapter-disabled policy may be in train mode
+        try:
+            with torch.inference_mode(), autocast(self.dtype, self.device), self._adapter_context():
+                out = fn()
+        finally:
+            self.model.train(was_training)
+        self.forward_passes += 1
+        self.tokens += tokens
+        self.seconds += time.perf_counter() - start
+        return out

@@ -1,0 +1,277 @@
+"""Attention backends behind the shared and packed layouts (``--attention auto|sdpa|flex|causal``).
+
+- ``sdpa``: the model's attention as loaded (``sdpa``, or ``eager``) with the dense boolean
+  block mask ``(B, 1, T, T)`` of ``prefix.attention_mask``; every query scores every key of its
+  row, masked or not.
+- ``flex``: ``torch.nn.attention.flex_attention`` (compiled by transformers' flex integration)
+  with a ``BlockMask`` (``prefix.flex_block_masks``) over the same rule, written as a
+  ``mask_mod`` over two int32 key ranges per query (``prefix.key_ranges``: its pair's prompt,
+  and its own completion up to itself), and the sliding window on positions where a layer type
+  has one; its blocks are counted from the same ranges, with no compile
+  (``prefix.block_mask_from_ranges``). Blocks of 128 x 128 that the rule masks entirely are
+  skipped, so the cost follows the tokens that attend, not ``T**2``. Gemma 2's attention soft-capping is a
+  ``score_mod`` that transformers' ``flex_attention_forward`` applies from the model's
+  ``softcap`` argument. Torch 2.13 runs it compiled on CPU too, forward only (no backward:
+  training on CPU keeps ``sdpa``).
+- ``causal``: each sequence (a pair's prompt, then one of its completions) gathered into a row
+  of its own (``SequenceRows``, built by the collate) and run through SDPA's causal kernel with
+  no mask (flash, not cuDNN: ``sdpa_kernels``), outputs taken back to the batch's rows. Only
+  the prompt's attention to itself runs twice; no ``T x T`` mask is built or read. It needs
+  transformers' attention interface and plain causal layers (no sliding window, no
+  soft-capping: ``causal_supported``).
+
+``auto`` is ``causal`` on GPUs where it serves the model, else ``sdpa``. Measured on an H100
+(1.1B Llama, bf16, 256 pairs up to 2,600 tokens, ``--max-tokens 32768``, eager layers;
+``bench/gpu_compile_probe.py --variant causal|sdpa [--no-cudnn-sdp]``): a first pass, every
+batch shape new as in a cache build, ran at 120,218 tokens/s causal on flash, 111,540 causal on
+cuDNN and 86,200 under sdpa's masked kernel; the passes after it at 122,200-122,800, 131,200-131,500
+and 103,900-104,000. In a compiled training step of 4 pairs (profiled), causal 0.394 s against
+0.418 for sdpa, both on SDPA's cuDNN kernel. On the 2-core CPU the masked flash kernel measured
+fastest (``bench/cpu_attention_probe.py``), so ``auto`` stays ``sdpa`` there. ``flex`` runs when asked
+for where the architecture supports it (``_supports_flex_attn``), and a requested ``flex`` or
+``causal`` that cannot run falls back to ``sdpa`` and says why; a run on the padded layout keeps
+the model's loaded attention, and says so too (``choose_layout``). Flex, measured on an H100
+(the same model and pass; README, "On a GPU"): with the mask rule of ``prefix.key_ranges`` the
+kernel on a packed row of 32,768 tokens takes 2.9 ms (the rule it replaced 18.6 ms), and the
+reference pass with its decoder layers compiled runs at 149,000 tokens/s under flex (packed
+rows padded to the budget, ``prefix.reference_row_width``) against 145,500 under sdpa (shared
+rows), 1.02x, for 3 s more of compiles; a whole 1,024-pair ``cache build --compile on`` ran at
+45,800 tokens/s under flex against 60,600 under sdpa. Not enough to make flex the default.
+Varlen flash attention (two unmasked causal sequences per pair) was measured there too and is
+not offered: 1.31x the masked SDPA kernel, torch 2.11's having no grouped-query support. On the
+CPU flex compiles each shape statically (``compile_settings``). The model is switched in place
+(``set_attn_implementation``), so its config names the backend that runs and
+``dpocache.scoring.layout_choice.LayoutChoice.attention`` records it.
+
+Rows are padded to a multiple of ``FLEX_BLOCK`` tokens for flex: the BlockMask's block size,
+and few distinct row widths, so the compiled kernel is reused instead of recompiled per batch;
+packed reference rows all to the token budget (one width: ``prefix.reference_row_width``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import replace
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from dpocache.scoring.layout_choice import (
+    ATTENTIONS,
+    CAUSAL,
+    CAUSAL_SDPA_ENV,
+    CAUSAL_SDPA_MODES,
+    PADDED,
+    LayoutChoice,
+    select_layout,
+)
+
+FLEX = "flex_attention"  # transformers' name of the implementation
+FLEX_BLOCK = 128  # torch's default BlockMask block size
+
+
+class SequenceRows(NamedTuple):
+    """Each sequence of a shared or packed batch (its pair's prompt, then one completion)
+    gathered into a row of its own, for an unmasked causal kernel (the ``causal`` backend).
+    ``S`` sequences in rows of ``W`` slots; the batch has ``B`` rows of ``T`` tokens.
+
+    A NamedTuple, so DDP and FSDP2 move and cast its tensors like any input's."""
+
+    # (S, W) long: flat index b*T + t of the batch token in each slot (past a sequence's end: its last token again)
+    gather: torch.Tensor
+    scatter: torch.Tensor  # (B*T,) long: flat index s*W + j of the slot whose attention output each token takes
+
+
+def causal_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask, dpocache_gather: torch.Tensor | None = None,
+                             dpocache_scatter: torch.Tensor | None = None, **kwargs):
+    """transformers' attention interface for the ``causal`` backend: ``query (B, H, T, D)``,
+    ``key``/``value (B, Hkv, T, D)`` gathered into the sequence rows ``(S, H, W, D)``, SDPA with
+    ``is_causal`` and no mask over them (``sdpa_attention_forward``: grouped-query heads, scale,
+    dropout as for sdpa), each batch token's output taken back → ``((B, T, H, D), None)``.
+
+    Why it is exact: in a sequence row a completion token sees, causally, its pair's prompt and
+    its own completion: the block mask's rule (``prefix.attention_mask``). A prompt token's
+    output comes from its pair's first row; the copies in the other rows are discarded (their
+    gradient is zero), and keys and values used by several rows sum their gradients.
+
+    Without the rows (a plain forward of a switched model, such as a head probe) it is sdpa,
+    with the mask transformers built (``register_causal``)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if dpocache_gather is None or dpocache_scatter is None:  # a plain forward (a head probe): sdpa with its mask
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    s, w = dpocache_gather.shape
+    b, t = query.shape[0], query.shape[2]
+    slots = dpocache_gather.reshape(-1)
+
+    def rows(x: torch.Tensor) -> torch.Tensor:  # (B, h, T, D) -> (S, h, W, D)
+        h, d = x.shape[1], x.shape[3]
+        return x.transpose(1, 2).reshape(b * t, h, d).index_select(0, slots).view(s, w, h, d).transpose(1, 2)
+
+    kwargs.pop("is_causal", None)
+    with sdpa_kernels():
+        out, _ = sdpa_attention_forward(module, rows(query), rows(key), rows(value), None, is_causal=True,
+                                        **kwargs)  # (S, W, H, D)
+    h, d = out.shape[2], out.shape[3]
+    return out.reshape(s * w, h, d).index_select(0, dpocache_scatter).view(b, t, h, d), None
+
+
+# SDPA's kernels for the causal rows: flash, or memory-efficient and math where flash cannot
+# (fp32, head sizes past 256); not cuDNN. cuDNN builds an execution plan for each new shape of
+# its inputs, and the rows' shape (sequences x longest sequence) is new in almost every batch
+# of a cache build and every training step. Measured on an H100 (1.1B Llama, bf16, eager
+# reference pass over 256 pairs, bench/results/gpu-h100-causal-attention-20261123.txt): the
+# first pass, every shape new as in a cache build, 120,218 tokens/s on flash against 111,540 on
+# cuDNN; only passes over shapes already planned ran cuDNN faster (131,200-131,500 against
+# 122,200-122,800). In a compiled training step cuDNN's calls cost 3.6 ms (forward) and 4.3 ms
+# (backward) of host time each against 0.36 and 1.1 ms of its kernels, and the step was bound
+# by the host. CPUs have no cuDNN: there this picks what SDPA would pick anyway.
+CAUSAL_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+# ``$DPOCACHE_CAUSAL_SDPA=any`` leaves the causal rows to SDPA's own choice (cuDNN first on
+# Hopper GPUs), to measure the choice again; checked by ``Config.validate``. Read once, at
+# import: a compiled layer traces the choice into its graph.
+CAUSAL_SDPA = os.environ.get(CAUSAL_SDPA_ENV, CAUSAL_SDPA_MODES[0])
+
+
+def sdpa_kernels() -> contextlib.AbstractContextManager:
+    """The SDPA kernels the causal rows may use (``CAUSAL_SDPA_BACKENDS``; all of them with
+    ``$DPOCACHE_CAUSAL_SDPA=any``), as a context inside the attention function rather than
+    ``torch.backends.cuda.enable_cudnn_sdp``: it touches nothing else in the process (a
+    library's user may run other models beside ours), and under ``torch.compile`` it is traced
+    into the graph. A process-wide flag is not: torch's AOTAutograd cache does not key on the
+    SDPA flags, and a graph traced with cuDNN was reused from it after the flag was switched
+    off (README.md, "On a GPU": the correction)."""
+    if CAUSAL_SDPA == "any":
+        return contextlib.nullcontext()
+    return sdpa_kernel(list(CAUSAL_SDPA_BACKENDS))
+
+
+def causal_supported(model: nn.Module) -> str | None:
+    """Why ``model`` (a transformers causal LM) cannot run the ``causal`` backend (None: it can):
+    it needs transformers' attention interface and plain causal attention in every layer (SDPA
+    takes no sliding window and no soft-capping)."""
+    config = model.config
+    if not getattr(type(model), "_supports_attention_backend", False):
+        return f"{type(model).__name__} does not take a custom attention function in transformers"
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention layers (SDPA's causal kernel has no window)"
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "attention soft-capping (SDPA's causal kernel has none)"
+    return None
+
+
+def register_causal() -> None:
+    """Register the backend with transformers, its masks for plain forwards those of sdpa."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if CAUSAL not in AttentionInterface._global_mapping:
+        AttentionInterface.register(CAUSAL, causal_attention_forward)
+        AttentionMaskInterface.register(CAUSAL, sdpa_mask)
+
+
+def flex_supported(model: nn.Module) -> str | None:
+    """Why ``model`` (a transformers causal LM) cannot run FlexAttention here (None: it can)."""
+    if not getattr(type(model), "_supports_flex_attn", False):
+        return f"{type(model).__name__} does not support flex_attention in transformers"
+    return None
+
+
+# The implementations dpocache switches a model to, and back from (to the one it was loaded with).
+SWITCHED = (FLEX, CAUSAL)
+
+
+def use_attention(model: nn.Module, requested: str | None, device: torch.device | str,
+                  backward: bool = False) -> str | None:
+    """Switch ``model`` (a transformers causal LM) to the backend ``requested`` resolves to on
+    ``device`` (None: leave it as loaded); ``backward``: training will differentiate through
+    it. Returns why a requested ``flex`` or ``causal`` did not run (None: no fallback)."""
+    if requested is None:
+        return None
+    if requested not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}; got '{requested}'")
+    on_cuda = torch.device(device).type == "cuda"
+    if requested == "auto":  # causal on GPUs where it serves the model (the module docstring says why)
+        wanted = CAUSAL if on_cuda and causal_supported(model) is None else None
+    else:
+        wanted = {"flex": FLEX, "causal": CAUSAL}.get(requested)  # sdpa: the loaded attention
+    why_not = None
+    if wanted == FLEX:
+        why_not = flex_supported(model)
+        if why_not is None and backward and not on_cuda:
+            why_not = "FlexAttention has no backward on CPU (torch 2.13)"
+    elif wanted == CAUSAL:
+        why_not = causal_supported(model)
+    target = wanted if why_not is None else None
+    current = getattr(model.config, "_attn_implementation", None)
+    if target is not None and current != target:
+        if current not in SWITCHED:
+            model._dpocache_loaded_attention = current  # to switch back to (Gemma 2 has eager, no sdpa)
+        if target == CAUSAL:
+            register_causal()
+        model.set_attn_implementation(target)
+    elif target is None and current in SWITCHED:  # a model switched earlier in this process
+        model.set_attn_implementation(getattr(model, "_dpocache_loaded_attention", None) or "sdpa")
+    ran = model.config._attn_implementation
+    return f"{why_not}; {ran} ran" if why_not else None
+
+
+def choose_layout(model: nn.Module, scorer: nn.Module, requested: str, attention: str | None,
+                  training: bool = False) -> LayoutChoice:
+    """The layout and attention that run, for the reference pass and for training alike:
+    ``model`` (a transformers causal LM) switched to the ``attention`` backend first
+    (``use_attention``; ``training``: a backward runs through it), then
+    ``layouts.select_layout``'s rule for ``scorer`` (a ``CompletionLogProbs``: its head probe
+    and, in training, its router loss).
+
+    The padded layout has no block mask, so when it runs (requested, or a fallback) a model
+    switched to flex goes back to its loaded attention, and the choice says so. Left on flex,
+    transformers built a ``BlockMask`` from the padding and compiled the kernel for every batch
+    shape on the CPU: a 24-pair ``cache build --layout padded --attention flex`` of a tiny model
+    took 260 s against 14 s under sdpa."""
+    device = next(model.parameters()).device
+    why = use_attention(model, attention, device, backward=training)
+    choice = select_layout(requested, scorer.config, fast_path=scorer.fast_path,
+                           router_loss=training and scorer.router_loss, attention_reason=why, training=training)
+    if choice.used != PADDED or model.config._attn_implementation not in SWITCHED:
+        return choice
+    use_attention(model, "sdpa", device)
+    note = "the padded layout runs the model's loaded attention (flex and causal serve the shared and packed layouts)"
+    return replace(choice, attention=str(model.config._attn_implementation),
+                   reason="; ".join(r for r in (choice.reason, note) if r))
+
+
+def is_flex(config) -> bool:
+    return getattr(config, "_attn_implementation", None) == FLEX
+
+
+def is_causal(config) -> bool:
+    return getattr(config, "_attn_implementation", None) == CAUSAL
+
+
+# Row shapes a CPU run compiles FlexAttention for before dynamo runs it uncompiled (with a warning).
+FLEX_CPU_SHAPES = 64
+
+
+def compile_settings(config, device: torch.device | str):
+    """The context a forward of a model that may run FlexAttention runs in: on the CPU, one
+    static compile per row shape (``(batch, heads, width)``), up to ``FLEX_CPU_SHAPES``.
+
+    transformers compiles ``flex_attention`` with dynamo's automatic dynamic shapes: the second
+    row width of a run recompiles it with the key length symbolic, and torch 2.13's inductor
+    fails to build that CPU kernel (a C++ compile error, ``cur_kvSplitSize8`` undeclared: the
+    third batch of a shared-layout reference pass on the 58m bench model). Compiled per shape
+    it runs (about 10 s per compile on a 2-core CPU; widths are multiples of ``FLEX_BLOCK``).
+    GPUs keep dynamic shapes."""
+    if not is_flex(config) or torch.device(device).type != "cpu":
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=FLEX_CPU_SHAPES)
+
+
+def row_multiple(config) -> int:
+    """Row widths are padded to a multiple of this (``FLEX_BLOCK`` for flex, else 1)."""
+    return FLEX_BLOCK if is_flex(config) else 1

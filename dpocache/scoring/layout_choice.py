@@ -1,0 +1,108 @@
+"""Which layout runs: one rule for the reference pass (cache build) and for training, in one
+process, under DDP and under FSDP2.
+
+Layouts (how pairs become model inputs):
+
+- ``padded`` (``dpocache.scoring.padded``): two right-padded rows per pair, ``prompt + chosen`` and
+  ``prompt + rejected``; runs on every model.
+- ``shared`` (``dpocache.scoring.shared``): one row ``prompt + chosen + rejected`` per pair with a
+  block mask and position ids restarting per completion; each prompt runs once.
+- ``packed`` (``dpocache.scoring.shared`` and ``dpocache.scoring.packing``): the shared layout with several
+  pairs per row, block-diagonal between pairs, positions restarting per pair: the reference
+  pass fills one row of ``--cache.max_tokens`` per forward, training packs a micro-batch into
+  rows of its longest pair. Same support as ``shared``.
+
+``auto`` (the default) is, wherever they run, ``packed`` in training and ``shared`` in the
+reference pass, else ``padded``. Measured in a same-process A/B on 2 CPU cores
+(``bench/bench_layouts.py``, fp32, 32 pairs, medians of 3, x the padded layout's tokens/s):
+
+- training (forward + backward, micro-batches of 8, long-prompt): shared 1.64x, packed 1.74x.
+  A packed micro-batch's rows are as wide as the shared layout's (its longest pair) and never
+  more of them: packing can only remove rows.
+- reference pass: shared 1.33x / packed 0.79x on the 58m configuration, 1.64x / 0.95x on the
+  long-prompt one (packed rows of 4096 tokens; of 1024: 1.54x / 1.43x). With the dense SDPA
+  mask a row's attention grows as its width squared, and length-sorted batches leave the
+  shared layout little padding to remove. Packed reference rows are for FlexAttention, whose
+  block-sparse kernel skips the masked blocks (unmeasured here: no GPU).
+
+The shared and packed layouts need
+an attention that takes a custom 4D mask (``sdpa`` or ``eager``), the fast path's reproduced
+output head (``CompletionLogProbs.fast_path``) and, in training, no router loss: a
+mixture-of-experts model's load-balancing loss is computed from the padded layout's 2D mask.
+A fallback is never silent: ``LayoutChoice.reason`` says why, and ``run.json`` and the cache
+build's JSON summary carry the choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+PADDED, SHARED, PACKED = "padded", "shared", "packed"  # one row per sequence; one per pair; several pairs a row
+LAYOUTS = ("auto", PADDED, SHARED, PACKED)
+PROMPT_SHARING = (SHARED, PACKED)  # the layouts that run each prompt once for both completions
+ATTENTIONS = ("auto", "sdpa", "flex", "causal")  # backends of the shared and packed layouts (scoring.attention)
+COMPILES = ("auto", "on", "off")  # the reference pass's decoder layers compiled (dpocache.scoring.compiling)
+CAUSAL = "dpocache_causal"  # transformers' name of dpocache.scoring.attention's causal backend
+# Which SDPA kernels the causal backend's rows may use (dpocache.scoring.attention.sdpa_kernels): not
+# cuDNN (the default), or any (SDPA's own choice; to measure the choice again).
+CAUSAL_SDPA_ENV = "DPOCACHE_CAUSAL_SDPA"
+CAUSAL_SDPA_MODES = ("no-cudnn", "any")
+# How bf16 linears run on a CPU (dpocache.scoring.bf16_matmul); here, as the two above, so that checking
+# the environment (config.validate_environment) imports no torch.
+BF16_MATMUL_ENV = "DPOCACHE_BF16_MATMUL"
+BF16_MATMUL_MODES = ("auto", "native", "fp32-gemm")
+# Attentions that serve the shared and packed layouts: with their custom mask, a dense one (sdpa,
+# eager) or a BlockMask (flex_attention), or with their sequence rows (causal; dpocache.scoring.attention).
+BLOCK_MASK_ATTENTION = ("sdpa", "eager", "flex_attention", CAUSAL)
+
+
+def every_layer_slides(get: Callable[[str, Any], Any]) -> bool:
+    """Whether a model slides a window on every layer, its config's fields read through
+    ``get(name, default)`` (a config object's ``getattr``, a ``config.json`` dict's ``get``): a
+    ``sliding_window`` and no ``layer_types`` (Mistral, Mixtral, Phi-3, Starcoder2), unless
+    ``use_sliding_window`` is false (Qwen3-MoE's default). transformers builds such a model's
+    sliding mask from these fields alone (``prefix.sliding_layers``)."""
+    return (get("sliding_window", None) is not None and not get("layer_types", None)
+            and bool(get("use_sliding_window", True)))
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    """The layout asked for, the one that runs, the model's attention, and why they differ."""
+
+    requested: str
+    used: str  # "padded", "shared" or "packed"
+    attention: str  # the attention that ran (config._attn_implementation: sdpa, eager, flex_attention, ...)
+    reason: str | None = None  # why ``used`` (or the attention) is not what was asked for (None: no fallback)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def select_layout(requested: str, config, fast_path: bool = True, router_loss: bool = False,
+                  attention_reason: str | None = None, training: bool = False) -> LayoutChoice:
+    """The layout that runs for ``requested`` (``auto``, ``padded``, ``shared`` or ``packed``)
+    on a model with ``config``; ``fast_path``: the chunked head reproduces the model's (else its
+    own forward runs, on padded rows); ``router_loss``: training needs a MoE load-balancing
+    loss; ``attention_reason``: why a requested attention backend did not run
+    (``dpocache.scoring.attention.use_attention``), carried into the choice's reason; ``training``:
+    ``auto`` means ``packed`` (see the module docstring)."""
+    if requested not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got '{requested}'")
+    attention = str(getattr(config, "_attn_implementation", None) or "unknown")
+    reason = None
+    if requested == PADDED:
+        pass
+    elif attention not in BLOCK_MASK_ATTENTION:
+        reason = (f"attention '{attention}' takes no custom 4D mask (the {requested} layout needs sdpa, eager or "
+                  "flex_attention)")
+    elif not fast_path:
+        reason = "the model's output head is not reproduced by the chunked head; its own forward runs on padded rows"
+    elif router_loss:
+        reason = "mixture-of-experts: the router's load-balancing loss is computed on the padded layout"
+    reasons = "; ".join(r for r in (attention_reason, reason) if r) or None
+    if requested == PADDED or reason is not None:
+        return LayoutChoice(requested, PADDED, attention, reasons)
+    auto = PACKED if training else SHARED
+    return LayoutChoice(requested, auto if requested == "auto" else requested, attention, reasons)

@@ -1,0 +1,639 @@
+"""The reference model as a service for online RL (GRPO, PPO, iterative DPO): token ids in,
+per-token fp32 reference log-probs out.
+
+``ReferenceService`` is a plain class: ``score(requests)`` takes requests
+``{"prompt_ids": [...], "completion_ids": [[...], ...]}`` (a GRPO group of G, a DPO pair, a
+single sequence) and returns, in request order, one ``(c,)`` fp32 CPU tensor per completion:
+``log p(token | prompt, completion tokens before it)``. The work:
+
+1. every (prompt, completion) is looked up in the look-aside cache (``cache_dir``, keyed by
+   content under the model's namespace: weights, config, dtype) and among the call's other
+   sequences; only what is new runs;
+2. completions of one prompt share a row of the group layout (``dpocache.scoring.groups``), so the
+   prompt runs once for the whole group; rows are length-grouped under ``max_tokens``;
+3. the output head runs on completion positions only, in chunks (``CompletionLogProbs``).
+
+``forward(input_ids, max_req_tokens, pad_id)`` is the same computation behind torchforge's
+reference endpoint: a ``(G, T)`` batch of left-padded prompts and right-padded responses in,
+``(G, T - max_req_tokens)`` response log-probs out. ``ReferencePool`` spreads ``score`` over
+Ray actors (``pip install 'dpocache[ray]'``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import operator
+import os
+import threading
+import time
+from dataclasses import dataclass, replace
+from itertools import chain
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from dpocache.cache.build import (
+    default_max_tokens,
+    namespace_for_dir,
+    namespace_for_module,
+    peak_memory_bytes,
+    reference_source,
+)
+from dpocache.cache.fingerprint import config_sha256
+from dpocache.cache.sequences import DEFAULT_MEMORY_BYTES, SequenceStore, sequence_key
+from dpocache.cache.store import Namespace
+from dpocache.distributed.process_group import split_by_weight
+from dpocache.models.hub_ids import resolve_model_path
+from dpocache.models.reference import ReferenceModel, dtype_name, resolve_dtype
+from dpocache.runtime.preflight import check_model_dir
+from dpocache.scoring.groups import Group, budget_batches, collate_groups, collate_sequences, per_sequence, split_group
+from dpocache.scoring.layout_choice import CAUSAL, PADDED, SHARED
+from dpocache.scoring.logprobs import unwrap_causal_lm
+
+log = logging.getLogger(__name__)
+
+Request = dict  # {"prompt_ids": [int, ...], "completion_ids": [[int, ...], ...]}
+
+# Counters that add up over calls and over replicas (the others are derived or maxima).
+SUMMED = ("calls", "requests", "sequences", "cache_hits", "duplicates", "forward_passes", "forward_sequences",
+          "tokens", "sequence_tokens", "prompt_tokens_saved", "seconds", "score_seconds")
+
+
+class RequestError(ValueError):
+    """A bad request: names the request and, where it is one completion's fault, its index."""
+
+    def __init__(self, request: int, completion: int | None, reason: str):
+        self.request, self.completion, self.reason = request, completion, reason
+        where = f"request {request}" + (f", completion {completion}" if completion is not None else "")
+        super().__init__(f"{where}: {reason}")
+
+
+def _ids(value: Any, request: int, completion: int | None, what: str) -> tuple[int, ...]:
+    """Token ids from a list or tuple of integers (Python's or numpy's), a 1-D tensor or a numpy
+    array; bools and floats are refused, naming what was found."""
+    if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy":
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)):
+        raise RequestError(request, completion, f"{what} must be a list of token ids (ints), got "
+                                                f"{type(value).__name__}")
+    bad = next((t for t in value if type(t).__name__ in ("bool", "bool_") or not hasattr(t, "__index__")), None)
+    if bad is not None:
+        raise RequestError(request, completion, f"{what} must be a list of token ids (ints), got a "
+                                                f"{type(bad).__name__} ({bad!r})")
+    if not value:
+        raise RequestError(request, completion, f"empty {what}")
+    return tuple(operator.index(t) for t in value)
+
+
+def check_request(index: int, request: Any, vocab_size: int, context: int | None) -> tuple[tuple[int, ...], list]:
+    """``(prompt ids, [completion ids, ...])`` of a valid request; else ``RequestError``."""
+    if not isinstance(request, dict) or "prompt_ids" not in request or "completion_ids" not in request:
+        raise RequestError(index, None, "expected {'prompt_ids': [...], 'completion_ids': [[...], ...]}")
+    prompt = _ids(request["prompt_ids"], index, None, "prompt")
+    completions = request["completion_ids"]
+    if isinstance(completions, torch.Tensor) or type(completions).__module__ == "numpy":
+        completions = completions.tolist()
+    if not isinstance(completions, (list, tuple)) or not completions:
+        raise RequestError(index, None, "completion_ids must be a non-empty list of token-id lists")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        bad = next(t for t in prompt if t < 0 or t >= vocab_size)
+        raise RequestError(index, None, f"prompt token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+    out = []
+    for k, c in enumerate(completions):
+        c = _ids(c, index, k, "completion")
+        if min(c) < 0 or max(c) >= vocab_size:
+            bad = next(t for t in c if t < 0 or t >= vocab_size)
+            raise RequestError(index, k, f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+        if context is not None and len(prompt) + len(c) > context:
+            raise RequestError(index, k, f"prompt + completion is {len(prompt) + len(c)} tokens, longer than the "
+                               f"model's context ({context})")
+        out.append(c)
+    return prompt, out
+
+
+def summed_stats(parts: Sequence[dict]) -> dict:
+    """Counters of several services (replicas) as one: sums, the largest peak, averages again."""
+    total = {k: sum(p.get(k, 0) for p in parts) for k in SUMMED}
+    total["peak_memory_bytes"] = max((p.get("peak_memory_bytes", 0) for p in parts), default=0)
+    return _derived(total)
+
+
+def _derived(s: dict) -> dict:
+    s["avg_sequence_length"] = s["sequence_tokens"] / s["forward_sequences"] if s["forward_sequences"] else 0.0
+    s["tokens_per_s"] = s["tokens"] / s["seconds"] if s["seconds"] else 0.0
+    return s
+
+
+@dataclass
+class _Work:
+    """One call's new sequences: the groups to run and where each value goes."""
+
+    groups: list[Group]
+    keys: dict[bytes, list[tuple[int, int]]]  # sequence key -> every (request, completion) that asked for it
+    group_keys: list[list[bytes]]  # the key of each completion of each group
+
+
+# A request's completions share one run of their prompt only within a row of the budget
+# (``groups.split_group``): a smaller budget splits the group and runs the prompt again. So the
+# service's default budget is never below the one it was measured at, even where the offline
+# pass takes a smaller one (a CPU's 1024).
+GROUP_MAX_TOKENS = 4096
+
+
+class ReferenceService:
+    """A frozen reference model behind ``score`` and ``forward``.
+
+    Args:
+        model: a causal LM (frozen here), or a ``ReferenceModel``.
+        dtype: float32, or bfloat16/float16 under autocast (``ReferenceModel``).
+        max_tokens: token slots per forward (rows x widest row); default: the device's budget
+            (``cache.build.default_max_tokens``), at least ``GROUP_MAX_TOKENS``.
+        cache_dir: where the look-aside cache lives (None: no cache).
+        compile: compile each decoder layer once, at start (``dpocache.scoring.compiling``): worth it on
+            a GPU for a service that runs a whole training job.
+        namespace: the cache namespace; by default the model's weights and config by content.
+        stats_file: a JSONL file that gets ``stats()`` after every ``score`` call.
+        cache_memory_bytes: how many bytes of the look-aside cache's values stay in memory
+            (default 1 GiB); past it the least recently used shards are dropped and read from
+            disk again when asked for.
+        temperature: the sampling temperature of the rollouts: the logits are divided by it
+            before the log-softmax, as GRPO and PPO trainers (TRL, verl, OpenRLHF) do for the
+            policy and the reference alike, so the KL is 0 where the policy equals the
+            reference. Values at another temperature are cached under a namespace of their own.
+            None: 1, or the temperature of the ``ReferenceModel`` given.
+    """
+
+    def __init__(self, model: nn.Module | ReferenceModel, dtype: torch.dtype = torch.float32,
+                 max_tokens: int | None = None, cache_dir: str | Path | None = None, compile: bool = False,
+                 namespace: Namespace | None = None, stats_file: str | Path | None = None, layout: str = SHARED,
+                 cache_memory_bytes: int = DEFAULT_MEMORY_BYTES, temperature: float | None = None):
+        if isinstance(dtype, str):  # as from_pretrained takes it ("auto": by the model's device)
+            dtype = resolve_dtype(dtype, next(model.parameters()).device if isinstance(model, nn.Module) else "cpu")
+        self.reference = model if isinstance(model, ReferenceModel) else ReferenceModel(
+            model, dtype, "on" if compile else "off", layout=layout,
+            temperature=1.0 if temperature is None else temperature)
+        if self.reference.layout_choice.attention == CAUSAL:
+            # Its rows are the training layouts' (SequenceRows); a group row has none to give it.
+            raise ValueError("the reference service needs an attention that takes a mask (sdpa, eager or flex); "
+                             "this ReferenceModel runs dpocache's causal backend: build it with attention='sdpa'")
+        if temperature is not None and self.reference.temperature != temperature:
+            raise ValueError(f"temperature={temperature:g}, but the ReferenceModel given divides its logits by "
+                             f"{self.reference.temperature:g}: build it with ReferenceModel(..., temperature=...)")
+        config = unwrap_causal_lm(self.reference.model).config.get_text_config()
+        self.vocab_size = int(config.vocab_size)
+        self.context = getattr(config, "max_position_embeddings", None)
+        self.special_ids = special_token_ids(unwrap_causal_lm(self.reference.model))
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1; got {max_tokens}")
+        self.max_tokens = max_tokens or max(GROUP_MAX_TOKENS, default_max_tokens(self.reference.device))
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self.cache_memory_bytes = cache_memory_bytes
+        self.store = None
+        if cache_dir is not None:
+            namespace = (replace(namespace, temperature=self.reference.temperature) if namespace
+                         else self._namespace_by_content())
+            self.store = SequenceStore(cache_dir, namespace, cache_memory_bytes)
+            self._weights = self._weights_signature()
+        self.stats_file = Path(stats_file) if stats_file else None
+        self._counts = dict.fromkeys(SUMMED, 0)
+        # One call at a time: the model runs one batch at a time anyway, and the store's pending
+        # values and shard writes are not safe against a second thread.
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype = "auto",
+                        device: str | torch.device | None = None, max_tokens: int | None = None,
+                        cache_dir: str | Path | None = None, compile: bool = False, reference: str = "initial",
+                        **kwargs) -> "ReferenceService":
+        """A model directory. For a PEFT adapter directory the reference is the initial policy,
+        base + that adapter (``reference="base"``: the bare base), as in ``dpocache train``."""
+        path = resolve_model_path(str(path))  # a Hub id: its snapshot in the local cache
+        check_model_dir(path, "path", tokenizer=False)  # one line, not transformers' traceback
+        base, adapter = reference_source(path, reference)
+        layout = kwargs.pop("layout", SHARED)
+        model = ReferenceModel.from_pretrained(base, dtype, device, compile="on" if compile else "off",
+                                               layout=layout, adapter=adapter,
+                                               temperature=_temperature(kwargs))
+        namespace = (namespace_for_dir(path, model.dtype, Path(cache_dir), reference) if cache_dir is not None
+                     else None)
+        return cls(model, max_tokens=max_tokens, cache_dir=cache_dir, namespace=namespace, **kwargs)
+
+    @classmethod
+    def from_peft_policy(cls, policy: nn.Module, dtype: torch.dtype = torch.float32, **kwargs) -> "ReferenceService":
+        """The policy's base weights, its adapter disabled during every forward. Its namespace is
+        that of the base weights alone (the adapter trains; the values do not depend on it)."""
+        reference = ReferenceModel.from_peft_policy(policy, dtype, _temperature(kwargs))
+        if kwargs.get("cache_dir") is not None and kwargs.get("namespace") is None:
+            kwargs["namespace"] = base_namespace(policy, dtype)
+        return cls(reference, **kwargs)
+
+    # ------------------------------------------------------------------------------ scoring
+
+    def score(self, requests: Sequence[Request]) -> list[list[torch.Tensor]]:
+        """Per request, one ``(c_k,)`` fp32 CPU tensor of per-token log-probs per completion.
+        Each tensor is the caller's own (editing it in place changes no later answer). Calls
+        from several threads run one after another."""
+        with self._lock:
+            return self._score(requests)
+
+    def _score(self, requests: Sequence[Request]) -> list[list[torch.Tensor]]:
+        start = time.perf_counter()
+        checked = [check_request(i, r, self.vocab_size, self.context) for i, r in enumerate(requests)]
+        results: list[list[torch.Tensor | None]] = [[None] * len(c) for _, c in checked]
+        if self.store is not None:
+            self._follow_weights()
+            self.store.refresh()
+        work = self._plan(checked, results)
+        try:
+            for group, values in self._run(work.groups):
+                for key, value in zip(work.group_keys[group], values):
+                    for r, k in work.keys[key]:
+                        results[r][k] = value.clone()  # not the stored tensor, nor a duplicate's
+                    if self.store is not None:
+                        self.store.put(key, value)
+        finally:
+            if self.store is not None:
+                # Before returning, and on an error or Ctrl-C: nothing computed is lost.
+                self.store.flush()
+        c = self._counts
+        c["calls"] += 1
+        c["requests"] += len(checked)
+        c["sequences"] += sum(len(comps) for _, comps in checked)
+        c["score_seconds"] += time.perf_counter() - start
+        self._log_stats()
+        return results  # type: ignore[return-value]
+
+    def weights_changed(self) -> None:
+        """Tell the service its weights changed where the per-call check cannot see it: a
+        write through ``.data`` (no version counter) to values none of ``weights_signature``'s
+        16 samples per tensor covers. The look-aside cache moves to the namespace of the weights
+        as they are now, hashed in full. Without a ``cache_dir`` there is nothing to move."""
+        with self._lock:
+            if self.store is not None:
+                self._weights = None  # unequal to any signature: _follow_weights re-hashes
+                self._follow_weights()
+
+    def _namespace_by_content(self) -> Namespace:
+        """The namespace of the weights as they are now (a PEFT policy's: its base weights)."""
+        if self.reference.adapter_disabled:
+            namespace = base_namespace(self.reference.model, self.reference.dtype)
+        else:
+            namespace = namespace_for_module(unwrap_causal_lm(self.reference.model), self.reference.dtype)
+        return replace(namespace, temperature=self.reference.temperature)
+
+    def _weights_signature(self) -> tuple:
+        # A PEFT policy's adapter trains while the service runs; the reference is its base.
+        skip = "lora_" if self.reference.adapter_disabled else None
+        return weights_signature(unwrap_causal_lm(self.reference.model), skip)
+
+    def _follow_weights(self) -> None:
+        """If the model's weights changed since the cache's namespace was taken (a reference
+        synced to the policy, ``load_state_dict``), move to the namespace of the new weights:
+        the old one's values are not theirs, and theirs must not be filed under it."""
+        now = self._weights_signature()
+        if now == self._weights:
+            return
+        old = self.store.namespace.id
+        self.store.flush()
+        self.store = SequenceStore(self.cache_dir, self._namespace_by_content(), self.cache_memory_bytes)
+        self._weights = now
+        log.info("the reference's weights changed: its look-aside cache moves from namespace %s to %s", old,
+                 self.store.namespace.id)
+
+    def _plan(self, checked: list, results: list) -> _Work:
+        """Fill ``results`` from the cache; group what is left by prompt (a prompt asked by
+        several requests runs once), each group within the token budget."""
+        keys: dict[bytes, list[tuple[int, int]]] = {}
+        by_prompt: dict[tuple[int, ...], tuple[int, list[bytes], list[tuple[int, ...]]]] = {}
+        for r, (prompt, completions) in enumerate(checked):
+            for k, comp in enumerate(completions):
+                key = sequence_key(prompt, comp)
+                if key in keys:
+                    keys[key].append((r, k))
+                    self._counts["duplicates"] += 1
+                    continue
+                cached = self.store.get(key) if self.store is not None else None
+                if cached is not None:
+                    results[r][k] = cached.clone()
+                    self._counts["cache_hits"] += 1
+                    continue
+                keys[key] = [(r, k)]
+                _, group_keys, comps = by_prompt.setdefault(prompt, (r, [], []))
+                group_keys.append(key)
+                comps.append(comp)
+        groups, group_keys = [], []
+        # The per-sequence fallback runs one row per sequence: groups of one, packed by length.
+        budget = self.max_tokens if self.reference.layout != PADDED else 0
+        for prompt, (r, gkeys, comps) in by_prompt.items():
+            for g in split_group(r, prompt, comps, range(len(comps)), budget):
+                groups.append(g)
+                group_keys.append([gkeys[i] for i in g.ids])
+        return _Work(groups, keys, group_keys)
+
+    def _run(self, groups: list[Group]):
+        """Yields ``(group index, [(c,) fp32 CPU log-probs of each of its completions])``,
+        batch after batch."""
+        c = self._counts
+        shared = self.reference.layout != PADDED  # packed: groups as the shared layout runs them
+        order = list(range(len(groups)))
+        if shared:
+            batches = budget_batches(order, self.max_tokens, width=lambda i: groups[i].unique_tokens)
+        else:
+            batches = budget_batches(order, self.max_tokens, width=lambda i: groups[i].padded_width,
+                                     rows=lambda i: len(groups[i].completions))
+        for batch in batches:
+            tokens, seconds = self.reference.tokens, self.reference.seconds
+            members = [groups[i] for i in batch]
+            if shared:
+                gb = collate_groups(members)
+                parts = iter(self.reference.shared_prompt_logprobs(gb).float().cpu().split(gb.counts))
+                c["prompt_tokens_saved"] += sum(len(g.prompt) * (len(g.completions) - 1) for g in members)
+            else:
+                sb = collate_sequences(members)
+                token_logps = self.reference.logprobs(sb.input_ids, sb.attention_mask, sb.completion_mask)  # (N, T)
+                parts = iter(per_sequence(token_logps.float().cpu(), sb))
+            c["forward_passes"] += 1
+            c["tokens"] += self.reference.tokens - tokens
+            c["seconds"] += self.reference.seconds - seconds
+            c["forward_sequences"] += sum(len(g.completions) for g in members)
+            c["sequence_tokens"] += sum(g.sequence_tokens for g in members)
+            for i, g in zip(batch, members):
+                yield i, [next(parts) for _ in g.completions]
+
+    # -------------------------------------------------------------------- torchforge's entry
+
+    def forward(self, input_ids: torch.Tensor, max_req_tokens: int, pad_id: int,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """torchforge's reference endpoint: ``(G, T)`` rows of a prompt left-padded to
+        ``max_req_tokens`` and a response right-padded → ``(G, T - max_req_tokens)`` fp32
+        response log-probs on ``input_ids``' device, 0 at padding (and in a row whose response
+        is all padding). Rows with the same prompt share one forward row.
+
+        Padding is ``pad_id``, or where ``attention_mask`` (``(G, T)``, 1 at real tokens) is 0.
+        The mask is needed when ``pad_id`` is the model's EOS or BOS id (common: GPT-2, Llama 3,
+        Qwen), since a response's own EOS or a prompt's BOS would read as padding; ``forward``
+        refuses such a ``pad_id`` without one."""
+        requests, rows = forward_requests(input_ids, max_req_tokens, pad_id, attention_mask, self.special_ids)
+        return forward_output(_scored_rows(self.score, requests, rows), rows, input_ids, max_req_tokens)
+
+    # -------------------------------------------------------------------------------- stats
+
+    def stats(self) -> dict:
+        """torchforge-style counters since construction (or ``reset_stats``):
+
+        calls, requests, sequences (answered), cache_hits, duplicates (asked twice in a call),
+        forward_passes, forward_sequences and tokens (run through the model), sequence_tokens
+        (of those sequences as separate rows), prompt_tokens_saved (by sharing prompts),
+        seconds (in forward passes), score_seconds (whole calls), peak_memory_bytes,
+        avg_sequence_length, tokens_per_s."""
+        s = dict(self._counts)
+        s["peak_memory_bytes"] = peak_memory_bytes(self.reference.device)
+        return _derived(s)
+
+    def reset_stats(self) -> None:
+        self._counts = dict.fromkeys(SUMMED, 0)
+
+    def _log_stats(self) -> None:
+        if self.stats_file is None:
+            return
+        self.stats_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.stats_file, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"time": time.time(), "pid": os.getpid(), **self.stats()}) + "\n")
+
+
+def _temperature(service_kwargs: dict) -> float:
+    """The ``temperature`` a constructor's keyword arguments ask for (absent or None: 1)."""
+    value = service_kwargs.get("temperature")
+    return 1.0 if value is None else value
+
+
+def base_namespace(policy: nn.Module, dtype: torch.dtype) -> Namespace:
+    """The namespace of a PEFT policy's base weights: adapter tensors left out and PEFT's
+    ``base_layer`` renaming undone, so it equals that of the same weights without PEFT."""
+    base = unwrap_causal_lm(policy)
+    h = hashlib.sha256()
+    kept = ((n.replace(".base_layer", ""), t) for n, t in base.state_dict().items() if "lora_" not in n)
+    for name, tensor in sorted(kept, key=lambda item: item[0]):
+        t = tensor.detach().to("cpu").contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}\n".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return Namespace(h.hexdigest(), config_sha256(base.config.to_dict()), dtype_name(dtype),
+                     model=f"<in memory {type(base).__name__}, adapter off>")
+
+
+def special_token_ids(model: nn.Module) -> frozenset[int]:
+    """The model's BOS and EOS ids, from its config and generation config."""
+    ids: set[int] = set()
+    for config in (model.config.get_text_config(), getattr(model, "generation_config", None)):
+        for name in ("bos_token_id", "eos_token_id"):
+            value = getattr(config, name, None)
+            ids.update(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]) if v is not None)
+    return frozenset(ids)
+
+
+def weights_signature(module: nn.Module, skip: str | None = None) -> tuple:
+    """A cheap mark of ``module``'s weights (those whose name lacks ``skip``), equal until they
+    change: each tensor's storage address and version counter (bumped by every in-place write
+    through the tensor: ``load_state_dict``, an optimizer step) and 16 of its values, evenly
+    strided (a write through ``.data`` has a version counter of its own). Hashing every weight
+    on every call would cost a pass over the model's memory, so a ``.data`` write that misses
+    every sample goes unseen: ``ReferenceService.weights_changed`` is the caller's way to say it."""
+    tensors = [t.detach() for name, t in chain(module.named_parameters(), module.named_buffers())
+               if skip is None or skip not in name]
+    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # DTensor: this rank's shard
+    marks = tuple((t.data_ptr(), t._version) for t in tensors)
+    samples = [t.reshape(-1)[::max(1, t.numel() // 16)][:16].float() for t in tensors if t.numel()]
+    sampled = torch.cat(samples).cpu().numpy().tobytes() if samples else b""
+    return marks, hashlib.sha256(sampled).hexdigest()
+
+
+def forward_requests(input_ids: torch.Tensor, max_req_tokens: int, pad_id: int,
+                     attention_mask: torch.Tensor | None = None,
+                     special_ids: frozenset[int] = frozenset()) -> tuple[list[Request], list]:
+    """torchforge's ``(G, T)`` batch as requests (rows with the same prompt in one request), and
+    per row ``(request, completion)`` or None for a row with no response token. Padding is
+    ``pad_id`` (refused if in ``special_ids``, the model's BOS/EOS), or where ``attention_mask`` is 0."""
+    if input_ids.dim() != 2 or not 0 < max_req_tokens < input_ids.shape[1]:
+        raise ValueError(f"input_ids must be (G, T) with 0 < max_req_tokens < T; got {tuple(input_ids.shape)} "
+                         f"and max_req_tokens={max_req_tokens}")
+    if attention_mask is None and pad_id in special_ids:
+        raise ValueError(f"pad_id {pad_id} is also the model's BOS or EOS id: a response's own EOS (or a prompt's "
+                         "BOS) cannot be told from padding; pass attention_mask, 1 at real tokens")
+    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}; "
+                         f"got {tuple(attention_mask.shape)}")
+    masks = attention_mask.bool().tolist() if attention_mask is not None else None
+    by_prompt: dict[tuple[int, ...], int] = {}
+    requests: list[Request] = []
+    rows: list[tuple[int, int] | None] = []
+    for g, row in enumerate(input_ids.tolist()):
+        prompt, response = row[:max_req_tokens], row[max_req_tokens:]
+        if masks is None:
+            start = next((i for i, t in enumerate(prompt) if t != pad_id), len(prompt))  # left padding
+            end = len(response)
+            while end and response[end - 1] == pad_id:  # right padding
+                end -= 1
+        else:
+            real_prompt, real_response = masks[g][:max_req_tokens], masks[g][max_req_tokens:]
+            start, end = len(prompt) - sum(real_prompt), sum(real_response)
+            if real_prompt != [False] * start + [True] * (len(prompt) - start) or \
+                    real_response != [True] * end + [False] * (len(response) - end):
+                raise ValueError(f"attention_mask row {g}: the prompt must be left-padded and the response "
+                                 "right-padded (0s only before the prompt and after the response)")
+        if end == 0:
+            rows.append(None)
+            continue
+        r = by_prompt.setdefault(tuple(prompt[start:]), len(requests))
+        if r == len(requests):
+            requests.append({"prompt_ids": prompt[start:], "completion_ids": []})
+        requests[r]["completion_ids"].append(response[:end])
+        rows.append((r, len(requests[r]["completion_ids"]) - 1))
+    return requests, rows
+
+
+def _scored_rows(score, requests: list[Request], rows: list) -> list[list[torch.Tensor]]:
+    """``score(requests)``, a bad request named by its row of the ``(G, T)`` batch."""
+    try:
+        return score(requests)
+    except RequestError as e:
+        row = rows.index((e.request, e.completion if e.completion is not None else 0))
+        raise ValueError(f"input_ids row {row}: {e.reason}") from None
+
+
+def forward_output(values: list[list[torch.Tensor]], rows: list, input_ids: torch.Tensor,
+                   max_req_tokens: int) -> torch.Tensor:
+    out = torch.zeros((input_ids.shape[0], input_ids.shape[1] - max_req_tokens), dtype=torch.float32)
+    for g, where in enumerate(rows):
+        if where is not None:
+            v = values[where[0]][where[1]]
+            out[g, :v.numel()] = v
+    return out.to(input_ids.device)
+
+
+# ------------------------------------------------------------------------------------- Ray
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ImportError("ReferencePool needs Ray: pip install 'dpocache[ray]'") from None
+    return ray
+
+
+class _Replica:
+    """One Ray actor: a ``ReferenceService`` of its own (one GPU where the cluster has them)."""
+
+    def __init__(self, path: str, service_kwargs: dict, exit_once: str | None = None):
+        self.service = ReferenceService.from_pretrained(path, **service_kwargs)
+        self.exit_once = exit_once
+
+    def ready(self) -> tuple[int, int, int | None, frozenset[int]]:
+        """(process id, vocabulary size, context length, BOS and EOS ids)."""
+        return os.getpid(), self.service.vocab_size, self.service.context, self.service.special_ids
+
+    def score(self, requests: list[Request]) -> list[list[torch.Tensor]]:
+        if self.exit_once:
+            try:
+                os.remove(self.exit_once)  # succeeds once: tests kill a replica mid-call this way
+            except FileNotFoundError:
+                pass
+            else:
+                os._exit(1)
+        return self.service.score(requests)
+
+    def stats(self) -> dict:
+        return self.service.stats()
+
+
+def request_tokens(request: Request) -> int:
+    """A request's cost for splitting: the tokens of its group row."""
+    try:
+        return len(request["prompt_ids"]) + sum(len(c) for c in request["completion_ids"])
+    except (TypeError, KeyError):
+        return 0  # a malformed request: its replica's check names it
+
+
+class ReferencePool:
+    """``num_replicas`` ``ReferenceService``s as Ray actors; ``score`` splits each call by tokens.
+
+    Connects to the running cluster when ``ray.init(...)`` was called first, else starts a
+    local one. Each replica takes one GPU if the cluster has one per replica, else one CPU. A
+    replica that dies is restarted by Ray (``max_restarts``) and its task re-run
+    (``max_task_retries``); if Ray gives up, the pool sends the share to another replica.
+    Either way every request is answered exactly once, in request order.
+    """
+
+    def __init__(self, path: str | Path, num_replicas: int = 2, max_restarts: int = 3, max_task_retries: int = 3,
+                 _exit_once: str | None = None, **service_kwargs):
+        check_model_dir(resolve_model_path(str(path)), "path", tokenizer=False)  # not in every replica
+        ray = _import_ray()
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be at least 1; got {num_replicas}")
+        if not ray.is_initialized():
+            ray.init(include_dashboard=False, log_to_driver=False)
+        self._ray = ray
+        cluster = ray.cluster_resources()
+        gpus, cpus = cluster.get("GPU", 0), cluster.get("CPU", 0)
+        resources = {"num_gpus": 1} if gpus >= num_replicas else {"num_cpus": 1}
+        if "num_cpus" in resources and cpus < num_replicas:
+            # Ray leaves an actor it has no room for unscheduled, with no error: ready() below
+            # would wait for it for ever, saying nothing.
+            raise ValueError(f"num_replicas={num_replicas}: each replica takes one CPU and the Ray cluster has "
+                             f"{cpus:g}; ask for at most {int(cpus)}, or give Ray more (ray.init(num_cpus=...))")
+        actor = ray.remote(_Replica).options(max_restarts=max_restarts, max_task_retries=max_task_retries, **resources)
+        self.replicas = [actor.remote(str(path), service_kwargs, _exit_once) for _ in range(num_replicas)]
+        _, self.vocab_size, self.context, self.special_ids = ray.get([r.ready.remote() for r in self.replicas])[0]
+
+    def _replicas(self) -> list:
+        if not self.replicas:
+            raise RuntimeError("this ReferencePool was shut down; start a new one")
+        return self.replicas
+
+    def score(self, requests: Sequence[Request]) -> list[list[torch.Tensor]]:
+        """As ``ReferenceService.score``, over the replicas."""
+        ray = self._ray
+        n = len(self._replicas())
+        for i, r in enumerate(requests):  # here, so that an error names the caller's request index
+            check_request(i, r, self.vocab_size, self.context)
+        shares = [sorted(s) for s in split_by_weight(list(range(len(requests))), n, tiebreak=lambda i: i,
+                                                     weight=lambda i: request_tokens(requests[i])) if s]
+        submit = lambda r, s: self.replicas[r].score.remote([requests[i] for i in shares[s]])  # noqa: E731
+        # ref -> (replica, share, tries); share s starts on replica s
+        pending = {submit(s, s): (s, s, 0) for s in range(len(shares))}
+        results: list = [None] * len(requests)
+        while pending:
+            (ref,), _ = ray.wait(list(pending), num_returns=1)
+            r, s, tries = pending.pop(ref)
+            try:
+                values = ray.get(ref)
+            except ray.exceptions.RayActorError:
+                # Ray's own restarts and task retries are spent: the share goes to the next replica.
+                if tries + 1 >= n:
+                    raise
+                pending[submit((r + 1) % n, s)] = ((r + 1) % n, s, tries + 1)
+                continue
+            for i, v in zip(shares[s], values):
+                results[i] = v
+        return results
+
+    def forward(self, input_ids: torch.Tensor, max_req_tokens: int, pad_id: int,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """As ``ReferenceService.forward``, over the replicas."""
+        requests, rows = forward_requests(input_ids, max_req_tokens, pad_id, attention_mask, self.special_ids)
+        return forward_output(_scored_rows(self.score, requests, rows), rows, input_ids, max_req_tokens)
+
+    def stats(self) -> dict:
+        """Summed counters, with each replica's under ``replicas`` (a restarted replica's start
+        from zero)."""
+        parts = self._ray.get([r.stats.remote() for r in self._replicas()])
+        return {**summed_stats(parts), "replicas": parts}
+
+    def shutdown(self) -> None:
+        for r in self.replicas:
+            self._ray.kill(r)
+        self.replicas = []

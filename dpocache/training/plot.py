@@ -1,0 +1,62 @@
+"""``dpocache plot OUTPUT``: loss, reward accuracy, reward margins and the chosen and rejected
+log-probs, train and eval side by side in each panel, to a PNG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dpocache.runtime.preflight import UsageError, check_output
+from dpocache.training.metrics import read_metrics
+
+# (panel title, metric keys drawn together in it)
+PANELS = (("loss", ("loss",)), ("reward accuracy", ("rewards/accuracies",)), ("reward margin", ("rewards/margins",)),
+          ("log-probs of chosen and rejected", ("logps/chosen", "logps/rejected")))
+
+
+def panel_series(records: list[dict]) -> dict[str, dict[str, tuple[list[int], list[float]]]]:
+    """``{panel title: {series label: (steps, values)}}`` of a run's metric rows: for every key of
+    a panel, a train series and an eval series (``eval/`` rows), where the run logged them."""
+    panels: dict[str, dict[str, tuple[list[int], list[float]]]] = {}
+    for title, keys in PANELS:
+        series = panels.setdefault(title, {})
+        for key in keys:
+            side = f" {key.rsplit('/', 1)[-1]}" if len(keys) > 1 else ""  # "chosen", "rejected"
+            for prefix, name in (("", "train"), ("eval/", "eval")):
+                points = [(r["step"], r[prefix + key]) for r in records if prefix + key in r]
+                if points:
+                    steps, values = zip(*points)
+                    series[name + side] = (list(steps), list(values))
+    return panels
+
+
+def plot_run(output_dir: str | Path, out_file: str | Path | None = None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display needed
+    import matplotlib.pyplot as plt
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    metrics = Path(output_dir) / "metrics.jsonl"
+    out_file = Path(out_file) if out_file else Path(output_dir) / "curves.png"
+    # The user's mistakes before anything is drawn (each was a traceback, or for a directory
+    # --out a file written beside it under another name).
+    if metrics.exists() and not metrics.is_file():
+        raise UsageError(f"{metrics}: not a file (OUTPUT_DIR is a training run's output directory)")
+    check_output(out_file, "--out", {"OUTPUT_DIR's metrics.jsonl": metrics})
+    kind = out_file.suffix[1:].lower()
+    if kind and kind not in FigureCanvasBase.get_supported_filetypes():
+        raise UsageError(f"--out {out_file}: matplotlib cannot write .{kind} files; name a .png, .pdf or .svg file")
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    for ax, (title, series) in zip(axes.flat, panel_series(read_metrics(output_dir)).items()):
+        for label, (steps, values) in series.items():
+            ax.plot(steps, values, "o--" if label.startswith("eval") else "-", label=label)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if series:
+            ax.legend()
+    fig.suptitle(str(output_dir))
+    fig.tight_layout()
+    fig.savefig(out_file, dpi=100)
+    plt.close(fig)
+    return out_file

@@ -1,0 +1,334 @@
+"""Every mistake a user can make on the command line gets one line naming the flag, file, line
+or field, exit status 2 and no traceback (a traceback only with -v), before any model loads
+where the mistake can be seen then. Each case runs the CLI in an interpreter apart from the
+tests' (``python -m dpocache``, or for the many cases of ``CASES`` one interpreter that runs them
+in turn, each with its stderr captured at the file descriptor)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dpocache.data.pairs import write_jsonl
+
+QUIET = {"OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+         "TRANSFORMERS_VERBOSITY": "error"}
+# Under a minute of retries against the Hugging Face Hub is what a wrong --model cost; the
+# checks now run before torch is imported. A bound on a hang, not a benchmark.
+MODEL_PATH_BOUND_S = 5
+
+
+def dpocache(*args, cwd: Path, timeout: float = 300, code: str | None = None) -> subprocess.CompletedProcess:
+    """``python -m dpocache ARGS`` (or ``python -c CODE ARGS``) in ``cwd``."""
+    head = ["-c", code] if code else ["-m", "dpocache"]
+    return subprocess.run([sys.executable, *head, *map(str, args)], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **QUIET})
+
+
+def one_line(proc: subprocess.CompletedProcess) -> str:
+    """The single stderr line of a failed run, after checking status 2 and no traceback."""
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, model_dir, pref_rows) -> Path:
+    """A directory holding: model/ (a tiny llama), data.jsonl, and the broken variants."""
+    root = tmp_path_factory.mktemp("errors")
+    shutil.copytree(model_dir, root / "model")
+    write_jsonl(pref_rows, root / "data.jsonl")
+    (root / "no-tokenizer").mkdir()
+    (root / "no-weights").mkdir()
+    for f in (root / "model").iterdir():
+        is_tokenizer = f.name.startswith("tokenizer") or f.name.endswith(".jinja")
+        if not is_tokenizer:
+            shutil.copy(f, root / "no-tokenizer" / f.name)
+        if not f.name.endswith(".safetensors"):
+            shutil.copy(f, root / "no-weights" / f.name)
+    write_jsonl([{"question": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"]} for r in pref_rows],
+                root / "question.jsonl")
+    good = json.dumps(pref_rows[0]).encode()
+    (root / "bytes.jsonl").write_bytes(good + b"\n" + b'{"prompt": "caf\xe9", "chosen": " a", "rejected": " b"}\n')
+    (root / "bytes.csv").write_bytes(b"prompt,chosen,rejected\nsort 3 1, 1 3, 3 1\nsort \xff 2, 2, 1\n")
+    (root / "surrogate.jsonl").write_text(json.dumps(pref_rows[0]) + "\n"
+                                          + '{"prompt": "x \\ud83d y", "chosen": " a", "rejected": " b"}\n')
+    (root / "deep.jsonl").write_text(json.dumps(pref_rows[0]) + "\n" + "[" * 200_000 + "]" * 200_000 + "\n")
+    (root / "malformed.jsonl").write_text(json.dumps(pref_rows[0]) + "\n" + '{"prompt": "x", "chosen": \n')
+    # Longer than the tiny llama's context (512 positions) and than any sane max_length.
+    (root / "long.jsonl").write_text(json.dumps(pref_rows[0]) + "\n"
+                                     + json.dumps({"prompt": "sort " * 600, "chosen": " 1", "rejected": " 2"}) + "\n")
+    (root / "a-file").write_text("not a directory\n")
+    write_jsonl([{"prompt": r["prompt"], "completions": [r["chosen"], r["rejected"]]} for r in pref_rows],
+                root / "score.jsonl")  # rows as score reads them
+    (root / "broken.parquet").write_bytes(b"PAR1 but nothing else")
+    # Weights saved under other names (a PEFT-wrapped model's state dict saved as a full model):
+    # transformers would fill every weight at random.
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(root / "model", root / "renamed-weights")
+    weights = root / "renamed-weights" / "model.safetensors"
+    save_file({f"base_model.model.{k}": v for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"})
+    # A tokenizer grown without resizing the model: the config's vocabulary is smaller than its ids.
+    shutil.copytree(root / "model", root / "small-vocab")
+    config = json.loads((root / "small-vocab" / "config.json").read_text())
+    (root / "small-vocab" / "config.json").write_text(json.dumps({**config, "vocab_size": 8}))
+    return root
+
+
+TRAIN = ("train", "--model", "model", "--data", "data.jsonl", "--dtype", "float32", "--device", "cpu",
+         "--cache-dir", "cache", "--output-dir", "run")
+BUILD = ("cache", "build", "--model", "model", "--data", "data.jsonl", "--dtype", "float32", "--device", "cpu",
+         "--cache-dir", "cache")
+
+
+
+def with_data(args: tuple, data: str) -> tuple:
+    i = args.index("--data")
+    return (*args[:i + 1], data, *args[i + 2:])
+
+
+# name -> (arguments, what the line must contain)
+MODEL_PATH_CASES = {
+    "train: nonexistent model": (("train", "--model", "no/such/dir", "--data", "data.jsonl"),
+                                 ["--model no/such/dir", "no such directory"]),
+    "build: nonexistent model": (("cache", "build", "--model", "no/such/dir", "--data", "data.jsonl"),
+                                 ["--model no/such/dir", "no such directory"]),
+    "train: no weights": (("train", "--model", "no-weights", "--data", "data.jsonl"),
+                          ["--model no-weights", "weights"]),
+    "build: no weights": (("cache", "build", "--model", "no-weights", "--data", "data.jsonl"),
+                          ["no-weights", "weights"]),
+    "train: no tokenizer": (("train", "--model", "no-tokenizer", "--data", "data.jsonl"),
+                            ["--model no-tokenizer", "no tokenizer"]),
+    "verify: no tokenizer": (("cache", "verify", "--model", "no-tokenizer", "--data", "data.jsonl"),
+                             ["--model no-tokenizer", "no tokenizer"]),
+}
+
+CASES = {
+    "train without arguments": (("train",), ["--model", "--data"]),
+    "cache build without --data": (("cache", "build", "--model", "model"), ["--data"]),
+    "config file missing": (("train", "nope.yaml", "--model", "model"), ["nope.yaml"]),
+    "unknown flag": ((*TRAIN, "--bogus", "1"), ["bogus"]),
+    "unknown flag, cache build": ((*BUILD, "--bogus", "1"), ["bogus"]),
+    "unknown loss": ((*TRAIN, "--loss", "sigmoidd"), ["--loss", "sigmoidd", "known losses"]),
+    "malformed loss spec": ((*TRAIN, "--loss", "sigmoid:abc"), ["--loss", "abc"]),
+    "beta 0": ((*TRAIN, "--beta", "0"), ["--beta", "> 0"]),
+    "beta negative": ((*TRAIN, "--beta", "-0.1"), ["--beta", "> 0"]),
+    "schedule typo": ((*TRAIN, "--optim.schedule", "cosin"), ["optim.schedule", "cosin"]),
+    "batch size 0": ((*TRAIN, "--batch-size", "0"), ["--batch-size", ">= 1"]),
+    "batch larger than the data": ((*TRAIN, "--batch-size", "64"), ["--batch-size", "48 pairs", "data.jsonl"]),
+    "max_prompt_length >= max_length": ((*TRAIN, "--max-length", "32", "--max-prompt-length", "32"),
+                                        ["--max-prompt-length", "--max-length"]),
+    "max_prompt_length >= max_length, cache build": ((*BUILD, "--max-length", "32", "--max-prompt-length", "40"),
+                                                     ["--max-prompt-length", "--max-length"]),
+    "dtype typo": ((*TRAIN, "--dtype", "bf16"), ["--dtype", "bf16"]),
+    "dtype typo, cache build": ((*BUILD, "--dtype", "fp32"), ["--dtype", "fp32"]),
+    "output dir under a file": ((*TRAIN[:-1], "a-file/run"), ["--output-dir a-file/run"]),
+    "cache dir under a file": ((*BUILD[:-1], "a-file/cache"), ["--cache-dir a-file/cache"]),
+    "question column": (with_data(BUILD, "question.jsonl"),
+                        ["question.jsonl:1", "'prompt'", "--data.prompt_field question"]),
+    "non-UTF-8 byte in .jsonl": (with_data(BUILD, "bytes.jsonl"), ["bytes.jsonl:2", "UTF-8", "0xe9"]),
+    "non-UTF-8 byte in .csv": (with_data(BUILD, "bytes.csv"), ["bytes.csv:3", "UTF-8", "0xff"]),
+    "lone surrogate escape": (with_data(BUILD, "surrogate.jsonl"), ["surrogate.jsonl:2", "'prompt'", "surrogate"]),
+    "JSON nested 200,000 deep": (with_data(BUILD, "deep.jsonl"), ["deep.jsonl:2", "nested"]),
+    "malformed JSON": (with_data(TRAIN, "malformed.jsonl"), ["malformed.jsonl:2", "malformed JSON"]),
+    "row longer than the context": ((*with_data(BUILD, "long.jsonl"), "--max-length", "none"),
+                                    ["long.jsonl:2", "context (512"]),
+    "weights under other names": (("cache", "build", "--model", "renamed-weights", *BUILD[4:]),
+                                  ["renamed-weights", "do not fit", "missing", "base_model.model."]),
+    "weights under other names, train": (("train", "--model", "renamed-weights", *TRAIN[3:]),
+                                         ["renamed-weights", "do not fit"]),
+    "adam beta1 of 1.5": ((*TRAIN, "--optim.adam_beta1", "1.5"), ["--optim.adam_beta1", "[0, 1)", "1.5"]),
+    "adam eps below 0": ((*TRAIN, "--optim.adam_eps", "-1"), ["--optim.adam_eps", "> 0"]),
+    "lora dropout of 1.5": ((*TRAIN, "--lora-r", "4", "--lora.dropout", "1.5"), ["--lora.dropout", "[0, 1)"]),
+    "lora alpha 0": ((*TRAIN, "--lora-r", "4", "--lora.alpha", "0"), ["--lora.alpha", "> 0"]),
+    "negative clipping norm": ((*TRAIN, "--optim.max_grad_norm", "-1"), ["--optim.max_grad_norm", ">= 0"]),
+    "keep no checkpoint": ((*TRAIN, "--train.save_total_limit", "0"), ["--train.save_total_limit", ">= 1"]),
+    "verify negative samples": (("cache", "verify", *BUILD[2:], "--samples", "-3"), ["--samples", ">= 0"]),
+    "loss of weight 0": ((*TRAIN, "--loss", "sigmoid:0"), ["--loss", "weight"]),
+    "cache info of a directory that is not there": (("cache", "info", "--cache-dir", "no-such-cache"),
+                                                    ["--cache-dir no-such-cache", "no such directory"]),
+    "not a parquet file": (with_data(BUILD, "broken.parquet"), ["broken.parquet", "parquet"]),
+    "cache export over its own data": (("cache", "export", "--model", "model", "--data", "data.jsonl", "--out",
+                                        "data.jsonl", "--cache-dir", "cache", "--device", "cpu"),
+                                       ["--out data.jsonl", "overwrite --data data.jsonl"]),
+    "cache export into the model's directory": (("cache", "export", "--model", "model", "--data", "data.jsonl",
+                                                 "--out", "model/model.safetensors", "--format", "safetensors",
+                                                 "--cache-dir", "cache", "--device", "cpu"),
+                                                ["--out model/model.safetensors", "overwrite --model model"]),
+    "score over its own data": (("score", "--model", "model", "--data", "data.jsonl", "--out", "data.jsonl",
+                                 "--device", "cpu"), ["--out data.jsonl", "overwrite --data"]),
+    "score into a directory": (("score", "--model", "model", "--data", "data.jsonl", "--out", "model",
+                                "--device", "cpu"), ["--out model", "overwrite --model"]),
+    "score: model without weights": (("score", "--model", "no-weights", "--data", "score.jsonl", "--out", "o.jsonl",
+                                      "--device", "cpu"), ["--model no-weights", "no model weights"]),
+    "score: text rows, model without a tokenizer": (("score", "--model", "no-tokenizer", "--data", "score.jsonl",
+                                                     "--out", "o.jsonl", "--device", "cpu"),
+                                                    ["--model no-tokenizer", "no tokenizer"]),
+    "score --out under a file": (("score", "--model", "model", "--data", "score.jsonl", "--out", "a-file/o.jsonl",
+                                  "--device", "cpu"), ["--out a-file", "cannot write"]),
+    "score --stats a directory": (("score", "--model", "model", "--data", "score.jsonl", "--out", "o.jsonl",
+                                   "--stats", "no-weights", "--device", "cpu"), ["--stats no-weights", "a directory"]),
+    "score --cache-dir a file": (("score", "--model", "model", "--data", "score.jsonl", "--out", "o.jsonl",
+                                  "--cache-dir", "a-file", "--device", "cpu"), ["--cache-dir a-file", "cannot write"]),
+    "score on a device that is not one": (("score", "--model", "model", "--data", "score.jsonl", "--out", "o.jsonl",
+                                          "--device", "gpu"), ["--device", "'gpu'", "not a device"]),
+    "score at temperature 0": (("score", "--model", "model", "--data", "score.jsonl", "--out", "o.jsonl",
+                                "--temperature", "0", "--device", "cpu"), ["--temperature", "above 0"]),
+    "token ids beyond the model's vocabulary": (("cache", "build", "--model", "small-vocab", *BUILD[4:]),
+                                                ["data.jsonl:1", "outside the model's vocabulary", "vocab_size 8"]),
+}
+
+
+@pytest.mark.parametrize("case", list(MODEL_PATH_CASES))
+def test_model_path_mistake_is_one_line_within_seconds(work, case):
+    args, fragments = MODEL_PATH_CASES[case]
+    line = one_line(dpocache(*args, cwd=work, timeout=MODEL_PATH_BOUND_S))
+    assert all(f in line for f in fragments), line
+
+
+# Runs every case of CASES in one interpreter, one after another, as ``python -m dpocache`` would
+# (``cli.main``), capturing file descriptor 2 around each: whatever reaches stderr (Python's, a
+# logging handler's, a library's C code), as a process of its own would show it. One interpreter
+# pays torch's and transformers' imports once instead of once per case (about 4 s each).
+ALL_CASES = """
+import contextlib, json, os, sys, tempfile, traceback
+from pathlib import Path
+from dpocache.cli.entry import main
+
+def run(args):
+    try:
+        return main(args)
+    except SystemExit as e:
+        return e.code
+    except BaseException:
+        traceback.print_exc()
+        return "raised"
+
+def shards():
+    return len(list(Path("cache").glob("*/shard-*")))
+
+results = {}
+for name, args in json.loads(sys.argv[1]).items():
+    before = shards()
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as err, open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
+        os.dup2(err.fileno(), 2)
+        try:
+            code = run(args)
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        err.seek(0)
+        stderr = err.read().decode("utf-8", "replace")
+    results[name] = {"code": code, "stderr": stderr, "shards_written": shards() - before}
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def case_results(work) -> dict:
+    proc = dpocache(json.dumps({name: list(map(str, args)) for name, (args, _) in CASES.items()}), cwd=work,
+                    code=ALL_CASES, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_mistake_is_one_line_exit_2_no_traceback(case_results, case):
+    result = case_results[case]
+    line = one_line(subprocess.CompletedProcess([], result["code"], "", result["stderr"]))
+    assert all(f in line for f in CASES[case][1]), line
+    assert result["shards_written"] == 0  # nothing was computed
+
+
+def test_device_cuda_without_cuda(work):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    line = one_line(dpocache(*TRAIN[:-4], "--device", "cuda", cwd=work))
+    assert "--device" in line and "cuda" in line, line
+    # score read the rows and loaded the model first: torch's AssertionError, a traceback, exit 1.
+    line = one_line(dpocache("score", "--model", "model", "--data", "score.jsonl", "--out", "o.jsonl", "--device",
+                             "cuda", cwd=work))
+    assert "--device cuda" in line and "no CUDA device" in line, line
+    assert not (work / "o.jsonl").exists()
+
+
+@pytest.mark.parametrize("name, value, modes, command", [  # each variable once, both commands between them
+    ("DPOCACHE_CPU_ALLOCATOR", "retainn", "retain or default", "build"),
+    ("DPOCACHE_BF16_MATMUL", "fp32", "auto or native or fp32-gemm", "score"),
+    ("DPOCACHE_CAUSAL_SDPA", "cudnn", "no-cudnn or any", "score"),
+])
+def test_bad_environment_variable_is_one_line(work, name, value, modes, command):
+    """A value outside a variable's choices was a ValueError's traceback, exit 1 (but for
+    $DPOCACHE_CAUSAL_SDPA), from every command."""
+    args = BUILD if command == "build" else ("score", "--model", "model", "--data", "data.jsonl", "--out", "o.jsonl",
+                                             "--device", "cpu")
+    proc = subprocess.run([sys.executable, "-m", "dpocache", *args], cwd=work, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **QUIET, name: value})
+    line = one_line(proc)
+    assert f"${name} must be {modes}; got '{value}'" in line, line
+    assert not (work / "o.jsonl").exists()
+
+
+def test_verbose_anywhere_shows_the_traceback(work):
+    """Today ``dpocache -v train --model X`` read X as the YAML file."""
+    for args in (("-v", "train", "--model", "no/such/dir"), ("train", "--model", "no/such/dir", "-v"),
+                 ("cache", "build", "--verbose", "--model", "no/such/dir")):
+        proc = dpocache(*args, cwd=work, timeout=MODEL_PATH_BOUND_S)
+        assert proc.returncode == 2
+        assert "Traceback" in proc.stderr and "--model no/such/dir" in proc.stderr.splitlines()[-1]
+
+
+def test_verbose_shows_the_traceback_of_a_score_mistake(work):
+    """score handles its own errors: -v was taken out of its arguments before they were parsed,
+    so the line came without the traceback."""
+    proc = dpocache("score", "-v", "--model", "model", "--data", "data.jsonl", "--out", "o.jsonl", "--device", "cpu",
+                    cwd=work)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" in proc.stderr and "data.jsonl:1" in proc.stderr.splitlines()[-1], proc.stderr
+    assert not (work / "o.jsonl").exists()
+
+
+FULL_DISK = """
+import errno, os, sys
+def fail(fd):
+    raise OSError(errno.{name}, os.strerror(errno.{name}))
+os.fsync = fail  # every durable write in dpocache ends in an fsync
+from dpocache.cli.entry import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("name", ["ENOSPC", "EROFS"])
+@pytest.mark.parametrize("command", ["build", "train"])
+def test_full_or_read_only_disk_is_one_line(work, tmp_path, command, name):
+    args = BUILD if command == "build" else (*TRAIN, "--max-steps", "1")
+    args = [str(tmp_path / a) if prev in ("--cache-dir", "--output-dir") else a for prev, a in zip(("",) + args, args)]
+    line = one_line(dpocache(*args, cwd=work, code=FULL_DISK.format(name=name)))
+    assert "cannot write to" in line and os.strerror(getattr(__import__("errno"), name)) in line, line
+    assert str(tmp_path / "cache") in line
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_read_only_output_dir(work, tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        line = one_line(dpocache(*TRAIN[:-1], ro / "run", cwd=work))
+    finally:
+        ro.chmod(0o755)
+    assert "--output-dir" in line

@@ -1,0 +1,251 @@
+"""``dpocache.integrations.trl.CachedDPOTrainer`` against TRL 1.16's own DPOTrainer on a tiny
+model (fp32, CPU). Skipped when TRL is not installed (``pip install 'dpocache[trl]'``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from dpocache.models import reference as reference_mod  # noqa: E402
+from train_fixtures import one_thread  # noqa: E402,F401
+
+ROWS = 12
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, model_dir, pref_rows):
+    from datasets import Dataset
+
+    return model_dir, Dataset.from_list(pref_rows[:ROWS]), tmp_path_factory.mktemp("trl")
+
+
+def _args(out, **extra):
+    from trl import DPOConfig
+
+    settings = dict(output_dir=str(out), per_device_train_batch_size=4, max_steps=1, logging_steps=1,
+                    report_to="none", use_cpu=True, max_length=24, learning_rate=1e-6, save_strategy="no",
+                    bf16=False, fp16=False, seed=0, disable_tqdm=True)
+    return DPOConfig(**{**settings, **extra})
+
+
+def _trainer(cls, model_dir, dataset, out, bf16=False, **kwargs):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return cls(model=model, args=_args(out, precompute_ref_log_probs=True, bf16=bf16), train_dataset=dataset,
+               processing_class=AutoTokenizer.from_pretrained(model_dir), **kwargs)
+
+
+def test_reference_values_equal_trls_precompute(setup):
+    from trl import DPOTrainer
+
+    from dpocache.integrations.trl import CachedDPOTrainer
+
+    model_dir, dataset, root = setup
+    theirs = _trainer(DPOTrainer, model_dir, dataset, root / "trl").train_dataset
+    ours = _trainer(CachedDPOTrainer, model_dir, dataset, root / "ours", cache_dir=root / "cache").train_dataset
+    assert any(len(p) + len(c) > 24 for p, c in zip(ours["prompt_ids"], ours["chosen_ids"]))  # truncation applies
+    for col in ("ref_chosen_logps", "ref_rejected_logps"):
+        torch.testing.assert_close(torch.tensor(ours[col]), torch.tensor(theirs[col]), rtol=0, atol=1e-4)
+
+
+def test_default_cache_dtype_follows_bf16_args_as_trls_precompute(setup, caplog):
+    """DPOConfig's default bf16=True runs TRL's reference (and policy) under bf16 autocast: the
+    cache follows args, so its values are TRL's own precompute's; an explicit other dtype warns."""
+    from trl import DPOTrainer
+
+    from dpocache.integrations.trl import CachedDPOTrainer
+
+    model_dir, dataset, root = setup
+    theirs = _trainer(DPOTrainer, model_dir, dataset, root / "trl-bf16", bf16=True).train_dataset
+    with caplog.at_level("WARNING", logger="dpocache.integrations.trl"):
+        ours = _trainer(CachedDPOTrainer, model_dir, dataset, root / "ours-bf16", bf16=True,
+                        cache_dir=root / "cache-bf16")
+    assert ours._cache_dtype == torch.bfloat16 and not caplog.records
+    for col in ("ref_chosen_logps", "ref_rejected_logps"):  # float32 differs by 7e-3 here
+        torch.testing.assert_close(torch.tensor(ours.train_dataset[col]), torch.tensor(theirs[col]),
+                                   rtol=0, atol=1e-4)
+    with caplog.at_level("WARNING", logger="dpocache.integrations.trl"):
+        explicit = _trainer(CachedDPOTrainer, model_dir, dataset, root / "explicit", bf16=True,
+                            cache_dir=root / "cache-bf16", cache_dtype="float32")
+    assert explicit._cache_dtype == torch.float32
+    [record] = caplog.records
+    assert "cache_dtype='float32'" in record.getMessage() and "bf16=True" in record.getMessage()
+    assert "\n" not in record.getMessage()
+
+
+def test_step0_loss_is_log2_and_second_construction_runs_no_reference(setup, monkeypatch):
+    from dpocache.integrations.trl import CachedDPOTrainer
+
+    model_dir, dataset, root = setup
+    first = _trainer(CachedDPOTrainer, model_dir, dataset, root / "first", cache_dir=root / "cache2")
+    kept = len(first.train_dataset)  # TRL drops rows whose prompt alone fills max_length
+    assert 0 < kept <= ROWS and first.cache_summaries["train"].computed == kept
+    first.train()
+    loss = next(r["loss"] for r in first.state.log_history if "loss" in r)
+    assert loss == pytest.approx(math.log(2), abs=1e-4)  # policy = reference at step 0
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the reference model was loaded although the cache is complete")
+
+    monkeypatch.setattr(reference_mod.ReferenceModel, "from_pretrained", refuse)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    shuffled = dataset.shuffle(seed=3)
+    second = CachedDPOTrainer(model=model, args=_args(root / "second", precompute_ref_log_probs=True),
+                              train_dataset=shuffled, processing_class=AutoTokenizer.from_pretrained(model_dir),
+                              cache_dir=root / "cache2")
+    assert calls == [] and second.cache_summaries["train"].computed == 0
+    assert second.cache_summaries["train"].reused == kept
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(setup):
+    """A LoRA adapter on the model with non-zero B matrices (a trained one), saved."""
+    from test_reference_initial import make_adapter
+
+    model_dir, _, root = setup
+    return make_adapter(model_dir, root / "sft-lora")
+
+
+def _step0_loss(trainer):
+    trainer.train()
+    return next(r["loss"] for r in trainer.state.log_history if "loss" in r)
+
+
+def test_model_changed_in_memory_is_refused(setup, adapter_dir):
+    """TRL's reference is the model object; dpocache's, the files it came from: a merged adapter
+    (name_or_path still the base) or a weight edited in memory is refused in one line."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dpocache.integrations.trl import CachedDPOTrainer
+
+    model_dir, dataset, root = setup
+    merged = AutoPeftModelForCausalLM.from_pretrained(str(adapter_dir), dtype=torch.float32).merge_and_unload()
+    edited = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        edited.model.norm.weight.mul_(1.01)  # a 1-D tensor, 64 values: one change among few
+    for model in (merged, edited):
+        with pytest.raises(ValueError, match="model's weights differ from those in") as err:
+            CachedDPOTrainer(model=model, args=_args(root / "changed"), train_dataset=dataset,
+                             processing_class=AutoTokenizer.from_pretrained(model_dir), cache_dir=root / "c3")
+        assert "save_pretrained" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_weight_check_reads_bin_checkpoints_too(setup, tmp_path):
+    """pytorch_model.bin is compared memory-mapped as safetensors are; a legacy (pre-zipfile) one,
+    which cannot be memory-mapped, is not compared (construction then warns) rather than loaded."""
+    from transformers import AutoModelForCausalLM
+
+    from dpocache.integrations.trl import _base_tensors, _differs
+
+    model = AutoModelForCausalLM.from_pretrained(setup[0], dtype=torch.float32)
+    torch.save(model.state_dict(), tmp_path / "new.bin")
+    torch.save(model.state_dict(), tmp_path / "legacy.bin", _use_new_zipfile_serialization=False)
+    assert _differs([tmp_path / "new.bin"], _base_tensors(model)) == (None, len(model.state_dict()))
+    with torch.no_grad():
+        model.model.layers[1].self_attn.o_proj.weight[-1, 3] += 1
+    assert _differs([tmp_path / "new.bin"], _base_tensors(model))[0] == "model.layers.1.self_attn.o_proj.weight"
+    assert _differs([tmp_path / "legacy.bin"], _base_tensors(model)) == (None, 0)
+
+
+def test_trained_peft_adapter_needs_its_directory_and_then_starts_at_log2(setup, adapter_dir):
+    """A PeftModel loaded from an adapter directory has name_or_path = the base, but TRL's
+    reference is base + adapter: without cache_reference it is refused; with it, step 0 is log 2."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoTokenizer
+
+    from dpocache.integrations.trl import CachedDPOTrainer
+
+    model_dir, dataset, root = setup
+
+    def trainer(**kwargs):
+        model = AutoPeftModelForCausalLM.from_pretrained(str(adapter_dir), dtype=torch.float32, is_trainable=True)
+        return CachedDPOTrainer(model=model, args=_args(root / "peft"), train_dataset=dataset,
+                                processing_class=AutoTokenizer.from_pretrained(model_dir), cache_dir=root / "c4",
+                                **kwargs)
+
+    with pytest.raises(ValueError, match="trained PEFT adapter.*pass cache_reference="):
+        trainer()
+    handled = trainer(cache_reference=adapter_dir)
+    assert handled.cache_summaries["train"].computed == len(handled.train_dataset)
+    assert _step0_loss(handled) == pytest.approx(math.log(2), abs=1e-4)
+
+
+def test_fresh_lora_takes_the_base_as_reference(setup):
+    """A fresh LoRA (peft_config=, or get_peft_model before the trainer) starts at its base."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dpocache.integrations.trl import CachedDPOTrainer
+
+    model_dir, dataset, root = setup
+    lora = LoraConfig(r=4, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), lora)
+    trainer = CachedDPOTrainer(model=model, args=_args(root / "fresh"), train_dataset=dataset,
+                               processing_class=AutoTokenizer.from_pretrained(model_dir), cache_dir=root / "c5")
+    assert _step0_loss(trainer) == pytest.approx(math.log(2), abs=1e-4)
+
+
+def test_model_given_as_its_directory(setup):
+    """TRL loads a model given as a path itself: that directory is the reference, unchecked."""
+    from transformers import AutoTokenizer
+
+    from dpocache.integrations.trl import CachedDPOTrainer
+
+    model_dir, dataset, root = setup
+    trainer = CachedDPOTrainer(model=model_dir, args=_args(root / "by-path"), train_dataset=dataset,
+                               processing_class=AutoTokenizer.from_pretrained(model_dir), cache_dir=root / "c6")
+    assert trainer.cache_summaries["train"].computed == len(trainer.train_dataset)
+    with pytest.raises(ValueError, match="ref_model must be a loaded model"):
+        CachedDPOTrainer(model=model_dir, ref_model=model_dir, args=_args(root / "by-path"), train_dataset=dataset,
+                         processing_class=AutoTokenizer.from_pretrained(model_dir), cache_dir=root / "c6")
+
+
+def test_callers_config_is_not_changed(setup):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dpocache.integrations.trl import CachedDPOTrainer
+
+    model_dir, dataset, root = setup
+    args = _args(root / "own-args")
+    trainer = CachedDPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), args=args,
+                               train_dataset=dataset, processing_class=AutoTokenizer.from_pretrained(model_dir),
+                               cache_dir=root / "cache")
+    assert args.precompute_ref_log_probs is False and trainer.args.precompute_ref_log_probs is True
+
+
+def test_other_trl_versions_fail_clearly():
+    from dpocache.integrations.trl import check_trl_version
+
+    with pytest.raises(RuntimeError, match="supports TRL 1.16.x; found TRL 0.19.1"):
+        check_trl_version("0.19.1")
+
+
+def test_stock_dpotrainer_does_not_read_exported_columns(setup):
+    """What the README says of `cache export` files and TRL 1.16: stock DPOTrainer ignores the
+    columns without precompute (step-0 loss is log 2 although the columns are wrong) and refuses
+    them with it (it recomputes, then finds the columns twice)."""
+    from trl import DPOTrainer
+
+    model_dir, dataset, root = setup
+    wrong = dataset.add_column("ref_chosen_logps", [-50.0] * len(dataset))
+    wrong = wrong.add_column("ref_rejected_logps", [0.0] * len(wrong))  # read, they would give a loss near 0
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ignored = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                         args=_args(root / "stock"), train_dataset=wrong,
+                         processing_class=AutoTokenizer.from_pretrained(model_dir))
+    ignored.train()
+    loss = next(r["loss"] for r in ignored.state.log_history if "loss" in r)
+    assert loss == pytest.approx(math.log(2), abs=1e-4)
+    with pytest.raises(ValueError, match="duplicated columns"):
+        _trainer(DPOTrainer, model_dir, wrong, root / "stock-pre")

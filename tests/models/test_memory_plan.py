@@ -1,0 +1,98 @@
+"""The memory plan: parameter counts against real models, the activation formula against what
+autograd actually saves, and the command's table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dpocache.models.memory_plan import (
+    LLAMA_3_8B, LLAMA_3_70B, ModelShape, activation_bytes_per_token, main, plan, reference_memory, training_memory
+)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_parameter_count_matches_a_built_model(tied):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=301, hidden_size=96, intermediate_size=200, num_hidden_layers=3,
+                         num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=tied)
+    model = LlamaForCausalLM(config)
+    shape = ModelShape.from_config(config.to_dict())
+    assert shape.params == sum(p.numel() for p in model.parameters())
+
+
+def test_parameter_counts_of_the_public_llama_configs():
+    # Published sizes of Llama 3.1 8B and 70B (their safetensors index "total_size" / 2 bytes).
+    assert LLAMA_3_8B.params == 8_030_261_248
+    assert LLAMA_3_70B.params == 70_553_706_496
+
+
+def _saved_bytes_per_token(hidden: int, intermediate: int) -> float:
+    """Bytes autograd saves per token for one Llama decoder layer under CPU bf16 autocast: the
+    difference between two sequence lengths, each storage counted once."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=8,
+                         num_key_value_heads=2, num_hidden_layers=1, vocab_size=64)
+    config._attn_implementation = "sdpa"
+    layer, rope = LlamaDecoderLayer(config, 0), LlamaRotaryEmbedding(config)
+
+    def saved(tokens: int) -> int:
+        storages: dict[int, int] = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        x = torch.randn(1, tokens, hidden, requires_grad=True)
+        positions = torch.arange(tokens)[None]
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+            layer(x, attention_mask=None, position_ids=positions, position_embeddings=rope(x, positions))
+        return sum(storages.values())
+
+    return (saved(512) - saved(256)) / 256
+
+
+@pytest.mark.parametrize("hidden,intermediate", [(256, 688), (384, 1024)])
+def test_activation_formula_matches_autograd(hidden, intermediate):
+    shape = ModelShape(vocab=64, hidden=hidden, layers=1, intermediate=intermediate, heads=8, kv_heads=2,
+                       head_dim=hidden // 8)
+    measured = _saved_bytes_per_token(hidden, intermediate)
+    assert activation_bytes_per_token(shape) == pytest.approx(measured, rel=0.02)
+
+
+def test_sharding_divides_the_state_and_keeps_the_gathered_units():
+    whole = reference_memory(LLAMA_3_70B, 1, weight_bytes=2)
+    sharded = reference_memory(LLAMA_3_70B, 8, weight_bytes=2, sharded=True)
+    assert sharded["weights (1/N shard)"] == pytest.approx(whole["weights"] / 8)
+    one, eight = training_memory(LLAMA_3_8B, 1), training_memory(LLAMA_3_8B, 8)
+    assert eight["AdamW moments (1/N)"] == pytest.approx(one["AdamW moments (1/N)"] / 8)
+    assert eight["gathered units (root + 2 layers)"] == one["gathered units (root + 2 layers)"]
+
+
+def test_sharded_reference_gathers_two_matrices_and_streams_the_vocabulary_tables():
+    """An untied reference's embeddings and head are streamed from their shards a tile at a
+    time (dpocache.distributed.vocab_stream), and each matrix of a layer is a unit of its own
+    (dpocache.distributed.fsdp.matrix_units): two of the largest (Llama 3.1 8B's MLP projections, 4096 x
+    14336) and a tile are gathered at once; a tied one also gathers its root."""
+    from dataclasses import replace
+
+    from dpocache.distributed.vocab_stream import TILE_BYTES
+
+    untied = reference_memory(LLAMA_3_8B, 8, weight_bytes=2, sharded=True)
+    assert untied["gathered units (2 matrices + a vocabulary tile)"] == 2 * 4096 * 14336 * 2 + TILE_BYTES
+    tied_shape = replace(LLAMA_3_8B, tied=True)
+    tied = reference_memory(tied_shape, 8, weight_bytes=2, sharded=True)
+    assert tied["gathered units (root + 2 matrices)"] == (tied_shape.root_params + 2 * 4096 * 14336) * 2
+
+
+def test_plan_table_names_what_fits(capsys):
+    rows = {(r.model, r.job, r.devices): r for r in plan(LLAMA_3_70B, (1, 8))}
+    # 70B in fp32 is 263 GiB of weights: no single 80 GB device holds it; sharded over 8 it fits.
+    assert not rows[("Llama-3.1-70B", "reference, fp32 weights, whole model per device", 8)].fits
+    assert rows[("Llama-3.1-70B", "reference, bf16 weights, FSDP2-sharded", 8)].fits
+    main(["--devices", "1", "8"])
+    out = capsys.readouterr().out
+    assert "Llama-3.1-8B" in out and "Llama-3.1-70B" in out and out.count("\n") > 10

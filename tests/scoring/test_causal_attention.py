@@ -1,0 +1,259 @@
+"""Tests for dpocache.scoring.attention's ``causal`` backend: each sequence (a prompt and one completion)
+gathered into a row of its own and run through SDPA's causal kernel, no mask. Its values equal
+the padded layout's per token in the shared and packed layouts, its gradients equal the masked
+sdpa backend's, its sequence rows point every token at itself, and a model it cannot serve
+falls back to sdpa and says why."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AttentionInterface
+
+from dpocache.scoring.attention import register_causal, use_attention
+from dpocache.cli.entry import main
+from dpocache.data.pairs import load_preference_data
+from dpocache.scoring.layout_choice import CAUSAL
+from dpocache.scoring.logprobs import CompletionLogProbs
+from dpocache.scoring.shared import (
+    PAD, PROMPT, collate_shared, layout_batch, layout_logprobs, shared_prompt_logps, split_per_token, training_layout
+)
+from dpocache.models.tiny import ARCHITECTURES, build_model
+from test_prefix import _max_diff, padded_values
+
+TOL = 1e-5
+CAUSAL_ARCHS = ("llama", "qwen2", "gpt2", "mixtral")  # Gemma 2 has sliding layers and soft-capping
+
+
+@pytest.fixture(scope="module")
+def pairs(tokenizer, make_rows):
+    """10 short pairs of 8 to about 60 tokens: several pairs per packed row."""
+    return load_preference_data(make_rows(10, seed=5, min_prompt=1, max_prompt=30, max_completion=12), tokenizer,
+                                show_progress=False).pairs
+
+
+@pytest.fixture
+def causal_calls(monkeypatch):
+    """Per call of the causal backend, whether it got sequence rows (proof that it ran on them)."""
+    calls = []
+    register_causal()
+    real = AttentionInterface._global_mapping[CAUSAL]
+
+    def counted(module, query, key, value, attention_mask, *args, **kwargs):
+        calls.append(kwargs.get("dpocache_gather") is not None)
+        return real(module, query, key, value, attention_mask, *args, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, CAUSAL, counted)
+    return calls
+
+
+@pytest.mark.parametrize("arch", CAUSAL_ARCHS)
+def test_causal_matches_padded(tokenizer, pairs, arch, causal_calls):
+    model = build_model(arch, tokenizer).eval()
+    pad = tokenizer.pad_token_id
+    want_c, want_r = padded_values(model, pairs, pad)  # sdpa, padded layout
+    loaded = model.config._attn_implementation
+    lp = CompletionLogProbs(model)
+    assert use_attention(model, "causal", "cpu") is None and model.config._attn_implementation == CAUSAL
+    for layout in ("shared", "packed"):
+        batch = layout_batch(layout, pairs, pad, model.config)
+        assert batch.rows is not None
+        with torch.no_grad():
+            got_c, got_r = split_per_token(shared_prompt_logps(lp, batch), batch)
+        assert _max_diff(want_c, got_c) < TOL and _max_diff(want_r, got_r) < TOL, layout
+    assert causal_calls and all(causal_calls)  # the backend ran, on sequence rows
+    # A plain forward of the switched model (a head probe) is sdpa with transformers' mask.
+    assert CompletionLogProbs(model).fast_path
+    use_attention(model, "sdpa", "cpu")
+    assert model.config._attn_implementation == loaded
+
+
+def test_causal_gradients_equal_masked_sdpa(tokenizer, pairs):
+    """Training through the causal backend: the packed layout's sums and every parameter's
+    gradient equal the masked sdpa backend's (prompt keys shared by two rows sum their
+    gradients; the discarded copies of prompt queries add nothing)."""
+    model = build_model("llama", tokenizer).train()
+    out = {a: packed_sums_and_grads(model, pairs, tokenizer.pad_token_id, a, "cpu") for a in ("sdpa", "causal")}
+    for a, b in zip(out["causal"], out["sdpa"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_causal_rows_keep_off_cudnn_and_leave_the_process_flags_alone(tokenizer, pairs, monkeypatch):
+    """The causal rows' SDPA calls run with cuDNN excluded (``sdpa_kernels``), in training and
+    in the reference pass; a plain forward of the switched model (a head probe: sdpa with its
+    mask) keeps SDPA's own choice. The process's SDPA flags are the same afterwards: a library
+    user's other models are untouched."""
+    seen = []  # per SDPA call: (on sequence rows, with gradients, cuDNN allowed, flash allowed)
+    on_rows = [False]
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+    register_causal()
+    real_backend = AttentionInterface._global_mapping[CAUSAL]
+
+    def spy(*args, **kwargs):
+        seen.append((on_rows[0], torch.is_grad_enabled(), torch.backends.cuda.cudnn_sdp_enabled(),
+                     torch.backends.cuda.flash_sdp_enabled()))
+        return real_sdpa(*args, **kwargs)
+
+    def backend(*args, **kwargs):
+        on_rows[0] = kwargs.get("dpocache_gather") is not None
+        try:
+            return real_backend(*args, **kwargs)
+        finally:
+            on_rows[0] = False
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    monkeypatch.setitem(AttentionInterface._global_mapping, CAUSAL, backend)
+    flags = (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled())
+    assert flags == (True, True)  # torch's defaults, so the checks below could fail
+    model = build_model("llama", tokenizer).train()
+    packed_sums_and_grads(model, pairs, tokenizer.pad_token_id, "causal", "cpu")  # its head probe first
+    with torch.no_grad():
+        layout_logprobs(CompletionLogProbs(model), "packed", pairs, tokenizer.pad_token_id, "cpu")
+    rows_calls = {(grad, cudnn, flash) for rows, grad, cudnn, flash in seen if rows}
+    plain_calls = {(cudnn, flash) for rows, _, cudnn, flash in seen if not rows}
+    assert rows_calls == {(True, False, True), (False, False, True)}  # training and the reference pass
+    assert plain_calls == {flags}
+    assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()) == flags
+
+
+@pytest.mark.slow
+def test_compiled_training_through_the_causal_rows_has_no_graph_break(tokenizer, pairs):
+    """The layers compiled (training's ``--compile on``): the kernel choice is traced into the
+    graph with no break, and the sums and gradients equal the eager run's."""
+    from torch._dynamo.utils import counters
+
+    from dpocache.scoring.compiling import compile_layers
+
+    eager = build_model("llama", tokenizer).train()
+    compiled = build_model("llama", tokenizer).train()
+    compiled.load_state_dict(eager.state_dict())
+    want = packed_sums_and_grads(eager, pairs, tokenizer.pad_token_id, "causal", "cpu")
+    torch._dynamo.reset()
+    breaks = sum(counters["graph_break"].values())
+    compile_layers(compiled)
+    got = packed_sums_and_grads(compiled, pairs, tokenizer.pad_token_id, "causal", "cpu")
+    assert sum(counters["graph_break"].values()) == breaks
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def packed_sums_and_grads(model, pairs, pad_id, attention, device):
+    """``model``'s packed-layout chosen and rejected sums of ``pairs`` under ``attention`` (which
+    must run, with no fallback), and every parameter's gradient of a mix of them, flattened."""
+    lp = CompletionLogProbs(model)
+    choice = training_layout(lp, "packed", attention)
+    assert choice.reason is None and choice.attention == {"causal": CAUSAL, "flex": "flex_attention"}.get(attention,
+                                                                                                    attention)
+    model.zero_grad()
+    logps, _ = layout_logprobs(lp, "packed", pairs, pad_id, device)
+    (logps.chosen_logps.sum() - 0.5 * logps.rejected_logps.sum()).backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    return logps.chosen_logps.detach(), logps.rejected_logps.detach(), grads
+
+
+def test_sequence_rows_point_every_token_at_itself(tokenizer, pairs):
+    """Each real token's output comes from a slot holding that same token; each row is one
+    pair's prompt, then one of its completions, in order, then its last token repeated. Pairs
+    with an empty completion (or two) still give their prompt a row."""
+    pad = tokenizer.pad_token_id
+    odd = [SimpleNamespace(prompt_ids=[5, 6, 7], chosen_ids=[], rejected_ids=[8, 9], unique_tokens=5, index=90),
+           SimpleNamespace(prompt_ids=[5, 6], chosen_ids=[], rejected_ids=[], unique_tokens=2, index=91),
+           SimpleNamespace(prompt_ids=[4], chosen_ids=[3], rejected_ids=[], unique_tokens=2, index=92)]
+    packed = layout_batch("packed", pairs, pad, SimpleNamespace(_attn_implementation=CAUSAL))
+    assert packed.input_ids.shape[0] < len(pairs)  # several pairs in some rows
+    for batch, rows in ((packed, 2 * len(pairs)), (collate_shared([*pairs[:3], *odd], pad, rows=True), 2 * 3 + 3)):
+        gather, scatter = batch.rows
+        assert gather.shape[0] == rows  # two rows for each pair with two completions, one for the others
+        real = (batch.segments.reshape(-1) != PAD).nonzero().squeeze(1)
+        assert torch.equal(gather.reshape(-1)[scatter[real]], real)
+        seg, docs = batch.segments.reshape(-1), batch.documents.reshape(-1)
+        for row in gather:
+            n = int((row[1:] != row[:-1]).sum()) + 1  # the sequence's own slots, before the repeats
+            own = row[:n]
+            assert torch.all(row[n:] == own[-1]) and torch.all(own[1:] > own[:-1])
+            kinds = seg[own]
+            p = int((kinds == PROMPT).sum())
+            assert p > 0 and torch.all(kinds[:p] == PROMPT) and kinds[p:].unique().numel() <= 1
+            assert docs[own].unique().numel() == 1 and own[0] // batch.input_ids.shape[1] == own[-1] // \
+                batch.input_ids.shape[1]
+
+
+@pytest.mark.parametrize("arch", sorted(set(ARCHITECTURES) - set(CAUSAL_ARCHS)))
+def test_causal_falls_back_with_a_reason(tokenizer, arch):
+    """Gemma 2 (sliding layers, soft-capping): causal cannot serve it; sdpa's mask runs and the
+    choice says why."""
+    model = build_model(arch, tokenizer, sliding_window=6).eval()
+    loaded = model.config._attn_implementation
+    lp = CompletionLogProbs(model)
+    choice = training_layout(lp, "packed", "causal")
+    assert choice.used == "packed" and choice.attention == loaded
+    assert "sliding-window" in choice.reason and choice.reason.endswith(f"{loaded} ran")
+
+
+def test_cache_build_names_the_causal_backend(tmp_path, model_dir, pref_jsonl, capsys):
+    """``cache build --attention causal`` runs it and its summary names it; its values equal a
+    build under sdpa's mask."""
+    values = {}
+    for attention in ("sdpa", "causal"):
+        common = ["--model", str(model_dir), "--data", str(pref_jsonl), "--cache-dir", str(tmp_path / attention),
+                  "--dtype", "float32", "--device", "cpu"]
+        assert main(["cache", "build", *common, "--attention", attention, "--json"]) == 0
+        summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert summary["layout"]["used"] == "shared" and summary["layout"]["reason"] is None
+        assert summary["layout"]["attention"] == ("sdpa" if attention == "sdpa" else CAUSAL)
+        out = tmp_path / f"{attention}.jsonl"
+        assert main(["cache", "export", *common, "--out", str(out)]) == 0
+        rows = [json.loads(line) for line in out.read_text().splitlines()]
+        values[attention] = torch.tensor([[r["chosen_logps"], r["rejected_logps"]] for r in rows])
+    torch.testing.assert_close(values["causal"], values["sdpa"], rtol=1e-5, atol=1e-5)
+
+
+def test_causal_sdpa_switch_leaves_the_choice_to_sdpa_and_a_bad_value_is_status_2(tmp_path, model_dir, pref_jsonl,
+                                                                                   monkeypatch, capsys):
+    """``$DPOCACHE_CAUSAL_SDPA=any`` (read at import) leaves the rows to SDPA's own choice; a
+    value that is neither mode stops the command with one line and status 2, before any model
+    loads."""
+    import dpocache.scoring.attention as attention
+
+    monkeypatch.setattr(attention, "CAUSAL_SDPA", "any")
+    with attention.sdpa_kernels():
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+    monkeypatch.setenv("DPOCACHE_CAUSAL_SDPA", "cudnn")
+    assert main(["cache", "build", "--model", str(model_dir), "--data", str(pref_jsonl),
+                 "--cache-dir", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert "$DPOCACHE_CAUSAL_SDPA must be no-cudnn or any; got 'cudnn'" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "c").exists()
+
+
+# ---------------------------------------------------------------------------------- CUDA
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@cuda
+def test_causal_on_cuda_equals_sdpa_on_cuda_with_gradients(tokenizer, pairs):
+    """causal on CUDA (SDPA's causal kernel) in bf16 autocast: the packed layout's sums and
+    gradients equal the masked sdpa backend's."""
+    model = build_model("llama", tokenizer).to("cuda").train()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = {a: packed_sums_and_grads(model, pairs, tokenizer.pad_token_id, a, "cuda") for a in ("sdpa", "causal")}
+    for a, b in zip(out["causal"], out["sdpa"]):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+def test_auto_is_causal_on_gpus_where_it_serves_the_model(tokenizer):
+    """``auto`` picks causal for a CUDA run of a model it serves, sdpa on the CPU, and for a
+    model it cannot serve the loaded attention with no reason (nothing was asked for)."""
+    llama = build_model("llama", tokenizer).eval()
+    assert use_attention(llama, "auto", "cpu") is None and llama.config._attn_implementation == "sdpa"
+    assert use_attention(llama, "auto", "cuda") is None and llama.config._attn_implementation == CAUSAL
+    assert use_attention(llama, "sdpa", "cuda") is None and llama.config._attn_implementation == "sdpa"
+    gemma = build_model("gemma2", tokenizer, sliding_window=6).eval()
+    loaded = gemma.config._attn_implementation
+    assert use_attention(gemma, "auto", "cuda") is None and gemma.config._attn_implementation == loaded

@@ -1,0 +1,96 @@
+"""``--compile``: the reference pass with its decoder layers compiled (dpocache.scoring.compiling)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dpocache.scoring.padded import token_budget_batches
+from dpocache.cache.build import score_batch
+from dpocache.cli.entry import main
+from dpocache.scoring.compiling import AUTO_MIN_WORK, compile_layers, should_compile
+from dpocache.scoring.logprobs import decoder_layers
+from dpocache.models.reference import ReferenceModel
+from train_fixtures import base_model, flags, one_thread, run_json, run_training, train_jsonl, train_records  # noqa: F401
+
+
+def test_auto_compiles_only_a_pass_long_enough_where_it_was_measured_to_pay():
+    bf16, fp32 = torch.bfloat16, torch.float32
+    gpu = int(AUTO_MIN_WORK["cuda", bf16] // 10**9) + 1  # tokens whose work at 1e9 parameters reaches it
+    assert should_compile("auto", "cuda", bf16, gpu, 10**9)
+    assert not should_compile("auto", "cuda", bf16, gpu // 4, 10**9)  # repays less than twice its compile
+    cpu = int(AUTO_MIN_WORK["cpu", fp32] // 10**8) + 1
+    assert should_compile("auto", "cpu", fp32, cpu, 10**8) and not should_compile("auto", "cpu", fp32, cpu // 4, 10**8)
+    # Not measured: CPU bf16 (its linear layers go through dpocache.scoring.bf16_matmul) and CUDA fp32.
+    assert not should_compile("auto", "cpu", bf16, 100 * cpu, 10**8)
+    assert not should_compile("auto", "cuda", fp32, 100 * gpu, 10**9)
+    assert should_compile("on", "cpu", bf16, 1, 1) and not should_compile("off", "cuda", bf16, 100 * gpu, 10**9)
+    with pytest.raises(ValueError, match="compile must be one of auto, on, off"):
+        should_compile("yes", "cuda", bf16, 1, 1)
+
+
+def test_compile_layers_compiles_every_decoder_layer_in_place(tokenizer):
+    from dpocache.models.tiny import build_model
+
+    model = build_model("llama", tokenizer)  # its own: the session's tiny models must not be compiled
+    layers = decoder_layers(model)
+    before = [id(layer) for layer in layers]
+    assert compile_layers(model) == len(layers) > 0
+    # In place: the same modules (their parameters and state dict unchanged), calls go through the compiled forward.
+    assert [id(layer) for layer in decoder_layers(model)] == before
+    assert all(layer._compiled_call_impl is not None for layer in layers)
+    assert compile_layers(torch.nn.Linear(2, 2)) == 0  # no decoder: nothing to compile
+
+
+@pytest.mark.slow
+def test_compiled_reference_pass_equals_eager_in_fp32(model_dir, data):
+    """The compiled layers (inductor, CPU) against the eager model, per pair, in both layouts;
+    batches of several shapes, which the one dynamic-shape graph serves without a recompile."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    graphs = counters["stats"]["unique_graphs"]
+    for layout in ("shared", "padded"):
+        eager = ReferenceModel.from_pretrained(model_dir, "float32", "cpu", layout=layout)
+        compiled = ReferenceModel.from_pretrained(model_dir, "float32", "cpu", layout=layout, compile="on")
+        assert eager.compiled_layers == 0 and compiled.compiled_layers == len(decoder_layers(compiled.model))
+        batches = token_budget_batches(data.pairs[:24], 256, layout=compiled.layout)[:3]
+        assert len({max(p.num_tokens for p in b) for b in batches}) > 1  # several shapes
+        for batch in batches:
+            want, got = score_batch(eager, batch, 0), score_batch(compiled, batch, 0)
+            for side in ("chosen_token_logps", "rejected_token_logps"):  # per token, as every layout test
+                torch.testing.assert_close(torch.cat(getattr(got, side)), torch.cat(getattr(want, side)),
+                                           rtol=0, atol=1e-5)
+        if layout == "shared":  # compiled once for its three shapes (automatic dynamic compiled twice)
+            assert counters["stats"]["unique_graphs"] - graphs == 1
+
+
+def test_build_summary_names_compiled_layers_and_bad_value_is_status_2(tmp_path, model_dir, pref_jsonl, capsys):
+    args = ["cache", "build", "--model", str(model_dir), "--data", str(pref_jsonl), "--cache-dir", str(tmp_path),
+            "--dtype", "float32", "--device", "cpu", "--json"]
+    assert main([*args, "--compile", "sometimes"]) == 2
+    assert "--compile (model.compile): must be one of auto, on, off; got 'sometimes'" in capsys.readouterr().err
+    assert main(args) == 0  # auto, a short pass: eager
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["compiled_layers"] == 0
+
+
+@pytest.mark.slow
+def test_training_with_compiled_layers_follows_the_eager_run(tmp_path, base_model, train_jsonl):
+    """Three fp32 steps with the policy's layers compiled (forward and backward through inductor)
+    against the same run eager: the same losses and gradient norms, up to fp32 rounding."""
+    from transformers import AutoConfig
+
+    torch._dynamo.reset()
+    layers = AutoConfig.from_pretrained(base_model).num_hidden_layers
+    runs = {}
+    for mode in ("off", "on"):
+        out = tmp_path / mode
+        run_training(*flags(base_model, train_jsonl, out, tmp_path / "cache", "--max-steps", "3", "--compile", mode))
+        runs[mode] = train_records(out)
+        assert run_json(out)["policy"]["compiled_layers"] == (0 if mode == "off" else layers)
+    assert len(runs["on"]) == len(runs["off"]) == 3
+    for eager, compiled in zip(runs["off"], runs["on"]):
+        assert compiled["loss"] == pytest.approx(eager["loss"], abs=1e-5)
+        assert compiled["grad_norm"] == pytest.approx(eager["grad_norm"], rel=1e-4)

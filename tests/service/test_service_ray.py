@@ -1,0 +1,94 @@
+"""Tests for dpocache.service.reference_service.ReferencePool on a local Ray with two CPU replicas (skipped where
+Ray is not installed): the pool returns exactly what one in-process service does, in request
+order, and still every result exactly once when a replica dies in the middle of a call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dpocache.service.reference_service import ReferenceService
+from test_service import make_requests
+
+ray = pytest.importorskip("ray")
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(len(x) == len(y) and all(torch.allclose(u, v, atol=1e-6, rtol=0)
+                                                             for u, v in zip(x, y)) for x, y in zip(a, b))
+
+
+def test_pool_equals_one_service(local_ray, model_dir):
+    from dpocache.service.reference_service import ReferencePool
+
+    requests = make_requests(9, 4, seed=21)
+    expected = ReferenceService.from_pretrained(model_dir, dtype="float32", device="cpu").score(requests)
+    pool = ReferencePool(model_dir, num_replicas=2, dtype="float32", device="cpu")
+    try:
+        assert _same(pool.score(requests), expected)
+        stats = pool.stats()
+        assert len(stats["replicas"]) == 2 and all(s["requests"] > 0 for s in stats["replicas"])  # both worked
+        assert stats["requests"] == 9 and stats["forward_sequences"] == 36
+        with pytest.raises(ValueError, match=r"^request 4, completion 1: empty completion$"):
+            bad = make_requests(6, 2, seed=1)
+            bad[4]["completion_ids"][1] = []
+            pool.score(bad)
+    finally:
+        pool.shutdown()
+    for call in (lambda: pool.score(requests), pool.stats):  # not an IndexError, not all-zero counters
+        with pytest.raises(RuntimeError, match="was shut down"):
+            call()
+
+
+def test_replica_killed_mid_call_answers_everything_once(local_ray, model_dir, tmp_path):
+    """The replica that takes the first share exits (os._exit) after receiving it; Ray restarts
+    it and re-runs the share. The marker file is removed by the replica that dies, so it is
+    gone afterwards only if a replica really died mid-call."""
+    from dpocache.service.reference_service import ReferencePool
+
+    requests = make_requests(8, 3, seed=22)
+    expected = ReferenceService.from_pretrained(model_dir, dtype="float32", device="cpu").score(requests)
+    marker = tmp_path / "exit-once"
+    pool = ReferencePool(model_dir, num_replicas=2, dtype="float32", device="cpu", _exit_once=str(marker))
+    try:
+        marker.write_text("")
+        got = pool.score(requests)
+        assert not marker.exists()
+        assert _same(got, expected)
+        # Every request answered once: the replicas' counters (one restarted from zero) add up
+        # to at most the requests asked, and the answers are complete and in order.
+        assert pool.stats()["requests"] <= len(requests)
+    finally:
+        pool.shutdown()
+
+
+def test_more_cpu_replicas_than_the_cluster_has_cpus_is_one_line(local_ray, model_dir):
+    """Each CPU replica takes one CPU: a pool of 3 on the 2-CPU cluster left its third actor
+    unscheduled and its constructor waiting for it for ever, saying nothing. (Run in a thread,
+    so that a hang fails the test instead of the run.)"""
+    import threading
+
+    from dpocache.service.reference_service import ReferencePool
+
+    outcome = []
+
+    def start():
+        try:
+            ReferencePool(model_dir, num_replicas=3, dtype="float32", device="cpu")
+        except ValueError as e:
+            outcome.append(str(e))
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert outcome == ["num_replicas=3: each replica takes one CPU and the Ray cluster has 2; ask for at most 2, "
+                       "or give Ray more (ray.init(num_cpus=...))"]

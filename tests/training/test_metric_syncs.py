@@ -1,0 +1,107 @@
+"""Host synchronisations of the training loop: no micro-batch waits for the device (metric sums
+stay device tensors), an optimizer step waits a fixed number of times whatever its micro-batch
+count, and a logging window is read with one synchronisation, to the same values as the
+plain float sums it replaced."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from dpocache.training import loop as train_mod
+from dpocache.distributed.process_group import DistEnv
+from dpocache.training.metrics import MetricWindow
+from train_fixtures import base_model, flags, one_thread, train_jsonl  # noqa: F401 (fixtures)
+from train_fixtures import run_training
+
+# Tensor methods that make the host wait for the device (on a GPU); on the CPU they are counted all the same.
+SYNCS = ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy")
+
+
+class SyncCounter:
+    """Counts calls of ``SYNCS`` made from dpocache's own code while ``active``."""
+
+    def __init__(self, monkeypatch):
+        self.active = False
+        self.calls: list[str] = []
+        for name in SYNCS:
+            monkeypatch.setattr(torch.Tensor, name, self._wrap(name, getattr(torch.Tensor, name)))
+
+    def _wrap(self, name, original):
+        def counted(tensor, *args, **kwargs):
+            if self.active:
+                caller = sys._getframe(1)
+                module = caller.f_globals.get("__name__", "")
+                if module.startswith("dpocache"):
+                    self.calls.append(f"{module}:{caller.f_lineno} {name}")
+            return original(tensor, *args, **kwargs)
+
+        return counted
+
+
+def _syncs_per_step(tmp_path, monkeypatch, model, data, grad_accum: int) -> list[list[str]]:
+    counter = SyncCounter(monkeypatch)
+    real_step = train_mod.train_step
+    per_step = []
+
+    def counted_step(run, window):
+        counter.active, counter.calls = True, []
+        try:
+            real_step(run, window)
+        finally:
+            counter.active = False
+            per_step.append(counter.calls)
+
+    monkeypatch.setattr(train_mod, "train_step", counted_step)
+    run_training(*flags(model, data, tmp_path / f"run{grad_accum}", tmp_path / "cache", "--batch-size", "2",
+                        "--grad-accum", str(grad_accum), "--max-steps", "3", "--logging-steps", "3"))
+    monkeypatch.undo()
+    return per_step
+
+
+def test_no_sync_per_micro_batch(tmp_path, monkeypatch, base_model, train_jsonl):  # noqa: F811
+    one = _syncs_per_step(tmp_path, monkeypatch, base_model, train_jsonl, grad_accum=1)
+    four = _syncs_per_step(tmp_path, monkeypatch, base_model, train_jsonl, grad_accum=4)
+    # Step 1 audits its first micro-batch against the cache (dpocache.training.audit): later steps only.
+    print("\nper step, grad_accum 1:", one[1:], "\nper step, grad_accum 4:", four[1:])
+    assert len(one) == len(four) == 3
+    assert [len(c) for c in one[1:]] == [len(c) for c in four[1:]]  # nothing scales with the micro-batches
+    # The step's one wait (NaN flag and gradient norm together) and the weight norm's (divergence).
+    assert all(len(c) <= 2 for c in four[1:]), four[1:]
+
+
+def test_window_reads_once_and_equals_float_sums(monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(b, generator=g) * 10 for b in (3, 5, 4)]
+    window = MetricWindow()
+    for values in batches:
+        window.add_mean("loss", values)
+        window.add_mean("scaled", values * 1e-3)
+    window.add("grad_norm", torch.tensor(2.5), 1.0)
+    window.add("grad_norm", torch.tensor(0.5), 1.0)
+    window.add("lr", 1e-3, 1.0)
+    window.add_total("tokens", 17.0)
+    # The values the window logged when it added Python floats (float(sum) per micro-batch).
+    expected_loss = 0.0
+    expected_scaled = 0.0
+    for values in batches:
+        expected_loss += float(values.float().sum())
+        expected_scaled += float((values * 1e-3).float().sum())
+    counter = SyncCounter(monkeypatch)
+    counter.active = True
+    got = window.reduce(DistEnv())
+    counter.active = False
+    assert len(counter.calls) == 1, counter.calls  # one tolist for the whole window
+    assert got["loss"] == expected_loss / 12 and got["scaled"] == expected_scaled / 12  # exactly
+    assert got["grad_norm"] == 1.5 and got["lr"] == 1e-3 and got["tokens"] == 17.0
+
+
+@pytest.mark.parametrize("name", ["item", "__float__"])
+def test_counter_sees_dpocache_calls_only(monkeypatch, name):
+    counter = SyncCounter(monkeypatch)
+    counter.active = True
+    getattr(torch.ones(()), name)()  # a call from a test module: not counted
+    counter.active = False
+    assert counter.calls == []
