@@ -190,6 +190,8 @@ ALIASES = {
 SCHEDULES = ("linear", "cosine", "constant")
 TRACKERS = ("none", "tensorboard", "wandb")
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+# cache export's formats (dpocache.cache.export writes them); here so that checking a flag imports no torch.
+EXPORT_FORMATS = ("jsonl", "parquet", "datasets", "safetensors")
 
 
 class ConfigError(ValueError):

@@ -6,10 +6,18 @@ from __future__ import annotations
 import os
 import random
 import signal
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+# Tests mirror the package (tests/<subpackage>/); a few import helpers of a test module in another
+# folder (test_signals' signal points, test_reference_initial's adapter). Every folder is on the
+# path, whichever test file a worker happens to import first.
+for folder in sorted(p for p in Path(__file__).parent.iterdir() if p.is_dir() and not p.name.startswith(("_", "."))):
+    if str(folder) not in sys.path:
+        sys.path.append(str(folder))
 
 # The tiny models run fastest on one thread, and several threads spin against each other on a
 # small, busy machine (measured: a 96-pair build took 0.95 s on one thread and 5.8 s on two

@@ -16,7 +16,7 @@ import os
 import random
 import resource
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -35,12 +35,12 @@ from dpocache.distributed.process_group import (
     reduce_counts,
     split_by_weight,
 )
-from dpocache.models.hub_ids import local_base_dir
+from dpocache.distributed.sharded_reference import build_share_sharded
+from dpocache.models.directories import reference_source
 from dpocache.models.reference import ReferenceModel, dtype_name
 from dpocache.runtime.signals import StopRequest, stop_signals
-from dpocache.scoring.layout_choice import PADDED, PROMPT_SHARING
-from dpocache.scoring.padded import PairBatch, collate_pairs, token_budget_batches
-from dpocache.scoring.shared import score_batch_shared
+from dpocache.scoring.layout_choice import PADDED
+from dpocache.scoring.layouts import budget_batches
 
 # Padded token slots per reference forward when none is given (``--max-tokens``), by device.
 # The CPU's: on the 2-core bench CPU (32 MiB L3) the 58m fp32 pass ran 1.18x faster at 1024 than
@@ -67,43 +67,6 @@ def default_cache_dir() -> Path:
     return Path(base) / "dpocache"
 
 
-REFERENCES = ("initial", "base")  # model.reference / --reference
-
-
-def adapter_base_dir(model_path: str | Path) -> Path | None:
-    """The base model directory of a PEFT adapter directory; None for a full model directory."""
-    adapter_config = Path(model_path) / "adapter_config.json"
-    if not adapter_config.exists():
-        return None
-    fields = json.loads(adapter_config.read_text())
-    base = local_base_dir(fields.get("base_model_name_or_path"), fields.get("revision"))
-    if base is None:
-        raise FileNotFoundError(f"{adapter_config}: base_model_name_or_path '{fields.get('base_model_name_or_path')}' "
-                                "is neither a local directory nor a Hub id in the local Hugging Face cache")
-    return base
-
-
-def reference_weights_dir(model_path: str | Path) -> Path:
-    """The directory holding the full model weights: an adapter directory's base, else itself."""
-    return adapter_base_dir(model_path) or Path(model_path)
-
-
-def reference_source(model_path: str | Path, reference: str = "initial") -> tuple[Path, Path | None]:
-    """(base weights directory, adapter directory or None) of the reference model.
-
-    ``initial``: the model ``model_path`` describes, as the policy starts from it (a PEFT
-    adapter directory is its base with that adapter on, frozen, as TRL's frozen copy of a
-    loaded adapter). ``base``: an adapter directory's bare base (the adapter off)."""
-    if reference not in REFERENCES:
-        raise ValueError(f"model.reference (--reference) must be one of {', '.join(REFERENCES)}; got '{reference}'")
-    base = adapter_base_dir(model_path)
-    if base is None:
-        return Path(model_path), None
-    return base, (Path(model_path) if reference == "initial" else None)
-
-
-# adapter_config.json fields that do not change the adapter's numbers (where the base was read
-# from is covered by the base's own fingerprint).
 _ADAPTER_CONFIG_IGNORED = {"base_model_name_or_path", "inference_mode", "revision", "peft_version"}
 
 
@@ -121,13 +84,13 @@ def _adapter_fingerprint(adapter_dir: Path, memo: FingerprintMemo) -> tuple[str,
     return weights.hexdigest(), hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def namespace_for_dir(model_path: str | Path, dtype: torch.dtype, cache_dir: Path,
+def namespace_for_dir(model_path: str | Path, dtype: torch.dtype, cache_dir: str | Path,
                       reference: str = "initial", read_only: bool = False) -> Namespace:
     """The namespace of the reference ``model_path`` describes (``reference_source``): the base's
     weights and config, and with an adapter on, the adapter's weights and config too.
     ``read_only``: the caller only reads the cache (``FingerprintMemo``)."""
     base, adapter = reference_source(model_path, reference)
-    memo = FingerprintMemo(default_memo_path(cache_dir), read_only)
+    memo = FingerprintMemo(default_memo_path(Path(cache_dir)), read_only)
     fp = model_dir_fingerprint(base, memo)
     if adapter is None:
         return Namespace(fp["weights_sha256"], fp["config_sha256"], dtype_name(dtype), model=str(base.resolve()))
@@ -175,6 +138,29 @@ class BuildSummary:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class BuildOptions:
+    """How a reference pass runs: one record from the command line, a trainer or a script down
+    to each rank's scoring loop (``build_missing``, ``build_distributed``). The store, the pairs
+    and the reference to load are the build's arguments; these are its settings."""
+
+    pad_id: int = 0  # the tokenizer's; padding is never scored
+    per_token: bool = False  # also store per-token values (LD-DPO, ``cache export``)
+    max_tokens: int | None = None  # padded token slots per forward; None: ``default_max_tokens`` of the device
+    shard_pairs: int = DEFAULT_SHARD_PAIRS  # pairs per shard file
+    flush_seconds: float = 60.0  # a shard is written at least this often, however few pairs it holds
+    show_progress: bool = True
+    sharded: bool = False  # ``build_distributed``: the reference's weights sharded over the ranks
+
+
+def build_options(options: BuildOptions | None, fields: dict) -> BuildOptions:
+    """``options`` with ``fields`` (keyword arguments of a build) applied over it."""
+    unknown = set(fields) - set(BuildOptions.__dataclass_fields__)
+    if unknown:
+        raise TypeError(f"unknown build option(s): {', '.join(sorted(unknown))}")
+    return replace(options or BuildOptions(), **fields)
+
+
 def unique_pairs(pairs: Sequence[TokenizedPair]) -> dict[bytes, TokenizedPair]:
     out: dict[bytes, TokenizedPair] = {}
     for p in pairs:
@@ -184,49 +170,35 @@ def unique_pairs(pairs: Sequence[TokenizedPair]) -> dict[bytes, TokenizedPair]:
 
 def score_batch(reference: ReferenceModel, batch: Sequence[TokenizedPair], pad_id: int,
                 max_tokens: int | None = None) -> PairValues:
-    """Reference values of one batch ``(B,)``, per-token values included, on the CPU, in the
-    reference's layout (``ReferenceModel.layout``); ``max_tokens``: the budget the batch was
-    planned under (packed FlexAttention rows are padded to it: ``prefix.reference_row_width``)."""
-    if getattr(reference, "layout", PADDED) in PROMPT_SHARING:
-        return score_batch_shared(reference, batch, pad_id, max_tokens)
-    pb: PairBatch = collate_pairs(batch, pad_id)
-    token_logps = reference.logprobs(pb.input_ids, pb.attention_mask, pb.completion_mask).cpu()  # (2B, T)
-    mask = pb.completion_mask.bool()
-    sums = token_logps.sum(-1)  # (2B,)
-    counts = pb.completion_mask.sum(-1)  # (2B,)
-    per_token = [token_logps[i][mask[i]] for i in range(token_logps.shape[0])]
-    b = len(batch)
-    return PairValues(sums[:b], sums[b:], counts[:b], counts[b:], per_token[:b], per_token[b:])
+    """Reference values of one batch ``(B,)`` of the pass, per-token values included, on the CPU
+    (``ReferenceModel.score``: the reference's layout, rows as the pass planned them under
+    ``max_tokens``)."""
+    return reference.score(batch, pad_id, max_tokens)
 
 
 def reference_batches(reference: ReferenceModel, pairs: Sequence[TokenizedPair],
                       max_tokens: int) -> list[list[TokenizedPair]]:
     """Length-grouped batches under ``max_tokens`` padded slots, for the reference's layout."""
-    return token_budget_batches(pairs, max_tokens, layout=getattr(reference, "layout", PADDED))
+    return budget_batches(pairs, max_tokens, getattr(reference, "layout", PADDED))
 
 
 def build_missing(
     store: CacheStore,
     pairs: Sequence[TokenizedPair],
     load_reference: Callable[[], ReferenceModel],
-    pad_id: int = 0,
-    per_token: bool = False,
-    max_tokens: int | None = None,
-    shard_pairs: int = DEFAULT_SHARD_PAIRS,
-    flush_seconds: float = 60.0,
-    show_progress: bool = True,
-    update_manifest: bool = True,
+    options: BuildOptions | None = None,
+    **fields,
 ) -> BuildSummary:
     """Compute and store the reference values of every pair ``store`` lacks.
+
+    ``options``: a ``BuildOptions``, or its fields as keywords (``max_tokens=2048``), or both.
 
     SIGTERM or SIGINT ends the build after the batch in flight: what was computed is flushed
     (shard and manifest), then ``signals.Interrupted`` is raised (the command line exits 143 or
     130); the next build reuses every pair computed before the signal.
     """
     with stop_signals() as stop:
-        summary = score_missing(store, pairs, load_reference, stop, pad_id=pad_id, per_token=per_token,
-                                max_tokens=max_tokens, shard_pairs=shard_pairs, flush_seconds=flush_seconds,
-                                show_progress=show_progress, update_manifest=update_manifest)
+        summary = score_missing(store, pairs, load_reference, stop, build_options(options, fields))
         if summary.interrupted:
             raise stop.interrupted(interrupted_message(summary))
     return summary
@@ -237,12 +209,7 @@ def score_missing(
     pairs: Sequence[TokenizedPair],
     load_reference: Callable[[], ReferenceModel],
     stop: StopRequest,
-    pad_id: int = 0,
-    per_token: bool = False,
-    max_tokens: int | None = None,
-    shard_pairs: int = DEFAULT_SHARD_PAIRS,
-    flush_seconds: float = 60.0,
-    show_progress: bool = True,
+    options: BuildOptions,
     update_manifest: bool = True,
 ) -> BuildSummary:
     """``build_missing``'s work, stopping when ``stop`` is set: the summary then counts the pairs
@@ -250,6 +217,7 @@ def score_missing(
     what a stop means (``build_distributed`` first agrees on it with the other ranks)."""
     start = time.perf_counter()
     by_key = unique_pairs(pairs)
+    per_token, pad_id, max_tokens = options.per_token, options.pad_id, options.max_tokens
     todo = [by_key[k] for k in store.missing(by_key, per_token)]
     reference = load_reference() if todo else None
     if reference is not None:
@@ -257,8 +225,8 @@ def score_missing(
         reference.prepare(sum(p.unique_tokens for p in todo))  # --compile auto: compile if the pass repays it
     tokens, computed, skipped, non_finite = 0, 0, 0, []
     if todo:
-        writer = store.writer(shard_pairs, flush_seconds, update_manifest)
-        bar = tqdm(total=len(todo), unit="pairs", desc="reference log-probs", disable=not show_progress,
+        writer = store.writer(options.shard_pairs, options.flush_seconds, update_manifest)
+        bar = tqdm(total=len(todo), unit="pairs", desc="reference log-probs", disable=not options.show_progress,
                    dynamic_ncols=True)
         # A signal only sets ``stop`` here: a batch is scored and added whole, never half.
         with stop.deferred():
@@ -365,13 +333,8 @@ def build_distributed(
     pairs: Sequence[TokenizedPair],
     load_reference: Callable[[], ReferenceModel],
     env: DistEnv,
-    pad_id: int = 0,
-    per_token: bool = False,
-    max_tokens: int | None = None,
-    shard_pairs: int = DEFAULT_SHARD_PAIRS,
-    flush_seconds: float = 60.0,
-    show_progress: bool = True,
-    sharded: bool = False,
+    options: BuildOptions | None = None,
+    **fields,
 ) -> BuildSummary:
     """``build_missing`` over every rank of ``env`` (a world of one is exactly ``build_missing``
     with the store opened and bad shards quarantined first).
@@ -390,20 +353,18 @@ def build_distributed(
     others are done (or stopped too), every rank's shards are in the manifest and every rank
     raises ``signals.Interrupted``.
 
-    ``sharded``: ``load_reference`` returns a ``dpocache.distributed.sharded_reference.ShardedReference`` (its
+    ``options.sharded``: ``load_reference`` returns a ``dpocache.distributed.sharded_reference.ShardedReference`` (its
     weights sharded over the ranks), loaded on every rank and drained (``build_share_sharded``).
     """
     # Every rank stops at the same place: a stop signal (torchrun forwards SIGTERM to every
     # worker; a scheduler may signal one) only ends a rank's scoring loop, and the ranks agree
     # on it in the reduction below, so none waits forever in a collective another left.
     with stop_signals() as stop, stop.deferred() if env.enabled else contextlib.nullcontext():
-        return _build_shares(store, pairs, load_reference, env, stop, sharded, pad_id=pad_id, per_token=per_token,
-                             max_tokens=max_tokens, shard_pairs=shard_pairs, flush_seconds=flush_seconds,
-                             show_progress=show_progress)
+        return _build_shares(store, pairs, load_reference, env, stop, build_options(options, fields))
 
 
 def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_reference: Callable[[], ReferenceModel],
-                  env: DistEnv, stop: StopRequest, sharded: bool, **kwargs) -> BuildSummary:
+                  env: DistEnv, stop: StopRequest, options: BuildOptions) -> BuildSummary:
     start = time.perf_counter()
     if env.is_main:
         store.open(repair=True)
@@ -412,7 +373,7 @@ def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_refere
     if not env.is_main:
         store.open()
     by_key = unique_pairs(pairs)
-    todo_keys = store.missing(by_key, kwargs["per_token"])
+    todo_keys = store.missing(by_key, options.per_token)
     differing = differing_on_ranks(env, {"namespace": store.namespace.id, "missing": _keys_digest(todo_keys)})
     if "namespace" in differing:
         # Each rank would read another reference's values from its own namespace, even with a complete cache.
@@ -423,17 +384,14 @@ def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_refere
         raise CacheError("ranks disagree on which pairs the cache lacks: every rank must load the same data with the "
                          "same tokenizer and length limits, and see the same cache directory")
     mine = split_by_tokens([by_key[k] for k in todo_keys], env.world_size)[env.rank]
-    kwargs["show_progress"] = kwargs["show_progress"] and env.is_main
+    options = replace(options, show_progress=options.show_progress and env.is_main)
     local, error = None, None
     try:
         def build_share(load):
-            return score_missing(store, mine, load, stop, update_manifest=not env.enabled, **kwargs)
+            return score_missing(store, mine, load, stop, options, update_manifest=not env.enabled)
 
-        if sharded and env.enabled:
-            # Here, not at the top: the sharded reference imports this package (its probes and score_batch).
-            from dpocache.distributed.sharded_reference import build_share_sharded  # noqa: PLC0415
-
-            local = build_share_sharded(build_share, load_reference, bool(todo_keys), kwargs["pad_id"])
+        if options.sharded and env.enabled:
+            local = build_share_sharded(build_share, load_reference, bool(todo_keys), options.pad_id)
         else:
             local = build_share(load_reference)
     except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks learn of it
@@ -452,7 +410,7 @@ def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_refere
     problem = None
     if env.is_main and env.enabled:
         store.open(repair=True)  # adopts every rank's new shards; writes the manifest (once, here)
-        problem = None if signum else _missing_after_build(store, by_key, kwargs["per_token"])
+        problem = None if signum else _missing_after_build(store, by_key, options.per_token)
     problem = broadcast_object(env, problem)
     if problem:
         raise CacheError(problem)

@@ -40,7 +40,7 @@ from safetensors.torch import save_file
 
 from dpocache.cache.atomic import atomic_output, atomic_output_dir
 from dpocache.cache.store import CacheStore
-from dpocache.cli.cache_args import EXPORT_FORMATS as FORMATS
+from dpocache.config import EXPORT_FORMATS as FORMATS
 from dpocache.data.pairs import TokenizedPair, read_rows
 from dpocache.runtime.preflight import UsageError
 

@@ -13,20 +13,15 @@ import torch
 
 from dpocache.cache import CacheError, CacheStore, default_cache_dir, export_rows, namespace_for_dir, verify
 from dpocache.cache.atomic import atomic_output
-from dpocache.cache.build import (
-    build_distributed,
-    namespace_dirs,
-    open_namespace_dir,
-    reference_source,
-    reference_weights_dir,
-)
+from dpocache.cache.build import BuildOptions, build_distributed, namespace_dirs, open_namespace_dir
 from dpocache.cache.probes import ProbeMemo
 from dpocache.data.pairs import PreferenceData, load_preference_data
 from dpocache.distributed.process_group import destroy, init_distributed
 from dpocache.distributed.sharded_reference import reference_loader
+from dpocache.models.directories import reference_source
+from dpocache.models.loading import load_tokenizer
 from dpocache.models.reference import ReferenceModel, default_device, dtype_name, resolve_dtype
 from dpocache.runtime.preflight import (
-    UsageError,
     check_output,
     check_writable_dir,
     disk_errors,
@@ -41,20 +36,6 @@ def _human_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n:.1f} TiB"
-
-
-def load_tokenizer(model_path: str | Path):
-    from transformers import AutoTokenizer
-
-    path = Path(model_path)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError):
-        # A PEFT adapter directory may hold no tokenizer; its base does.
-        tokenizer = AutoTokenizer.from_pretrained(str(reference_weights_dir(path)))
-    if len(tokenizer) == 0:  # transformers builds an empty one from a directory without a vocabulary
-        raise UsageError(f"--model {path}: the tokenizer there has an empty vocabulary")
-    return tokenizer
 
 
 def _load_data(args, tokenizer, verbose: bool = True, source: str | None = None) -> PreferenceData:
@@ -107,11 +88,9 @@ def cmd_build(args) -> int:
         base, adapter = reference_source(args.model, args.reference)
         load = reference_loader(base, dtype, env, args.layout, sharded=args.fsdp, adapter=adapter,
                                 attention=args.attention, probe_memo=ProbeMemo(store.root), compile=args.compile)
-        summary = build_distributed(
-            store, pairs, load, env, pad_id=tokenizer.pad_token_id or 0,
-            per_token=args.per_token, max_tokens=args.max_tokens, shard_pairs=args.shard_size,
-            sharded=args.fsdp,
-        )
+        options = BuildOptions(pad_id=tokenizer.pad_token_id or 0, per_token=args.per_token,
+                               max_tokens=args.max_tokens, shard_pairs=args.shard_size, sharded=args.fsdp)
+        summary = build_distributed(store, pairs, load, env, options)
         if env.is_main:
             _print_build_summary(args, summary, store, dtype, data)
     finally:

@@ -7,13 +7,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dpocache.config import Config, build_config, help_text, parse_overrides
+from dpocache.config import EXPORT_FORMATS, Config, build_config, help_text, parse_overrides
 from dpocache.models.hub_ids import resolve_model_path
 from dpocache.runtime.preflight import UsageError, check_data_path, check_model_dir
 
 # Each command's own options, which are not configuration: name -> (type, default, help).
-# cache export's formats (dpocache.cache.export writes them); here so that checking a flag imports no torch.
-EXPORT_FORMATS = ("jsonl", "parquet", "datasets", "safetensors")
 OPTIONS = {
     "build": {"per_token": (bool, False, "also store per-token log-probs"),
               "json": (bool, False, "print the summary as one JSON object on the last line")},

@@ -24,6 +24,7 @@ import traceback
 from dpocache.config import ConfigError, validate_environment
 from dpocache.data.pairs import DataError
 from dpocache.runtime.allocator import configure_cpu_allocator, configure_cuda_allocator
+from dpocache.runtime.console import quiet_libraries
 from dpocache.runtime.preflight import UsageError
 from dpocache.runtime.signals import Interrupted, ignore_stop_signals, stop_signals
 
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         argv = [*words, "--", *argv[len(words):]]
     args, extra = build_parser().parse_known_args(argv)
     args.verbose = verbose  # taken out of argv above; score reads it to show its errors' traceback
+    quiet_libraries(verbose)  # before transformers, datasets or the Hub is imported
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     prog = " ".join(["dpocache", *words])

@@ -116,7 +116,7 @@ def check_rows(rows: list[RawRow], requests: list[dict], model: str | Path) -> N
     (its vocabulary and context are in its config)."""
     from transformers import AutoConfig
 
-    from dpocache.cache.build import reference_weights_dir
+    from dpocache.models.directories import reference_weights_dir
     from dpocache.service.reference_service import RequestError, check_request
 
     config = AutoConfig.from_pretrained(str(reference_weights_dir(model))).get_text_config()
@@ -136,8 +136,8 @@ def cmd_score(args) -> int:
     # The model machinery (torch, transformers) is imported when the command runs, as cli.py
     # does for its other commands: building the parser stays light.
     from dpocache.cache import default_cache_dir
-    from dpocache.cli.cache import load_tokenizer
     from dpocache.config import validate_device
+    from dpocache.models.loading import load_tokenizer
     from dpocache.service.reference_service import ReferenceService
 
     # Before the rows are read and the model loads (torch's own error came from the model's move).

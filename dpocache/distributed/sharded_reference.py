@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dpocache.cache.build import score_batch
 from dpocache.cache.probes import ProbeMemo, probe_key
 from dpocache.data.pairs import TokenizedPair
 from dpocache.distributed.fsdp import gather_head_around, shard_policy, vocabulary_modules
@@ -40,7 +39,7 @@ from dpocache.models.reference import ReferenceModel
 from dpocache.runtime.allocator import trim_heap
 from dpocache.runtime.preflight import UsageError
 from dpocache.scoring import bf16_matmul
-from dpocache.scoring.layout_choice import PROMPT_SHARING, SHARED
+from dpocache.scoring.layout_choice import SHARED, shares_prompts
 from dpocache.scoring.logprobs import CompletionLogProbs, autocast, unwrap_causal_lm
 
 # One tiny pair for the padding forwards: a prompt token and one token per completion.
@@ -55,7 +54,7 @@ class ShardedReference(ReferenceModel):
                  attention: str | None = None):
         self.env = env
         super().__init__(model, dtype, layout=layout, scorer=scorer, attention=attention)
-        if self.layout in PROMPT_SHARING:
+        if shares_prompts(self.layout):
             # The shared layout calls the body and the head, not the root's forward: gather the
             # root's own parameters (embeddings, final norm, head) around it.
             run_shared = self._run_shared
@@ -87,7 +86,7 @@ class ShardedReference(ReferenceModel):
         while self._round(working=False):
             self._padding = True  # this round's flag is already sent
             try:
-                score_batch(self, [_DUMMY_PAIR], pad_id)
+                self.score([_DUMMY_PAIR], pad_id)
             finally:
                 self._padding = False
             self.forward_passes -= 1  # not a pass over the data

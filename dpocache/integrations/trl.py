@@ -32,9 +32,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from dpocache.cache.build import build_missing, default_cache_dir, namespace_for_dir, reference_source
+from dpocache.cache.build import BuildOptions, build_missing, default_cache_dir, namespace_for_dir
 from dpocache.cache.store import CacheStore
 from dpocache.data.pairs import TokenizedPair, example_key
+from dpocache.models.directories import reference_source
 from dpocache.models.loading import checkpoint_files
 from dpocache.models.reference import DTYPES, ReferenceModel, default_device, dtype_name, resolve_dtype
 
@@ -303,10 +304,8 @@ class CachedDPOTrainer(DPOTrainer):
         store.open(repair=True)  # bad shards quarantined, a killed build's shards adopted (as `cache build`)
         tokenizer = getattr(self, "_tokenizer", None) or self.processing_class
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.cache_summaries[name] = build_missing(
-            store, pairs, self._load_reference,
-            pad_id=pad_id, max_tokens=self._cache_max_tokens, show_progress=False,
-        )
+        options = BuildOptions(pad_id=pad_id, max_tokens=self._cache_max_tokens, show_progress=False)
+        self.cache_summaries[name] = build_missing(store, pairs, self._load_reference, options)
         values = store.lookup([p.key for p in pairs])
         dataset = dataset.remove_columns([c for c in ("ref_chosen_logps", "ref_rejected_logps")
                                           if c in dataset.column_names])

@@ -33,6 +33,7 @@ from safetensors import safe_open
 from torch import nn
 
 from dpocache.distributed.process_group import DistEnv
+from dpocache.models.directories import reference_weights_dir
 from dpocache.runtime.allocator import trim_heap
 from dpocache.runtime.preflight import UsageError
 from dpocache.scoring import bf16_matmul
@@ -319,3 +320,18 @@ def load_for_sharding(path: str | Path, env: DistEnv, prepare, shard, attn_imple
         raise RuntimeError(f"{path}: parameters not loaded: {left[:5]}")
     trim_heap()  # the files' read buffers: freed, but kept by glibc unless trimmed
     return model, root
+
+
+def load_tokenizer(model_path: str | Path):
+    """The tokenizer of a model directory (an adapter directory's base when it holds none)."""
+    from transformers import AutoTokenizer
+
+    path = Path(model_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError):
+        # A PEFT adapter directory may hold no tokenizer; its base does.
+        tokenizer = AutoTokenizer.from_pretrained(str(reference_weights_dir(path)))
+    if len(tokenizer) == 0:  # transformers builds an empty one from a directory without a vocabulary
+        raise UsageError(f"--model {path}: the tokenizer there has an empty vocabulary")
+    return tokenizer

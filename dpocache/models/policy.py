@@ -10,12 +10,12 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dpocache.cache.build import adapter_base_dir
 from dpocache.cache.probes import ProbeMemo
 from dpocache.config import Config, ConfigError, LoraConfig, flag_name
 from dpocache.distributed.fsdp import shard_policy
 from dpocache.distributed.process_group import DistEnv
 from dpocache.distributed.sharded_reference import probe_sharded, report_shards
+from dpocache.models.directories import adapter_base_dir
 from dpocache.models.loading import disable_dropout, load_causal_lm, load_for_sharding
 from dpocache.scoring.logprobs import CompletionLogProbs
 

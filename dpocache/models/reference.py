@@ -12,16 +12,20 @@ import contextlib
 import logging
 import time
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from torch import nn
 
+from dpocache.data.pairs import TokenizedPair
+from dpocache.data.values import PairValues
 from dpocache.models.loading import disable_dropout, load_causal_lm, store_frozen_matrices_
 from dpocache.scoring import bf16_matmul
 from dpocache.scoring.attention import choose_layout
 from dpocache.scoring.bf16_matmul import cpu_has_amx_bf16
 from dpocache.scoring.compiling import compile_layers, should_compile
 from dpocache.scoring.layout_choice import COMPILES, LAYOUTS
+from dpocache.scoring.layouts import reference_row_width, score_pairs
 from dpocache.scoring.logprobs import CompletionLogProbs, autocast, unwrap_causal_lm
 from dpocache.scoring.shared import shared_prompt_logps
 
@@ -161,6 +165,23 @@ class ReferenceModel:
         """``(M,)`` fp32 log-probs of the scored tokens of a ``dpocache.scoring.shared.SharedPromptBatch``
         (each prompt run once for both completions)."""
         return self._call(lambda: self._run_shared(self._scorer, batch.to(self.device)), batch.num_tokens)
+
+    def score(self, pairs: Sequence[TokenizedPair], pad_id: int = 0, max_tokens: int | None = None) -> PairValues:
+        """Reference values of one batch of ``pairs`` ``(B,)``, per-token values included, on the
+        CPU, in this reference's layout (``scoring.layouts``); ``max_tokens``: the budget the batch
+        was planned under (packed FlexAttention rows are padded to it: ``reference_row_width``)."""
+        config = unwrap_causal_lm(self.model).config
+        values, _ = score_pairs(self, self.layout, pairs, pad_id, config, per_token=True, one_row=True,
+                                width=reference_row_width(self, max_tokens))
+        return values
+
+    def run_padded(self, batch) -> torch.Tensor:
+        """``scoring.layouts.LayoutRunner``: a ``PairBatch`` → ``(2B, T)`` values on the CPU."""
+        return self.logprobs(batch.input_ids, batch.attention_mask, batch.completion_mask).cpu()
+
+    def run_shared(self, batch) -> torch.Tensor:
+        """``scoring.layouts.LayoutRunner``: a ``SharedPromptBatch`` → ``(M,)`` values on the CPU."""
+        return self.shared_prompt_logprobs(batch).cpu()
 
     def _call(self, fn, tokens: int) -> torch.Tensor:
         """Run ``fn`` frozen (eval, inference mode, autocast, adapter off) and count the pass."""

@@ -64,9 +64,9 @@ from dpocache.scoring.layout_choice import (
     CAUSAL,
     CAUSAL_SDPA_ENV,
     CAUSAL_SDPA_MODES,
-    PADDED,
     LayoutChoice,
     select_layout,
+    shares_prompts,
 )
 
 FLEX = "flex_attention"  # transformers' name of the implementation
@@ -237,7 +237,7 @@ def choose_layout(model: nn.Module, scorer: nn.Module, requested: str, attention
     why = use_attention(model, attention, device, backward=training)
     choice = select_layout(requested, scorer.config, fast_path=scorer.fast_path,
                            router_loss=training and scorer.router_loss, attention_reason=why, training=training)
-    if choice.used != PADDED or model.config._attn_implementation not in SWITCHED:
+    if shares_prompts(choice.used) or model.config._attn_implementation not in SWITCHED:
         return choice
     use_attention(model, "sdpa", device)
     note = "the padded layout runs the model's loaded attention (flex and causal serve the shared and packed layouts)"

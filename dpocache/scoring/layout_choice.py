@@ -57,6 +57,11 @@ BF16_MATMUL_MODES = ("auto", "native", "fp32-gemm")
 BLOCK_MASK_ATTENTION = ("sdpa", "eager", "flex_attention", CAUSAL)
 
 
+def shares_prompts(layout: str) -> bool:
+    """Whether ``layout`` runs each prompt once for both completions (``shared``, ``packed``)."""
+    return layout in PROMPT_SHARING
+
+
 def every_layer_slides(get: Callable[[str, Any], Any]) -> bool:
     """Whether a model slides a window on every layer, its config's fields read through
     ``get(name, default)`` (a config object's ``getattr``, a ``config.json`` dict's ``get``): a

@@ -399,6 +399,11 @@ class CompletionLogProbs(nn.Module):
         return True
 
 
+def scorer_core(scorer: nn.Module) -> CompletionLogProbs:
+    """The ``CompletionLogProbs`` inside a DDP wrapper (FSDP2 shards it in place: itself)."""
+    return scorer.module if isinstance(getattr(scorer, "module", None), CompletionLogProbs) else scorer
+
+
 def autocast(dtype: torch.dtype, device: torch.device | str):
     """Mixed precision for ``dtype`` = bfloat16/float16 (weights stay as loaded); a no-op for
     float32. The cache build and training both enter it, so their numerics are the same."""

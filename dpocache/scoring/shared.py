@@ -42,18 +42,14 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from dpocache.data.pairs import TokenizedPair
-from dpocache.data.values import PairValues
 from dpocache.scoring import packing
-from dpocache.scoring.attention import FLEX_BLOCK, SequenceRows, choose_layout, is_causal, is_flex, row_multiple
+from dpocache.scoring.attention import FLEX_BLOCK, SequenceRows, is_causal, is_flex, row_multiple
 from dpocache.scoring.layout_choice import (
     BLOCK_MASK_ATTENTION,
     PACKED,
-    PROMPT_SHARING,
-    LayoutChoice,
     every_layer_slides,
 )
-from dpocache.scoring.logprobs import CompletionLogProbs, unwrap_causal_lm
-from dpocache.scoring.padded import collate_pairs, pair_logprobs
+from dpocache.scoring.logprobs import scorer_core, unwrap_causal_lm
 
 PROMPT, CHOSEN, REJECTED, PAD = 0, 1, 2, -1
 
@@ -416,71 +412,3 @@ def split_per_token(logps: torch.Tensor, batch: SharedPromptBatch,
         counts = torch.stack([batch.chosen_tokens, batch.rejected_tokens], 1).reshape(-1).tolist()
     parts = logps.split(counts)
     return list(parts[0::2]), list(parts[1::2])
-
-
-# ------------------------------------------------------------------------------- reference
-
-
-def reference_row_width(reference, max_tokens: int | None) -> int | None:
-    """The width every packed reference row is padded to under FlexAttention: ``max_tokens``
-    (rounded up to ``FLEX_BLOCK``), so every batch of the pass has one shape and its kernels
-    (and compiled layers) compile once; None elsewhere (rows as wide as their pairs).
-
-    Measured on an H100 (1.1B Llama, bf16, 256 pairs, ``--max-tokens 32768``, decoder layers
-    compiled, passes after the first; ``bench/results/gpu-h100-compile-flex-20261122.jsonl``):
-    149,000 tokens/s with rows padded to the budget against 134,000 with rows as wide as their
-    pairs (one dynamic compile). The padding is the budget's unfilled tail: the rows are
-    filled first fit, longest pairs first, so only the last few have room left."""
-    if max_tokens is None or getattr(reference, "layout", None) != PACKED:
-        return None
-    config = unwrap_causal_lm(reference.model).config
-    return packing.round_up(max_tokens, row_multiple(config)) if is_flex(config) else None
-
-
-def score_batch_shared(reference, pairs: Sequence[TokenizedPair], pad_id: int = 0,
-                       max_tokens: int | None = None) -> PairValues:
-    """Reference values of one batch in the reference's layout (``shared``, or ``packed``: the
-    batch in one row, as ``packing.budget_batches`` planned it under ``max_tokens``, padded to
-    ``reference_row_width``), per-token values included, as ``dpocache.cache.build.score_batch``
-    returns them."""
-    batch = layout_batch(reference.layout, pairs, pad_id, unwrap_causal_lm(reference.model).config, one_row=True,
-                         width=reference_row_width(reference, max_tokens))
-    logps = reference.shared_prompt_logprobs(batch).cpu()  # (M,)
-    chosen, rejected = sequence_sums(logps, batch)
-    cpt, rpt = split_per_token(logps, batch, pairs)
-    return PairValues(chosen, rejected, batch.chosen_tokens, batch.rejected_tokens, cpt, rpt)
-
-
-# -------------------------------------------------------------------------------- training
-
-
-def scorer_core(scorer: nn.Module) -> CompletionLogProbs:
-    """The ``CompletionLogProbs`` inside a DDP wrapper (FSDP2 shards it in place: itself)."""
-    return scorer.module if isinstance(getattr(scorer, "module", None), CompletionLogProbs) else scorer
-
-
-def training_layout(scorer: nn.Module, requested: str, attention: str = "auto") -> LayoutChoice:
-    """The layout a training run's ``scorer`` (``CompletionLogProbs``, possibly DDP/FSDP2-wrapped)
-    runs for ``requested``, its model switched to the ``attention`` backend first
-    (``dpocache.scoring.attention``): ``dpocache.scoring.layout_choice.select_layout``'s rule, with the router loss of
-    a mixture-of-experts model kept (padded)."""
-    core = scorer_core(scorer)
-    lm = unwrap_causal_lm(core.model)
-    return choose_layout(lm, core, requested, attention, training=True)
-
-
-def layout_logprobs(scorer: nn.Module, layout: str, pairs: Sequence[TokenizedPair], pad_id: int, device,
-                    per_token: bool = False) -> tuple[PairValues, int]:
-    """Policy log-probs of ``pairs`` in ``layout`` (``padded``, ``shared`` or ``packed``: the
-    micro-batch first fit into rows of its longest pair's width), through ``scorer``'s forward:
-    (``PairValues`` carrying the graph, per-token values only if ``per_token``; real tokens
-    run). Nothing here waits for the device: counts and offsets come from ``pairs``."""
-    if layout in PROMPT_SHARING:
-        batch = layout_batch(layout, pairs, pad_id, scorer_core(scorer).config).to(device)
-        logps = shared_prompt_logps(scorer, batch)  # (M,)
-        chosen, rejected = sequence_sums(logps, batch)
-        cpt, rpt = split_per_token(logps, batch, pairs) if per_token else (None, None)
-        values = PairValues(chosen, rejected, batch.chosen_tokens, batch.rejected_tokens, cpt, rpt)
-        return values, sum(p.unique_tokens for p in pairs)
-    padded = collate_pairs(pairs, pad_id).to(device)
-    return pair_logprobs(scorer, padded, pairs if per_token else None), sum(p.num_tokens for p in pairs)

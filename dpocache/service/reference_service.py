@@ -36,22 +36,17 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from dpocache.cache.build import (
-    default_max_tokens,
-    namespace_for_dir,
-    namespace_for_module,
-    peak_memory_bytes,
-    reference_source,
-)
+from dpocache.cache.build import default_max_tokens, namespace_for_dir, namespace_for_module, peak_memory_bytes
 from dpocache.cache.fingerprint import config_sha256
 from dpocache.cache.sequences import DEFAULT_MEMORY_BYTES, SequenceStore, sequence_key
 from dpocache.cache.store import Namespace
 from dpocache.distributed.process_group import split_by_weight
+from dpocache.models.directories import reference_source
 from dpocache.models.hub_ids import resolve_model_path
 from dpocache.models.reference import ReferenceModel, dtype_name, resolve_dtype
 from dpocache.runtime.preflight import check_model_dir
 from dpocache.scoring.groups import Group, budget_batches, collate_groups, collate_sequences, per_sequence, split_group
-from dpocache.scoring.layout_choice import CAUSAL, PADDED, SHARED
+from dpocache.scoring.layout_choice import CAUSAL, SHARED, shares_prompts
 from dpocache.scoring.logprobs import unwrap_causal_lm
 
 log = logging.getLogger(__name__)
@@ -327,7 +322,7 @@ class ReferenceService:
                 comps.append(comp)
         groups, group_keys = [], []
         # The per-sequence fallback runs one row per sequence: groups of one, packed by length.
-        budget = self.max_tokens if self.reference.layout != PADDED else 0
+        budget = self.max_tokens if shares_prompts(self.reference.layout) else 0
         for prompt, (r, gkeys, comps) in by_prompt.items():
             for g in split_group(r, prompt, comps, range(len(comps)), budget):
                 groups.append(g)
@@ -338,7 +333,7 @@ class ReferenceService:
         """Yields ``(group index, [(c,) fp32 CPU log-probs of each of its completions])``,
         batch after batch."""
         c = self._counts
-        shared = self.reference.layout != PADDED  # packed: groups as the shared layout runs them
+        shared = shares_prompts(self.reference.layout)  # packed: groups as the shared layout runs them
         order = list(range(len(groups)))
         if shared:
             batches = budget_batches(order, self.max_tokens, width=lambda i: groups[i].unique_tokens)

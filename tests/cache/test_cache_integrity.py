@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save, save_file
+from train_fixtures import flags, run_json
 
 from dpocache.cache import CacheError, CacheStore, build_missing, namespace_for_dir, verify
 from dpocache.cache.build import build_distributed, open_namespace_dir
@@ -31,7 +32,6 @@ from dpocache.cache.sequences import SequenceStore, sequence_key
 from dpocache.cache.store import MANIFEST, Namespace, parse_manifest
 from dpocache.distributed.process_group import DistEnv
 from dpocache.models.reference import ReferenceModel
-from train_fixtures import flags, run_json
 
 HOSTILE_DEADLINE_S = 300  # only a regression (a hang) comes near it
 
@@ -486,7 +486,7 @@ import sys, time
 from pathlib import Path
 import torch
 from dpocache.cache import CacheStore, build_missing, namespace_for_dir
-from dpocache.cli.cache import load_tokenizer
+from dpocache.models.loading import load_tokenizer
 from dpocache.data.pairs import load_preference_data
 from dpocache.models.reference import ReferenceModel
 model, data, cache, lo, hi, me, other = sys.argv[1:]

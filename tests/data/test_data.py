@@ -8,7 +8,13 @@ import json
 import pytest
 
 from dpocache.data.pairs import (
-    DataError, example_key, load_preference_data, read_rows, tokenize_rows, truncate_pair, write_jsonl
+    DataError,
+    example_key,
+    load_preference_data,
+    read_rows,
+    tokenize_rows,
+    truncate_pair,
+    write_jsonl,
 )
 
 

@@ -111,8 +111,8 @@ def test_plain_text_ids_are_trls(which, request, make_rows):
 
 
 def _score_ids(values: dict, tok):
-    from dpocache.data.pairs import RawRow, special_prefix
     from dpocache.cli.score import to_request
+    from dpocache.data.pairs import RawRow, special_prefix
 
     request = to_request(RawRow(0, "rows.jsonl:1", values), tok, special_prefix(tok))
     return request["prompt_ids"], request["completion_ids"]

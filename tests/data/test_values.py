@@ -14,8 +14,8 @@ from dpocache.cache import CacheError, CacheStore, Namespace, namespace_for_modu
 from dpocache.cache.build import score_batch
 from dpocache.cache.store import SCHEMA_VERSION
 from dpocache.data.pairs import load_preference_data
-from dpocache.models.reference import ReferenceModel
 from dpocache.data.values import PairValues
+from dpocache.models.reference import ReferenceModel
 
 
 @pytest.fixture(scope="module")

@@ -23,10 +23,10 @@ import torch
 import dpocache
 from dpocache.cache.build import split_by_tokens
 from dpocache.data.pairs import write_jsonl
-from dpocache.training.demo import sorting_pairs
-from dpocache.scoring.layout_choice import CAUSAL
-from dpocache.training.metrics import read_metrics
 from dpocache.models.tiny import save_tiny_model
+from dpocache.scoring.layout_choice import CAUSAL
+from dpocache.training.demo import sorting_pairs
+from dpocache.training.metrics import read_metrics
 
 pytestmark = [
     pytest.mark.slow,
@@ -148,8 +148,8 @@ def single_run(assets, ddp_run) -> Path:
 
 
 def test_split_by_tokens_is_balanced_deterministic_and_exact(assets):
-    from dpocache.cli.cache import load_tokenizer
     from dpocache.data.pairs import load_preference_data
+    from dpocache.models.loading import load_tokenizer
 
     pairs = load_preference_data(str(assets["pairs37"]), load_tokenizer(assets["model"]), show_progress=False).pairs
     for world in (1, 2, 3, 8):
@@ -165,8 +165,8 @@ def test_split_by_tokens_is_balanced_deterministic_and_exact(assets):
 
 def test_distributed_build_equals_single_process_and_caches_each_pair_once(assets, tmp_path):
     from dpocache.cache import CacheStore, build_missing, namespace_for_dir
-    from dpocache.cli.cache import load_tokenizer
     from dpocache.data.pairs import load_preference_data
+    from dpocache.models.loading import load_tokenizer
     from dpocache.models.reference import ReferenceModel
 
     model, data = assets["model"], assets["pairs37"]
@@ -258,8 +258,8 @@ def test_score_refuses_ranks_that_read_different_rows(assets, tmp_path, monkeypa
 def test_missing_after_build_names_the_keys(assets, tmp_path):
     from dpocache.cache import CacheStore, namespace_for_dir
     from dpocache.cache.build import _missing_after_build, unique_pairs
-    from dpocache.cli.cache import load_tokenizer
     from dpocache.data.pairs import load_preference_data
+    from dpocache.models.loading import load_tokenizer
 
     pairs = load_preference_data(str(assets["pairs37"]), load_tokenizer(assets["model"]), show_progress=False).pairs
     store = CacheStore(tmp_path, namespace_for_dir(assets["model"], torch.float32, tmp_path)).open()
@@ -439,10 +439,11 @@ def test_sigterm_to_one_rank_of_a_build_keeps_every_pair_computed(assets, tmp_pa
     """Rank 1 gets SIGTERM once its progress passes 30%: it flushes and stops, rank 0 finishes
     its share, the manifest lists both, every rank exits 143 with one line, and the next build
     reuses every pair computed before the signal."""
-    from dpocache.cache import CacheStore, namespace_for_dir
-    from dpocache.cli.cache import load_tokenizer
-    from dpocache.data.pairs import load_preference_data
     from test_signals import SIGNAL_AT_PROGRESS
+
+    from dpocache.cache import CacheStore, namespace_for_dir
+    from dpocache.data.pairs import load_preference_data
+    from dpocache.models.loading import load_tokenizer
 
     cache, report = tmp_path / "cache", tmp_path / "seen"
     common = ["--model", str(assets["model"]), "--data", str(assets["pairs37"]), "--dtype", "float32",
@@ -471,8 +472,9 @@ def test_sigterm_to_one_rank_inside_an_eval_stops_both_at_that_step(assets, tmp_
     """Rank 1 gets SIGTERM in the middle of the step-2 eval: both ranks leave the eval at the
     same batch (their agreement is a collective), step 2 is checkpointed, no eval row is logged
     for it, and --resume logs it before going on."""
-    from dpocache.models.checkpoint import checkpoints
     from test_signals import SIGNAL_IN_EVAL
+
+    from dpocache.models.checkpoint import checkpoints
 
     out = tmp_path / "stopped"
     args = train_args(assets, out, 4, None, "--save-steps", "0", "--eval-steps", "2", "--train.eval_batch_size", "1")
@@ -487,8 +489,9 @@ def test_sigterm_to_one_rank_inside_an_eval_stops_both_at_that_step(assets, tmp_
 def test_sigterm_to_one_rank_of_training_checkpoints_and_resumes_exactly(assets, ddp_run, tmp_path):
     """Default settings (no --save-steps): rank 1 gets SIGTERM after step 2; every rank agrees to
     stop there, one checkpoint of step 2 is saved, and --resume matches the uninterrupted run."""
-    from dpocache.models.checkpoint import checkpoints
     from test_signals import SIGNAL_AFTER_STEP
+
+    from dpocache.models.checkpoint import checkpoints
 
     out, _ = ddp_run
     stopped = tmp_path / "stopped"
@@ -610,8 +613,8 @@ def test_rank_failing_alone_leaves_one_line_on_the_other(assets, ddp_run, tmp_pa
 
 
 def _pairs(assets, model: Path, max_length: int = 64):
-    from dpocache.cli.cache import load_tokenizer
     from dpocache.data.pairs import load_preference_data
+    from dpocache.models.loading import load_tokenizer
 
     return load_preference_data(str(assets["pairs37"]), load_tokenizer(model), max_length=max_length,
                                 show_progress=False).pairs

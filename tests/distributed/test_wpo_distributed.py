@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_distributed import assert_close_records, evals, losses, torchrun, train_args, train_in_process
 
 from dpocache.data.pairs import write_jsonl
-from dpocache.training.demo import sorting_pairs
 from dpocache.models.tiny import save_tiny_model
-from test_distributed import assert_close_records, evals, losses, torchrun, train_args, train_in_process
+from dpocache.training.demo import sorting_pairs
 
 pytestmark = [
     pytest.mark.slow,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from train_fixtures import PNG_MAGIC, one_thread, run_json  # noqa: F401  (one_thread is autouse)
 
 

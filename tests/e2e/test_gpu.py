@@ -10,11 +10,11 @@ import math
 
 import pytest
 import torch
+from train_fixtures import base_model, flags, one_thread, run_json, run_training, train_jsonl, train_records  # noqa: F401
 
+from dpocache.models.reference import ReferenceModel
 from dpocache.scoring import bf16_matmul
 from dpocache.scoring.logprobs import CompletionLogProbs
-from dpocache.models.reference import ReferenceModel
-from train_fixtures import base_model, flags, one_thread, run_json, run_training, train_jsonl, train_records  # noqa: F401
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

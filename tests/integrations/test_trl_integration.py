@@ -10,8 +10,9 @@ import torch
 
 pytest.importorskip("trl")
 
-from dpocache.models import reference as reference_mod  # noqa: E402
 from train_fixtures import one_thread  # noqa: E402,F401
+
+from dpocache.models import reference as reference_mod  # noqa: E402
 
 ROWS = 12
 
@@ -66,9 +67,12 @@ def test_default_cache_dtype_follows_bf16_args_as_trls_precompute(setup, caplog)
         ours = _trainer(CachedDPOTrainer, model_dir, dataset, root / "ours-bf16", bf16=True,
                         cache_dir=root / "cache-bf16")
     assert ours._cache_dtype == torch.bfloat16 and not caplog.records
-    for col in ("ref_chosen_logps", "ref_rejected_logps"):  # float32 differs by 7e-3 here
+    # The dtype itself is asserted above; float32 values differ by 7e-3 here. Under bf16 autocast
+    # the two passes' kernels round apart by up to 1.9e-3 on sums of about 50 (transformers 5.24,
+    # one value of eight, seen in two runs), within the 2.5e-3 allowed.
+    for col in ("ref_chosen_logps", "ref_rejected_logps"):
         torch.testing.assert_close(torch.tensor(ours.train_dataset[col]), torch.tensor(theirs[col]),
-                                   rtol=0, atol=1e-4)
+                                   rtol=0, atol=2.5e-3)
     with caplog.at_level("WARNING", logger="dpocache.integrations.trl"):
         explicit = _trainer(CachedDPOTrainer, model_dir, dataset, root / "explicit", bf16=True,
                             cache_dir=root / "cache-bf16", cache_dtype="float32")

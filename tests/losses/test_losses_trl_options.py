@@ -9,7 +9,12 @@ import torch.nn.functional as F
 
 from dpocache.config import build_config
 from dpocache.losses.formulas import (
-    f_divergence_scores, ld_pair_logps, parse_loss_spec, preference_loss, wpo_token_logps, wpo_weights
+    f_divergence_scores,
+    ld_pair_logps,
+    parse_loss_spec,
+    preference_loss,
+    wpo_token_logps,
+    wpo_weights,
 )
 
 ONE = torch.ones(1)
@@ -255,7 +260,7 @@ def test_ld_dpo_first_step_loss(layout, tmp_path, base_model, pref_jsonl, other_
     split written out per pair. The rows have completions of different lengths."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dpocache.scoring.padded import training_order
+    from dpocache.data.order import training_order
     from dpocache.data.pairs import load_preference_data
 
     out = tmp_path / "run"

@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dpocache.scoring.padded import collate_pairs
 from dpocache.data.pairs import load_preference_data
-from dpocache.scoring.logprobs import CompletionLogProbs
-from dpocache.scoring.shared import layout_logprobs
-from dpocache.models.tiny import build_model
 from dpocache.losses.wpo import wpo_sums
+from dpocache.models.tiny import build_model
+from dpocache.scoring.layouts import layout_logprobs
+from dpocache.scoring.logprobs import CompletionLogProbs
+from dpocache.scoring.padded import collate_pairs
 
 TOL = 1e-5
 
@@ -136,8 +136,16 @@ def test_wpo_sums_in_either_layout_equal_full_logits(tiny_models, pairs, batch, 
 
 # ------------------------------------------------------------------ WPO in dpocache train
 
-from train_fixtures import (base_model, eval_jsonl, eval_records, flags, one_thread, run_training,  # noqa: E402,F401
-                            train_jsonl, train_records)
+from train_fixtures import (  # noqa: E402,F401
+    base_model,
+    eval_jsonl,
+    eval_records,
+    flags,
+    one_thread,
+    run_training,
+    train_jsonl,
+    train_records,
+)
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +176,7 @@ def _expected_first_step(base_model, data, other_reference, ld_alpha=None, beta=
     values even under ld_alpha)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dpocache.scoring.padded import training_order
+    from dpocache.data.order import training_order
 
     tokenizer = AutoTokenizer.from_pretrained(base_model)
     pairs = load_preference_data(str(data), tokenizer, 64, None, False, show_progress=False).pairs

@@ -8,14 +8,22 @@ import json
 
 import pytest
 import torch
-
-from dpocache.training import divergence
-from dpocache.training import loop as train_mod
-from dpocache.models.checkpoint import STATE_FILE
 from train_fixtures import (  # noqa: F401  (fixtures are used by name; one_thread is autouse)
-    base_model, flags, interrupted_then_resumed, load_tensors, max_abs_diff, one_thread, run_training, train_jsonl,
+    base_model,
+    flags,
+    interrupted_then_resumed,
+    load_tensors,
+    max_abs_diff,
+    one_thread,
+    run_training,
+    train_jsonl,
     train_records,
 )
+
+from dpocache.models.checkpoint import STATE_FILE
+from dpocache.training import divergence
+from dpocache.training import loop as train_mod
+from dpocache.training import setup as setup_mod
 
 # With beta 1e-7 the loss's gradient is about 5e-8 per pair: below float16's smallest subnormal
 # (6e-8) once it meets the model's weights, so unscaled float16 backward rounds all of it to 0.
@@ -44,14 +52,14 @@ def test_float16_gradients_match_float32_where_unscaled_float16_loses_them(tmp_p
     assert runs["fp16"] == pytest.approx(runs["fp32"], rel=1e-3)
 
     # The same run without the scaler: every gradient underflows (what the scaler is for).
-    monkeypatch.setattr(train_mod, "build_grad_scaler", lambda *args: None)
+    monkeypatch.setattr(setup_mod, "build_grad_scaler", lambda *args: None)
     run_training(*flags(base_model, train_jsonl, tmp_path / "unscaled", cache, "--max-steps", "2", *TINY_BETA,
                         *_fp16()))
     assert [r["grad_norm"] for r in train_records(tmp_path / "unscaled")] == [0.0, 0.0]
 
 
 def test_float16_overflow_skips_the_update_and_halves_the_scale(tmp_path, base_model, train_jsonl, monkeypatch):
-    monkeypatch.setattr(train_mod, "build_grad_scaler", _scaler_starting_at(HUGE_SCALE))
+    monkeypatch.setattr(setup_mod, "build_grad_scaler", _scaler_starting_at(HUGE_SCALE))
     out = tmp_path / "run"
     run_training(*flags(base_model, train_jsonl, out, tmp_path / "cache", "--max-steps", "6", "--save-steps", "6",
                         "--optim.warmup_ratio", "0.5", *_fp16()))
@@ -67,7 +75,7 @@ def test_float16_overflow_skips_the_update_and_halves_the_scale(tmp_path, base_m
 
 
 def test_float16_weights_unchanged_by_a_skipped_step(tmp_path, base_model, train_jsonl, monkeypatch):
-    monkeypatch.setattr(train_mod, "build_grad_scaler", _scaler_starting_at(2.0 ** 60))
+    monkeypatch.setattr(setup_mod, "build_grad_scaler", _scaler_starting_at(2.0 ** 60))
     out = tmp_path / "run"
     run_training(*flags(base_model, train_jsonl, out, tmp_path / "cache", "--max-steps", "1", *_fp16()))
     assert train_records(out)[0]["skipped_fraction"] == 1.0
@@ -76,7 +84,7 @@ def test_float16_weights_unchanged_by_a_skipped_step(tmp_path, base_model, train
 
 
 def test_float16_gradients_that_always_overflow_stop_the_run(tmp_path, base_model, train_jsonl, monkeypatch):
-    monkeypatch.setattr(train_mod, "build_grad_scaler", _scaler_starting_at(2.0 ** 100))
+    monkeypatch.setattr(setup_mod, "build_grad_scaler", _scaler_starting_at(2.0 ** 100))
     monkeypatch.setattr(divergence, "OVERFLOW_STEPS", 3)
     with pytest.raises(train_mod.TrainingDiverged) as err:
         run_training(*flags(base_model, train_jsonl, tmp_path / "run", tmp_path / "cache", "--max-steps", "6",
@@ -88,7 +96,7 @@ def test_float16_resume_restores_the_scale_and_matches_an_uninterrupted_run(tmp_
                                                                              monkeypatch):
     """Skipped steps before the step-4 checkpoint leave the scale below its start; a resume that
     began again at the first scale would skip other steps and part from the uninterrupted run."""
-    monkeypatch.setattr(train_mod, "build_grad_scaler", _scaler_starting_at(HUGE_SCALE))
+    monkeypatch.setattr(setup_mod, "build_grad_scaler", _scaler_starting_at(HUGE_SCALE))
     a, b = interrupted_then_resumed(tmp_path, base_model, train_jsonl, tmp_path / "cache", *_fp16())
     saved = json.loads((b / "checkpoints" / "step-000004" / STATE_FILE).read_text())["grad_scaler"]["scale"]
     assert saved < HUGE_SCALE

@@ -9,10 +9,10 @@ import shutil
 import socket
 
 import pytest
+from train_fixtures import base_model, flags, one_thread, run_json, train_jsonl, train_records  # noqa: F401
 
 from dpocache.cli.entry import main as cli_main
 from dpocache.models.hub_ids import ModelNotCachedError, parse_model_id, resolve
-from train_fixtures import base_model, flags, one_thread, run_json, train_jsonl, train_records  # noqa: F401
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

@@ -9,13 +9,11 @@ from torch import nn
 
 from dpocache.cache import CacheStore, namespace_for_dir
 from dpocache.cache.build import reference_batches, score_batch
-from dpocache.cli.cache import load_tokenizer
 from dpocache.data.pairs import load_preference_data
-from dpocache.models.loading import parameter_bytes, store_frozen_matrices_
-from dpocache.scoring.logprobs import CompletionLogProbs
-from dpocache.models.loading import load_causal_lm
+from dpocache.models.loading import load_causal_lm, load_tokenizer, parameter_bytes, store_frozen_matrices_
 from dpocache.models.reference import ReferenceModel
 from dpocache.models.tiny import save_tiny_model
+from dpocache.scoring.logprobs import CompletionLogProbs
 
 MODELS = {
     "llama": ("llama", {}),
@@ -258,9 +256,9 @@ def test_an_embedding_subclass_is_gathered_not_streamed(saved, world_of_one, mon
     """An ``nn.Embedding`` subclass may compute in its forward (Gemma 3 scales its rows): the
     sharded reference then gathers its tables as FSDP units instead of streaming raw rows, and
     its values stay the model's."""
-    from dpocache.models import loading
     from dpocache.distributed.sharded_reference import load_sharded_reference
     from dpocache.distributed.vocab_stream import StreamedEmbedding
+    from dpocache.models import loading
 
     class Scaled(nn.Embedding):
         def forward(self, ids):
@@ -294,8 +292,8 @@ def test_a_sharded_probe_verdict_is_recorded_by_the_reference_and_reused_by_the_
     verdict recorded as unusable is honoured, not re-derived."""
     from dpocache.cache.probes import ProbeMemo, probe_key
     from dpocache.config import Config
-    from dpocache.models.policy import load_sharded_policy
     from dpocache.distributed.sharded_reference import load_sharded_reference
+    from dpocache.models.policy import load_sharded_policy
 
     calls = []
     real_probe = CompletionLogProbs.probe_fast_path
@@ -326,8 +324,8 @@ def test_probe_of_a_reference_stored_in_bf16_runs_under_autocast(tokenizer, monk
     device (``ReferenceModel.from_pretrained``), so its head probe meets bf16 matrices beside
     fp32 embeddings: it runs under autocast, as every forward of that model does, and finds the
     fast path."""
-    from dpocache.scoring.logprobs import CompletionLogProbs
     from dpocache.models.tiny import build_model
+    from dpocache.scoring.logprobs import CompletionLogProbs
 
     monkeypatch.setenv("DPOCACHE_BF16_MATMUL", "native")  # the fp32-GEMM route needs fp32 storage
     model = build_model("llama", tokenizer).eval()

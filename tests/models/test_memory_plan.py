@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from dpocache.models.memory_plan import (
-    LLAMA_3_8B, LLAMA_3_70B, ModelShape, activation_bytes_per_token, main, plan, reference_memory, training_memory
+    LLAMA_3_8B,
+    LLAMA_3_70B,
+    ModelShape,
+    activation_bytes_per_token,
+    main,
+    plan,
+    reference_memory,
+    training_memory,
 )
 
 

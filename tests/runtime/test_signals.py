@@ -17,17 +17,26 @@ import subprocess
 import sys
 
 import pytest
+from train_fixtures import (  # noqa: F401  (fixtures are used by name; one_thread is autouse)
+    base_model,
+    eval_jsonl,
+    flags,
+    load_tensors,
+    max_abs_diff,
+    one_thread,
+    records,
+    run_json,
+    run_training,
+    train_jsonl,
+    train_records,
+)
 
 from dpocache.cache import CacheStore, namespace_for_dir
-from dpocache.models.checkpoint import STATE_FILE, checkpoints, latest_checkpoint, save_checkpoint
 from dpocache.cli.entry import main
 from dpocache.data.pairs import write_jsonl
-from dpocache.training.metrics import MetricsWriter, read_metrics
+from dpocache.models.checkpoint import STATE_FILE, checkpoints, latest_checkpoint, save_checkpoint
 from dpocache.runtime.signals import Interrupted, stop_signals
-from train_fixtures import (  # noqa: F401  (fixtures are used by name; one_thread is autouse)
-    base_model, eval_jsonl, flags, load_tensors, max_abs_diff, one_thread, records, run_json, run_training,
-    train_jsonl, train_records,
-)
+from dpocache.training.metrics import MetricsWriter, read_metrics
 
 # The process signals itself once the cache build's progress bar passes SIGNAL_AT_FRACTION of
 # its pairs (on rank SIGNAL_RANK under torchrun), after writing how many pairs it had scored.
@@ -283,10 +292,11 @@ def test_sigterm_inside_an_eval_stops_it_and_keeps_the_step(tmp_path, base_model
 def test_default_settings_save_on_a_time_interval(tmp_path, base_model, train_jsonl, monkeypatch):
     """Each step "takes" 11 minutes on rank 0's clock: the default 30-minute interval saves
     after steps 3 and 6, the end saves step 8, and the newest two are kept."""
+    import dpocache.training.checkpoints as checkpoints_mod
     import dpocache.training.loop as train_mod
 
     now, saved = [0.0], []
-    one_step, save = train_mod.train_step, train_mod.save_checkpoint
+    one_step, save = train_mod.train_step, checkpoints_mod.save_checkpoint
 
     def eleven_minute_step(run, window):
         one_step(run, window)
@@ -298,7 +308,7 @@ def test_default_settings_save_on_a_time_interval(tmp_path, base_model, train_js
 
     monkeypatch.setattr(train_mod, "_clock", lambda: now[0])
     monkeypatch.setattr(train_mod, "train_step", eleven_minute_step)
-    monkeypatch.setattr(train_mod, "save_checkpoint", recording_save)
+    monkeypatch.setattr(checkpoints_mod, "save_checkpoint", recording_save)
     out = tmp_path / "run"
     run_training(*flags(base_model, train_jsonl, out, tmp_path / "cache", "--max-steps", "8"))
     assert saved == [3, 6, 8]

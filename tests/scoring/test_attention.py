@@ -9,16 +9,17 @@ import json
 
 import pytest
 import torch
+from test_prefix import _max_diff, padded_values
 from transformers import AttentionInterface
 
-from dpocache.scoring.attention import FLEX, FLEX_BLOCK, use_attention
 from dpocache.cli.entry import main
 from dpocache.data.pairs import load_preference_data
-from dpocache.scoring.logprobs import CompletionLogProbs
-from dpocache.scoring.shared import collate_layout, shared_prompt_logps, split_per_token, training_layout
 from dpocache.models.reference import ReferenceModel
 from dpocache.models.tiny import build_model
-from test_prefix import _max_diff, padded_values
+from dpocache.scoring.attention import FLEX, FLEX_BLOCK, use_attention
+from dpocache.scoring.layouts import training_layout
+from dpocache.scoring.logprobs import CompletionLogProbs
+from dpocache.scoring.shared import collate_layout, shared_prompt_logps, split_per_token
 
 TOL = 1e-5
 FLEX_ARCHS = ("llama", "qwen2", "gemma2", "mixtral")  # GPT-2 has no flex_attention in transformers
@@ -239,7 +240,7 @@ def test_packed_flex_reference_rows_are_padded_to_the_budget(tokenizer, pairs):
     shape, so one compile for the whole pass); the padding changes no value. Other layouts and
     backends keep rows as wide as their pairs."""
     from dpocache.cache.build import score_batch
-    from dpocache.scoring.shared import reference_row_width
+    from dpocache.scoring.layouts import reference_row_width
 
     model = _model("llama", tokenizer)
     assert reference_row_width(ReferenceModel(model, layout="packed"), 1000) is None  # sdpa
@@ -280,8 +281,8 @@ def test_compiled_layers_under_flex_on_cpu_build_every_row_width(tmp_path, model
     torch 2.13's CPU inductor fails to build (a C++ compile error at the second batch shape);
     compiled per shape (``compiling.flex_on_cpu``) every batch runs, and the values are those a
     default build verifies."""
-    from dpocache.scoring.compiling import flex_on_cpu
     from dpocache.data.pairs import write_jsonl
+    from dpocache.scoring.compiling import flex_on_cpu
 
     # Two batch shapes under a budget of 256: one row of 256 tokens, then two rows of 128.
     rows = make_rows(1, seed=1, min_prompt=140, max_prompt=140, max_completion=8) + make_rows(2, max_prompt=10)

@@ -11,18 +11,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_prefix import _max_diff, padded_values
 from transformers import AttentionInterface
 
-from dpocache.scoring.attention import register_causal, use_attention
 from dpocache.cli.entry import main
 from dpocache.data.pairs import load_preference_data
-from dpocache.scoring.layout_choice import CAUSAL
-from dpocache.scoring.logprobs import CompletionLogProbs
-from dpocache.scoring.shared import (
-    PAD, PROMPT, collate_shared, layout_batch, layout_logprobs, shared_prompt_logps, split_per_token, training_layout
-)
 from dpocache.models.tiny import ARCHITECTURES, build_model
-from test_prefix import _max_diff, padded_values
+from dpocache.scoring.attention import register_causal, use_attention
+from dpocache.scoring.layout_choice import CAUSAL
+from dpocache.scoring.layouts import layout_logprobs, training_layout
+from dpocache.scoring.logprobs import CompletionLogProbs
+from dpocache.scoring.shared import PAD, PROMPT, collate_shared, layout_batch, shared_prompt_logps, split_per_token
 
 TOL = 1e-5
 CAUSAL_ARCHS = ("llama", "qwen2", "gpt2", "mixtral")  # Gemma 2 has sliding layers and soft-capping

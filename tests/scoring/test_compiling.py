@@ -6,14 +6,14 @@ import json
 
 import pytest
 import torch
+from train_fixtures import base_model, flags, one_thread, run_json, run_training, train_jsonl, train_records  # noqa: F401
 
-from dpocache.scoring.padded import token_budget_batches
 from dpocache.cache.build import score_batch
 from dpocache.cli.entry import main
-from dpocache.scoring.compiling import AUTO_MIN_WORK, compile_layers, should_compile
-from dpocache.scoring.logprobs import decoder_layers
 from dpocache.models.reference import ReferenceModel
-from train_fixtures import base_model, flags, one_thread, run_json, run_training, train_jsonl, train_records  # noqa: F401
+from dpocache.scoring.compiling import AUTO_MIN_WORK, compile_layers, should_compile
+from dpocache.scoring.layouts import budget_batches
+from dpocache.scoring.logprobs import decoder_layers
 
 
 def test_auto_compiles_only_a_pass_long_enough_where_it_was_measured_to_pay():
@@ -56,7 +56,7 @@ def test_compiled_reference_pass_equals_eager_in_fp32(model_dir, data):
         eager = ReferenceModel.from_pretrained(model_dir, "float32", "cpu", layout=layout)
         compiled = ReferenceModel.from_pretrained(model_dir, "float32", "cpu", layout=layout, compile="on")
         assert eager.compiled_layers == 0 and compiled.compiled_layers == len(decoder_layers(compiled.model))
-        batches = token_budget_batches(data.pairs[:24], 256, layout=compiled.layout)[:3]
+        batches = budget_batches(data.pairs[:24], 256, layout=compiled.layout)[:3]
         assert len({max(p.num_tokens for p in b) for b in batches}) > 1  # several shapes
         for batch in batches:
             want, got = score_batch(eager, batch, 0), score_batch(compiled, batch, 0)

@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dpocache.scoring.padded import collate_pairs, pair_logprobs
 from dpocache.data.pairs import load_preference_data
-from dpocache.scoring.logprobs import CompletionLogProbs
 from dpocache.models.reference import ReferenceModel
 from dpocache.models.tiny import ARCHITECTURES, build_model
+from dpocache.scoring.logprobs import CompletionLogProbs
+from dpocache.scoring.padded import collate_pairs, pair_logprobs
 
 TOL = 1e-5
 

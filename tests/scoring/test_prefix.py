@@ -7,20 +7,28 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpocache.scoring.padded import collate_pairs
 from dpocache.cache import CacheStore, build_missing, namespace_for_module
 from dpocache.cache.build import score_batch
 from dpocache.data.pairs import load_preference_data
-from dpocache.scoring.logprobs import CompletionLogProbs
-from dpocache.scoring.padded import token_budget_batches
-from dpocache.scoring.packing import place
-from dpocache.scoring.shared import (
-    CHOSEN, PAD, PROMPT, REJECTED, attention_mask, collate_packed, collate_shared, sequence_sums, shared_prompt_logps,
-    split_per_token
-)
+from dpocache.data.values import PairValues
 from dpocache.models.reference import ReferenceModel
 from dpocache.models.tiny import ARCHITECTURES, build_model
-from dpocache.data.values import PairValues
+from dpocache.scoring.layouts import budget_batches
+from dpocache.scoring.logprobs import CompletionLogProbs
+from dpocache.scoring.packing import place
+from dpocache.scoring.padded import collate_pairs
+from dpocache.scoring.shared import (
+    CHOSEN,
+    PAD,
+    PROMPT,
+    REJECTED,
+    attention_mask,
+    collate_packed,
+    collate_shared,
+    sequence_sums,
+    shared_prompt_logps,
+    split_per_token,
+)
 
 TOL = 1e-5
 
@@ -154,7 +162,7 @@ def test_mask_has_no_empty_row(tokenizer, pairs):
 
 
 def test_budget_batches_cover_every_pair_once(pairs):
-    batches = token_budget_batches(pairs, max_tokens=200, layout="shared")
+    batches = budget_batches(pairs, max_tokens=200, layout="shared")
     assert sorted(p.index for b in batches for p in b) == sorted(p.index for p in pairs)
     for b in batches:
         assert len(b) == 1 or len(b) * max(p.unique_tokens for p in b) <= 200
@@ -205,9 +213,8 @@ def test_unsupported_attention_falls_back_to_padded(tokenizer, monkeypatch):
 def test_training_layout_same_values_and_gradients(tokenizer, pairs, arch):
     """The shared-prompt training forward gives the padded layout's sums and gradients: the
     prompt's gradient is the sum of what its two sequences send it."""
-    from dpocache.scoring.shared import layout_logprobs, training_layout
-
     from dpocache.models.loading import disable_dropout
+    from dpocache.scoring.layouts import layout_logprobs, training_layout
 
     model = build_model(arch, tokenizer).train()
     disable_dropout(model)  # as training does; GPT-2's dropout would make the two passes differ
@@ -233,7 +240,7 @@ def test_shared_layout_runs_through_the_wrapped_modules_forward(tiny_models, pai
     """DDP reduces gradients and FSDP2 gathers parameters in hooks around ``forward``: the
     shared layout must call the (wrapped) scorer itself, once per micro-batch, and a wrapped
     or sharded scorer keeps the shared layout."""
-    from dpocache.scoring.shared import layout_logprobs, training_layout
+    from dpocache.scoring.layouts import layout_logprobs, training_layout
 
     lp = CompletionLogProbs(tiny_models["llama"])
     calls = []
@@ -256,7 +263,7 @@ def test_shared_layout_runs_through_the_wrapped_modules_forward(tiny_models, pai
 
 
 def test_moe_training_keeps_the_padded_layout_and_says_why(tiny_models):
-    from dpocache.scoring.shared import training_layout
+    from dpocache.scoring.layouts import training_layout
 
     arch = next(a for a in ARCHITECTURES if CompletionLogProbs(tiny_models[a], probe=False).router_loss)
     choice = training_layout(CompletionLogProbs(tiny_models[arch]), "auto")
@@ -336,19 +343,19 @@ def test_packed_budget_batches_fill_rows_of_the_budget(mixed_pairs):
     """The reference pass's packed batches: one row each, at most the budget, every pair once,
     fewer row slots (padding included) than the shared layout's batches."""
     budget = 200
-    batches = token_budget_batches(mixed_pairs, max_tokens=budget, layout="packed")
+    batches = budget_batches(mixed_pairs, max_tokens=budget, layout="packed")
     assert sorted(p.index for b in batches for p in b) == sorted(p.index for p in mixed_pairs)
     assert all(sum(p.unique_tokens for p in b) <= budget for b in batches)
     assert sum(len(b) for b in batches[:-1]) > len(batches) - 1  # rows hold several pairs
-    shared = token_budget_batches(mixed_pairs, max_tokens=budget, layout="shared")
+    shared = budget_batches(mixed_pairs, max_tokens=budget, layout="shared")
     assert sum(p.unique_tokens for p in mixed_pairs) < sum(len(b) * max(p.unique_tokens for p in b) for b in shared)
-    assert len(token_budget_batches(mixed_pairs, max_tokens=50, layout="packed")[0]) == 1  # longer than the budget
+    assert len(budget_batches(mixed_pairs, max_tokens=50, layout="packed")[0]) == 1  # longer than the budget
 
 
 def test_packed_training_layout_packs_and_matches_padded(tokenizer, mixed_pairs):
     """A micro-batch's pairs first fit into rows of its longest pair: fewer rows, the padded
     layout's sums and gradients."""
-    from dpocache.scoring.shared import layout_logprobs
+    from dpocache.scoring.layouts import layout_logprobs
 
     model = build_model("qwen2", tokenizer).train()
     lp = CompletionLogProbs(model)

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from dpocache.cache import namespace_for_module
+from dpocache.models.reference import ReferenceModel
+from dpocache.models.tiny import build_model
 from dpocache.scoring.groups import Group, collate_groups
 from dpocache.scoring.shared import attention_mask
-from dpocache.models.reference import ReferenceModel
 from dpocache.service.reference_service import ReferenceService, base_namespace
-from dpocache.models.tiny import build_model
 
 TOL = 1e-5
 

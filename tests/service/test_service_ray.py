@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_service import make_requests
 
 from dpocache.service.reference_service import ReferenceService
-from test_service import make_requests
 
 ray = pytest.importorskip("ray")
 

@@ -8,17 +8,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_fixtures import (  # noqa: F401  (fixtures are used by name; one_thread is autouse)
+    base_model,
+    flags,
+    one_thread,
+    run_training,
+    train_jsonl,
+)
 
+from dpocache.cache import CacheStore, namespace_for_dir
+from dpocache.cli.entry import main as cli_main
+from dpocache.data.order import training_order
+from dpocache.data.pairs import load_preference_data
+from dpocache.models.loading import load_tokenizer
 from dpocache.training import divergence
 from dpocache.training import loop as train_mod
-from dpocache.scoring.padded import training_order
-from dpocache.cache import CacheStore, namespace_for_dir
-from dpocache.cli.cache import load_tokenizer
-from dpocache.cli.entry import main as cli_main
-from dpocache.data.pairs import load_preference_data
-from train_fixtures import (  # noqa: F401  (fixtures are used by name; one_thread is autouse)
-    base_model, flags, one_thread, run_training, train_jsonl,
-)
+from dpocache.training import objective as objective_mod
+from dpocache.training import setup as setup_mod
 
 
 def test_monitor_counts_consecutive_zero_gradients():
@@ -40,13 +46,13 @@ def test_monitor_counts_consecutive_zero_gradients():
 
 def test_gradient_exactly_zero_for_many_steps_stops(tmp_path, base_model, train_jsonl, monkeypatch):
     """A loss with no gradient (here: multiplied by 0) never produces a NaN; the run still stops."""
-    real = train_mod.preference_loss
+    real = objective_mod.preference_loss
 
     def flat(*args, **kwargs):
         losses, rc, rr = real(*args, **kwargs)
         return losses * 0.0, rc, rr
 
-    monkeypatch.setattr(train_mod, "preference_loss", flat)
+    monkeypatch.setattr(objective_mod, "preference_loss", flat)
     monkeypatch.setattr(divergence, "ZERO_GRAD_STEPS", 3)
     out = tmp_path / "run"
     with pytest.raises(train_mod.TrainingDiverged) as err:
@@ -82,13 +88,13 @@ def test_a_finite_loss_with_a_non_finite_gradient_stops_before_the_update(tmp_pa
                                                                          monkeypatch):
     """The update is never applied: before, it wrote NaN into every weight and the run stopped
     one check later blaming the weights' growth."""
-    real = train_mod.preference_loss
+    real = objective_mod.preference_loss
 
     def overflowing(*args, **kwargs):
         losses, rc, rr = real(*args, **kwargs)
         return _InfiniteGradient.apply(losses), rc, rr
 
-    monkeypatch.setattr(train_mod, "preference_loss", overflowing)
+    monkeypatch.setattr(objective_mod, "preference_loss", overflowing)
     with pytest.raises(train_mod.TrainingDiverged) as err:
         run_training(*flags(base_model, train_jsonl, tmp_path / "run", tmp_path / "cache", "--max-steps", "2"))
     message = str(err.value)
@@ -108,14 +114,14 @@ def test_nan_from_the_cache_is_named(tmp_path, base_model, train_jsonl, monkeypa
     pairs = load_preference_data(train_jsonl, load_tokenizer(base_model), 64, show_progress=False).pairs
     store = CacheStore(cache, namespace_for_dir(base_model, torch.float32, cache)).open()
     target = pairs[training_order(len(pairs), 42, 0)[4]]  # the first pair of step 2 (batch 4, seed 42)
-    real = train_mod.prepare_reference
+    real = setup_mod.prepare_reference
 
     def poisoned(*args, **kwargs):
         train_values, eval_values, info = real(*args, **kwargs)
         train_values.chosen_logps[target.index] = float("nan")
         return train_values, eval_values, info
 
-    monkeypatch.setattr(train_mod, "prepare_reference", poisoned)
+    monkeypatch.setattr(setup_mod, "prepare_reference", poisoned)
     with pytest.raises(train_mod.TrainingDiverged) as err:
         run_training(*flags(base_model, train_jsonl, tmp_path / "run", cache, "--max-steps", "3"))
     message = str(err.value)

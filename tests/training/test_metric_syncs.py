@@ -9,12 +9,11 @@ import sys
 
 import pytest
 import torch
+from train_fixtures import base_model, flags, one_thread, run_training, train_jsonl  # noqa: F401 (fixtures)
 
-from dpocache.training import loop as train_mod
 from dpocache.distributed.process_group import DistEnv
+from dpocache.training import loop as train_mod
 from dpocache.training.metrics import MetricWindow
-from train_fixtures import base_model, flags, one_thread, train_jsonl  # noqa: F401 (fixtures)
-from train_fixtures import run_training
 
 # Tensor methods that make the host wait for the device (on a GPU); on the CPU they are counted all the same.
 SYNCS = ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy")

@@ -14,16 +14,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_fixtures import (  # noqa: F401  (fixtures are used by name; one_thread is autouse)
+    base_model,
+    flags,
+    one_thread,
+    run_json,
+    run_training,
+    train_jsonl,
+    train_records,
+)
 
-from dpocache.training.audit import ReferenceAuditFailed, audit_tolerance
 from dpocache.cache import CacheStore, namespace_for_dir
-from dpocache.cli.cache import load_tokenizer
-from dpocache.models.checkpoint import STATE_FILE
 from dpocache.cli.entry import main as cli_main
 from dpocache.data.pairs import KEY_BYTES, load_preference_data
-from train_fixtures import (  # noqa: F401  (fixtures are used by name; one_thread is autouse)
-    base_model, flags, one_thread, run_json, run_training, train_jsonl, train_records,
-)
+from dpocache.models.checkpoint import STATE_FILE
+from dpocache.models.loading import load_tokenizer
+from dpocache.training.audit import ReferenceAuditFailed, audit_tolerance
 
 SHIFT = 3.0  # nats added to every cached chosen value
 
@@ -174,7 +180,7 @@ def test_distributed_ranks_audit_their_own_batch_and_agree(tmp_path, base_model,
     """Under torchrun each rank audits its own first micro-batch; the results are gathered, so a
     value wrong only in rank 0's batch stops both ranks with the same line. A clean FSDP run
     records the drift over both ranks."""
-    from dpocache.scoring.padded import training_order
+    from dpocache.data.order import training_order
 
     cache = tmp_path / "cache"
     store = build_cache(base_model, train_jsonl, cache)

@@ -7,11 +7,11 @@ import importlib.util
 import sys
 
 import pytest
+from train_fixtures import base_model, flags, one_thread, run_training, train_jsonl  # noqa: F401
 
 from dpocache.cli.entry import main as cli_main
 from dpocache.config import ConfigError, build_config
 from dpocache.training.metrics import MetricsWriter, read_metrics, trackers
-from train_fixtures import base_model, flags, one_thread, run_training, train_jsonl  # noqa: F401
 
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 HAS_WANDB = importlib.util.find_spec("wandb") is not None

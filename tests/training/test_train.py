@@ -8,15 +8,29 @@ import math
 
 import pytest
 import torch
+from train_fixtures import (  # noqa: F401  (fixtures are used by name; one_thread is autouse)
+    PNG_MAGIC,
+    TRAIN_PAIRS,
+    base_model,
+    eval_jsonl,
+    flags,
+    load_tensors,
+    max_abs_diff,
+    namespace_dirs,
+    one_thread,
+    records,
+    run_json,
+    run_training,
+    train_jsonl,
+    train_records,
+)
 
-from dpocache.models import reference as reference_mod
-from dpocache.training import loop as train_mod
 from dpocache.cli.entry import main as cli_main
 from dpocache.losses.formulas import LOSSES
-from train_fixtures import (  # noqa: F401  (fixtures are used by name; one_thread is autouse)
-    PNG_MAGIC, TRAIN_PAIRS, base_model, eval_jsonl, flags, load_tensors, max_abs_diff, namespace_dirs, one_thread,
-    records, run_json, run_training, train_jsonl, train_records,
-)
+from dpocache.models import reference as reference_mod
+from dpocache.training import loop as train_mod
+from dpocache.training import objective as objective_mod
+from dpocache.training import setup as setup_mod
 
 TRAIN_KEYS = {
     "step", "epoch", "lr", "loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/average",
@@ -266,9 +280,8 @@ def test_lora_reference_is_the_base_model(tmp_path, base_model, train_jsonl, mon
     from peft import PeftModel
 
     from dpocache.cache import CacheStore, export_rows, namespace_for_dir
-    from dpocache.cli.cache import load_tokenizer
     from dpocache.data.pairs import load_preference_data
-    from dpocache.models.loading import load_causal_lm
+    from dpocache.models.loading import load_causal_lm, load_tokenizer
     from dpocache.models.reference import ReferenceModel
 
     cache, out = tmp_path / "cache", tmp_path / "lora"
@@ -372,7 +385,7 @@ def test_combined_loss_and_rpo(tmp_path, base_model, train_jsonl, shared_cache):
 
 
 def _nan_at_call(monkeypatch, n: int) -> None:
-    real = train_mod.preference_loss
+    real = objective_mod.preference_loss
     calls = {"n": 0}
 
     def wrapped(*args, **kwargs):
@@ -380,7 +393,7 @@ def _nan_at_call(monkeypatch, n: int) -> None:
         losses, rc, rr = real(*args, **kwargs)
         return (losses * float("nan") if calls["n"] == n else losses), rc, rr
 
-    monkeypatch.setattr(train_mod, "preference_loss", wrapped)
+    monkeypatch.setattr(objective_mod, "preference_loss", wrapped)
 
 
 def test_nan_loss_stops_with_the_last_good_checkpoint(tmp_path, base_model, train_jsonl, monkeypatch):
@@ -467,7 +480,7 @@ def test_an_output_dir_with_an_earlier_run_is_refused_before_any_model_loads(tmp
     out = tmp_path / "run"
     run_training(*flags(base_model, train_jsonl, out, shared_cache, "--max-steps", "1"))
     capsys.readouterr()
-    monkeypatch.setattr(train_mod, "load_policy", lambda *a, **k: pytest.fail("the policy was loaded"))
+    monkeypatch.setattr(setup_mod, "load_policy", lambda *a, **k: pytest.fail("the policy was loaded"))
     fresh_cache = tmp_path / "fresh-cache"  # a reference pass would write its shards here
     assert cli_main(["train", *flags(base_model, train_jsonl, out, fresh_cache, "--max-steps", "1")]) == 2
     err = capsys.readouterr().err
@@ -524,7 +537,7 @@ def test_linear_schedule_warms_up_then_decays_to_zero():
 
 @pytest.mark.parametrize("pairs, batch", [(15, 8), (16, 8), (17, 4), (5, 5), (9, 6)])
 def test_every_epoch_covers_every_pair_in_whole_batches(pairs, batch):
-    from dpocache.scoring.padded import epoch_order, steps_per_epoch, training_order
+    from dpocache.data.order import epoch_order, steps_per_epoch, training_order
 
     for epoch in range(3):
         order = epoch_order(pairs, 42, epoch, batch)
@@ -560,6 +573,6 @@ def test_settings_a_run_cannot_act_on_are_named():
 
     one = DistEnv()
     cfg = build_config(None, ["--eval-steps", "5", "--fsdp"])
-    notes = train_mod.unused_settings(cfg, one)
+    notes = setup_mod.unused_settings(cfg, one)
     assert len(notes) == 2 and "--eval-steps (train.eval_steps) 5" in notes[0] and "--fsdp" in notes[1]
-    assert train_mod.unused_settings(build_config(None, ["--eval-steps", "5", "--eval-data", "e.jsonl"]), one) == []
+    assert setup_mod.unused_settings(build_config(None, ["--eval-steps", "5", "--eval-data", "e.jsonl"]), one) == []

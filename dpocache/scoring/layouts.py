@@ -1,0 +1,152 @@
+"""The one switch between the three layouts: how a batch of pairs becomes model inputs, and how
+its completion log-probs come back as one ``PairValues`` record.
+
+- ``padded`` (``scoring.padded``): a ``PairBatch``, two right-padded rows per pair,
+  ``prompt + chosen`` and ``prompt + rejected``;
+- ``shared`` (``scoring.shared``): a ``SharedPromptBatch``, one row per pair,
+  ``prompt + chosen + rejected`` under a block mask;
+- ``packed`` (``scoring.shared``, ``scoring.packing``): a ``SharedPromptBatch`` with several
+  shared-prompt pairs per row, kept apart block-diagonally.
+
+The reference pass (``ReferenceModel.score``, behind the cache build and the sharded
+reference), training and evaluation (``layout_logprobs``) call ``budget_batches`` and
+``score_pairs``; nothing else branches on a layout's name. Which layout runs is decided apart,
+once per model (``scoring.layout_choice``, ``scoring.attention.choose_layout``).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+from torch import nn
+
+from dpocache.data.pairs import TokenizedPair
+from dpocache.data.values import PairValues
+from dpocache.scoring import packing
+from dpocache.scoring.attention import choose_layout, is_flex, row_multiple
+from dpocache.scoring.layout_choice import PACKED, SHARED, LayoutChoice, shares_prompts
+from dpocache.scoring.logprobs import scorer_core, unwrap_causal_lm
+from dpocache.scoring.padded import PairBatch, collate_pairs, pair_values
+from dpocache.scoring.shared import (
+    SharedPromptBatch,
+    layout_batch,
+    sequence_sums,
+    shared_prompt_logps,
+    split_per_token,
+)
+
+
+class LayoutRunner(Protocol):
+    """What runs a laid-out batch through a model: ``run_padded`` → ``(2B, T)`` per-token
+    log-probs (0 off the completions), ``run_shared`` → ``(M,)`` log-probs of the scored tokens."""
+
+    def run_padded(self, batch: PairBatch) -> torch.Tensor: ...
+
+    def run_shared(self, batch: SharedPromptBatch) -> torch.Tensor: ...
+
+
+def _row_cost(layout: str):
+    """(rows per pair, width of a pair's row) in ``layout``: the padded layout runs two rows of
+    ``prompt + longer completion``; the shared-prompt layout one row of ``prompt + chosen + rejected``."""
+    if layout == SHARED:
+        return 1, lambda p: p.unique_tokens
+    return 2, lambda p: len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids))
+
+
+def budget_batches(pairs: Sequence[TokenizedPair], max_tokens: int, layout: str,
+                   max_pairs: int | None = None) -> list[list[TokenizedPair]]:
+    """Group pairs of similar length into batches whose padded size in ``layout`` (rows x
+    longest row) stays under ``max_tokens``; in the packed layout, batches of rows filled by
+    ``packing.budget_batches``.
+
+    For inference only (the reference pass), where order does not matter: pairs are sorted
+    longest first, so the largest batch runs first and an out-of-memory shows at once; sorted
+    by length, the padding left is the difference between neighbouring lengths. A single pair
+    larger than the budget gets a batch of its own.
+    """
+    if layout == PACKED:  # rows filled with the shortest pairs too (scoring.packing)
+        return packing.budget_batches(pairs, max_tokens, lambda p: p.unique_tokens, max_pairs)
+    rows, width_of = _row_cost(layout)
+    ordered = sorted(pairs, key=width_of, reverse=True)
+    batches: list[list[TokenizedPair]] = []
+    current: list[TokenizedPair] = []
+    width = 0
+    for p in ordered:
+        full = max_pairs is not None and len(current) >= max_pairs
+        if current and (rows * (len(current) + 1) * max(width, width_of(p)) > max_tokens or full):
+            batches.append(current)
+            current, width = [], 0
+        current.append(p)
+        width = max(width, width_of(p))
+    if current:
+        batches.append(current)
+    return batches
+
+
+def score_pairs(runner: LayoutRunner, layout: str, pairs: Sequence[TokenizedPair], pad_id: int, config,
+                device=None, per_token: bool = False, one_row: bool = False,
+                width: int | None = None) -> tuple[PairValues, int]:
+    """``pairs`` laid out in ``layout`` for a model with ``config`` and run by ``runner``:
+    (``PairValues`` of the ``B`` pairs, per-token values only if ``per_token``; real tokens run).
+    ``device``: where the batch goes first (None: the runner moves it); ``one_row`` and
+    ``width``: a packed reference batch in one row at least ``width`` tokens wide
+    (``packing.budget_batches`` planned it). Nothing here waits for the device: counts and
+    offsets come from ``pairs``."""
+    if shares_prompts(layout):
+        batch = layout_batch(layout, pairs, pad_id, config, one_row=one_row, width=width)
+        logps = runner.run_shared(batch if device is None else batch.to(device))  # (M,)
+        chosen, rejected = sequence_sums(logps, batch)
+        cpt, rpt = split_per_token(logps, batch, pairs) if per_token else (None, None)
+        values = PairValues(chosen, rejected, batch.chosen_tokens, batch.rejected_tokens, cpt, rpt)
+        return values, sum(p.unique_tokens for p in pairs)
+    batch = collate_pairs(pairs, pad_id)
+    token_logps = runner.run_padded(batch if device is None else batch.to(device))  # (2B, T)
+    return pair_values(token_logps, batch, pairs if per_token else None), sum(p.num_tokens for p in pairs)
+
+
+class ModuleRunner:
+    """A ``CompletionLogProbs`` (possibly DDP- or FSDP2-wrapped) run through its own forward, so
+    the wrappers' hooks run: the policy in training and evaluation."""
+
+    def __init__(self, scorer: nn.Module):
+        self.scorer = scorer
+
+    def run_padded(self, batch: PairBatch) -> torch.Tensor:
+        return self.scorer(batch.input_ids, batch.attention_mask, batch.completion_mask)
+
+    def run_shared(self, batch: SharedPromptBatch) -> torch.Tensor:
+        return shared_prompt_logps(self.scorer, batch)
+
+
+def layout_logprobs(scorer: nn.Module, layout: str, pairs: Sequence[TokenizedPair], pad_id: int, device,
+                    per_token: bool = False) -> tuple[PairValues, int]:
+    """Policy log-probs of ``pairs`` in ``layout`` (packed: the micro-batch first fit into rows
+    of its longest pair's width), through ``scorer``'s forward: (``PairValues`` carrying the
+    graph, per-token values only if ``per_token``; real tokens run)."""
+    return score_pairs(ModuleRunner(scorer), layout, pairs, pad_id, scorer_core(scorer).config, device, per_token)
+
+
+def training_layout(scorer: nn.Module, requested: str, attention: str = "auto") -> LayoutChoice:
+    """The layout a training run's ``scorer`` (``CompletionLogProbs``, possibly DDP/FSDP2-wrapped)
+    runs for ``requested``, its model switched to the ``attention`` backend first
+    (``scoring.attention``): ``scoring.layout_choice.select_layout``'s rule, with the router loss
+    of a mixture-of-experts model kept (padded)."""
+    core = scorer_core(scorer)
+    return choose_layout(unwrap_causal_lm(core.model), core, requested, attention, training=True)
+
+
+def reference_row_width(reference, max_tokens: int | None) -> int | None:
+    """The width every packed reference row is padded to under FlexAttention: ``max_tokens``
+    (rounded up to ``FLEX_BLOCK``), so every batch of the pass has one shape and its kernels
+    (and compiled layers) compile once; None elsewhere (rows as wide as their pairs).
+
+    Measured on an H100 (1.1B Llama, bf16, 256 pairs, ``--max-tokens 32768``, decoder layers
+    compiled, passes after the first; ``bench/results/gpu-h100-compile-flex-20261122.jsonl``):
+    149,000 tokens/s with rows padded to the budget against 134,000 with rows as wide as their
+    pairs (one dynamic compile). The padding is the budget's unfilled tail: the rows are
+    filled first fit, longest pairs first, so only the last few have room left."""
+    if max_tokens is None or getattr(reference, "layout", None) != PACKED:
+        return None
+    config = unwrap_causal_lm(reference.model).config
+    return packing.round_up(max_tokens, row_multiple(config)) if is_flex(config) else None

@@ -1,0 +1,70 @@
+"""What a run writes besides its metrics: checkpoints (rank 0, FSDP shards gathered first), the
+final model, and the summary in run.json (pushed to the Hub when asked)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from dpocache.distributed.fsdp import (
+    GatheredModel,
+    GatheredOptimizer,
+    full_model_state,
+    full_optimizer_state,
+)
+from dpocache.distributed.process_group import (
+    barrier,
+)
+from dpocache.models.checkpoint import (
+    name_hub_base,
+    save_checkpoint,
+)
+from dpocache.models.hub import push_folder
+from dpocache.training.state import Run, global_batch, is_sharded, write_run_json
+
+
+def save(run: Run) -> None:
+    """One checkpoint, written by rank 0 (DDP replicas are identical; FSDP shards are gathered
+    to rank 0 first)."""
+    model, optimizer = run.policy, run.optimizer
+    if is_sharded(run):
+        model = GatheredModel(run.policy, full_model_state(run.policy))  # collectives: every rank
+        optimizer = GatheredOptimizer(run.policy, run.optimizer, full_optimizer_state(run.policy, run.optimizer))
+    if run.env.is_main:
+        extra = {"config": run.cfg.to_dict(), "epoch": run.step / run.steps_per_epoch,
+                 "world_size": run.env.world_size, "global_batch": global_batch(run),
+                 "inputs": run.inputs, "step0_audit": run.info["reference"].get("step0_audit")}
+        if run.scaler is not None:
+            extra["grad_scaler"] = run.scaler.state_dict()
+        save_checkpoint(run.out, run.step, model, run.tokenizer, optimizer, run.scheduler, extra,
+                        run.cfg.train.save_total_limit)
+    barrier(run.env)
+
+
+def save_final(run: Run) -> Path:
+    """``final/``: the trained model and tokenizer, and nothing else. Written to ``final.tmp``
+    and renamed, as checkpoints are: files an earlier final/ held (a LoRA adapter's config beside
+    full weights, which transformers would load instead) never mix in, and a save that fails
+    midway leaves no final/ that looks complete."""
+    final = run.out / "final"
+    model = run.policy
+    if is_sharded(run):
+        model = GatheredModel(run.policy, full_model_state(run.policy))
+    if run.env.is_main:
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        name_hub_base(tmp)
+        run.tokenizer.save_pretrained(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+    barrier(run.env)
+    return final
+
+
+def finish(run: Run, final_eval: dict, final_dir: Path) -> dict:
+    run.info["final"] = {"step": run.step, "eval": final_eval, "output": str(final_dir)}
+    write_run_json(run)
+    if run.cfg.train.push_to_hub and run.env.is_main:
+        push_folder(final_dir, run.cfg.train.push_to_hub)
+    return run.info

@@ -1,0 +1,246 @@
+"""Everything before the first step: the settings checked (the same on every rank, a fresh or a
+resumable output directory), the data read, the reference values prepared, the policy loaded,
+wrapped and compiled, the optimizer and schedule built; a resumed run's state loaded."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import shutil
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+from dpocache import __version__
+from dpocache.cache.probes import ProbeMemo
+from dpocache.config import Config, ConfigError, check_batch_fits, flag_name
+from dpocache.data.order import steps_per_epoch
+from dpocache.data.pairs import DataError, PreferenceData, load_preference_data
+from dpocache.distributed.process_group import (
+    DistEnv,
+    barrier,
+    destroy,
+    differing_on_ranks,
+    init_distributed,
+)
+from dpocache.losses.formulas import parse_loss_spec
+from dpocache.models.checkpoint import (
+    latest_checkpoint,
+)
+from dpocache.models.hub_ids import resolve_model_path
+from dpocache.models.loading import load_tokenizer
+from dpocache.models.policy import (
+    build_grad_scaler,
+    build_optimizer,
+    build_scheduler,
+    check_lora_settings,
+    load_policy,
+    load_sharded_policy,
+    wrap_for_distributed,
+)
+from dpocache.models.reference import dtype_name, resolve_dtype
+from dpocache.runtime.preflight import model_context, model_vocab_size
+from dpocache.scoring.compiling import compile_layers
+from dpocache.scoring.layouts import training_layout
+from dpocache.scoring.logprobs import CompletionLogProbs, scorer_core
+from dpocache.training.cached_reference import cache_dir_of, plan_audit, prepare_reference
+from dpocache.training.metrics import (
+    WANDB_RUN_ID_FILE,
+    MetricsWriter,
+    count_params,
+    import_tracker,
+    trackers,
+)
+from dpocache.training.resume import check_resumable, data_digest, resume
+from dpocache.training.state import Run, global_batch
+
+
+def setup(cfg: Config) -> Run:
+    cfg.validate(required=("model.path", "data.train"))  # every mistake a value can show, before any work
+    for name in trackers(cfg.train.report_to, cfg.train.tensorboard):
+        import_tracker(name)  # a missing tracker library: one line now, not after the reference pass
+    env = init_distributed(cfg.model.device, cfg.distributed.backend)
+    try:
+        return _setup(cfg, env)
+    except BaseException as failed:
+        # ``train`` ends the group only for a run it got: one that failed here must end it too,
+        # while the interpreter is alive (``distributed.destroy``; a gloo group that had run a
+        # collective aborted the process at exit, exit -6, instead of the error's exit 2). What
+        # the failed frames held (a model wrapped in DDP holds the group) is dropped first.
+        traceback.clear_frames(failed.__traceback__)
+        destroy(env)
+        raise
+
+
+def _setup(cfg: Config, env: DistEnv) -> Run:
+    check_same_settings_on_every_rank(cfg, env)  # as given: a Hub id resolves to each machine's own cache
+    cfg.model.path, cfg.model.ref_model = resolve_model_path(cfg.model.path), resolve_model_path(cfg.model.ref_model)
+    if cfg.distributed.fsdp and env.enabled and cfg.lora.r > 0:
+        raise ConfigError("--fsdp (distributed.fsdp) with LoRA is not supported: "
+                          "LoRA trains few parameters, use DDP (no --fsdp)")
+    if env.is_main:
+        for note in unused_settings(cfg, env):
+            print(f"warning: {note}", file=sys.stderr)
+    out = Path(cfg.train.output_dir)
+    resumed_from = check_resumable(cfg, out)
+    check_lora_settings(cfg)
+    if not cfg.train.resume:
+        start_fresh(cfg, out, env)  # before any model loads: refusing later would waste the reference pass
+    if env.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+    barrier(env)
+    dtype = resolve_dtype(cfg.model.dtype, env.device)
+    torch.manual_seed(cfg.train.seed)
+    tokenizer = load_tokenizer(cfg.model.path)
+    train_data = _load_data(cfg, cfg.data.train, tokenizer, env)
+    if resumed_from is not None:
+        resumed_from.check_data(cfg, train_data)
+    eval_data = _load_data(cfg, cfg.data.eval, tokenizer, env) if cfg.data.eval else None
+    check_same_data_on_every_rank(cfg, env, train_data, eval_data)
+    if eval_data is not None and len(eval_data) < env.world_size:
+        raise DataError(str(cfg.data.eval), None, f"{len(eval_data)} pairs, fewer than the {env.world_size} "
+                        "ranks that share it")
+    check_batch_fits(cfg, train_data, env.world_size)  # before any model loads
+    spec = parse_loss_spec(cfg.loss.name, **cfg.loss.params())
+    ref_train, ref_eval, ref_info = prepare_reference(cfg, env, dtype, spec, tokenizer, train_data, eval_data,
+                                                      resumed_from)
+    fsdp = cfg.distributed.fsdp and env.enabled
+    if fsdp:  # created on the meta device, filled shard by shard: never whole in every process
+        policy, scorer = load_sharded_policy(cfg, env, dtype, ProbeMemo(cache_dir_of(cfg)))
+    else:
+        policy = load_policy(cfg, env.device)
+        scorer = wrap_for_distributed(CompletionLogProbs(policy), policy, cfg, env)
+    # After the scorer's fast-path probe (a compile for its few tokens would be wasted). Training
+    # compiles with "on" only: "auto" is measured for the reference pass; FSDP2's units stay eager.
+    compiled_layers = compile_layers(policy) if cfg.model.compile == "on" and not fsdp else 0
+    # WPO (dpocache.losses.wpo): the policy's head also returns log sum_v p(v)^2 per scored token.
+    scorer_core(scorer).sum_sq_probs = cfg.loss.use_weighting
+    # scoring.layout_choice: packed where supported, else padded; the attention backend by scoring.attention
+    layout = training_layout(scorer, cfg.train.layout, cfg.model.attention)
+    global_batch = cfg.train.batch_size * cfg.train.grad_accum * env.world_size
+    epoch_steps = steps_per_epoch(len(train_data), global_batch)  # check_batch_fits: at least one
+    total = cfg.train.max_steps if cfg.train.max_steps is not None else cfg.train.epochs * epoch_steps
+    optimizer = build_optimizer(cfg, policy)
+    scheduler = build_scheduler(cfg, optimizer, total)
+    writer = MetricsWriter(out, cfg.train.tensorboard, enabled=env.is_main, report_to=cfg.train.report_to,
+                           config=cfg.to_dict(), resume=cfg.train.resume)
+    run = Run(cfg, env, out, dtype, tokenizer, train_data, eval_data, ref_train, ref_eval, spec, policy, scorer,
+              optimizer, scheduler, total, epoch_steps, writer, layout, compiled_layers,
+              scaler=build_grad_scaler(dtype, env.device, fsdp))
+    run.info = _run_info(run, ref_info)
+    run.inputs = {"train_pairs": len(train_data), "train_digest": data_digest(train_data),
+                  "reference_namespace": ref_info.get("namespace")}
+    if cfg.train.resume:
+        resume(run)
+    run.audit_step0 = plan_audit(run)
+    return run
+
+
+# Settings that may differ between the machines of one run: where things are shown or pushed
+# (rank 0 alone does it), a cache directory each machine may hold a copy of at its own path, and
+# the data files, whose pairs are compared instead (check_same_data_on_every_rank): a copy at
+# another path on each machine is the same data.
+PER_MACHINE_SETTINGS = ("cache.dir", "train.progress", "train.report_to", "train.tensorboard", "train.push_to_hub",
+                        "data.train", "data.eval")
+
+
+def check_same_settings_on_every_rank(cfg: Config, env: DistEnv) -> None:
+    """Every rank must run the same training: a config file that differs between machines (on a
+    disk that is not shared) would give each rank its own learning rate, batch or loss, which
+    DDP does not notice (its replicas drift apart) and which no collective reports."""
+    settings = {f"{section}.{name}": value for section, fields in cfg.to_dict().items()
+                for name, value in fields.items() if f"{section}.{name}" not in PER_MACHINE_SETTINGS}
+    differing = differing_on_ranks(env, settings)
+    if differing:
+        raise ConfigError(f"the ranks were started with different values of {', '.join(map(flag_name, differing))} "
+                          "(a config file that differs between machines?); every rank must run the same training")
+
+
+def check_same_data_on_every_rank(cfg: Config, env: DistEnv, train_data: PreferenceData,
+                                  eval_data: PreferenceData | None) -> None:
+    """Every rank must read the same pairs (each takes its share of a step's batch by index, so
+    a data file that differs between machines, on a disk that is not shared, would train and
+    evaluate on a mixture, silently). Before any model loads."""
+    digests = {"data.train": data_digest(train_data)}
+    if eval_data is not None:
+        digests["data.eval"] = data_digest(eval_data)
+    differing = differing_on_ranks(env, digests)
+    if differing:
+        dotted = differing[0]
+        raise ConfigError(f"{flag_name(dotted)} {getattr(cfg.data, dotted.split('.')[1])}: the ranks read different "
+                          "pairs from it (a file that differs between machines, or is not on a shared disk?); every "
+                          "rank must read the same data")
+
+
+def unused_settings(cfg: Config, env: DistEnv) -> list[str]:
+    """Settings this run cannot act on but that a shared config file may well hold (the shipped
+    LoRA config sets eval steps and leaves the eval data optional): said once, not refused."""
+    notes = []
+    if not cfg.data.eval:
+        notes += [f"{flag_name(d)} {value} has no effect without --eval-data" for d, value in
+                  (("train.eval_steps", cfg.train.eval_steps), ("train.eval_batch_size", cfg.train.eval_batch_size))
+                  if value is not None]
+    if cfg.distributed.fsdp and not env.enabled:
+        notes.append(f"{flag_name('distributed.fsdp')} has no effect in one process (run under torchrun to shard)")
+    return notes
+
+
+# What a run leaves in its output directory. A fresh run there with --train.overwrite removes
+# them all: an earlier final/ left in place would mix with the new one (an old adapter_config.json
+# beside new full weights makes transformers load the old adapter), and old TensorBoard events
+# would be drawn as the new run's.
+RUN_OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "run.json", "tensorboard", "curves.png",
+               WANDB_RUN_ID_FILE)
+
+
+def start_fresh(cfg: Config, out: Path, env: DistEnv) -> None:
+    """A run that does not resume must not mix with an earlier one's outputs (a later --resume
+    would pick up the wrong checkpoint, final/ would hold two models' files): refuse, unless
+    told to overwrite. Runs before any model loads and before the metrics writer opens its files."""
+    earlier = latest_checkpoint(out) is not None or (out / "metrics.jsonl").exists() or (out / "final").exists()
+    if earlier and not cfg.train.overwrite:
+        raise FileExistsError(
+            f"{out} holds an earlier run (metrics.jsonl, checkpoints or final/). Pass --resume to continue it, "
+            "--train.overwrite to start afresh there, or another --output-dir."
+        )
+    if earlier and env.is_main:
+        for name in RUN_OUTPUTS:
+            path = out / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+
+
+def _load_data(cfg: Config, source: str, tokenizer, env: DistEnv) -> PreferenceData:
+    data = load_preference_data(source, tokenizer, cfg.data.max_length, cfg.data.max_prompt_length,
+                                cfg.data.skip_invalid, show_progress=env.is_main and cfg.train.progress,
+                                columns=cfg.data.columns(), context=model_context(cfg.model.path),
+                                vocab_size=model_vocab_size(cfg.model.path))
+    if data.skipped and env.is_main:
+        print(f"{source}: skipped {len(data.skipped)} invalid rows, first: {data.skipped[0]}", file=sys.stderr)
+    return data
+
+
+def _run_info(run: Run, ref_info: dict) -> dict:
+    # Installed versions, without importing peft (4 s of imports) in a run without LoRA.
+    versions = {name: importlib.metadata.version(name) for name in ("transformers", "peft")}
+
+    return {
+        "config": run.cfg.to_dict(),
+        "versions": {"dpocache": __version__, "torch": torch.__version__, "transformers": versions["transformers"],
+                     "peft": versions["peft"], "python": platform.python_version()},
+        "device": str(run.env.device), "world_size": run.env.world_size, "dtype": dtype_name(run.dtype),
+        "data": {"train_pairs": len(run.train_data), "steps_per_epoch": run.steps_per_epoch,
+                 # pairs of each epoch's first steps that fill its last batch again (epoch_order)
+                 "train_repeated_per_epoch": run.steps_per_epoch * global_batch(run) - len(run.train_data),
+                 "train_skipped": len(run.train_data.skipped),
+                 "train_truncated": run.train_data.truncated, "train_identical": run.train_data.identical,
+                 "eval_pairs": len(run.eval_data) if run.eval_data else 0},
+        "policy": {"parameters": count_params(run.policy), "trainable": count_params(run.policy, trainable_only=True),
+                   "compiled_layers": run.compiled_layers},
+        "loss": str(run.spec), "total_steps": run.total_steps, "layout": run.layout.to_json(),
+        "reference": ref_info,
+    }
