@@ -43,7 +43,7 @@ def run_once(reference, pairs, pad_id: int, max_tokens: int):
 def train_once(scorer, layout: str, pairs, pad_id: int, batch_size: int, device):
     """Forward and backward of every micro-batch (the policy's work in a training step, no
     optimizer): seconds, and the per-pair sums."""
-    from dpocache.prefix import layout_logprobs
+    from dpocache.scoring.layouts import layout_logprobs
 
     sums = {}
     start = time.perf_counter()
@@ -61,9 +61,9 @@ def train_once(scorer, layout: str, pairs, pad_id: int, batch_size: int, device)
 
 def trainers(args, inputs, variants):
     """``{(layout, attention): run(pairs) -> (seconds, sums)}`` over one policy in train mode."""
-    from dpocache.logprobs import CompletionLogProbs
-    from dpocache.prefix import training_layout
-    from dpocache.loading import disable_dropout, load_causal_lm
+    from dpocache.scoring.logprobs import CompletionLogProbs
+    from dpocache.scoring.layouts import training_layout
+    from dpocache.models.loading import disable_dropout, load_causal_lm
 
     model = load_causal_lm(inputs / "model", args.device).train()
     disable_dropout(model)
@@ -93,9 +93,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     args = ap.parse_args(argv)
 
-    from dpocache.cache_cli import load_tokenizer
-    from dpocache.data import load_preference_data
-    from dpocache.reference import ReferenceModel
+    from dpocache.cli.cache import load_tokenizer
+    from dpocache.data.pairs import load_preference_data
+    from dpocache.models.reference import ReferenceModel
 
     inputs = build_inputs(CONFIGS[args.config], args.pairs)
     tokenizer = load_tokenizer(inputs / "model")

@@ -39,9 +39,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dpocache.cache.build import peak_memory_bytes  # noqa: E402
-from dpocache.logprobs import autocast  # noqa: E402
-from dpocache.reference import resolve_dtype  # noqa: E402
-from dpocache.service import ReferenceService  # noqa: E402
+from dpocache.scoring.logprobs import autocast  # noqa: E402
+from dpocache.models.reference import resolve_dtype  # noqa: E402
+from dpocache.service.reference_service import ReferenceService  # noqa: E402
 
 BENCH_DIR = Path(__file__).resolve().parent
 

@@ -60,7 +60,8 @@ def worker(kind: str, argv: list[str], out: Path) -> None:
     import torch  # noqa: F401
     import transformers  # noqa: F401
 
-    from dpocache import cli, train  # noqa: F401
+    from dpocache.cli import entry as cli
+    from dpocache.training import loop as train
 
     baseline = _rss()
     if kind == "build":

@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import BENCH_DIR, CONFIGS, BenchConfig, build_inputs  # noqa: E402
+from common import BENCH_DIR, CONFIGS, build_inputs, flops_of_build, measure_peak, nominal_peaks  # noqa: E402
 
 WORKERS = BENCH_DIR / "workers.py"
 
@@ -73,92 +73,6 @@ def run_worker(mode: str, spec: dict, scratch: Path, log: Path) -> dict:
     result["peak_rss_bytes"] = usage.ru_maxrss * 1024  # Linux: KiB
     result["wall_s"] = wall
     return result
-
-
-# Dense bf16 tensor-core peaks from the vendor's data sheets (no sparsity), by device name.
-NOMINAL_BF16_PEAKS = {"H100 PCIe": 756e12, "H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
-
-
-def measure_peak(dtype_name: str, device: str = "cpu", seconds: float = 3.0, cached: bool = True) -> float:
-    import torch
-
-    from dpocache.metrics import measured_peak_flops
-
-    dtype = getattr(torch, dtype_name)
-    sizes, seconds = ((1024, 2048), seconds) if device == "cpu" else ((4096, 8192), 1.0)
-    return max(measured_peak_flops(torch.device(device), dtype, size=size, seconds=seconds, cached=cached)
-               for size in sizes)
-
-
-def nominal_peaks(device: str) -> dict:
-    """``{"nominal bfloat16": FLOP/s}`` for a known GPU, else empty."""
-    if device == "cpu":
-        return {}
-    import torch
-
-    name = torch.cuda.get_device_name()
-    for key, peak in NOMINAL_BF16_PEAKS.items():  # "H100 PCIe" before "H100"
-        if key in name:
-            return {f"nominal bfloat16 ({name})": peak}
-    return {}
-
-
-def flops_of_build(inputs: Path, info: dict) -> dict:
-    """Reference-pass FLOPs of the data set, two ways:
-
-    - ``convention``: the issue's (and dpocache.metrics') 2N per token, prompt counted once,
-      plus attention 4·L·H·(mean sequence length) per token; N includes the embeddings.
-    - ``executed``: the matmuls dpocache actually runs: 2·(non-embedding body parameters) per
-      token, the output head 2·H·V on completion positions only, the same attention term.
-    """
-    from dpocache.cache_cli import load_tokenizer
-    from dpocache.data import load_preference_data
-    from dpocache.metrics import forward_flops_per_token
-
-    cfg = info["config"]
-    tok = load_tokenizer(inputs / "model")
-    pairs = load_preference_data(str(inputs / "data.jsonl"), tok, None, None, False, show_progress=False).pairs
-    unique = sum(p.unique_tokens for p in pairs)
-    completion = sum(len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
-    mean_seq = sum(p.num_tokens for p in pairs) / (2 * len(pairs))
-    n, layers, hidden, vocab = info["parameters"], cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]
-    attention = 4.0 * layers * hidden * mean_seq
-    body = n - 2 * vocab * hidden  # untied embeddings and head
-    return {
-        "unique_tokens": unique,
-        "convention": unique * forward_flops_per_token(n, layers, hidden, mean_seq),
-        "executed": unique * (2.0 * body + attention) + completion * 2.0 * hidden * vocab,
-        # A training step: forward and backward (3x the forward) over the same tokens, per pair.
-        "train_per_pair": 3.0 * unique / len(pairs) * forward_flops_per_token(n, layers, hidden, mean_seq),
-        "unique_tokens_per_pair": unique / len(pairs),
-    }
-
-
-def parse_probe_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
-    """A GPU probe's arguments, with ``--no-cudnn-sdp`` (SDPA kept off its cuDNN kernel for the
-    whole process) added and applied."""
-    parser.add_argument("--no-cudnn-sdp", action="store_true",
-                        help="keep SDPA off its cuDNN kernel (torch.backends.cuda.enable_cudnn_sdp(False))")
-    args = parser.parse_args()
-    if args.no_cudnn_sdp:
-        import torch
-
-        torch.backends.cuda.enable_cudnn_sdp(False)
-        # torch's AOTAutograd cache does not key on the SDPA flags: a compiled run would reuse
-        # graphs an earlier run traced with cuDNN (one did, 2026-11-23). Inductor's own cache
-        # keys on the traced graph, which names the kernel, so it stays on.
-        torch._functorch.config.enable_autograd_cache = False
-    return args
-
-
-def probe_inputs(cfg: BenchConfig, on_cuda: bool) -> tuple[Path, dict, float | None]:
-    """A probe's start: ``cfg``'s inputs directory (built on first use), its reference-pass
-    FLOPs (``flops_of_build``) and the CUDA device's nominal bf16 peak (None off CUDA or for an
-    unknown GPU)."""
-    inputs = build_inputs(cfg, cfg.pairs)
-    flops = flops_of_build(inputs, json.loads((inputs / "info.json").read_text()))
-    peak = next(iter(nominal_peaks("cuda").values()), None) if on_cuda else None
-    return inputs, flops, peak
 
 
 def median(xs):
@@ -329,7 +243,7 @@ def summarise(res: dict, peaks: dict, batch: int) -> list[tuple[str, float | Non
 def pass_peak_applies(peak_name: str, res: dict) -> bool:
     """Whether a reference pass's MFU is read against the peak ``peak_name``: its own dtype's,
     and on a CPU the fp32 GEMM's as well, since bf16 runs there go through it
-    (``dpocache.bf16_matmul``); a GPU's bf16 pass against its fp32 peak means nothing."""
+    (``dpocache.scoring.bf16_matmul``); a GPU's bf16 pass against its fp32 peak means nothing."""
     return res["dtype"] in peak_name or res.get("args", {}).get("device", "cpu") == "cpu"
 
 

@@ -1,18 +1,27 @@
 """Shared pieces of the benchmarks: model configurations, the generated preference set, and
 the inputs directory both sides read (a ``save_pretrained`` model with its tokenizer, and a
-JSONL file of standard-format rows).
+JSONL file of standard-format rows); the matmul peaks and the reference pass's FLOPs that MFU is
+read against; a timed reference pass and the options of the in-process A/Bs; a GPU probe's start.
 
 Nothing is downloaded: the model is built from a config with random weights, the tokenizer is
-``dpocache.tiny.build_tokenizer`` (a byte-level BPE trained offline), the text is random words.
+``dpocache.models.tiny.build_tokenizer`` (a byte-level BPE trained offline), the text is random words.
+
+This is the one bench module the probes in ``bench/probes/`` import (they put ``bench/`` on
+``sys.path``); the maintained benchmarks import it too, and nothing here imports them.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 BENCH_DIR = Path(__file__).resolve().parent
 
@@ -56,7 +65,7 @@ def inputs_dir(cfg: BenchConfig, pairs: int, root: Path | None = None) -> Path:
 
 
 def make_rows(cfg: BenchConfig, pairs: int, seed: int = 0) -> list[dict]:
-    from dpocache.tiny import _WORDS
+    from dpocache.models.tiny import _WORDS
 
     rng = random.Random(seed)
 
@@ -80,8 +89,8 @@ def build_inputs(cfg: BenchConfig, pairs: int, root: Path | None = None, seed: i
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dpocache.data import write_jsonl
-    from dpocache.tiny import build_tokenizer
+    from dpocache.data.pairs import write_jsonl
+    from dpocache.models.tiny import build_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(TOKENIZER_VOCAB)
@@ -108,8 +117,8 @@ def build_inputs(cfg: BenchConfig, pairs: int, root: Path | None = None, seed: i
 def bench_pairs(name: str, limit: int | None = None) -> tuple[Path, list]:
     """The model directory of configuration ``name`` and its tokenized pairs (the first
     ``limit``; all by default), built on first use."""
-    from dpocache.cache_cli import load_tokenizer
-    from dpocache.data import load_preference_data
+    from dpocache.cli.cache import load_tokenizer
+    from dpocache.data.pairs import load_preference_data
 
     cfg = CONFIGS[name]
     inputs = build_inputs(cfg, cfg.pairs)
@@ -125,3 +134,138 @@ def write_results(name: str, summary: dict, runs: dict) -> Path:
     print(json.dumps(summary, indent=1))
     print(f"wrote {out}")
     return out
+
+
+# --------------------------------------------------------------------------- peaks and FLOPs
+
+# Dense bf16 tensor-core peaks from the vendor's data sheets (no sparsity), by device name.
+NOMINAL_BF16_PEAKS = {"H100 PCIe": 756e12, "H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
+
+
+def measure_peak(dtype_name: str, device: str = "cpu", seconds: float = 3.0, cached: bool = True) -> float:
+    import torch
+
+    from dpocache.training.metrics import measured_peak_flops
+
+    dtype = getattr(torch, dtype_name)
+    sizes, seconds = ((1024, 2048), seconds) if device == "cpu" else ((4096, 8192), 1.0)
+    return max(measured_peak_flops(torch.device(device), dtype, size=size, seconds=seconds, cached=cached)
+               for size in sizes)
+
+
+def nominal_peaks(device: str) -> dict:
+    """``{"nominal bfloat16": FLOP/s}`` for a known GPU, else empty."""
+    if device == "cpu":
+        return {}
+    import torch
+
+    name = torch.cuda.get_device_name()
+    for key, peak in NOMINAL_BF16_PEAKS.items():  # "H100 PCIe" before "H100"
+        if key in name:
+            return {f"nominal bfloat16 ({name})": peak}
+    return {}
+
+
+def flops_of_build(inputs: Path, info: dict) -> dict:
+    """Reference-pass FLOPs of the data set, two ways:
+
+    - ``convention``: the issue's (and dpocache.training.metrics') 2N per token, prompt counted once,
+      plus attention 4·L·H·(mean sequence length) per token; N includes the embeddings.
+    - ``executed``: the matmuls dpocache actually runs: 2·(non-embedding body parameters) per
+      token, the output head 2·H·V on completion positions only, the same attention term.
+    """
+    from dpocache.cli.cache import load_tokenizer
+    from dpocache.data.pairs import load_preference_data
+    from dpocache.training.metrics import forward_flops_per_token
+
+    cfg = info["config"]
+    tok = load_tokenizer(inputs / "model")
+    pairs = load_preference_data(str(inputs / "data.jsonl"), tok, None, None, False, show_progress=False).pairs
+    unique = sum(p.unique_tokens for p in pairs)
+    completion = sum(len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
+    mean_seq = sum(p.num_tokens for p in pairs) / (2 * len(pairs))
+    n, layers, hidden, vocab = info["parameters"], cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]
+    attention = 4.0 * layers * hidden * mean_seq
+    body = n - 2 * vocab * hidden  # untied embeddings and head
+    return {
+        "unique_tokens": unique,
+        "convention": unique * forward_flops_per_token(n, layers, hidden, mean_seq),
+        "executed": unique * (2.0 * body + attention) + completion * 2.0 * hidden * vocab,
+        # A training step: forward and backward (3x the forward) over the same tokens, per pair.
+        "train_per_pair": 3.0 * unique / len(pairs) * forward_flops_per_token(n, layers, hidden, mean_seq),
+        "unique_tokens_per_pair": unique / len(pairs),
+    }
+
+
+# ---------------------------------------------------------------- a timed reference pass, A/Bs
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the GPU's queued work, so a pass's wall time is its own (no-op on a CPU)."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def timed_pass(reference, batches: list, budget: int, device: torch.device) -> float:
+    """Seconds to score ``batches`` (planned under ``budget``)."""
+    from dpocache.cache.build import score_batch
+
+    synchronize(device)
+    start = time.perf_counter()
+    for batch in batches:
+        score_batch(reference, batch, 0, budget)
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def add_pass_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that say which reference pass an A/B runs (``token_budget_ab.py``'s and
+    ``probes/compile_ab.py``'s)."""
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--segments", type=int, default=8, help="interleaved stretches per pass")
+    parser.add_argument("--pairs", type=int, default=None, help="the first N pairs (default: the configuration's)")
+    parser.add_argument("--config", default="58m", choices=list(CONFIGS))
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--layout", default="shared", choices=["shared", "packed", "padded"])
+
+
+def segments(batches: list, count: int) -> list[list]:
+    """``batches`` cut into ``count`` consecutive stretches of about equal tokens."""
+    sizes = [sum(p.unique_tokens for p in batch) for batch in batches]
+    total, done, out = sum(sizes), 0, [[] for _ in range(count)]
+    for batch, size in zip(batches, sizes):
+        out[min(count - 1, done * count // total)].append(batch)
+        done += size
+    return out
+
+
+# ----------------------------------------------------------------------------- GPU probes
+
+
+def parse_probe_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """A GPU probe's arguments, with ``--no-cudnn-sdp`` (SDPA kept off its cuDNN kernel for the
+    whole process) added and applied."""
+    parser.add_argument("--no-cudnn-sdp", action="store_true",
+                        help="keep SDPA off its cuDNN kernel (torch.backends.cuda.enable_cudnn_sdp(False))")
+    args = parser.parse_args()
+    if args.no_cudnn_sdp:
+        import torch
+
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        # torch's AOTAutograd cache does not key on the SDPA flags: a compiled run would reuse
+        # graphs an earlier run traced with cuDNN (one did, 2026-11-23). Inductor's own cache
+        # keys on the traced graph, which names the kernel, so it stays on.
+        torch._functorch.config.enable_autograd_cache = False
+    return args
+
+
+def probe_inputs(cfg: BenchConfig, on_cuda: bool) -> tuple[Path, dict, float | None]:
+    """A probe's start: ``cfg``'s inputs directory (built on first use), its reference-pass
+    FLOPs (``flops_of_build``) and the CUDA device's nominal bf16 peak (None off CUDA or for an
+    unknown GPU)."""
+    inputs = build_inputs(cfg, cfg.pairs)
+    flops = flops_of_build(inputs, json.loads((inputs / "info.json").read_text()))
+    peak = next(iter(nominal_peaks("cuda").values()), None) if on_cuda else None
+    return inputs, flops, peak

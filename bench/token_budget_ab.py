@@ -20,18 +20,16 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import CONFIGS, bench_pairs  # noqa: E402
-from gpu_compile_probe import synchronize  # noqa: E402
+from common import add_pass_arguments, bench_pairs, segments, timed_pass  # noqa: E402
 
-from dpocache.cache.build import reference_batches, score_batch  # noqa: E402
-from dpocache.reference import ReferenceModel, default_device  # noqa: E402
+from dpocache.cache.build import reference_batches  # noqa: E402
+from dpocache.models.reference import ReferenceModel, default_device  # noqa: E402
 
 
 def main() -> None:
@@ -66,36 +64,6 @@ def main() -> None:
         f"ratio_to_{first}": {b: round(statistics.median(x / y for x, y in zip(passes[b], passes[first])), 3)
                               for b in budgets},
     }), flush=True)
-
-
-def add_pass_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options that say which reference pass an A/B runs (this script's and compile_ab.py's)."""
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--segments", type=int, default=8, help="interleaved stretches per pass")
-    parser.add_argument("--pairs", type=int, default=None, help="the first N pairs (default: the configuration's)")
-    parser.add_argument("--config", default="58m", choices=list(CONFIGS))
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--layout", default="shared", choices=["shared", "packed", "padded"])
-
-
-def segments(batches: list, count: int) -> list[list]:
-    """``batches`` cut into ``count`` consecutive stretches of about equal tokens."""
-    sizes = [sum(p.unique_tokens for p in batch) for batch in batches]
-    total, done, out = sum(sizes), 0, [[] for _ in range(count)]
-    for batch, size in zip(batches, sizes):
-        out[min(count - 1, done * count // total)].append(batch)
-        done += size
-    return out
-
-
-def timed_pass(reference, batches: list, budget: int, device: torch.device) -> float:
-    """Seconds to score ``batches`` (planned under ``budget``)."""
-    synchronize(device)
-    start = time.perf_counter()
-    for batch in batches:
-        score_batch(reference, batch, 0, budget)
-    synchronize(device)
-    return time.perf_counter() - start
 
 
 if __name__ == "__main__":

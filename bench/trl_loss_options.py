@@ -1,4 +1,4 @@
-"""First-step loss of TRL 1.16's DPOTrainer against dpocache.losses for the loss options
+"""First-step loss of TRL 1.16's DPOTrainer against dpocache.losses.formulas for the loss options
 (``ld_alpha``, ``use_weighting``, ``f_divergence_type``), on the same tiny model, reference
 (the policy's weights perturbed: different from the policy) and tokenized data, in fp32 on the CPU.
 
@@ -20,12 +20,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from conftest import make_rows  # noqa: E402  (the test suite's row generator)
 
-from dpocache.batching import collate_pairs, pair_logprobs  # noqa: E402
+from dpocache.scoring.padded import collate_pairs, pair_logprobs  # noqa: E402
 from dpocache.integrations.trl import truncated_pair  # noqa: E402
-from dpocache.logprobs import CompletionLogProbs  # noqa: E402
-from dpocache.losses import ld_pair_logps, preference_loss  # noqa: E402
-from dpocache.tiny import save_tiny_model  # noqa: E402
-from dpocache.wpo import wpo_sums  # noqa: E402
+from dpocache.scoring.logprobs import CompletionLogProbs  # noqa: E402
+from dpocache.losses.formulas import ld_pair_logps, preference_loss  # noqa: E402
+from dpocache.models.tiny import save_tiny_model  # noqa: E402
+from dpocache.losses.wpo import wpo_sums  # noqa: E402
 
 OPTIONS = [
     {"loss_type": ["sigmoid"]},
@@ -68,7 +68,7 @@ def dpocache_loss(policy_dir, ref_dir, tokenized, opts):
     sums, weighting = {}, bool(opts.get("use_weighting"))
     for side, path in (("policy", policy_dir), ("ref", ref_dir)):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        # WPO as dpocache train computes it: log sum_v p(v)^2 from the policy's chunked head (dpocache.wpo).
+        # WPO as dpocache train computes it: log sum_v p(v)^2 from the policy's chunked head (dpocache.losses.wpo).
         scorer = CompletionLogProbs(model, sum_sq_probs=weighting and side == "policy")
         with torch.no_grad():
             lp = pair_logprobs(scorer, batch)

@@ -150,8 +150,8 @@ def trl_train(spec: dict) -> None:
 
 
 def dpo_build(spec: dict) -> None:
-    from dpocache import cli
-    from dpocache.reference import ReferenceModel
+    from dpocache.cli import entry as cli
+    from dpocache.models.reference import ReferenceModel
 
     loads: list[float] = []
     original = ReferenceModel.from_pretrained.__func__
@@ -185,7 +185,8 @@ class _Stop(Exception):
 
 
 def _dpo_train(spec: dict, stop_at_first_step: bool) -> dict:
-    import dpocache.train as train_mod
+    import dpocache.training.loop as train_mod
+    import dpocache.training.setup as setup_mod  # setup() loads the policy: its load_policy is timed
     from dpocache.config import build_config
 
     # Python-level imports (torch, transformers' lazily imported model and tokenizer modules),
@@ -198,7 +199,7 @@ def _dpo_train(spec: dict, stop_at_first_step: bool) -> dict:
 
     marks: dict = {"load_s": 0.0}
     steps: list[float] = []
-    original_step, original_load = train_mod.train_step, train_mod.load_policy
+    original_step, original_load = train_mod.train_step, setup_mod.load_policy
 
     def timed_load(*a, **kw):
         t = time.perf_counter()
@@ -216,7 +217,7 @@ def _dpo_train(spec: dict, stop_at_first_step: bool) -> dict:
         _sync(spec)
         steps.append(time.perf_counter() - t)
 
-    train_mod.train_step, train_mod.load_policy = timed_step, timed_load
+    train_mod.train_step, setup_mod.load_policy = timed_step, timed_load
     overrides = ["--model", spec["model"], "--data", spec["data"], "--dtype", spec["dtype"],
                  "--device", spec.get("device", "cpu"), "--cache-dir", spec["cache_dir"],
                  "--output-dir", spec["workdir"], "--batch-size", str(spec["batch_size"]),

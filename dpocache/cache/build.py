@@ -187,18 +187,21 @@ def build_missing(
     pairs: Sequence[TokenizedPair],
     load_reference: Callable[[], ReferenceModel],
     options: BuildOptions | None = None,
+    update_manifest: bool = True,
     **fields,
 ) -> BuildSummary:
     """Compute and store the reference values of every pair ``store`` lacks.
 
     ``options``: a ``BuildOptions``, or its fields as keywords (``max_tokens=2048``), or both.
+    ``update_manifest``: False leaves the manifest to whoever opens the store next (it adopts
+    the shards written here).
 
     SIGTERM or SIGINT ends the build after the batch in flight: what was computed is flushed
     (shard and manifest), then ``signals.Interrupted`` is raised (the command line exits 143 or
     130); the next build reuses every pair computed before the signal.
     """
     with stop_signals() as stop:
-        summary = score_missing(store, pairs, load_reference, stop, build_options(options, fields))
+        summary = score_missing(store, pairs, load_reference, stop, build_options(options, fields), update_manifest)
         if summary.interrupted:
             raise stop.interrupted(interrupted_message(summary))
     return summary

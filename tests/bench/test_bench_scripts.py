@@ -15,6 +15,7 @@ import importlib
 import importlib.util
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,39 @@ def test_bench_script_deferred_dpocache_imports_resolve(script):
             missing += [f"{node.module}.{a.name} (line {node.lineno})" for a in node.names
                         if not hasattr(target, a.name) and importlib.util.find_spec(f"{node.module}.{a.name}") is None]
     assert not missing, f"{script.name} imports names dpocache lacks: {missing}"
+
+
+def _dpocache_module_aliases(tree: ast.AST, script: Path) -> dict[str, object]:
+    """The names under which ``script`` binds a dpocache module (``import dpocache.training.loop
+    as train_mod``, ``from dpocache.cli import entry as cli``), each with the module."""
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "dpocache" and a.asname:
+                    aliases[a.asname] = _import(script.name, lambda: importlib.import_module(a.name))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "dpocache":
+            parent = _import(script.name, lambda: importlib.import_module(node.module))
+            for a in node.names:
+                name = f"{node.module}.{a.name}"
+                value = getattr(parent, a.name, None)
+                if value is None and hasattr(parent, "__path__") and importlib.util.find_spec(name):
+                    value = _import(script.name, lambda: importlib.import_module(name))
+                if isinstance(value, types.ModuleType):
+                    aliases[a.asname or a.name] = value
+    return aliases
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_bench_script_module_attributes_resolve(script):
+    """``train_mod.load_policy`` and the like: a bench script reads (or patches, to time it) a
+    function through its module, so a function moved to another module breaks it silently."""
+    tree = ast.parse(script.read_text())
+    aliases = _dpocache_module_aliases(tree, script)
+    missing = [f"{node.value.id}.{node.attr} (line {node.lineno})" for node in ast.walk(tree)
+               if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+               and node.value.id in aliases and not hasattr(aliases[node.value.id], node.attr)]
+    assert not missing, f"{script.name} reads attributes its dpocache modules lack: {missing}"
 
 
 def _bench_imports(script: Path) -> set[str]:

@@ -1,7 +1,7 @@
 """One linear layer under CPU bf16 autocast: the native bf16 kernel against dpocache's fp32-GEMM
-route (dpocache/bf16_matmul.py), with plain fp32 for scale. Medians of several runs, GFLOP/s.
+route (dpocache/scoring/bf16_matmul.py), with plain fp32 for scale. Medians of several runs, GFLOP/s.
 
-    python bench/bf16_linear.py [--reps 7] [--threads 2]
+    python bench/probes/bf16_linear.py [--reps 7] [--threads 2]
 
 The shapes are the 58m benchmark model's (hidden 512, MLP 1376, vocab 32000) at a 4096-token
 batch, plus one output-head chunk (131 rows, as CPU inference uses).
@@ -12,12 +12,16 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from dpocache import bf16_matmul
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # dpocache in a checkout not installed
+
+from dpocache.scoring import bf16_matmul  # noqa: E402
 
 SHAPES = [(4096, 512, 1376), (4096, 1376, 512), (4096, 512, 512), (131, 512, 32000)]  # (rows, in, out)
 

@@ -1,6 +1,6 @@
 """The reference pass on a GPU under torch.compile variants, one variant per process (no TRL).
 
-    python bench/gpu_compile_probe.py --variant sdpa|flex|flex-layers|sdpa-layers [--layout shared|packed]
+    python bench/probes/gpu_compile_probe.py --variant sdpa|flex|flex-layers|sdpa-layers [--layout shared|packed]
         [--dynamic] [--unpadded-rows] [--profile]
 
 - ``sdpa``: today's default (the shared layout's dense boolean mask through SDPA), eager.
@@ -12,7 +12,7 @@
   residual adds) is fused into a few kernels instead of tens of launches per layer.
 
 Prints one JSON line per variant: each pass's tokens/s (prompt once) and MFU against the
-device's nominal bf16 peak (the convention of ``bench_vs_trl.flops_of_build``), the first pass
+device's nominal bf16 peak (the convention of ``common.flops_of_build``), the first pass
 (which includes every compile) and the later ones apart, and dynamo's compile counters.
 Without CUDA it runs on the CPU (``--config tiny``: a smoke test of the code path; ``--config
 58m --dtype float32``: the CPU bench model).
@@ -30,27 +30,21 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+BENCH = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(BENCH), str(BENCH.parent)]  # bench/common.py, and dpocache in a checkout not installed
 
-from bench_vs_trl import parse_probe_args, probe_inputs  # noqa: E402
-from common import CONFIGS, BenchConfig  # noqa: E402
+from common import CONFIGS, BenchConfig, parse_probe_args, probe_inputs, synchronize  # noqa: E402
 
-from dpocache.batching import token_budget_batches  # noqa: E402
+from dpocache.scoring.layouts import budget_batches, reference_row_width  # noqa: E402
 from dpocache.cache.build import score_batch  # noqa: E402
-from dpocache.cache_cli import load_tokenizer  # noqa: E402
-from dpocache.data import load_preference_data  # noqa: E402
-from dpocache.logprobs import decoder_layers  # noqa: E402
-from dpocache.prefix import reference_row_width  # noqa: E402
-from dpocache.reference import ReferenceModel  # noqa: E402
+from dpocache.cli.cache import load_tokenizer  # noqa: E402
+from dpocache.data.pairs import load_preference_data  # noqa: E402
+from dpocache.scoring.logprobs import decoder_layers  # noqa: E402
+from dpocache.models.reference import ReferenceModel  # noqa: E402
 
 TINY = BenchConfig("tiny", vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, prompt_words=(60, 200), completion_words=(20, 60),
                    pairs=24)
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -78,9 +72,9 @@ def main() -> None:
     ref = ReferenceModel.from_pretrained(inputs / "model", args.dtype, device, layout=args.layout,
                                          attention=attention)
     if args.variant.endswith("-layers"):
-        for layer in decoder_layers(ref.model):  # dpocache.compiling.compile_layers, with the old default as an option
+        for layer in decoder_layers(ref.model):  # compiling.compile_layers, with the old default as an option
             layer.compile(dynamic=True if args.dynamic else None)
-    batches = token_budget_batches(pairs, args.budget, layout=ref.layout)
+    batches = budget_batches(pairs, args.budget, layout=ref.layout)
     max_tokens = None if args.unpadded_rows else args.budget  # packed flex rows padded to it, as the cache build does
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     passes = []

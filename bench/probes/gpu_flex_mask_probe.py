@@ -1,6 +1,6 @@
 """FlexAttention's kernel on the shared and packed layouts' masks, by how the ``mask_mod`` is written.
 
-    python bench/gpu_flex_mask_probe.py [--config 1b-2048] [--budget 32768]
+    python bench/probes/gpu_flex_mask_probe.py [--config 1b-2048] [--budget 32768]
 
 FlexAttention skips the blocks a ``BlockMask`` marks empty and runs full blocks without the
 ``mask_mod``; on every other block it evaluates the ``mask_mod`` element by element, so how
@@ -40,15 +40,16 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from transformers import AutoConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+BENCH = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(BENCH), str(BENCH.parent)]  # bench/common.py, and dpocache in a checkout not installed
 
 from common import CONFIGS, build_inputs  # noqa: E402
 
-from dpocache import prefix  # noqa: E402
-from dpocache.batching import token_budget_batches  # noqa: E402
-from dpocache.cache_cli import load_tokenizer  # noqa: E402
-from dpocache.data import load_preference_data  # noqa: E402
-from dpocache.prefix import PAD, PROMPT  # noqa: E402
+from dpocache.scoring import shared as prefix  # noqa: E402
+from dpocache.scoring.layouts import budget_batches  # noqa: E402
+from dpocache.cli.cache import load_tokenizer  # noqa: E402
+from dpocache.data.pairs import load_preference_data  # noqa: E402
+from dpocache.scoring.shared import PAD, PROMPT  # noqa: E402
 
 
 def median_ms(fn, device: torch.device, n: int = 10) -> float:
@@ -124,7 +125,7 @@ def main() -> None:
     parser.add_argument("--build-only", action="store_true", help="time the BlockMask builders alone")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu":  # torch 2.13's CPU flex kernel fails to build with dynamic shapes (dpocache.attention)
+    if device.type == "cpu":  # torch 2.13's CPU flex kernel fails to build with dynamic shapes (scoring.attention)
         torch._dynamo.config.automatic_dynamic_shapes = False
     cfg = CONFIGS[args.config]
     inputs = build_inputs(cfg, cfg.pairs)
@@ -133,8 +134,8 @@ def main() -> None:
     pairs = load_preference_data(str(inputs / "data.jsonl"), tok, None, None, False, show_progress=False).pairs
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = cfg.hidden_size // heads
-    packed = token_budget_batches(pairs, args.budget, layout="packed")[0]
-    shared = token_budget_batches(pairs, args.budget, layout="shared")[0]
+    packed = budget_batches(pairs, args.budget, layout="packed")[0]
+    shared = budget_batches(pairs, args.budget, layout="shared")[0]
     batches = {"packed": prefix.collate_packed(packed, tok.pad_token_id, args.budget, 128),
                "shared": prefix.collate_layout("shared", shared, tok.pad_token_id, 128)}
     for name, batch in batches.items():

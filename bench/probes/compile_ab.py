@@ -1,9 +1,9 @@
 """The reference pass eager against its decoder layers compiled, side by side in one process.
 
-    python bench/compile_ab.py [--budget 1024] [--rounds 3] [--segments 8] [--pairs N]
+    python bench/probes/compile_ab.py [--budget 1024] [--rounds 3] [--segments 8] [--pairs N]
         [--config 58m] [--dtype float32] [--warm-cache]
 
-Two copies of the model are loaded; one gets ``dpocache.compiling.compile_layers`` (what
+Two copies of the model are loaded; one gets ``dpocache.scoring.compiling.compile_layers`` (what
 ``--compile on`` and a large enough ``--compile auto`` pass run). The compile is timed as the
 compiled copy's first batch minus the eager copy's time for the same batch (both after an eager
 warm-up batch), in a fresh inductor cache unless ``--warm-cache`` (then torch's default cache
@@ -27,14 +27,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+BENCH = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(BENCH), str(BENCH.parent)]  # bench/common.py, and dpocache in a checkout not installed
 
-from common import bench_pairs  # noqa: E402
-from token_budget_ab import add_pass_arguments, segments, timed_pass  # noqa: E402
+from common import add_pass_arguments, bench_pairs, segments, timed_pass  # noqa: E402
 
 from dpocache.cache.build import default_max_tokens, reference_batches  # noqa: E402
-from dpocache.compiling import compile_layers  # noqa: E402
-from dpocache.reference import ReferenceModel, default_device  # noqa: E402
+from dpocache.scoring.compiling import compile_layers  # noqa: E402
+from dpocache.models.reference import ReferenceModel, default_device  # noqa: E402
 
 
 def main() -> None:

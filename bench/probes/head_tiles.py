@@ -1,8 +1,8 @@
 """The fp32 CPU output head alone, in tiles of several shapes, side by side.
 
-    python bench/head_tiles.py [ROWSxWORDS ...]     # default: 1024x1024 1024x2048 2048x1024 512x2048 1024x512
+    python bench/probes/head_tiles.py [ROWSxWORDS ...]     # default: 1024x1024 1024x2048 2048x1024 512x2048 1024x512
 
-``CompletionLogProbs``'s fp32 CPU inference head (``dpocache.logprobs.CPU_TILE_ROWS`` x
+``CompletionLogProbs``'s fp32 CPU inference head (``dpocache.scoring.logprobs.CPU_TILE_ROWS`` x
 ``CPU_TILE_VOCAB``: a log-sum-exp carried across vocabulary tiles) on the 58m benchmark's head
 shape (4,096 scored rows, hidden 512, vocab 32000), the shapes interleaved within each of 6
 rounds (the first not timed); prints the median GFLOP/s of each shape and checks that all give
@@ -14,12 +14,15 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
-import dpocache.logprobs as logprobs
-from dpocache.allocator import configure_cpu_allocator
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # dpocache in a checkout not installed
+
+import dpocache.scoring.logprobs as logprobs  # noqa: E402
+from dpocache.runtime.allocator import configure_cpu_allocator  # noqa: E402
 
 
 class _Config:

@@ -1,7 +1,7 @@
 """Attention of shared-prompt rows on a GPU: the dense boolean mask through SDPA against
 varlen flash attention (``torch.nn.attention.varlen.varlen_attn``) over two sequences per pair.
 
-    python bench/gpu_varlen_probe.py [--rows 12] [--prompt 1280] [--completion 640]
+    python bench/probes/gpu_varlen_probe.py [--rows 12] [--prompt 1280] [--completion 640]
 
 A shared row is ``[prompt | chosen | rejected]``: chosen tokens attend the prompt and the
 chosen tokens before them, rejected tokens the prompt and the rejected tokens before them.

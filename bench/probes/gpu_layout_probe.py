@@ -1,6 +1,6 @@
 """The reference pass's layouts and attention kernels on a GPU, in one process (no TRL).
 
-    python bench/gpu_layout_probe.py        # needs CUDA; builds bench/work/1b-2048-256 if missing
+    python bench/probes/gpu_layout_probe.py        # needs CUDA; builds bench/work/1b-2048-256 if missing
 
 1. ``shared`` against ``padded`` layout: reference-pass tokens/s (prompt once) on the ``1b-2048``
    configuration (1.1B Llama, bf16 autocast, sequences up to 2,048 tokens) at token budgets of
@@ -23,19 +23,20 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+BENCH = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(BENCH), str(BENCH.parent)]  # bench/common.py, and dpocache in a checkout not installed
 
 from common import CONFIGS, build_inputs  # noqa: E402
 
-from dpocache.batching import token_budget_batches  # noqa: E402
+from dpocache.scoring.layouts import budget_batches  # noqa: E402
 from dpocache.cache.build import score_batch  # noqa: E402
-from dpocache.cache_cli import load_tokenizer  # noqa: E402
-from dpocache.data import load_preference_data  # noqa: E402
-from dpocache.reference import ReferenceModel  # noqa: E402
+from dpocache.cli.cache import load_tokenizer  # noqa: E402
+from dpocache.data.pairs import load_preference_data  # noqa: E402
+from dpocache.models.reference import ReferenceModel  # noqa: E402
 
 
 def pass_tokens_per_s(ref: ReferenceModel, pairs, budget: int) -> int:
-    batches = token_budget_batches(pairs, budget, layout=ref.layout)
+    batches = budget_batches(pairs, budget, layout=ref.layout)
     score_batch(ref, batches[0], 0)
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -53,7 +54,7 @@ def layouts(inputs: Path) -> None:
         for budget in (16384, 32768, 65536):
             print(layout, budget, [pass_tokens_per_s(ref, pairs, budget) for _ in range(2)], flush=True)
         if layout == "shared":
-            batches = token_budget_batches(pairs, 32768, layout="shared")
+            batches = budget_batches(pairs, 32768, layout="shared")
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for b in batches[2:5]:
                     score_batch(ref, b, 0)

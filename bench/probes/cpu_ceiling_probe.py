@@ -1,6 +1,6 @@
 """How close the CPU reference pass is to what its matrix products alone allow.
 
-    python bench/cpu_ceiling_probe.py [--config 58m] [--budget 1024] [--pairs N] [--rounds 3]
+    python bench/probes/cpu_ceiling_probe.py [--config 58m] [--budget 1024] [--pairs N] [--rounds 3]
 
 On the configuration's real batches (shared layout, ``--budget`` tokens, fp32, as ``dpocache
 cache build`` plans them), each round times, in turn:
@@ -11,9 +11,9 @@ cache build`` plans them), each round times, in turn:
   the one masked SDPA call, then the output head's (rows x vocabulary) tiles on the scored
   positions. No embedding lookup, norms, rotary embedding, SiLU, gating product, residual adds or
   log-sum-exp: the element-wise work that a perfect fusion could at best hide completely;
-- ``peak``: the machine's fp32 matmul peak as ``bench_vs_trl.py`` measures it.
+- ``peak``: the machine's fp32 matmul peak as ``bench_vs_trl.py`` measures it (``common.measure_peak``).
 
-Each gets the bench's executed FLOPs (``bench_vs_trl.flops_of_build``, scaled to the pairs run)
+Each gets the bench's executed FLOPs (``common.flops_of_build``, scaled to the pairs run)
 over its seconds, as a share of that round's peak. ``products`` is the ceiling of the pass's share
 on this machine; ``pass / products`` the most any rewrite of the element-wise work could gain.
 Prints a line per round and a JSON line with the medians.
@@ -31,16 +31,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+BENCH = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(BENCH), str(BENCH.parent)]  # bench/common.py, and dpocache in a checkout not installed
 
-from bench_vs_trl import flops_of_build, measure_peak  # noqa: E402
-from common import CONFIGS, bench_pairs  # noqa: E402
-from token_budget_ab import timed_pass  # noqa: E402
+from common import CONFIGS, bench_pairs, flops_of_build, measure_peak, timed_pass  # noqa: E402
 
 from dpocache.cache.build import reference_batches  # noqa: E402
-from dpocache.logprobs import CPU_TILE_ROWS, CPU_TILE_VOCAB, decoder_layers, unwrap_causal_lm  # noqa: E402
-from dpocache.prefix import attention_mask, collate_layout  # noqa: E402
-from dpocache.reference import ReferenceModel  # noqa: E402
+from dpocache.scoring.logprobs import CPU_TILE_ROWS, CPU_TILE_VOCAB, decoder_layers, unwrap_causal_lm  # noqa: E402
+from dpocache.scoring.shared import attention_mask, collate_layout  # noqa: E402
+from dpocache.models.reference import ReferenceModel  # noqa: E402
 
 CPU = torch.device("cpu")
 

@@ -1,12 +1,12 @@
 """Where a training step's time goes: ``dpocache train`` steps with torch.profiler over a few.
 
-    python bench/gpu_train_profile.py [--config 1b-2048] [--batch-size 4] [--warmup 4] [--profile-steps 2]
+    python bench/probes/gpu_train_profile.py [--config 1b-2048] [--batch-size 4] [--warmup 4] [--profile-steps 2]
         [--train-args "--compile on ..."]
 
-Runs ``dpocache.train`` on the configuration's model and pairs (its cache built first, by the
+Runs ``dpocache.training.loop`` on the configuration's model and pairs (its cache built first, by the
 run itself), times every step with the device synchronised, and wraps steps ``warmup + 1`` to
 ``warmup + profile-steps`` in torch.profiler. Prints the kernel table (sorted by device time)
-and one JSON line: the step times, the useful FLOPs of a step (``bench_vs_trl.flops_of_build``'s
+and one JSON line: the step times, the useful FLOPs of a step (``common.flops_of_build``'s
 convention), the median step's MFU against the device's nominal bf16 peak, and per profiled step
 the ops' host time against the device's busy time (a step whose host time is the larger is bound
 by the host). Without CUDA it
@@ -27,12 +27,12 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+BENCH = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(BENCH), str(BENCH.parent)]  # bench/common.py, and dpocache in a checkout not installed
 
-from bench_vs_trl import parse_probe_args, probe_inputs  # noqa: E402
-from common import CONFIGS  # noqa: E402
+from common import CONFIGS, parse_probe_args, probe_inputs  # noqa: E402
 
-import dpocache.train as train_mod  # noqa: E402
+import dpocache.training.loop as train_mod  # noqa: E402
 from dpocache.config import build_config  # noqa: E402
 
 

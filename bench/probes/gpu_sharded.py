@@ -1,7 +1,7 @@
 """The sharded reference pass on a CUDA GPU: each process's peak GPU memory and the values,
 ``cache build --fsdp`` against the unsharded build.
 
-    python bench/gpu_sharded.py [--config 1b-2048] [--pairs 64] [--reps 3] [--max-tokens 32768]
+    python bench/probes/gpu_sharded.py [--config 1b-2048] [--pairs 64] [--reps 3] [--max-tokens 32768]
 
 Three builds of the same cache, each in fresh processes, ``--reps`` times (medians reported):
 
@@ -10,7 +10,7 @@ Three builds of the same cache, each in fresh processes, ``--reps`` times (media
   token-balanced share): the same batches as the sharded build, so its values and activations
   are the like-for-like comparison;
 - ``two-fsdp``: ``cache build --fsdp`` in two processes, the reference's weights sharded over
-  them with FSDP2 (``dpocache.sharded``).
+  them with FSDP2 (``dpocache.distributed.sharded_reference``).
 
 With one GPU both processes share it, each with its own caching allocator, so each one's
 ``torch.cuda.max_memory_allocated`` is its own peak. NCCL refuses two ranks on one device, so
@@ -36,7 +36,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+BENCH = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(BENCH), str(BENCH.parent)]  # bench/common.py, and dpocache in a checkout not installed
 
 from common import BENCH_DIR, CONFIGS, build_inputs, write_results  # noqa: E402
 
@@ -47,8 +48,8 @@ def worker(backend: str, report: Path, argv: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
-    from dpocache.cli import main
-    from dpocache.distributed import release_group_references
+    from dpocache.cli.entry import main
+    from dpocache.distributed.process_group import release_group_references
 
     cuda = torch.cuda.is_available()
     os.environ["LOCAL_RANK"] = "0"  # every rank on the one GPU (dpocache puts rank r on cuda:LOCAL_RANK)
@@ -86,8 +87,8 @@ def _build(argv: list[str], nproc: int, backend: str, report: Path) -> dict:
 
 
 def _pair_keys(model: Path, data: Path, max_length: int) -> list[bytes]:
-    from dpocache.cache_cli import load_tokenizer
-    from dpocache.data import load_preference_data
+    from dpocache.cli.cache import load_tokenizer
+    from dpocache.data.pairs import load_preference_data
 
     pairs = load_preference_data(str(data), load_tokenizer(model), max_length=max_length, show_progress=False).pairs
     return [p.key for p in pairs]

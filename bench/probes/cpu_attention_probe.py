@@ -1,6 +1,6 @@
 """The shared layout's attention kernel alone, three ways, on a configuration's real batches.
 
-    python bench/cpu_attention_probe.py [--config 58m] [--budget 1024] [--pairs 128] [--rounds 3]
+    python bench/probes/cpu_attention_probe.py [--config 58m] [--budget 1024] [--pairs 128] [--rounds 3]
 
 Each batch of ``--budget`` tokens (shared layout, ``prefix.collate_layout``) gets random q, k, v
 of the model's head shape, and each way runs every batch once per layer (the pass's attention
@@ -31,12 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+BENCH = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(BENCH), str(BENCH.parent)]  # bench/common.py, and dpocache in a checkout not installed
 
 from common import CONFIGS, bench_pairs  # noqa: E402
 
-from dpocache.batching import token_budget_batches  # noqa: E402
-from dpocache.prefix import attention_mask, collate_layout  # noqa: E402
+from dpocache.scoring.layouts import budget_batches  # noqa: E402
+from dpocache.scoring.shared import attention_mask, collate_layout  # noqa: E402
 
 
 class _Sdpa:  # a config whose attention is SDPA, for prefix.attention_mask
@@ -88,7 +89,7 @@ def main() -> None:
     _, pairs = bench_pairs(args.config, args.pairs)
     torch.manual_seed(0)
     work = []
-    for batch in token_budget_batches(pairs, args.budget, layout="shared"):
+    for batch in budget_batches(pairs, args.budget, layout="shared"):
         rows = collate_layout("shared", batch)
         b, t = rows.input_ids.shape
         q, k, v = (torch.randn(b, heads, t, dim) for _ in range(3))
