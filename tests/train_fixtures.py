@@ -128,8 +128,8 @@ def interrupted_then_resumed(tmp_path: Path, base_model: Path, train_jsonl: Path
 
     B's first attempt would be the same deterministic run as A, so B starts as a copy of A's
     directory (half the test's time); B's steps 5..8 all come from the resumed run."""
-    from dpocache.training import metrics
     from dpocache.models.checkpoint import STATE_FILE, latest_checkpoint
+    from dpocache.training import metrics
 
     common = ("--max-steps", str(RESUME_STEPS), "--save-steps", "4", *extra)
     a, b = tmp_path / "a", tmp_path / "b"
