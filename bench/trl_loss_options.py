@@ -20,12 +20,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from conftest import make_rows  # noqa: E402  (the test suite's row generator)
 
-from dpocache.scoring.padded import collate_pairs, pair_logprobs  # noqa: E402
 from dpocache.integrations.trl import truncated_pair  # noqa: E402
-from dpocache.scoring.logprobs import CompletionLogProbs  # noqa: E402
-from dpocache.losses.formulas import ld_pair_logps, preference_loss  # noqa: E402
-from dpocache.models.tiny import save_tiny_model  # noqa: E402
+from dpocache.losses.formulas import ld_pair_logps  # noqa: E402
+from dpocache.losses.registry import preference_loss  # noqa: E402
 from dpocache.losses.wpo import wpo_sums  # noqa: E402
+from dpocache.models.tiny import save_tiny_model  # noqa: E402
+from dpocache.scoring.logprobs import CompletionLogProbs  # noqa: E402
+from dpocache.scoring.padded import collate_pairs, pair_logprobs  # noqa: E402
 
 OPTIONS = [
     {"loss_type": ["sigmoid"]},

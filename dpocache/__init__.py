@@ -20,9 +20,10 @@ __getattr__, __dir__, __all__ = lazy_surface(__name__, {
     "dpocache.cache.build": ["build_missing", "BuildOptions", "BuildSummary", "namespace_for_dir", "verify"],
     "dpocache.models.reference": ["ReferenceModel"],
     "dpocache.scoring.logprobs": ["CompletionLogProbs"],
-    "dpocache.losses.formulas": ["preference_loss", "LOSSES", "LossSpec", "parse_loss_spec"],
+    "dpocache.losses.registry": ["preference_loss", "LOSSES", "LossSpec", "parse_loss_spec"],
     "dpocache.training.loop": ["train"],
-    "dpocache.service.reference_service": ["ReferenceService", "ReferencePool"],
+    "dpocache.service.reference_service": ["ReferenceService", "ServiceOptions"],
+    "dpocache.service.pool": ["ReferencePool"],
     "dpocache.integrations.trl": ["CachedDPOTrainer"],
 })
 

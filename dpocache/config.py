@@ -194,6 +194,16 @@ DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 EXPORT_FORMATS = ("jsonl", "parquet", "datasets", "safetensors")
 
 
+def with_fields(record_type: type, record, fields: dict):
+    """``record`` (a dataclass of ``record_type``; None: its defaults) with ``fields`` set over it:
+    the options records (``cache.build.BuildOptions``, ``service.ServiceOptions``) also take
+    their fields as keyword arguments. An unknown field is a ``TypeError`` naming it."""
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(record_type)})
+    if unknown:
+        raise TypeError(f"unknown {record_type.__name__} field(s): {', '.join(unknown)}")
+    return dataclasses.replace(record or record_type(), **fields)
+
+
 class ConfigError(ValueError):
     pass
 
@@ -222,7 +232,7 @@ def flag_name(dotted: str) -> str:
 
 
 def _validate_loss(loss: LossConfig) -> None:
-    from dpocache.losses.formulas import check_loss_values, check_params_read, parse_loss_spec  # noqa: PLC0415 - see the note on torch above
+    from dpocache.losses.registry import check_loss_values, check_params_read, parse_loss_spec  # noqa: PLC0415 - see the note on torch above
 
     if not (loss.beta > 0 and math.isfinite(loss.beta)):  # also catches NaN
         raise ConfigError(f"{flag_name('loss.beta')}: must be a finite number > 0, got {loss.beta}")
@@ -484,7 +494,7 @@ def help_text(sections: tuple[str, ...] | None = None, fields: tuple[str, ...] =
         if dotted in described:
             lines.append(f"      {described[dotted]}")
     if sections is None or "loss" in sections:
-        from dpocache.losses.formulas import LOSSES  # noqa: PLC0415 - see the note on torch above
+        from dpocache.losses.registry import LOSSES  # noqa: PLC0415 - see the note on torch above
 
         lines += ["", "Losses (--loss NAME, or a weighted sum such as sigmoid:1,sft:0.1):", "  " + ", ".join(LOSSES)]
     return "\n".join(lines)

@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from dpocache.models.loading import disable_dropout
+from dpocache.models.tiny import save_tiny_model
 from dpocache.scoring.groups import Group, collate_sequences, per_sequence
 from dpocache.scoring.logprobs import CompletionLogProbs
-from dpocache.models.loading import disable_dropout
-from dpocache.service.reference_service import ReferencePool, ReferenceService
-from dpocache.models.tiny import save_tiny_model
+from dpocache.service import ReferencePool, ReferenceService
 
 
 def parse_args() -> argparse.Namespace:

@@ -172,7 +172,7 @@ def test_there_are_shipped_configs():
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[str(p.relative_to(REPO)) for p in SHIPPED])
 def test_every_shipped_yaml_parses(path):
-    from dpocache.losses.formulas import check_params_read, parse_loss_spec
+    from dpocache.losses.registry import check_params_read, parse_loss_spec
 
     cfg = build_config(path)
     # the loss it names exists, its params are valid and each is read by a loss of the spec

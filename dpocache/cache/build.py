@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from dpocache.cache.fingerprint import FingerprintMemo, default_memo_path, model_dir_fingerprint, module_fingerprint
 from dpocache.cache.store import DEFAULT_SHARD_PAIRS, CacheError, CacheStore, CorruptShard, Namespace
+from dpocache.config import with_fields
 from dpocache.data.pairs import TokenizedPair
 from dpocache.data.values import PairValues
 from dpocache.distributed.process_group import (
@@ -153,14 +154,6 @@ class BuildOptions:
     sharded: bool = False  # ``build_distributed``: the reference's weights sharded over the ranks
 
 
-def build_options(options: BuildOptions | None, fields: dict) -> BuildOptions:
-    """``options`` with ``fields`` (keyword arguments of a build) applied over it."""
-    unknown = set(fields) - set(BuildOptions.__dataclass_fields__)
-    if unknown:
-        raise TypeError(f"unknown build option(s): {', '.join(sorted(unknown))}")
-    return replace(options or BuildOptions(), **fields)
-
-
 def unique_pairs(pairs: Sequence[TokenizedPair]) -> dict[bytes, TokenizedPair]:
     out: dict[bytes, TokenizedPair] = {}
     for p in pairs:
@@ -201,7 +194,8 @@ def build_missing(
     130); the next build reuses every pair computed before the signal.
     """
     with stop_signals() as stop:
-        summary = score_missing(store, pairs, load_reference, stop, build_options(options, fields), update_manifest)
+        options = with_fields(BuildOptions, options, fields)
+        summary = score_missing(store, pairs, load_reference, stop, options, update_manifest)
         if summary.interrupted:
             raise stop.interrupted(interrupted_message(summary))
     return summary
@@ -363,7 +357,7 @@ def build_distributed(
     # worker; a scheduler may signal one) only ends a rank's scoring loop, and the ranks agree
     # on it in the reduction below, so none waits forever in a collective another left.
     with stop_signals() as stop, stop.deferred() if env.enabled else contextlib.nullcontext():
-        return _build_shares(store, pairs, load_reference, env, stop, build_options(options, fields))
+        return _build_shares(store, pairs, load_reference, env, stop, with_fields(BuildOptions, options, fields))
 
 
 def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_reference: Callable[[], ReferenceModel],

@@ -230,7 +230,7 @@ def _score_share(service, rows: list[RawRow], requests: list[dict], chunk_rows: 
     the same split) into a part file of its own; then rank 0 merges the parts, in data order,
     into ``partial``. Returns the service's counters summed over ranks (seconds: the slowest)."""
     from dpocache.distributed.process_group import barrier, reduce_counts, split_by_weight
-    from dpocache.service.reference_service import request_tokens
+    from dpocache.service.pool import request_tokens
 
     shares = [sorted(share) for share in split_by_weight(range(len(rows)), env.world_size,
                                                           weight=lambda i: request_tokens(requests[i]))]

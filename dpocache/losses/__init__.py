@@ -10,7 +10,10 @@ __getattr__, __dir__, __all__ = lazy_surface(__name__, {
         "nca_pair_loss", "robust_loss", "bco_pair_loss", "sppo_hard_loss", "aot_loss", "aot_unpaired_loss",
         "apo_zero_loss", "apo_down_loss", "discopop_loss", "sigmoid_norm_loss", "dpo_norm_loss", "simpo_loss",
         "orpo_loss", "sft_loss", "F_DIVERGENCES", "f_divergence_scores", "ld_sequence_logps", "ld_pair_logps",
-        "wpo_token_logps", "wpo_weights", "LossFn", "LOSSES", "LossSpec", "parse_loss_spec", "needs_reference",
-        "check_loss_values", "check_params_read", "preference_loss"
+        "wpo_token_logps", "wpo_weights",
+    ],
+    "dpocache.losses.registry": [
+        "LossFn", "LOSSES", "GLOBAL_DEFAULTS", "LossSpec", "parse_loss_spec", "needs_reference", "check_loss_values",
+        "check_params_read", "preference_loss",
     ],
 })

@@ -5,6 +5,7 @@ from dpocache.imports import lazy_surface
 
 __getattr__, __dir__, __all__ = lazy_surface(__name__, {
     "dpocache.service.reference_service": [
-        "ReferenceService", "ReferencePool", "RequestError", "Request", "check_request", "GROUP_MAX_TOKENS"
+        "ReferenceService", "ServiceOptions", "RequestError", "Request", "check_request", "GROUP_MAX_TOKENS"
     ],
+    "dpocache.service.pool": ["ReferencePool"],
 })

@@ -15,8 +15,8 @@ single sequence) and returns, in request order, one ``(c,)`` fp32 CPU tensor per
 
 ``forward(input_ids, max_req_tokens, pad_id)`` is the same computation behind torchforge's
 reference endpoint: a ``(G, T)`` batch of left-padded prompts and right-padded responses in,
-``(G, T - max_req_tokens)`` response log-probs out. ``ReferencePool`` spreads ``score`` over
-Ray actors (``pip install 'dpocache[ray]'``).
+``(G, T - max_req_tokens)`` response log-probs out. ``service.pool.ReferencePool`` spreads
+``score`` over Ray actors (``pip install 'dpocache[ray]'``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from dpocache.cache.build import default_max_tokens, namespace_for_dir, namespac
 from dpocache.cache.fingerprint import config_sha256
 from dpocache.cache.sequences import DEFAULT_MEMORY_BYTES, SequenceStore, sequence_key
 from dpocache.cache.store import Namespace
-from dpocache.distributed.process_group import split_by_weight
+from dpocache.config import with_fields
 from dpocache.models.directories import reference_source
 from dpocache.models.hub_ids import resolve_model_path
 from dpocache.models.reference import ReferenceModel, dtype_name, resolve_dtype
@@ -139,6 +139,26 @@ class _Work:
 GROUP_MAX_TOKENS = 4096
 
 
+@dataclass(frozen=True)
+class ServiceOptions:
+    """How a reference service scores: one record from ``ReferencePool`` to each replica's
+    service, and from ``from_pretrained`` to the constructor (which also take its fields as
+    keyword arguments). The fields are ``ReferenceService``'s arguments documented there."""
+
+    max_tokens: int | None = None
+    cache_dir: str | Path | None = None
+    compile: bool = False
+    namespace: Namespace | None = None
+    stats_file: str | Path | None = None
+    layout: str = SHARED
+    cache_memory_bytes: int = DEFAULT_MEMORY_BYTES
+    temperature: float | None = None
+
+    @property
+    def temperature_or_one(self) -> float:
+        return 1.0 if self.temperature is None else self.temperature
+
+
 class ReferenceService:
     """A frozen reference model behind ``score`` and ``forward``.
 
@@ -163,13 +183,14 @@ class ReferenceService:
     """
 
     def __init__(self, model: nn.Module | ReferenceModel, dtype: torch.dtype = torch.float32,
-                 max_tokens: int | None = None, cache_dir: str | Path | None = None, compile: bool = False,
-                 namespace: Namespace | None = None, stats_file: str | Path | None = None, layout: str = SHARED,
-                 cache_memory_bytes: int = DEFAULT_MEMORY_BYTES, temperature: float | None = None):
+                 options: ServiceOptions | None = None, **fields):
+        options = with_fields(ServiceOptions, options, fields)
+        max_tokens, cache_dir, temperature = options.max_tokens, options.cache_dir, options.temperature
+        self.options = options
         if isinstance(dtype, str):  # as from_pretrained takes it ("auto": by the model's device)
             dtype = resolve_dtype(dtype, next(model.parameters()).device if isinstance(model, nn.Module) else "cpu")
         self.reference = model if isinstance(model, ReferenceModel) else ReferenceModel(
-            model, dtype, "on" if compile else "off", layout=layout,
+            model, dtype, "on" if options.compile else "off", layout=options.layout,
             temperature=1.0 if temperature is None else temperature)
         if self.reference.layout_choice.attention == CAUSAL:
             # Its rows are the training layouts' (SequenceRows); a group row has none to give it.
@@ -186,14 +207,14 @@ class ReferenceService:
             raise ValueError(f"max_tokens must be at least 1; got {max_tokens}")
         self.max_tokens = max_tokens or max(GROUP_MAX_TOKENS, default_max_tokens(self.reference.device))
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
-        self.cache_memory_bytes = cache_memory_bytes
+        self.cache_memory_bytes = options.cache_memory_bytes
         self.store = None
         if cache_dir is not None:
-            namespace = (replace(namespace, temperature=self.reference.temperature) if namespace
+            namespace = (replace(options.namespace, temperature=self.reference.temperature) if options.namespace
                          else self._namespace_by_content())
-            self.store = SequenceStore(cache_dir, namespace, cache_memory_bytes)
+            self.store = SequenceStore(cache_dir, namespace, options.cache_memory_bytes)
             self._weights = self._weights_signature()
-        self.stats_file = Path(stats_file) if stats_file else None
+        self.stats_file = Path(options.stats_file) if options.stats_file else None
         self._counts = dict.fromkeys(SUMMED, 0)
         # One call at a time: the model runs one batch at a time anyway, and the store's pending
         # values and shard writes are not safe against a second thread.
@@ -201,30 +222,31 @@ class ReferenceService:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype = "auto",
-                        device: str | torch.device | None = None, max_tokens: int | None = None,
-                        cache_dir: str | Path | None = None, compile: bool = False, reference: str = "initial",
-                        **kwargs) -> "ReferenceService":
+                        device: str | torch.device | None = None, reference: str = "initial",
+                        options: ServiceOptions | None = None, **fields) -> "ReferenceService":
         """A model directory. For a PEFT adapter directory the reference is the initial policy,
         base + that adapter (``reference="base"``: the bare base), as in ``dpocache train``."""
         path = resolve_model_path(str(path))  # a Hub id: its snapshot in the local cache
         check_model_dir(path, "path", tokenizer=False)  # one line, not transformers' traceback
         base, adapter = reference_source(path, reference)
-        layout = kwargs.pop("layout", SHARED)
-        model = ReferenceModel.from_pretrained(base, dtype, device, compile="on" if compile else "off",
-                                               layout=layout, adapter=adapter,
-                                               temperature=_temperature(kwargs))
-        namespace = (namespace_for_dir(path, model.dtype, Path(cache_dir), reference) if cache_dir is not None
-                     else None)
-        return cls(model, max_tokens=max_tokens, cache_dir=cache_dir, namespace=namespace, **kwargs)
+        options = with_fields(ServiceOptions, options, fields)
+        model = ReferenceModel.from_pretrained(base, dtype, device, compile="on" if options.compile else "off",
+                                               layout=options.layout, adapter=adapter,
+                                               temperature=options.temperature_or_one)
+        if options.cache_dir is not None and options.namespace is None:
+            options = replace(options, namespace=namespace_for_dir(path, model.dtype, options.cache_dir, reference))
+        return cls(model, options=options)
 
     @classmethod
-    def from_peft_policy(cls, policy: nn.Module, dtype: torch.dtype = torch.float32, **kwargs) -> "ReferenceService":
+    def from_peft_policy(cls, policy: nn.Module, dtype: torch.dtype = torch.float32,
+                         options: ServiceOptions | None = None, **fields) -> "ReferenceService":
         """The policy's base weights, its adapter disabled during every forward. Its namespace is
         that of the base weights alone (the adapter trains; the values do not depend on it)."""
-        reference = ReferenceModel.from_peft_policy(policy, dtype, _temperature(kwargs))
-        if kwargs.get("cache_dir") is not None and kwargs.get("namespace") is None:
-            kwargs["namespace"] = base_namespace(policy, dtype)
-        return cls(reference, **kwargs)
+        options = with_fields(ServiceOptions, options, fields)
+        reference = ReferenceModel.from_peft_policy(policy, dtype, options.temperature_or_one)
+        if options.cache_dir is not None and options.namespace is None:
+            options = replace(options, namespace=base_namespace(policy, dtype))
+        return cls(reference, options=options)
 
     # ------------------------------------------------------------------------------ scoring
 
@@ -373,7 +395,7 @@ class ReferenceService:
         Qwen), since a response's own EOS or a prompt's BOS would read as padding; ``forward``
         refuses such a ``pad_id`` without one."""
         requests, rows = forward_requests(input_ids, max_req_tokens, pad_id, attention_mask, self.special_ids)
-        return forward_output(_scored_rows(self.score, requests, rows), rows, input_ids, max_req_tokens)
+        return forward_output(scored_rows(self.score, requests, rows), rows, input_ids, max_req_tokens)
 
     # -------------------------------------------------------------------------------- stats
 
@@ -398,12 +420,6 @@ class ReferenceService:
         self.stats_file.parent.mkdir(parents=True, exist_ok=True)
         with open(self.stats_file, "a", encoding="utf-8") as f:
             f.write(json.dumps({"time": time.time(), "pid": os.getpid(), **self.stats()}) + "\n")
-
-
-def _temperature(service_kwargs: dict) -> float:
-    """The ``temperature`` a constructor's keyword arguments ask for (absent or None: 1)."""
-    value = service_kwargs.get("temperature")
-    return 1.0 if value is None else value
 
 
 def base_namespace(policy: nn.Module, dtype: torch.dtype) -> Namespace:
@@ -490,7 +506,7 @@ def forward_requests(input_ids: torch.Tensor, max_req_tokens: int, pad_id: int,
     return requests, rows
 
 
-def _scored_rows(score, requests: list[Request], rows: list) -> list[list[torch.Tensor]]:
+def scored_rows(score, requests: list[Request], rows: list) -> list[list[torch.Tensor]]:
     """``score(requests)``, a bad request named by its row of the ``(G, T)`` batch."""
     try:
         return score(requests)
@@ -510,125 +526,3 @@ def forward_output(values: list[list[torch.Tensor]], rows: list, input_ids: torc
 
 
 # ------------------------------------------------------------------------------------- Ray
-
-
-def _import_ray():
-    try:
-        import ray
-    except ImportError:
-        raise ImportError("ReferencePool needs Ray: pip install 'dpocache[ray]'") from None
-    return ray
-
-
-class _Replica:
-    """One Ray actor: a ``ReferenceService`` of its own (one GPU where the cluster has them)."""
-
-    def __init__(self, path: str, service_kwargs: dict, exit_once: str | None = None):
-        self.service = ReferenceService.from_pretrained(path, **service_kwargs)
-        self.exit_once = exit_once
-
-    def ready(self) -> tuple[int, int, int | None, frozenset[int]]:
-        """(process id, vocabulary size, context length, BOS and EOS ids)."""
-        return os.getpid(), self.service.vocab_size, self.service.context, self.service.special_ids
-
-    def score(self, requests: list[Request]) -> list[list[torch.Tensor]]:
-        if self.exit_once:
-            try:
-                os.remove(self.exit_once)  # succeeds once: tests kill a replica mid-call this way
-            except FileNotFoundError:
-                pass
-            else:
-                os._exit(1)
-        return self.service.score(requests)
-
-    def stats(self) -> dict:
-        return self.service.stats()
-
-
-def request_tokens(request: Request) -> int:
-    """A request's cost for splitting: the tokens of its group row."""
-    try:
-        return len(request["prompt_ids"]) + sum(len(c) for c in request["completion_ids"])
-    except (TypeError, KeyError):
-        return 0  # a malformed request: its replica's check names it
-
-
-class ReferencePool:
-    """``num_replicas`` ``ReferenceService``s as Ray actors; ``score`` splits each call by tokens.
-
-    Connects to the running cluster when ``ray.init(...)`` was called first, else starts a
-    local one. Each replica takes one GPU if the cluster has one per replica, else one CPU. A
-    replica that dies is restarted by Ray (``max_restarts``) and its task re-run
-    (``max_task_retries``); if Ray gives up, the pool sends the share to another replica.
-    Either way every request is answered exactly once, in request order.
-    """
-
-    def __init__(self, path: str | Path, num_replicas: int = 2, max_restarts: int = 3, max_task_retries: int = 3,
-                 _exit_once: str | None = None, **service_kwargs):
-        check_model_dir(resolve_model_path(str(path)), "path", tokenizer=False)  # not in every replica
-        ray = _import_ray()
-        if num_replicas < 1:
-            raise ValueError(f"num_replicas must be at least 1; got {num_replicas}")
-        if not ray.is_initialized():
-            ray.init(include_dashboard=False, log_to_driver=False)
-        self._ray = ray
-        cluster = ray.cluster_resources()
-        gpus, cpus = cluster.get("GPU", 0), cluster.get("CPU", 0)
-        resources = {"num_gpus": 1} if gpus >= num_replicas else {"num_cpus": 1}
-        if "num_cpus" in resources and cpus < num_replicas:
-            # Ray leaves an actor it has no room for unscheduled, with no error: ready() below
-            # would wait for it for ever, saying nothing.
-            raise ValueError(f"num_replicas={num_replicas}: each replica takes one CPU and the Ray cluster has "
-                             f"{cpus:g}; ask for at most {int(cpus)}, or give Ray more (ray.init(num_cpus=...))")
-        actor = ray.remote(_Replica).options(max_restarts=max_restarts, max_task_retries=max_task_retries, **resources)
-        self.replicas = [actor.remote(str(path), service_kwargs, _exit_once) for _ in range(num_replicas)]
-        _, self.vocab_size, self.context, self.special_ids = ray.get([r.ready.remote() for r in self.replicas])[0]
-
-    def _replicas(self) -> list:
-        if not self.replicas:
-            raise RuntimeError("this ReferencePool was shut down; start a new one")
-        return self.replicas
-
-    def score(self, requests: Sequence[Request]) -> list[list[torch.Tensor]]:
-        """As ``ReferenceService.score``, over the replicas."""
-        ray = self._ray
-        n = len(self._replicas())
-        for i, r in enumerate(requests):  # here, so that an error names the caller's request index
-            check_request(i, r, self.vocab_size, self.context)
-        shares = [sorted(s) for s in split_by_weight(list(range(len(requests))), n, tiebreak=lambda i: i,
-                                                     weight=lambda i: request_tokens(requests[i])) if s]
-        submit = lambda r, s: self.replicas[r].score.remote([requests[i] for i in shares[s]])  # noqa: E731
-        # ref -> (replica, share, tries); share s starts on replica s
-        pending = {submit(s, s): (s, s, 0) for s in range(len(shares))}
-        results: list = [None] * len(requests)
-        while pending:
-            (ref,), _ = ray.wait(list(pending), num_returns=1)
-            r, s, tries = pending.pop(ref)
-            try:
-                values = ray.get(ref)
-            except ray.exceptions.RayActorError:
-                # Ray's own restarts and task retries are spent: the share goes to the next replica.
-                if tries + 1 >= n:
-                    raise
-                pending[submit((r + 1) % n, s)] = ((r + 1) % n, s, tries + 1)
-                continue
-            for i, v in zip(shares[s], values):
-                results[i] = v
-        return results
-
-    def forward(self, input_ids: torch.Tensor, max_req_tokens: int, pad_id: int,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """As ``ReferenceService.forward``, over the replicas."""
-        requests, rows = forward_requests(input_ids, max_req_tokens, pad_id, attention_mask, self.special_ids)
-        return forward_output(_scored_rows(self.score, requests, rows), rows, input_ids, max_req_tokens)
-
-    def stats(self) -> dict:
-        """Summed counters, with each replica's under ``replicas`` (a restarted replica's start
-        from zero)."""
-        parts = self._ray.get([r.stats.remote() for r in self._replicas()])
-        return {**summed_stats(parts), "replicas": parts}
-
-    def shutdown(self) -> None:
-        for r in self.replicas:
-            self._ray.kill(r)
-        self.replicas = []

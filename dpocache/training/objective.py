@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dpocache.data.pairs import TokenizedPair
 from dpocache.data.values import PairValues
-from dpocache.losses.formulas import preference_loss, wpo_weights
+from dpocache.losses.formulas import wpo_weights
 from dpocache.losses.ld_dpo import ld_values
+from dpocache.losses.registry import preference_loss
 from dpocache.losses.wpo import wpo_sums
 from dpocache.scoring.layouts import layout_logprobs
 from dpocache.scoring.logprobs import autocast, scorer_core

@@ -25,7 +25,7 @@ from dpocache.distributed.process_group import (
     differing_on_ranks,
     init_distributed,
 )
-from dpocache.losses.formulas import parse_loss_spec
+from dpocache.losses.registry import parse_loss_spec
 from dpocache.models.checkpoint import (
     latest_checkpoint,
 )

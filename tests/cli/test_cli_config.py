@@ -13,7 +13,7 @@ from dpocache.cache.fingerprint import WEIGHT_SUFFIXES
 from dpocache.cli import entry as cli
 from dpocache.cli.cache_args import parse_args
 from dpocache.config import Config, ConfigError, build_config, field_help, field_types
-from dpocache.losses.formulas import LOSSES
+from dpocache.losses.registry import LOSSES
 from dpocache.runtime import preflight
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dpocache.losses.formulas import LOSSES, LossSpec, needs_reference, parse_loss_spec, preference_loss
+from dpocache.losses.registry import LOSSES, LossSpec, needs_reference, parse_loss_spec, preference_loss
 
 TOL = 1e-6
 BETA = 0.1  # the documented default

@@ -8,14 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from dpocache.config import build_config
-from dpocache.losses.formulas import (
-    f_divergence_scores,
-    ld_pair_logps,
-    parse_loss_spec,
-    preference_loss,
-    wpo_token_logps,
-    wpo_weights,
-)
+from dpocache.losses.formulas import f_divergence_scores, ld_pair_logps, wpo_token_logps, wpo_weights
+from dpocache.losses.registry import parse_loss_spec, preference_loss
 
 ONE = torch.ones(1)
 

@@ -560,7 +560,7 @@ def test_pool_without_ray_says_how_to_install(monkeypatch, model_dir):
     """The package and the service work without Ray; the pool names the extra to install."""
     import sys
 
-    from dpocache.service.reference_service import ReferencePool
+    from dpocache.service.pool import ReferencePool
 
     monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed
     with pytest.raises(ImportError, match=r"pip install 'dpocache\[ray\]'"):

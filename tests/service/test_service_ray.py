@@ -1,4 +1,4 @@
-"""Tests for dpocache.service.reference_service.ReferencePool on a local Ray with two CPU replicas (skipped where
+"""Tests for dpocache.service.pool.ReferencePool on a local Ray with two CPU replicas (skipped where
 Ray is not installed): the pool returns exactly what one in-process service does, in request
 order, and still every result exactly once when a replica dies in the middle of a call."""
 
@@ -28,7 +28,7 @@ def _same(a, b) -> bool:
 
 
 def test_pool_equals_one_service(local_ray, model_dir):
-    from dpocache.service.reference_service import ReferencePool
+    from dpocache.service.pool import ReferencePool
 
     requests = make_requests(9, 4, seed=21)
     expected = ReferenceService.from_pretrained(model_dir, dtype="float32", device="cpu").score(requests)
@@ -53,7 +53,7 @@ def test_replica_killed_mid_call_answers_everything_once(local_ray, model_dir, t
     """The replica that takes the first share exits (os._exit) after receiving it; Ray restarts
     it and re-runs the share. The marker file is removed by the replica that dies, so it is
     gone afterwards only if a replica really died mid-call."""
-    from dpocache.service.reference_service import ReferencePool
+    from dpocache.service.pool import ReferencePool
 
     requests = make_requests(8, 3, seed=22)
     expected = ReferenceService.from_pretrained(model_dir, dtype="float32", device="cpu").score(requests)
@@ -77,7 +77,7 @@ def test_more_cpu_replicas_than_the_cluster_has_cpus_is_one_line(local_ray, mode
     so that a hang fails the test instead of the run.)"""
     import threading
 
-    from dpocache.service.reference_service import ReferencePool
+    from dpocache.service.pool import ReferencePool
 
     outcome = []
 

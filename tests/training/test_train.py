@@ -26,7 +26,7 @@ from train_fixtures import (  # noqa: F401  (fixtures are used by name; one_thre
 )
 
 from dpocache.cli.entry import main as cli_main
-from dpocache.losses.formulas import LOSSES
+from dpocache.losses.registry import LOSSES
 from dpocache.models import reference as reference_mod
 from dpocache.training import loop as train_mod
 from dpocache.training import objective as objective_mod
