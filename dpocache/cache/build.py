@@ -44,13 +44,12 @@ from dpocache.scoring.layout_choice import PADDED
 from dpocache.scoring.layouts import budget_batches
 
 # Padded token slots per reference forward when none is given (``--max-tokens``), by device.
-# The CPU's: on the 2-core bench CPU (32 MiB L3) the 58m fp32 pass ran 1.18x faster at 1024 than
-# at 4096 (512: 1.12x, 2048: 1.02x; the long-prompt data 1.16x, bf16 1.06x), interleaved in one
-# process (bench/token_budget_ab.py): a batch's activations stay in the cache between the
-# layer's products. The GPU's: on an H100 (1.1B Llama, bf16, 256 pairs) 16384 ran the pass at
-# 0.977x the speed of 32768 and 8192 at 0.932x (the same A/B), and 16384 peaks at 3,303 MiB of
-# GPU memory against 4,342 (the causal backend): a quarter less memory for 2% of speed. 65536
-# was no faster than 32768. Both are in bench/README.md.
+# The CPU's: on the 2-core bench CPU the reference pass ran faster at 1024 than at 4096, 2048 or
+# 512, and 768 and 1536 were no better, interleaved in one process (bench/token_budget_ab.py):
+# a batch's activations stay in the L3 cache between the layer's products
+# (docs/benchmarks/levers-cpu-2core-20261123.md). The GPU's: on an H100 (1.1B Llama, bf16) 16384
+# ran the pass almost as fast as 32768 with less GPU memory, 8192 was slower, and 65536 was no
+# faster than 32768 (docs/benchmarks/vs-trl-h100-20261123.md).
 CPU_MAX_TOKENS = 1024
 GPU_MAX_TOKENS = 16384
 

@@ -382,7 +382,7 @@ def _split_implicit(location: str, chosen: Any, rejected: Any) -> tuple[Any, Any
     n = _common_prefix_len(chosen, rejected)
     # Cut at a word boundary, so that the completion starts with its own word rather than the
     # tail of a shared one (TRL 1.16's extract_prompt cuts where the texts differ: "The answer
-    # is 4" + "2"; see README).
+    # is 4" + "2"; see docs/data.md).
     while n > 0 and not chosen[n - 1].isspace() and n < len(chosen) and not chosen[n].isspace():
         n -= 1
     # Leave the space to the completion (" blue", not "blue"): BPE vocabularies hold words

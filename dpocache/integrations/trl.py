@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,8 @@ try:
     import trl
     from trl import DPOTrainer
 except ImportError as e:  # the extra is optional; say how to get it
-    raise ImportError("dpocache.integrations.trl needs TRL: pip install 'dpocache[trl]'") from e
+    raise ImportError("dpocache.integrations.trl needs TRL 1.16: pip install 'dpocache[trl]' "
+                      "(in a clone of dpocache: pip install -e '.[trl]')") from e
 
 
 def check_trl_version(version: str | None = None) -> None:
@@ -53,7 +55,8 @@ def check_trl_version(version: str | None = None) -> None:
     version = version or trl.__version__
     if not version.startswith(SUPPORTED_TRL) or not hasattr(DPOTrainer, "_precompute_ref_logps"):
         raise RuntimeError(f"CachedDPOTrainer supports TRL {', '.join(v + 'x' for v in SUPPORTED_TRL)}; found TRL "
-                           f"{version}, whose DPOTrainer internals may differ (pip install 'dpocache[trl]')")
+                           f"{version}, whose DPOTrainer internals may differ (pip install 'dpocache[trl]'; in a "
+                           "clone of dpocache: pip install -e '.[trl]')")
 
 
 log = logging.getLogger(__name__)
@@ -178,8 +181,10 @@ def check_reference_weights(module: Any, path: Path, what: str, given: bool) -> 
     name, compared = _differs(files, tensors)
     if name is not None:
         raise ValueError(f"CachedDPOTrainer: {what}'s weights differ from those in {base} ({source}), which the "
-                         f"cached reference is computed from (first: {name}); {what} was changed after loading "
-                         "(training, merge_and_unload, edits): save_pretrained it and load it from that directory")
+                         f"cached reference is computed from (first: {name}). If {what} was changed after loading "
+                         "(training, merge_and_unload, edits), save_pretrained it and load it from that directory; "
+                         "for a reference that differs from the policy on purpose (a trained model against its SFT "
+                         "model), pass TRL's ref_model= (loaded) and cache_reference= its directory")
     if not compared:  # an unknown layout (renamed or fused tensors): say so rather than pass silently
         log.warning("CachedDPOTrainer: no tensor of %s matched one in %s by name and shape; %s's weights could not "
                     "be checked against the reference's", what, base, what)
@@ -295,6 +300,15 @@ class CachedDPOTrainer(DPOTrainer):
         base, adapter = reference_source(self._ref_path)
         return ReferenceModel.from_pretrained(base, self._cache_dtype, self._cache_device, adapter=adapter)
 
+    def _report(self, name: str, summary) -> None:
+        """Where the reference values of data set ``name`` came from, in the CLI's words: once, on
+        stderr (the main process) and through the logger."""
+        line = (f"reference ({name}): {summary.unique} pairs from the cache ({summary.computed} computed, "
+                f"{summary.reused} reused) in {summary.cache_dir}")
+        log.info("CachedDPOTrainer: %s", line)
+        if getattr(getattr(self, "accelerator", None), "is_main_process", True):
+            print(line, file=sys.stderr)
+
     def _precompute_ref_logps(self, dataset, name: str, batch_size: int):
         """Fill ``ref_chosen_logps`` / ``ref_rejected_logps`` from the cache (TRL's hook)."""
         cols = dataset.select_columns(["prompt_ids", "chosen_ids", "rejected_ids"])
@@ -305,7 +319,8 @@ class CachedDPOTrainer(DPOTrainer):
         tokenizer = getattr(self, "_tokenizer", None) or self.processing_class
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         options = BuildOptions(pad_id=pad_id, max_tokens=self._cache_max_tokens, show_progress=False)
-        self.cache_summaries[name] = build_missing(store, pairs, self._load_reference, options)
+        summary = self.cache_summaries[name] = build_missing(store, pairs, self._load_reference, options)
+        self._report(name, summary)
         values = store.lookup([p.key for p in pairs])
         dataset = dataset.remove_columns([c for c in ("ref_chosen_logps", "ref_rejected_logps")
                                           if c in dataset.column_names])

@@ -26,10 +26,10 @@ against its formula. The parts follow what dpocache runs:
 Activation bytes per token of one decoder layer (bf16 autocast, SDPA so no ``T x T`` scores
 kept) are ``ACTIVATION_HIDDEN_COEF * H + ACTIVATION_INTERMEDIATE_COEF * I`` bytes. The
 coefficients were measured on a Llama decoder layer: the bytes autograd saves per token
-(``tests/test_memory_plan.py`` measures them again and checks the formula).
+(``tests/models/test_memory_plan.py`` measures them again and checks the formula).
 
-Run ``python -m dpocache.models.memory_plan`` for the README's table, or pass ``--config
-config.json`` for any Llama-style model.
+Run ``python -m dpocache.models.memory_plan`` for the table of docs/memory.md, or pass
+``--config config.json`` for any Llama-style model.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ GIB = 1 << 30
 # measured (saved_tensors_hooks, difference between two sequence lengths, at two widths each):
 # 32 per hidden unit (the fp32 residual stream at both norms, the bf16 normed inputs, q, k, v,
 # attention output) and 8 per MLP unit (gate, up and their product in bf16, the SiLU output).
-# tests/test_memory_plan.py::test_activation_formula_matches_autograd measures it again.
+# tests/models/test_memory_plan.py::test_activation_formula_matches_autograd measures it again.
 ACTIVATION_HIDDEN_COEF = 32
 ACTIVATION_INTERMEDIATE_COEF = 8
 # Inference keeps nothing for backward; one layer's live tensors at its peak: the fp32 residual

@@ -37,9 +37,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
     """``auto`` → bfloat16 where it is faster than float32: CUDA devices with bf16, and CPUs
     with AMX tiles. CPUs with only AVX512-BF16 run bf16 matrix products *slower* than fp32
-    (measured on one: 86 against 153 GFLOP/s at 2048x2048), so they get float32. An explicit
-    bfloat16 there runs its linear layers through the fp32 GEMM (``dpocache.scoring.bf16_matmul``),
-    which still measured slower end to end than float32 (bench/README.md)."""
+    (docs/benchmarks/levers-cpu-2core-20261123.md), so they get float32. An explicit bfloat16
+    there runs its linear layers through the fp32 GEMM (``dpocache.scoring.bf16_matmul``), which
+    still measured slower end to end than float32
+    (docs/benchmarks/vs-trl-cpu-avx512-2core-20261122.md, round 3)."""
     if name == "auto":
         device = torch.device(device)
         if device.type == "cuda":
@@ -108,8 +109,8 @@ class ReferenceModel:
             dtype = resolve_dtype(dtype, device)
         # Off the CPU, the matrices are stored in the compute dtype (below) before the weights
         # move to the device, so the fp32 copy never takes device memory: on an H100 the 1.1B
-        # bench model's fp32 weights (4,196 MiB) would top the causal pass's whole peak at the
-        # 16384 budget (3,303 MiB, measured with this staging).
+        # bench model's fp32 weights alone would exceed the causal pass's whole peak at the 16384
+        # budget, measured with this staging (docs/benchmarks/vs-trl-h100-20261123.md).
         staged = device.type != "cpu" and dtype != torch.float32
         model = load_causal_lm(path, "cpu" if staged else device)
         if adapter is not None:

@@ -9,10 +9,9 @@ again on its next use; how often depends on the order of earlier allocations.
 
 ``configure_cpu_allocator("retain")`` pins the mmap threshold at 32 MiB from the start and
 raises the trim threshold to 1 GiB, so freed blocks up to 32 MiB stay in the process and are
-reused. Measured on the ``58m`` benchmark's reference pass (256 pairs, fp32, 4 runs each,
-alternating): 48-68 thousand minor page faults per pass instead of 160 thousand to 1.9 million,
-tokens/s 2,308-2,467 instead of 2,120-2,616 (the same median, the slow outliers gone), peak
-RSS the same. Training steps measured no different.
+reused. On the ``58m`` benchmark's reference pass that cut the minor page faults to a fraction
+and removed the slow outliers, at the same median speed and peak RSS; training steps measured
+no different (docs/benchmarks/levers-cpu-2core-20261123.md).
 
 It changes the whole process, so the command-line entry points and ``dpocache.training.loop.train``
 call it, not library functions; ``DPOCACHE_CPU_ALLOCATOR=default`` leaves ``malloc`` as it was.
@@ -32,7 +31,8 @@ ENV = "DPOCACHE_CPU_ALLOCATOR"
 MODES = ("retain", "default")
 # Blocks up to 32 MiB (glibc's own ceiling for its adaptive threshold, pinned from the start)
 # come from the heap; larger ones are still mmap-ed, so a one-off giant block is returned at
-# once. A threshold of 1 GiB measured the same speed but up to 1.8x the peak RSS (fragmentation).
+# once. A threshold of 1 GiB measured the same speed but a higher peak RSS (fragmentation;
+# docs/benchmarks/levers-cpu-2core-20261123.md, "Not adopted").
 MMAP_THRESHOLD_BYTES = 32 << 20
 # Free memory at the heap's top is kept up to this much instead of trimmed and faulted back.
 TRIM_THRESHOLD_BYTES = 1 << 30
@@ -102,8 +102,9 @@ def configure_cuda_allocator() -> bool:
     The reference pass and training allocate activations of a different size for every batch
     (token-budget batches of varying width); with fixed segments, freed blocks of one size do not
     serve the next, and a 1.1B bf16 training run at batch 8 on an 80 GB H100 stopped out of memory
-    with 18 GiB reserved but unallocated (bench/README.md). Expandable segments grow one mapping
-    instead, as torchtitan and torchtune configure it. True when the setting was made."""
+    with a large part of its memory reserved but unallocated (docs/benchmarks/vs-trl-h100-20261123.md).
+    Expandable segments grow one mapping instead, as torchtitan and torchtune configure it. True
+    when the setting was made."""
     if os.environ.get(CUDA_ALLOC_ENV) is not None:
         return False
     torch = sys.modules.get("torch")

@@ -1,18 +1,18 @@
 """Attention backends behind the shared and packed layouts (``--attention auto|sdpa|flex|causal``).
 
 - ``sdpa``: the model's attention as loaded (``sdpa``, or ``eager``) with the dense boolean
-  block mask ``(B, 1, T, T)`` of ``prefix.attention_mask``; every query scores every key of its
-  row, masked or not.
+  block mask ``(B, 1, T, T)`` of ``scoring.shared.attention_mask``; every query scores every key
+  of its row, masked or not.
 - ``flex``: ``torch.nn.attention.flex_attention`` (compiled by transformers' flex integration)
-  with a ``BlockMask`` (``prefix.flex_block_masks``) over the same rule, written as a
-  ``mask_mod`` over two int32 key ranges per query (``prefix.key_ranges``: its pair's prompt,
-  and its own completion up to itself), and the sliding window on positions where a layer type
-  has one; its blocks are counted from the same ranges, with no compile
-  (``prefix.block_mask_from_ranges``). Blocks of 128 x 128 that the rule masks entirely are
-  skipped, so the cost follows the tokens that attend, not ``T**2``. Gemma 2's attention soft-capping is a
-  ``score_mod`` that transformers' ``flex_attention_forward`` applies from the model's
-  ``softcap`` argument. Torch 2.13 runs it compiled on CPU too, forward only (no backward:
-  training on CPU keeps ``sdpa``).
+  with a ``BlockMask`` (``scoring.shared.flex_block_masks``) over the same rule, written as a
+  ``mask_mod`` over two int32 key ranges per query (``scoring.shared.key_ranges``: its pair's
+  prompt, and its own completion up to itself), and the sliding window on positions where a
+  layer type has one; its blocks are counted from the same ranges, with no compile
+  (``scoring.shared.block_mask_from_ranges``). Blocks of 128 x 128 that the rule masks entirely
+  are skipped, so the cost follows the tokens that attend, not ``T**2``. Gemma 2's attention
+  soft-capping is a ``score_mod`` that transformers' ``flex_attention_forward`` applies from the
+  model's ``softcap`` argument. Torch 2.13 runs it compiled on CPU too, forward only (no
+  backward: training on CPU keeps ``sdpa``).
 - ``causal``: each sequence (a pair's prompt, then one of its completions) gathered into a row
   of its own (``SequenceRows``, built by the collate) and run through SDPA's causal kernel with
   no mask (flash, not cuDNN: ``sdpa_kernels``), outputs taken back to the batch's rows. Only
@@ -20,32 +20,30 @@
   transformers' attention interface and plain causal layers (no sliding window, no
   soft-capping: ``causal_supported``).
 
-``auto`` is ``causal`` on GPUs where it serves the model, else ``sdpa``. Measured on an H100
-(1.1B Llama, bf16, 256 pairs up to 2,600 tokens, ``--max-tokens 32768``, eager layers;
-``bench/gpu_compile_probe.py --variant causal|sdpa [--no-cudnn-sdp]``): a first pass, every
-batch shape new as in a cache build, ran at 120,218 tokens/s causal on flash, 111,540 causal on
-cuDNN and 86,200 under sdpa's masked kernel; the passes after it at 122,200-122,800, 131,200-131,500
-and 103,900-104,000. In a compiled training step of 4 pairs (profiled), causal 0.394 s against
-0.418 for sdpa, both on SDPA's cuDNN kernel. On the 2-core CPU the masked flash kernel measured
-fastest (``bench/cpu_attention_probe.py``), so ``auto`` stays ``sdpa`` there. ``flex`` runs when asked
-for where the architecture supports it (``_supports_flex_attn``), and a requested ``flex`` or
-``causal`` that cannot run falls back to ``sdpa`` and says why; a run on the padded layout keeps
-the model's loaded attention, and says so too (``choose_layout``). Flex, measured on an H100
-(the same model and pass; README, "On a GPU"): with the mask rule of ``prefix.key_ranges`` the
-kernel on a packed row of 32,768 tokens takes 2.9 ms (the rule it replaced 18.6 ms), and the
-reference pass with its decoder layers compiled runs at 149,000 tokens/s under flex (packed
-rows padded to the budget, ``prefix.reference_row_width``) against 145,500 under sdpa (shared
-rows), 1.02x, for 3 s more of compiles; a whole 1,024-pair ``cache build --compile on`` ran at
-45,800 tokens/s under flex against 60,600 under sdpa. Not enough to make flex the default.
-Varlen flash attention (two unmasked causal sequences per pair) was measured there too and is
-not offered: 1.31x the masked SDPA kernel, torch 2.11's having no grouped-query support. On the
-CPU flex compiles each shape statically (``compile_settings``). The model is switched in place
-(``set_attn_implementation``), so its config names the backend that runs and
+``auto`` is ``causal`` on GPUs where it serves the model, else ``sdpa``. On an H100 the causal
+rows on flash ran the eager reference pass faster than sdpa's masked kernel, and a pass whose
+batch shapes are new (as in a cache build) faster than the causal rows on cuDNN
+(``bench/probes/gpu_compile_probe.py --variant causal|sdpa [--no-cudnn-sdp]``:
+docs/benchmarks/vs-trl-h100-20261123.md). On the 2-core CPU the one masked flash call measured
+faster than the shared row split into causal calls and than SDPA's math backend
+(``bench/probes/cpu_attention_probe.py``: docs/benchmarks/vs-trl-cpu-avx2-2core-20261123.md), so
+``auto`` stays ``sdpa`` there. ``flex`` runs when asked for where the architecture supports it
+(``_supports_flex_attn``), and a requested ``flex`` or ``causal`` that cannot run falls back to
+``sdpa`` and says why; a run on the padded layout keeps the model's loaded attention, and says
+so too (``choose_layout``). Flex is not the default: on an H100, with the mask rule of
+``scoring.shared.key_ranges`` and the decoder layers compiled, its best reference pass (packed
+rows padded to the budget, ``scoring.layouts.reference_row_width``) was barely faster than
+compiled sdpa's, for longer compiles, and a whole ``cache build --compile on`` ran slower under
+flex than under sdpa (docs/benchmarks/probes-h100-20261122.md). Varlen flash attention (two
+unmasked causal sequences per pair) was measured there too and is not offered: its gain on the
+attention kernel is a small part of the pass, and torch 2.11's has no grouped-query support.
+On the CPU flex compiles each shape statically (``compile_settings``). The model is switched in
+place (``set_attn_implementation``), so its config names the backend that runs and
 ``dpocache.scoring.layout_choice.LayoutChoice.attention`` records it.
 
 Rows are padded to a multiple of ``FLEX_BLOCK`` tokens for flex: the BlockMask's block size,
 and few distinct row widths, so the compiled kernel is reused instead of recompiled per batch;
-packed reference rows all to the token budget (one width: ``prefix.reference_row_width``).
+packed reference rows all to the token budget (one width: ``scoring.layouts.reference_row_width``).
 """
 
 from __future__ import annotations
@@ -94,7 +92,7 @@ def causal_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     dropout as for sdpa), each batch token's output taken back → ``((B, T, H, D), None)``.
 
     Why it is exact: in a sequence row a completion token sees, causally, its pair's prompt and
-    its own completion: the block mask's rule (``prefix.attention_mask``). A prompt token's
+    its own completion: the block mask's rule (``scoring.shared.attention_mask``). A prompt token's
     output comes from its pair's first row; the copies in the other rows are discarded (their
     gradient is zero), and keys and values used by several rows sum their gradients.
 
@@ -123,13 +121,12 @@ def causal_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
 # SDPA's kernels for the causal rows: flash, or memory-efficient and math where flash cannot
 # (fp32, head sizes past 256); not cuDNN. cuDNN builds an execution plan for each new shape of
 # its inputs, and the rows' shape (sequences x longest sequence) is new in almost every batch
-# of a cache build and every training step. Measured on an H100 (1.1B Llama, bf16, eager
-# reference pass over 256 pairs, bench/results/gpu-h100-causal-attention-20261123.txt): the
-# first pass, every shape new as in a cache build, 120,218 tokens/s on flash against 111,540 on
-# cuDNN; only passes over shapes already planned ran cuDNN faster (131,200-131,500 against
-# 122,200-122,800). In a compiled training step cuDNN's calls cost 3.6 ms (forward) and 4.3 ms
-# (backward) of host time each against 0.36 and 1.1 ms of its kernels, and the step was bound
-# by the host. CPUs have no cuDNN: there this picks what SDPA would pick anyway.
+# of a cache build and every training step. On an H100 (eager reference pass, 1.1B Llama, bf16)
+# flash ran a pass of new shapes, as a cache build is, faster than cuDNN, which was faster only
+# over shapes already planned; in a compiled training step cuDNN's calls cost more host time
+# than their kernels took on the GPU, and the step was bound by the host
+# (docs/benchmarks/vs-trl-h100-20261123.md). CPUs have no cuDNN: there this picks what SDPA
+# would pick anyway.
 CAUSAL_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 # ``$DPOCACHE_CAUSAL_SDPA=any`` leaves the causal rows to SDPA's own choice (cuDNN first on
 # Hopper GPUs), to measure the choice again; checked by ``Config.validate``. Read once, at
@@ -144,7 +141,7 @@ def sdpa_kernels() -> contextlib.AbstractContextManager:
     library's user may run other models beside ours), and under ``torch.compile`` it is traced
     into the graph. A process-wide flag is not: torch's AOTAutograd cache does not key on the
     SDPA flags, and a graph traced with cuDNN was reused from it after the flag was switched
-    off (README.md, "On a GPU": the correction)."""
+    off (docs/benchmarks/vs-trl-h100-20261123.md, "Correction")."""
     if CAUSAL_SDPA == "any":
         return contextlib.nullcontext()
     return sdpa_kernel(list(CAUSAL_SDPA_BACKENDS))
@@ -225,14 +222,14 @@ def choose_layout(model: nn.Module, scorer: nn.Module, requested: str, attention
     """The layout and attention that run, for the reference pass and for training alike:
     ``model`` (a transformers causal LM) switched to the ``attention`` backend first
     (``use_attention``; ``training``: a backward runs through it), then
-    ``layouts.select_layout``'s rule for ``scorer`` (a ``CompletionLogProbs``: its head probe
+    ``scoring.layout_choice.select_layout``'s rule for ``scorer`` (a ``CompletionLogProbs``: its head probe
     and, in training, its router loss).
 
     The padded layout has no block mask, so when it runs (requested, or a fallback) a model
     switched to flex goes back to its loaded attention, and the choice says so. Left on flex,
     transformers built a ``BlockMask`` from the padding and compiled the kernel for every batch
-    shape on the CPU: a 24-pair ``cache build --layout padded --attention flex`` of a tiny model
-    took 260 s against 14 s under sdpa."""
+    shape on the CPU, which made a small ``cache build --layout padded --attention flex`` many
+    times slower than under sdpa (docs/benchmarks/probes-cpu-2core-20261123.md)."""
     device = next(model.parameters()).device
     why = use_attention(model, attention, device, backward=training)
     choice = select_layout(requested, scorer.config, fast_path=scorer.fast_path,
@@ -265,8 +262,9 @@ def compile_settings(config, device: torch.device | str):
     row width of a run recompiles it with the key length symbolic, and torch 2.13's inductor
     fails to build that CPU kernel (a C++ compile error, ``cur_kvSplitSize8`` undeclared: the
     third batch of a shared-layout reference pass on the 58m bench model). Compiled per shape
-    it runs (about 10 s per compile on a 2-core CPU; widths are multiples of ``FLEX_BLOCK``).
-    GPUs keep dynamic shapes."""
+    it runs, one compile per row width (widths are multiples of ``FLEX_BLOCK``, so few; the
+    compile's time on the 2-core CPU: docs/benchmarks/probes-cpu-2core-20261123.md). GPUs keep
+    dynamic shapes."""
     if not is_flex(config) or torch.device(device).type != "cpu":
         return contextlib.nullcontext()
     return torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=FLEX_CPU_SHAPES)

@@ -1,11 +1,12 @@
 """bf16 linear layers computed by the fp32 GEMM, for CPUs whose bf16 GEMM is the slower one.
 
 Why: a CPU with AVX512-BF16 but no AMX tiles runs bf16 matrix products slower than fp32 ones
-(on the project's 2-core machine, 4096x512 @ 512x1376: 153 GFLOP/s under bf16 autocast against
-298 in fp32; bench/README.md). Yet a product of two bf16 numbers is exact in fp32 (8 + 8
-significant bits fit in 24), and the bf16 kernels accumulate in fp32 too. So rounding the
-operands to bf16, multiplying them with the fp32 GEMM and rounding the result to bf16 gives
-bf16 numerics, the bf16 kernel's values up to the order of summation, at fp32 GEMM speed.
+(measured on the project's 2-core machine, one layer with ``bench/probes/bf16_linear.py`` and
+the whole bench: docs/benchmarks/levers-cpu-2core-20261123.md). Yet a product of two bf16
+numbers is exact in fp32 (8 + 8 significant bits fit in 24), and the bf16 kernels accumulate in
+fp32 too. So rounding the operands to bf16, multiplying them with the fp32 GEMM and rounding the
+result to bf16 gives bf16 numerics, the bf16 kernel's values up to the order of summation, at
+fp32 GEMM speed.
 
 Scope: every ``nn.Linear`` (the projections of each layer and the output head), and only while
 CPU autocast to bf16 is on, so the rest of the model (attention, norms, residual adds) sees

@@ -13,17 +13,17 @@ Layouts (how pairs become model inputs):
   rows of its longest pair. Same support as ``shared``.
 
 ``auto`` (the default) is, wherever they run, ``packed`` in training and ``shared`` in the
-reference pass, else ``padded``. Measured in a same-process A/B on 2 CPU cores
-(``bench/bench_layouts.py``, fp32, 32 pairs, medians of 3, x the padded layout's tokens/s):
+reference pass, else ``padded``. Measured against the padded layout in one process on 2 CPU
+cores (``bench/bench_layouts.py``, fp32: docs/benchmarks/layouts-cpu-2core-20261122.md):
 
-- training (forward + backward, micro-batches of 8, long-prompt): shared 1.64x, packed 1.74x.
-  A packed micro-batch's rows are as wide as the shared layout's (its longest pair) and never
-  more of them: packing can only remove rows.
-- reference pass: shared 1.33x / packed 0.79x on the 58m configuration, 1.64x / 0.95x on the
-  long-prompt one (packed rows of 4096 tokens; of 1024: 1.54x / 1.43x). With the dense SDPA
-  mask a row's attention grows as its width squared, and length-sorted batches leave the
-  shared layout little padding to remove. Packed reference rows are for FlexAttention, whose
-  block-sparse kernel skips the masked blocks (unmeasured here: no GPU).
+- training: shared and packed both well ahead of padded, packed a little ahead of shared (within
+  each other's noise). A packed micro-batch's rows are as wide as the shared layout's (its
+  longest pair) and never more of them: packing can only remove rows.
+- reference pass: shared ahead of padded and of packed, at the token budgets of 4096 and 1024.
+  With the dense SDPA mask a row's attention grows as its width squared, and length-sorted
+  batches leave the shared layout little padding to remove. Packed reference rows are for
+  FlexAttention, whose block-sparse kernel skips the masked blocks (measured on an H100:
+  docs/benchmarks/probes-h100-20261122.md).
 
 The shared and packed layouts need
 an attention that takes a custom 4D mask (``sdpa`` or ``eager``), the fast path's reproduced
@@ -67,7 +67,7 @@ def every_layer_slides(get: Callable[[str, Any], Any]) -> bool:
     ``get(name, default)`` (a config object's ``getattr``, a ``config.json`` dict's ``get``): a
     ``sliding_window`` and no ``layer_types`` (Mistral, Mixtral, Phi-3, Starcoder2), unless
     ``use_sliding_window`` is false (Qwen3-MoE's default). transformers builds such a model's
-    sliding mask from these fields alone (``prefix.sliding_layers``)."""
+    sliding mask from these fields alone (``scoring.shared.sliding_layers``)."""
     return (get("sliding_window", None) is not None and not get("layer_types", None)
             and bool(get("use_sliding_window", True)))
 

@@ -141,11 +141,10 @@ def reference_row_width(reference, max_tokens: int | None) -> int | None:
     (rounded up to ``FLEX_BLOCK``), so every batch of the pass has one shape and its kernels
     (and compiled layers) compile once; None elsewhere (rows as wide as their pairs).
 
-    Measured on an H100 (1.1B Llama, bf16, 256 pairs, ``--max-tokens 32768``, decoder layers
-    compiled, passes after the first; ``bench/results/gpu-h100-compile-flex-20261122.jsonl``):
-    149,000 tokens/s with rows padded to the budget against 134,000 with rows as wide as their
-    pairs (one dynamic compile). The padding is the budget's unfilled tail: the rows are
-    filled first fit, longest pairs first, so only the last few have room left."""
+    On an H100 (1.1B Llama, bf16, decoder layers compiled) rows padded to the budget ran the
+    pass faster than rows as wide as their pairs under one dynamic compile
+    (docs/benchmarks/probes-h100-20261122.md). The padding is the budget's unfilled tail: the
+    rows are filled first fit, longest pairs first, so only the last few have room left."""
     if max_tokens is None or getattr(reference, "layout", None) != PACKED:
         return None
     config = unwrap_causal_lm(reference.model).config

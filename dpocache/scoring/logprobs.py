@@ -36,15 +36,17 @@ log = logging.getLogger(__name__)
 # fp32 logits held at once per chunk: 32M elements = 128 MiB.
 DEFAULT_LOGITS_BUDGET = 1 << 25
 # Logits per chunk for CPU inference that does not take the tiles below (bf16, heads that are
-# not a plain nn.Linear): 16 MiB of fp32. Measured on the 58m benchmark, 131-row chunks ran the
-# reference pass faster than 1048-row ones (a 134 MB buffer per chunk).
+# not a plain nn.Linear): 16 MiB of fp32. On the 58m benchmark's head and whole reference pass
+# these chunks ran faster than chunks of DEFAULT_LOGITS_BUDGET, and faster than smaller or larger
+# ones (docs/benchmarks/levers-cpu-2core-20261123.md).
 CPU_INFERENCE_LOGITS_BUDGET = 1 << 22
 CPU_MIN_CHUNK_ROWS = 64
 # fp32 CPU inference with a plain linear head goes further: tiles of rows x vocabulary whose
 # logits (4 MiB) stay in cache while their log-sum-exp is taken, with an online rescaling
-# across vocabulary tiles (as in flash attention's softmax). Measured on the 58m head (4,096
-# rows, vocab 32000, 2 cores): 229-243 GFLOP/s at 1024 x 1024 against 189-191 for 131-row
-# chunks (bench/README.md).
+# across vocabulary tiles (as in flash attention's softmax). On the 58m benchmark (2 cores) the
+# head in 1024 x 1024 tiles ran faster than in the row chunks above, and so did the whole
+# reference pass; on the AVX2 machine every tile shape tried ran alike, so this one stays
+# (``bench/probes/head_tiles.py``: docs/benchmarks/levers-cpu-2core-20261123.md).
 CPU_TILE_ROWS = 1024
 CPU_TILE_VOCAB = 1024
 
@@ -231,7 +233,8 @@ class CompletionLogProbs(nn.Module):
         (``(N, 1, T, T)``, ``{layer type: mask}``, or the causal backend's ``SequenceRows``) with
         ``position_ids (N, T)``. For a
         mixture-of-experts model under a padding mask, the router loss goes to ``aux_loss``
-        (the model's loss takes the 2D mask; a custom-mask layout never needs it: ``layouts``)."""
+        (the model's loss takes the 2D mask; a custom-mask layout never needs it:
+        ``scoring.layout_choice``)."""
         lm = self.causal_lm
         positions = {} if position_ids is None else {"position_ids": position_ids}
         if isinstance(attention_mask, SequenceRows):  # the causal backend: its rows reach it as attention kwargs
@@ -350,8 +353,8 @@ class CompletionLogProbs(nn.Module):
         starts from) during the model's own forward, and the chunked head is applied to it. The
         head is where architectures differ (soft-capping, logit scaling, custom heads); the body
         is the same module, called with the same inputs. For a 1B model on a CPU the forward is
-        dominated by reading the weights (4.4 GB in fp32), so the second one cost 0.6 s of
-        start-up.
+        dominated by reading the weights, so a second forward was a measurable part of start-up
+        on a cache hit (docs/benchmarks/levers-cpu-2core-20261123.md, "Start-up on a cache hit").
         """
         lm = self.causal_lm
         vocab = self.config.get_text_config().vocab_size

@@ -268,12 +268,11 @@ def key_ranges(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.T
     prompt first, each segment one run of consecutive positions.
 
     Why int32 ranges: FlexAttention evaluates the ``mask_mod`` on every element of the blocks
-    that are neither empty nor full, so what it loads there sets the kernel's speed. Measured
-    on an H100 (``bench/gpu_flex_mask_probe.py``; one packed row of 32,768 tokens, 32 heads;
-    ``bench/results/gpu-h100-flex-mask-probe-20261122.jsonl``): the rule read from the int8
-    segments and int16 pair ids of both tokens took 18.6 ms, slower than a dense causal kernel
-    over the whole row (11.3 ms); the same rule on int32 copies 3.5 ms; these ranges 2.9 ms
-    (12 shared rows: 14.6, 3.2 and 2.7 ms).
+    that are neither empty nor full, so what it loads there sets the kernel's speed. On an H100
+    (``bench/probes/gpu_flex_mask_probe.py``) the rule read from the int8 segments and int16 pair
+    ids of both tokens was slower than a dense causal kernel over the whole row; the same rule
+    on int32 copies was several times faster, and these ranges, which load the query's side
+    only, faster still (docs/benchmarks/probes-h100-20261122.md).
     """
     seg = batch.segments.long()  # (B, T)
     docs = getattr(batch, "documents", None)
@@ -333,7 +332,7 @@ def block_mask_from_ranges(first: tuple[torch.Tensor, torch.Tensor], second: tup
     element (FlexAttention applies it on the blocks that are neither empty nor full).
 
     The blocks are those of ``create_block_mask(mask_mod, B, None, T, T, BLOCK_SIZE=block)``,
-    tensor for tensor (``tests/test_attention.py`` compares them), counted from the intervals
+    tensor for tensor (``tests/scoring/test_attention.py`` compares them), counted from the intervals
     instead of from the ``(B, T, T)`` mask: for each query and each block of keys, how many of
     the block's keys the query attends (``|A ∩ J| + |B ∩ J| - |A ∩ B ∩ J|``), then the least and
     the most over the block's queries: a block is full when every query attends all of its

@@ -242,9 +242,10 @@ def measured_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 20
 
     On a CPU whose bf16 linear layers run through the fp32 GEMM (``dpocache.scoring.bf16_matmul``) the
     fp32 GEMM is what the model's products execute, so that is the peak measured. The matrices
-    grow from 256 rows to ``size`` only while one product takes under 50 ms: a CPU without fast
-    bf16 kernels took 63 s for one 2048 x 2048 bf16 product (1.2 GFLOP/s, an AVX2-only EPYC),
-    and this measurement must never cost more than a fraction of a second. A process measures
+    grow from 256 rows to ``size`` only while one product takes under 50 ms: on a CPU without
+    fast bf16 kernels (an AVX2-only EPYC) one 2048 x 2048 bf16 product took about a minute
+    (docs/benchmarks/vs-trl-cpu-avx2-2core-20261123.md), and this measurement must never cost
+    more than a fraction of a second. A process measures
     once per device, dtype and size unless ``cached`` is False (a benchmark following the machine's drift)."""
     if device.type == "cpu" and dtype == torch.bfloat16 and bf16_matmul.resolve_mode() == "fp32-gemm":
         dtype = torch.float32

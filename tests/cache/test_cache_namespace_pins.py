@@ -2,7 +2,7 @@
 keys of a fixed model directory and fixed token ids are the ones the code gave when they were
 recorded (``PINNED``, computed by the code as it stood before the package was reorganised into
 subpackages), so every lookup finds the files an earlier build wrote. A change that fails here
-invalidates every user's cache and needs a reason the README gives."""
+invalidates every user's cache and needs a reason docs/cache.md gives."""
 
 from __future__ import annotations
 

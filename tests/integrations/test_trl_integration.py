@@ -142,6 +142,7 @@ def test_model_changed_in_memory_is_refused(setup, adapter_dir):
             CachedDPOTrainer(model=model, args=_args(root / "changed"), train_dataset=dataset,
                              processing_class=AutoTokenizer.from_pretrained(model_dir), cache_dir=root / "c3")
         assert "save_pretrained" in str(err.value) and "\n" not in str(err.value)
+        assert "ref_model=" in str(err.value)  # a reference that differs on purpose: TRL's own argument
 
 
 def test_weight_check_reads_bin_checkpoints_too(setup, tmp_path):
@@ -230,8 +231,9 @@ def test_callers_config_is_not_changed(setup):
 def test_other_trl_versions_fail_clearly():
     from dpocache.integrations.trl import check_trl_version
 
-    with pytest.raises(RuntimeError, match="supports TRL 1.16.x; found TRL 0.19.1"):
+    with pytest.raises(RuntimeError, match="supports TRL 1.16.x; found TRL 0.19.1") as err:
         check_trl_version("0.19.1")
+    assert "pip install -e '.[trl]'" in str(err.value)  # the extra as a user of a clone installs it
 
 
 def test_stock_dpotrainer_does_not_read_exported_columns(setup):
@@ -253,3 +255,22 @@ def test_stock_dpotrainer_does_not_read_exported_columns(setup):
     assert loss == pytest.approx(math.log(2), abs=1e-4)
     with pytest.raises(ValueError, match="duplicated columns"):
         _trainer(DPOTrainer, model_dir, wrong, root / "stock-pre")
+
+
+def test_trainer_says_where_its_reference_values_came_from(setup, capsys, caplog):
+    """Once per data set, on stderr and through the logger, in the CLI's words."""
+    from dpocache.integrations.trl import CachedDPOTrainer
+
+    model_dir, dataset, root = setup
+    cache = root / "cache-report"
+    with caplog.at_level("INFO", logger="dpocache.integrations.trl"):
+        trainer = _trainer(CachedDPOTrainer, model_dir, dataset, root / "report-1", cache_dir=cache)
+    first = capsys.readouterr().err
+    _trainer(CachedDPOTrainer, model_dir, dataset, root / "report-2", cache_dir=cache)
+    again = capsys.readouterr().err
+    n, where = len(trainer.train_dataset), trainer.cache_summaries["train"].cache_dir
+    assert where.startswith(str(cache))
+    assert f"reference (train): {n} pairs from the cache ({n} computed, 0 reused) in {where}" in first
+    assert f"reference (train): {n} pairs from the cache (0 computed, {n} reused) in {where}" in again
+    assert first.count("reference (train)") == 1
+    assert any("pairs from the cache" in r.getMessage() for r in caplog.records)
