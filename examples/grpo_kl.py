@@ -1,4 +1,5 @@
-"""A tiny GRPO loop with the reference as a service: minutes on a CPU, nothing downloaded.
+"""A tiny GRPO loop with the reference as a service, nothing downloaded: with its defaults (20
+steps) about 8 s on a 2-core CPU, 18 s with ``--ray`` (2026-11-25; tests/e2e/test_examples.py runs it).
 
 The task is the demo's (``dpocache.training.demo``): the prompt is a list of numbers, a good completion
 is the list sorted. Each step the policy samples G = 8 completions per prompt, a rule scores

@@ -144,3 +144,26 @@ def cli(capsys):
         return rc, out, err
 
     return run
+
+
+# ``python -m pytest -m quick``: a subset that checks an install in about a minute on 2 cores
+# (the README's quick command): the API and config, data, the losses against TRL's formulas, the
+# cache, the layouts against the padded forward, the service, a training run and the demo. A file
+# renamed away fails the collection here rather than shrink the subset in silence.
+QUICK = (
+    "test_api.py", "test_config.py", "test_docs.py", "losses/test_losses.py", "losses/test_losses_trl_options.py",
+    "cache/test_cache.py", "cache/test_cache_namespace_pins.py", "data/test_data.py", "data/test_values.py",
+    "scoring/test_logprobs.py", "scoring/test_prefix.py", "scoring/test_layouts.py", "service/test_service.py",
+    "training/test_train.py", "cli/test_cache_cli.py", "e2e/test_demo.py",
+)
+TESTS = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config, items):
+    missing = [name for name in QUICK if not (TESTS / name).is_file()]
+    if missing:
+        raise pytest.UsageError(f"conftest.QUICK names test files that do not exist: {', '.join(missing)}")
+    quick = {str(TESTS / name) for name in QUICK}
+    for item in items:
+        if str(item.path) in quick:
+            item.add_marker(pytest.mark.quick)

@@ -89,10 +89,11 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     final = info["final"]
     print(describe_reference(info["reference"]))
     print(describe_data(info["data"]))
+    if info.get("resumed_from"):
+        print(f"resumed from {info['resumed_from']['checkpoint']} (step {info['resumed_from']['step']})")
     print(f"done: {final['step']} steps; model in {final['output']}")
     if final["eval"]:
-        print(f"eval: reward accuracy {final['eval'].get('eval/rewards/accuracies', float('nan')):.3f}, "
-              f"margin {final['eval'].get('eval/rewards/margins', float('nan')):.3f}")
+        print(describe_eval(first_eval(cfg.train.output_dir), final["eval"]))
     return 0
 
 
@@ -119,6 +120,24 @@ def describe_reference(ref: dict) -> str:
         return f"reference: {ref.get('source')}"
     return (f"reference: {ref['pairs']} pairs from the cache ({ref['computed']} computed, {ref['reused']} reused), "
             f"{ref.get('forward_passes_during_training', 0)} reference forward passes during training")
+
+
+def first_eval(output_dir: str) -> dict | None:
+    """The run's first eval row in its metrics.jsonl (step 0, before any update; a resumed run
+    keeps the first attempt's), or None."""
+    from dpocache.training.metrics import read_metrics
+
+    return next((row for row in read_metrics(output_dir) if "eval/loss" in row), None)
+
+
+def describe_eval(before: dict | None, after: dict) -> str:
+    """``eval: reward accuracy 0.500 -> 0.600, margin 0.000 -> 0.261``: the held-out set before
+    the first update and at the end (the end alone when no eval row was logged before)."""
+    parts = []
+    for name, key in (("reward accuracy", "eval/rewards/accuracies"), ("margin", "eval/rewards/margins")):
+        end = f"{after.get(key, float('nan')):.3f}"
+        parts.append(f"{name} {before[key]:.3f} -> {end}" if before and key in before else f"{name} {end}")
+    return "eval: " + ", ".join(parts)
 
 
 def describe_data(data: dict) -> str:

@@ -13,6 +13,7 @@ from train_fixtures import (  # noqa: F401  (fixtures are used by name; one_thre
     TRAIN_PAIRS,
     base_model,
     eval_jsonl,
+    eval_records,
     flags,
     load_tensors,
     max_abs_diff,
@@ -576,3 +577,27 @@ def test_settings_a_run_cannot_act_on_are_named():
     notes = setup_mod.unused_settings(cfg, one)
     assert len(notes) == 2 and "--eval-steps (train.eval_steps) 5" in notes[0] and "--fsdp" in notes[1]
     assert setup_mod.unused_settings(build_config(None, ["--eval-steps", "5", "--eval-data", "e.jsonl"]), one) == []
+
+
+def test_summary_shows_the_eval_before_and_after_and_where_a_run_resumed(tmp_path, base_model, train_jsonl,
+                                                                          eval_jsonl, capsys):
+    """The held-out set before the first update and at the end, and a resumed run's checkpoint, in
+    the summary itself (they were in metrics.jsonl and among stderr's bars)."""
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    common = flags(base_model, train_jsonl, out, cache, "--eval-data", str(eval_jsonl), "--save-steps", "2")
+    assert cli_main(["train", *common, "--max-steps", "2"]) == 0
+    first = capsys.readouterr().out
+    assert cli_main(["train", *common, "--max-steps", "4", "--resume"]) == 0
+    resumed = capsys.readouterr().out
+    evals = eval_records(out)
+    start, end = evals[0], evals[-1]
+    assert start["step"] == 0 and end["step"] == 4
+
+    def line(before, after):
+        return (f"eval: reward accuracy {before['eval/rewards/accuracies']:.3f} -> "
+                f"{after['eval/rewards/accuracies']:.3f}, margin {before['eval/rewards/margins']:.3f} -> "
+                f"{after['eval/rewards/margins']:.3f}")
+
+    assert line(start, evals[1]) in first and "resumed from" not in first
+    assert line(start, end) in resumed  # the first attempt's step 0, kept in metrics.jsonl
+    assert f"resumed from {out / 'checkpoints' / 'step-000002'} (step 2)" in resumed
