@@ -3,7 +3,9 @@ model (fp32, CPU). Skipped when TRL is not installed (``pip install 'dpocache[tr
 
 from __future__ import annotations
 
+import json
 import math
+import os
 
 import pytest
 import torch
@@ -274,3 +276,27 @@ def test_trainer_says_where_its_reference_values_came_from(setup, capsys, caplog
     assert f"reference (train): {n} pairs from the cache (0 computed, {n} reused) in {where}" in again
     assert first.count("reference (train)") == 1
     assert any("pairs from the cache" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.slow
+def test_the_documented_snippet_runs_as_written(tmp_path, model_dir, pref_rows):
+    """docs/trl.md's example, verbatim, in a folder holding ./sft-model and prefs.jsonl (a tiny
+    model, a few rows), with ~ there: it trains on this CPU and says where its values came from."""
+    import re
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "trl.md").read_text()
+    snippet = re.search(r"```python\n(.*?)```", doc, re.S).group(1)
+    assert "CachedDPOTrainer(" in snippet and "trainer.train()" in snippet
+    shutil.copytree(model_dir, tmp_path / "sft-model")
+    (tmp_path / "prefs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pref_rows[:8]))
+    env = {**os.environ, "HOME": str(tmp_path), "WANDB_MODE": "disabled"}
+    done = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(r"reference \(train\): \d+ pairs from the cache \(\d+ computed, 0 reused\) in "
+                     + re.escape(str(tmp_path / ".cache" / "dpocache")), done.stderr)
+    assert (tmp_path / "runs" / "trl").is_dir()
