@@ -1,6 +1,10 @@
-"""Stop signals: SIGTERM (what Slurm, Kubernetes, ``timeout`` and torchrun send first) and
-SIGINT (Ctrl-C) stop a cache build or a training run at a safe point, after what was computed is
-saved, instead of killing the process mid-work.
+"""Stop signals: SIGTERM (what Slurm, Kubernetes, ``timeout`` and torchrun send first), SIGINT
+(Ctrl-C), SIGUSR1 (what Slurm's ``--signal=USR1@SECONDS`` sends ahead of a pre-emption or the
+time limit) and SIGHUP (a closed SSH session) stop a cache build or a training run at a safe
+point, after what was computed is saved, instead of killing the process mid-work (SIGUSR1's and
+SIGHUP's default action kills at once). Under torchrun the agent forwards SIGTERM, SIGINT and
+SIGHUP to the workers; SIGUSR1 only with ``--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1``
+(torchrun's own flag; without it SIGUSR1's default action ends the agent itself).
 
     with stop_signals() as stop:          # handlers installed; the previous ones restored after
         load_things()                     # a signal here raises Interrupted at once (nothing to save)
@@ -14,8 +18,9 @@ saved, instead of killing the process mid-work.
 
 ``Interrupted`` derives from ``BaseException`` (as ``KeyboardInterrupt`` does), so ``except
 Exception`` blocks do not swallow it; the command line turns it into one line and exit status
-``128 + signum`` (143 for SIGTERM, 130 for SIGINT), what a shell reports for a process the
-signal killed. A repeated signal does not escalate: under torchrun a worker gets Ctrl-C's SIGINT
+``128 + signum`` (143 for SIGTERM, 130 for SIGINT, 138 for SIGUSR1, 129 for SIGHUP), what a shell
+reports for a process the signal killed. A signal set to be ignored stays ignored (``nohup``
+keeps SIGHUP ignored). A repeated signal does not escalate: under torchrun a worker gets Ctrl-C's SIGINT
 twice (from the terminal and from the agent, which forwards it), and the safe point must still
 be reached. SIGKILL, which cannot be caught, still stops a stuck process; every file written is
 atomic, so it never leaves a torn one.
@@ -28,7 +33,7 @@ import signal
 import threading
 from typing import Iterator
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 
 
 class Interrupted(BaseException):

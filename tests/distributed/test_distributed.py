@@ -12,6 +12,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -421,7 +422,8 @@ def test_float16_under_fsdp2_skips_overflowing_steps_on_every_rank(assets):
 
 def torchrun_signalled(script: str, tmp_path: Path, *args: str, **hook: str) -> subprocess.CompletedProcess:
     """``torchrun`` of ``script`` (a driver of ``dpocache ARGS`` that signals itself, see
-    test_signals.py; its settings in ``hook``), expected to stop with 143 on every rank."""
+    test_signals.py; its settings in ``hook``), expected to stop with 128 + the signal (SIGTERM:
+    143) on every rank."""
     driver = tmp_path / "driver.py"
     driver.write_text(script)
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
@@ -430,15 +432,17 @@ def torchrun_signalled(script: str, tmp_path: Path, *args: str, **hook: str) -> 
            "--master-port", str(_free_port()), str(driver), *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0, proc.stderr[-3000:]
-    # torchrun's report names the workers' exit status: every rank stopped with 128 + SIGTERM.
-    assert proc.stderr.count("exitcode  : 143") >= 1 and "exitcode  : -" not in proc.stderr, proc.stderr[-6000:]
+    # torchrun's report names the workers' exit status: every rank stopped with 128 + the signal.
+    code = 128 + getattr(signal, hook.get("SIGNAL_NAME", "SIGTERM"))
+    assert proc.stderr.count(f"exitcode  : {code}") >= 1 and "exitcode  : -" not in proc.stderr, proc.stderr[-6000:]
     return proc
 
 
-def test_sigterm_to_one_rank_of_a_build_keeps_every_pair_computed(assets, tmp_path, capsys):
-    """Rank 1 gets SIGTERM once its progress passes 30%: it flushes and stops, rank 0 finishes
-    its share, the manifest lists both, every rank exits 143 with one line, and the next build
-    reuses every pair computed before the signal."""
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGUSR1"])
+def test_a_stop_signal_to_one_rank_of_a_build_keeps_every_pair_computed(assets, tmp_path, capsys, signame):
+    """Rank 1 gets SIGTERM (or Slurm's SIGUSR1) once its progress passes 30%: it flushes and
+    stops, rank 0 finishes its share, the manifest lists both, every rank exits 128 + signum with
+    one line, and the next build reuses every pair computed before the signal."""
     from test_signals import SIGNAL_AT_PROGRESS
 
     from dpocache.cache import CacheStore, namespace_for_dir
@@ -449,10 +453,11 @@ def test_sigterm_to_one_rank_of_a_build_keeps_every_pair_computed(assets, tmp_pa
     common = ["--model", str(assets["model"]), "--data", str(assets["pairs37"]), "--dtype", "float32",
               "--device", "cpu", "--max-tokens", "1", "--cache-dir", str(cache)]
     proc = torchrun_signalled(SIGNAL_AT_PROGRESS, tmp_path, "cache", "build", *common, SIGNAL_RANK="1",
-                              SIGNAL_AT_FRACTION="0.3", SIGNAL_NAME="SIGTERM", SIGNAL_REPORT=str(report))
+                              SIGNAL_AT_FRACTION="0.3", SIGNAL_NAME=signame, SIGNAL_REPORT=str(report))
     lines = proc.stderr.splitlines()
-    assert sum(line.startswith("dpocache (rank 1): stopped by SIGTERM: ") for line in lines) == 1, proc.stderr[-6000:]
-    assert sum(line.startswith("dpocache: stopped by SIGTERM: ") for line in lines) == 1, proc.stderr[-6000:]
+    rank1 = f"dpocache (rank 1): stopped by {signame}: "
+    assert sum(line.startswith(rank1) for line in lines) == 1, proc.stderr[-6000:]
+    assert sum(line.startswith(f"dpocache: stopped by {signame}: ") for line in lines) == 1, proc.stderr[-6000:]
 
     pairs = load_preference_data(str(assets["pairs37"]), load_tokenizer(assets["model"]), show_progress=False).pairs
     shares = split_by_tokens(pairs, 2)

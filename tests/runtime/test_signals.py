@@ -64,7 +64,8 @@ build.tqdm = SignalAtProgress
 raise SystemExit(main(sys.argv[1:]))
 """
 
-# The process sends itself SIGTERM right after optimizer step SIGNAL_AFTER_STEP (on rank SIGNAL_RANK).
+# The process sends itself SIGNAL_NAME (default SIGTERM) right after optimizer step SIGNAL_AFTER_STEP
+# (on rank SIGNAL_RANK).
 SIGNAL_AFTER_STEP = r"""
 import os, signal, sys
 import dpocache.training.loop as train
@@ -76,7 +77,7 @@ def step_then_signal(run, window):
     one_step(run, window)
     mine = os.environ.get("RANK", "0") == os.environ.get("SIGNAL_RANK", "0")
     if mine and run.step == int(os.environ["SIGNAL_AFTER_STEP"]):
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), getattr(signal, os.environ.get("SIGNAL_NAME", "SIGTERM")))
 
 train.train_step = step_then_signal
 raise SystemExit(main(sys.argv[1:]))
@@ -204,6 +205,48 @@ def test_sigterm_then_sigint_during_build_keep_every_computed_pair(tmp_path, mod
         assert main(["cache", "export", *_cache_args(model_dir, data, c)[2:], "--out", str(out)]) == 0
         exports.append(out.read_text())
     assert exports[0] == exports[1]
+
+
+def test_sigusr1_and_sighup_stop_a_build_safely(tmp_path, model_dir, make_rows, capsys):
+    """Slurm's SIGUSR1 (``--signal=USR1@90``) and a closed SSH session's SIGHUP stop a build as
+    SIGTERM does: what was computed is flushed, one line, exit 138 / 129; the next build reuses it."""
+    n = 30
+    data = write_jsonl(make_rows(n, seed=6), tmp_path / "rows.jsonl")
+    cache, report = tmp_path / "cache", tmp_path / "seen"
+    args = _cache_args(model_dir, data, cache, "--max-tokens", "1")
+    seen = 0
+    for name, fraction in (("SIGUSR1", "0.3"), ("SIGHUP", "0.5")):
+        proc = signalled(SIGNAL_AT_PROGRESS, args, SIGNAL_AT_FRACTION=fraction, SIGNAL_NAME=name,
+                         SIGNAL_REPORT=str(report))
+        assert "run the same command again" in assert_one_line_stop(proc, name)
+        seen += int(report.read_text())
+        stored, manifest = _stored_pairs(model_dir, cache)
+        assert stored == manifest["pairs"] == seen
+    assert main([*args, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (summary["reused"], summary["computed"]) == (seen, n - seen)
+
+
+def test_sighup_checkpoints_a_training_step_and_resume_finishes(tmp_path, base_model, train_jsonl):
+    """SIGHUP after step 2: checkpoint 2, exit 129 with one line; --resume runs steps 3 and 4 once."""
+    out = tmp_path / "run"
+    args = flags(base_model, train_jsonl, out, tmp_path / "cache", "--max-steps", "4")
+    proc = signalled(SIGNAL_AFTER_STEP, ["train", *args], SIGNAL_AFTER_STEP="2", SIGNAL_NAME="SIGHUP")
+    assert "step 2 of 4" in assert_one_line_stop(proc, "SIGHUP")
+    assert [p.name for p in checkpoints(out)] == ["step-000002"]
+    run_training(*args, "--resume")
+    assert [r["step"] for r in train_records(out)] == [1, 2, 3, 4]
+
+
+def test_an_ignored_sighup_stays_ignored():
+    """``nohup`` starts a process with SIGHUP ignored: the run must not stop on it."""
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with stop_signals():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGUSR1) is not signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
 
 
 # ------------------------------------------------------------------------------ training
