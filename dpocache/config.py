@@ -2,12 +2,15 @@
 
 Every field is settable from a YAML file (nested sections, as ``configs/*.yaml``) and from the
 command line as ``--section.field value``; the common ones also have short flags (``--lr``,
-``--beta``, ...: see ``ALIASES``). Later sources win: defaults < YAML < command line.
+``--beta``, ...: see ``ALIASES``). Later sources win: defaults < YAML < command line. A flag or
+key that sets nothing is answered with the closest real name, and TRL's names (``TRL_NAMES``)
+with dpocache's: ``unknown_name``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import math
 import os
@@ -167,6 +170,7 @@ class Config:
         _validate_data(self.data)
         _validate_choices(self)
         _validate_counts(self)
+        _validate_hub(self.train)
         validate_device(self.model.device)
         validate_environment()
         return self
@@ -187,7 +191,64 @@ ALIASES = {
     "report_to": "train.report_to", "attention": "model.attention", "compile": "model.compile",
 }
 
+# The names of TRL's DPOConfig and TrainingArguments (and its scripts' ModelConfig) that a TRL user
+# types by habit, with the dpocache setting that does their job: name -> (dotted field, the value
+# to give it where the name is a switch, how the two differ). They are answered, not accepted: an
+# alias would give one setting two names (in configs, run.json and --help), and where the meaning
+# differs (warmup_steps is a count, ours a fraction) it would change the run without a word.
+# Names both spell alike (--beta, --max-length, --seed, ...) are dpocache's own flags: docs/usage.md.
+TRL_NAMES: dict[str, tuple[str, str | None, str]] = {
+    "learning_rate": ("optim.lr", None, ""),
+    "num_train_epochs": ("train.epochs", None, "whole epochs only"),
+    "per_device_train_batch_size": ("train.batch_size", None, "pairs per device per micro-batch, as in TRL"),
+    "per_device_eval_batch_size": ("train.eval_batch_size", None, "pairs per device, as in TRL"),
+    "gradient_accumulation_steps": ("train.grad_accum", None, ""),
+    "warmup_ratio": ("optim.warmup_ratio", None, ""),
+    "warmup_steps": ("optim.warmup_ratio", None, "a fraction of the optimizer steps, not a count"),
+    "lr_scheduler_type": ("optim.schedule", None, "linear, cosine or constant, each after the warm-up; "
+                          "TRL's constant_with_warmup is dpocache's constant"),
+    "weight_decay": ("optim.weight_decay", None, ""),
+    "max_grad_norm": ("optim.max_grad_norm", None, ""),
+    "adam_beta1": ("optim.adam_beta1", None, ""),
+    "adam_beta2": ("optim.adam_beta2", None, ""),
+    "adam_epsilon": ("optim.adam_eps", None, ""),
+    "save_total_limit": ("train.save_total_limit", None, ""),
+    "save_strategy": ("train.save_steps", "N", "runs save at the end, every train.save_minutes, and every N steps "
+                      "if set"),
+    "eval_strategy": ("train.eval_steps", "N", "--eval-data is evaluated at the start and the end, and every N "
+                      "steps if set"),
+    "evaluation_strategy": ("train.eval_steps", "N", "--eval-data is evaluated at the start and the end, and every "
+                            "N steps if set"),
+    "resume_from_checkpoint": ("train.resume", None, "a switch: it continues from the newest checkpoint in "
+                               "--output-dir"),
+    "hub_model_id": ("train.push_to_hub", "REPO", "the repo id itself, with no separate switch"),
+    "loss_type": ("loss.name", None, "several losses as one weighted value, e.g. sigmoid:1,sft:0.1"),
+    "loss_weights": ("loss.name", None, "the weights go beside the loss names, e.g. sigmoid:1,sft:0.1"),
+    "label_smoothing": ("loss.label_smoothing", None, ""),
+    "use_weighting": ("loss.use_weighting", None, ""),
+    "ld_alpha": ("loss.ld_alpha", None, ""),
+    "rpo_alpha": ("loss.rpo_alpha", None, ""),
+    "discopop_tau": ("loss.discopop_tau", None, ""),
+    "f_divergence_type": ("loss.f_divergence_type", None, ""),
+    "f_alpha_divergence_coef": ("loss.f_alpha_divergence_coef", None, ""),
+    "max_completion_length": ("data.max_length", None, "it bounds prompt + completion; a completion keeps what "
+                              "the prompt leaves"),
+    "bf16": ("model.dtype", "bfloat16", "autocast over float32 weights, as TRL's mixed precision"),
+    "fp16": ("model.dtype", "float16", "autocast over float32 weights, as TRL's mixed precision"),
+    "torch_dtype": ("model.dtype", None, "the autocast dtype; the weights stay float32"),
+    "use_cpu": ("model.device", "cpu", ""),
+    "no_cuda": ("model.device", "cpu", ""),
+    "model_name_or_path": ("model.path", None, "a model directory, or a Hub id already in the local cache"),
+    "dataset_name": ("data.train", None, "a local file or datasets directory, not a Hub data set name"),
+    "use_peft": ("lora.r", "N", "a LoRA rank above 0 turns LoRA on"),
+    "lora_alpha": ("lora.alpha", None, ""),
+    "lora_dropout": ("lora.dropout", None, ""),
+    "lora_target_modules": ("lora.target_modules", None, ""),
+    "torch_compile": ("model.compile", "on", "the decoder layers, in training and in reference passes"),
+}
+
 SCHEDULES = ("linear", "cosine", "constant")
+BOOL_WORDS = ("true", "1", "yes", "on", "false", "0", "no", "off")  # a switch's values: the first four are true
 TRACKERS = ("none", "tensorboard", "wandb")
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 # cache export's formats (dpocache.cache.export writes them); here so that checking a flag imports no torch.
@@ -278,6 +339,15 @@ def _validate_choices(cfg: Config) -> None:
                           "--train.overwrite deletes it: pass one of them")
 
 
+def _validate_hub(train: TrainLoopConfig) -> None:
+    # TRL's push_to_hub is a switch (the repo is hub_model_id): `--push-to-hub` alone here would
+    # name a repo "true", and fail only at the end of the run.
+    if train.push_to_hub is not None and train.push_to_hub.lower() in BOOL_WORDS:
+        raise ConfigError(f"{flag_name('train.push_to_hub')} takes a Hub repo id (org/name), got "
+                          f"'{train.push_to_hub}' (TRL's push_to_hub + hub_model_id REPO is dpocache's "
+                          "--push-to-hub REPO)")
+
+
 # Fields that count something: at least 1 (the optional ones when set); intervals where 0 means "off".
 POSITIVE = ("train.batch_size", "train.grad_accum", "train.epochs", "train.logging_steps", "train.eval_batch_size",
             "cache.max_tokens", "cache.shard_size", "train.save_total_limit")
@@ -357,9 +427,8 @@ def field_types() -> dict[str, Any]:
 
 def _coerce(dotted: str, annotation: Any, value: Any) -> Any:
     """Turn ``value`` (a YAML scalar or a command-line string) into the field's type."""
-    args = typing.get_args(annotation)
-    optional = type(None) in args
-    base = next((a for a in args if a is not type(None)), annotation) if args else annotation
+    optional = type(None) in typing.get_args(annotation)
+    base = _base_type(annotation)
     if value is None or (isinstance(value, str) and optional and value.lower() in ("none", "null")):
         if optional:
             return None
@@ -372,9 +441,9 @@ def _coerce(dotted: str, annotation: Any, value: Any) -> Any:
         if base is bool:
             if isinstance(value, bool):
                 return value
-            if str(value).lower() in ("true", "1", "yes", "on"):
+            if str(value).lower() in BOOL_WORDS[:4]:
                 return True
-            if str(value).lower() in ("false", "0", "no", "off"):
+            if str(value).lower() in BOOL_WORDS[4:]:
                 return False
             raise ValueError(value)
         if base is int:
@@ -388,18 +457,33 @@ def _coerce(dotted: str, annotation: Any, value: Any) -> Any:
         raise ConfigError(f"{dotted}: expected {getattr(base, '__name__', base)}, got {value!r}") from None
 
 
+def _base_type(annotation: Any) -> Any:
+    """``int | None`` -> ``int``."""
+    args = typing.get_args(annotation)
+    return next((a for a in args if a is not type(None)), annotation) if args else annotation
+
+
+def _resolve(name: str, aliases: dict[str, str] | None = None) -> str:
+    """A flag's or YAML key's name (``batch-size``, ``optim.lr``) -> the dotted field it would set."""
+    key = str(name).replace("-", "_")
+    return {**ALIASES, **(aliases or {})}.get(key, key)
+
+
 def _set(cfg: Config, dotted: str, value: Any, aliases: dict[str, str] | None = None) -> None:
-    key = dotted.replace("-", "_")
-    dotted = {**ALIASES, **(aliases or {})}.get(key, key)
     types_ = field_types()
-    if dotted not in types_:
-        raise ConfigError(f"unknown config field '{dotted}'; see --help for the fields")
+    if _resolve(dotted, aliases) not in types_:  # build_config and apply_mapping check every name first
+        raise ConfigError(unknown_name(dotted, value, aliases))
+    dotted = _resolve(dotted, aliases)
     section, name = dotted.split(".", 1)
     setattr(getattr(cfg, section), name, _coerce(dotted, types_[dotted], value))
 
 
 def apply_mapping(cfg: Config, mapping: dict, source: str) -> None:
-    """Apply a (possibly nested) mapping from YAML: ``{optim: {lr: 1e-6}}`` or ``{lr: 1e-6}``."""
+    """Apply a (possibly nested) mapping from YAML: ``{optim: {lr: 1e-6}}`` or ``{lr: 1e-6}``.
+    Every unknown key is named, in one error, before any is applied."""
+    problems = _unknown_keys(mapping)
+    if problems:
+        raise ConfigError(f"{source}: {' | '.join(problems)}")
     for key, value in mapping.items():
         if isinstance(value, dict) and key in _sections():
             for sub, v in value.items():
@@ -449,15 +533,130 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
 
 
 def build_config(yaml_path: str | Path | None = None, overrides: list[str] | None = None,
-                 aliases: dict[str, str] | None = None) -> Config:
+                 aliases: dict[str, str] | None = None, options: tuple[str, ...] = ()) -> Config:
     """Defaults < YAML < ``overrides`` (``--key value`` strings). ``aliases``: a command's own
-    short flags on top of ``ALIASES`` (``cache build --layout`` is ``cache.layout``)."""
+    short flags on top of ``ALIASES`` (``cache build --layout`` is ``cache.layout``). ``options``:
+    the command's options that are not fields (``--per-token``), named when a flag is one's typo."""
     cfg = Config()
     if yaml_path is not None:
         apply_mapping(cfg, load_yaml(yaml_path), str(yaml_path))
-    for key, value in parse_overrides(overrides or []):
+    pairs = parse_overrides(overrides or [])
+    # Every unknown flag at once, before any is applied: one run to fix them all.
+    unknown = [unknown_name(k, v, aliases, options) for k, v in pairs if _resolve(k, aliases) not in field_types()]
+    if unknown:
+        raise ConfigError(" | ".join(unknown))
+    for key, value in pairs:
         _set_from(cfg, key, value, "command line", aliases)
     return cfg
+
+
+# ------------------------------------------------------------------------------- unknown names
+
+
+def unknown_name(typed: str, value: Any, aliases: dict[str, str] | None = None, options: tuple[str, ...] = (),
+                 yaml: bool = False) -> str:
+    """What to say of a flag (``typed`` as given, without its ``--``) or, with ``yaml``, a config
+    file's key that sets no field: the closest of the real names, the command's own ``options`` and
+    TRL's names (``TRL_NAMES``, answered with dpocache's). ``value``: what was given with it, which
+    breaks ties (``--bata 0.2`` is a typo of the number --beta rather than of the path --data)."""
+    aliases = {**ALIASES, **(aliases or {})}
+    key = str(typed).replace("-", "_")
+    head = f"unknown field '{key}'" if yaml else f"unknown flag --{typed}"
+    names = _known_names(aliases)
+    match = _closest(key, value, names, options)
+    if match in TRL_NAMES:
+        dotted, given, note = TRL_NAMES[match]
+        ours = _shown(dotted, dotted, aliases, yaml, given)
+        return f"{head}; did you mean {ours}? (TRL's {match} is dpocache's {ours}{': ' + note if note else ''})"
+    if match in options:  # one of the command's own options, which are not fields
+        return f"{head}; did you mean --{match.replace('_', '-')}?"
+    head += "" if yaml else f" (config field '{key}')"
+    if match is None:
+        return f"{head}; see --help for the {'fields' if yaml else 'flags'}"
+    return f"{head}; did you mean {_shown(match, names[match], aliases, yaml)}?"
+
+
+def _known_names(aliases: dict[str, str]) -> dict[str, str]:
+    """Every name a flag or YAML key may use (underscored) -> the dotted field it sets: the short
+    flags, the dotted fields, and for suggestions only a field's bare name where one section has
+    it (``warmup_ratio`` is ``optim.warmup_ratio``)."""
+    dotted = list(field_types())
+    bare = [d.split(".", 1)[1] for d in dotted]
+    return {**{b: d for b, d in zip(bare, dotted) if bare.count(b) == 1}, **{d: d for d in dotted}, **aliases}
+
+
+def _shown(name: str, dotted: str, aliases: dict[str, str], yaml: bool, value: str | None = None) -> str:
+    """How to write ``dotted`` (and ``value``, if given) on the command line (its short flag if it
+    has one, as ``name`` or at all: ``--dtype bfloat16``) or in YAML, quoted (the short name only
+    where the user gave one: ``'model.dtype: bfloat16'``)."""
+    if yaml:
+        key = name if name in aliases else dotted
+        return f"'{key}: {value}'" if value else f"'{key}'"
+    short = name if name in aliases else {v: k for k, v in aliases.items()}.get(dotted)
+    flag = f"--{short.replace('_', '-')}" if short else f"--{dotted}"
+    return f"{flag} {value}" if value else flag
+
+
+def _closest(key: str, value: Any, names: dict[str, str], options: tuple[str, ...]) -> str | None:
+    """The name in ``names``, ``options`` or ``TRL_NAMES`` closest to ``key`` (difflib's ratio,
+    at least 0.6; ties go to the name whose field takes a value like ``value``); None if none is
+    close. A key under a real section (``optim.lerning_rate``) is compared within that section."""
+    section, _, rest = key.rpartition(".")
+    if section in _sections():
+        pool = {d.split(".", 1)[1]: d for d in names.values() if d.startswith(f"{section}.")}
+        query = rest
+    else:
+        pool = {n: n for n in [*names, *options]}
+        query = key
+    pool.update({t: t for t in TRL_NAMES})
+    found = difflib.get_close_matches(query, pool, n=5, cutoff=0.6)
+    if not found:
+        return None
+    types_ = field_types()
+
+    def rank(candidate: str) -> tuple[float, int]:
+        target = TRL_NAMES[candidate][0] if candidate in TRL_NAMES else names.get(pool[candidate])
+        return -difflib.SequenceMatcher(None, candidate, query).ratio(), _fit(value, types_.get(target))
+
+    return pool[min(found, key=rank)]
+
+
+def _fit(value: Any, annotation: Any) -> int:
+    """0 where ``value`` looks like what a field of type ``annotation`` takes (a number for a number,
+    a switch for a boolean, words for text; anything for an option that is not a field), else 1."""
+    if annotation is None:
+        return 0
+    base = _base_type(annotation)
+    if base is bool:
+        return 0 if str(value).lower() in BOOL_WORDS else 1
+    return 0 if _is_number(value) == (base in (int, float)) else 1
+
+
+def _is_number(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _unknown_keys(mapping: dict) -> list[str]:
+    """What is wrong with each key of a config file's ``mapping`` that sets no field."""
+    problems = []
+    for key, value in mapping.items():
+        if isinstance(value, dict) and key in _sections():
+            problems += [unknown_name(f"{key}.{sub}", v, yaml=True) for sub, v in value.items()
+                         if _resolve(f"{key}.{sub}") not in field_types()]
+        elif isinstance(value, dict) and _resolve(key) not in field_types():
+            # A section's name, misspelt: its fields are then not the question.
+            close = difflib.get_close_matches(str(key), _sections(), n=1)
+            problems.append(f"unknown section '{key}'; " + (f"did you mean '{close[0]}'?" if close else
+                                                            f"the sections are {', '.join(_sections())}"))
+        elif _resolve(key) not in field_types():
+            problems.append(unknown_name(key, value, yaml=True))
+    return problems
 
 
 def field_help() -> dict[str, str]:

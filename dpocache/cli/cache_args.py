@@ -74,7 +74,7 @@ def parse_args(command: str, rest: list[str]) -> argparse.Namespace | None:
             own[name] = _option_value(name, OPTIONS[command][name][0], value)
         else:
             overrides.append(f"--{key}={value}")
-    cfg = build_config(config, overrides, CACHE_ALIASES)
+    cfg = build_config(config, overrides, CACHE_ALIASES, tuple(OPTIONS[command]))  # a typo of either is suggested
     # A Hub id (org/name[@revision]) becomes its snapshot directory in the local Hugging Face cache.
     cfg.model.path, cfg.model.ref_model = resolve_model_path(cfg.model.path), resolve_model_path(cfg.model.ref_model)
     if command != "info":

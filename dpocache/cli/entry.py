@@ -16,6 +16,7 @@ Exit codes: 0 success, 1 a check failed (verify, corrupt shards), 2 bad input or
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import sys
@@ -37,12 +38,18 @@ EPILOG = ("Run `dpocache COMMAND --help` for a command's options, or `dpocache d
 # dpocache.config, not argparse (which would take an unknown flag's value for CONFIG.yaml).
 CONFIG_COMMANDS = {("train",), ("cache", "build"), ("cache", "verify"), ("cache", "export"), ("cache", "info")}
 
+# Commands whose flags argparse reads (the others' are the configuration's, or demo's overrides of
+# it): an unknown one is named, with the closest real flag, before argparse reads them.
+ARGPARSE_COMMANDS = ("score", "plot")
+
 # Mistakes the user can fix: one line, exit status 2.
 USER_ERRORS = (DataError, ConfigError, UsageError, FileNotFoundError, FileExistsError, NotADirectoryError)
 
 
 class OneLineParser(argparse.ArgumentParser):
     """Usage errors in one line (argparse prints the whole usage first)."""
+
+    commands: dict[str, argparse.ArgumentParser]  # the top-level parser's: each command's parser
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -70,7 +77,28 @@ def build_parser() -> argparse.ArgumentParser:
     from dpocache.cli.score import add_score_parser
 
     add_score_parser(sub)
+    parser.commands = sub.choices
     return parser
+
+
+def unknown_flags(parser: argparse.ArgumentParser, args: list[str]) -> str | None:
+    """One line for the ``--flags`` among ``args`` that ``parser`` has no option for (nor one they
+    start, which argparse accepts), each with the closest real flag; None if there are none.
+    Before argparse reads them: a typo of a required flag was "the following arguments are
+    required", which names the flag but not the typo."""
+    # argparse has no public list of a parser's options; this mapping has been there since 2.7.
+    options = [o[2:] for o in parser._option_string_actions if o.startswith("--")]
+    problems = []
+    for arg in args:
+        if arg == "--":
+            break  # what follows is not options
+        flag = arg.split("=", 1)[0]
+        if not flag.startswith("--") or any(o.startswith(flag[2:]) for o in options):
+            continue
+        close = difflib.get_close_matches(flag[2:], options, n=1)
+        problems.append(f"unknown flag {flag}; " + (f"did you mean --{close[0]}?" if close else
+                                                    f"see {parser.prog} --help"))
+    return " | ".join(problems) or None
 
 
 def _command_name(argv: list[str]) -> tuple[str, ...]:
@@ -95,12 +123,18 @@ def main(argv: list[str] | None = None) -> int:
     words = _command_name(argv)
     if words in CONFIG_COMMANDS:
         argv = [*words, "--", *argv[len(words):]]
-    args, extra = build_parser().parse_known_args(argv)
+    parser = build_parser()
+    prog = " ".join(["dpocache", *words])
+    if words and words[0] in ARGPARSE_COMMANDS:
+        problem = unknown_flags(parser.commands[words[0]], argv[1:])
+        if problem:
+            say(f"{prog}: error: {problem}")
+            return 2
+    args, extra = parser.parse_known_args(argv)
     args.verbose = verbose  # taken out of argv above; score reads it to show its errors' traceback
     quiet_libraries(verbose)  # before transformers, datasets or the Hub is imported
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    prog = " ".join(["dpocache", *words])
     if extra and words not in CONFIG_COMMANDS and args.command != "demo":
         print(f"{prog}: error: unrecognized arguments: {' '.join(extra)}", file=sys.stderr)
         return 2

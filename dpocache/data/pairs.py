@@ -18,7 +18,8 @@ Sources: ``.jsonl``, ``.json`` (a list of objects, or ``{"data": [...]}``), ``.p
 ``datasets.Dataset`` or a list of dicts. Other column names are mapped with ``columns``
 (``--data.prompt_field question``); a row without the prompt column is read as an implicit-prompt
 row only when it has no other text column (a ``question`` column is more likely a prompt under
-another name than a column to ignore), or when the prompt column is ``none``.
+another name than a column to ignore), or when the prompt column is ``none``. A row that lacks
+columns gets one error naming every missing field, the row's columns and every flag to pass.
 
 Every bad row, whatever is wrong with it (not UTF-8, malformed or too deeply nested JSON, a
 lone surrogate, a missing field, longer than the model's context), is a ``DataError`` naming the
@@ -697,7 +698,7 @@ def _drop_unfit(rows: list[RawRow], pairs: list[TokenizedPair], skipped: list[Sk
 
 def map_columns(rows: list[RawRow], columns: tuple[str | None, str, str] = STANDARD_COLUMNS) -> list[RawRow]:
     """Rows with their (prompt, chosen, rejected) columns under the standard names; a row whose
-    columns do not fit gets an ``error`` naming the missing field and the flag that maps it."""
+    columns do not fit gets an ``error`` naming every missing field and the flags that map them."""
     out = []
     for row in rows:
         if row.error is not None or not isinstance(row.values, dict):
@@ -719,30 +720,61 @@ def _text_columns(values: dict, exclude: tuple) -> list[str]:
 def _mapped(row: RawRow, columns: tuple[str | None, str, str]) -> dict:
     prompt_field, chosen_field, rejected_field = columns
     values = row.values
-    for name, std in ((chosen_field, "chosen"), (rejected_field, "rejected")):
-        if values.get(name) is None:
-            others = _text_columns(values, columns)
-            hint = f"; the row has {', '.join(map(repr, others))}: map one with --data.{std}_field NAME" \
-                if others else ""
-            raise DataError(row.location, name, "missing" + hint)
+    nulls = [name for name in (chosen_field, rejected_field) if name in values and values[name] is None]
+    if nulls:  # the column is there without a value: "missing" sent users to map a column the row has
+        what = "null, not a completion" if len(nulls) == 1 else \
+            f"fields {', '.join(map(repr, nulls))} null, not completions"
+        raise DataError(row.location, nulls[0] if len(nulls) == 1 else None,
+                        f"{what} (fix or drop the row; --skip-invalid skips such rows)")
+    missing = _missing_fields(values, columns)
+    if missing:
+        raise _missing_error(row, columns, missing)
     mapped = {"chosen": values[chosen_field], "rejected": values[rejected_field]}
     mapped.update({k: values[k] for k in TEMPLATE_COLUMNS if values.get(k) is not None})
-    if prompt_field is None or values.get(prompt_field) is not None:
-        if prompt_field is not None:
-            mapped["prompt"] = values[prompt_field]
-        return mapped
-    if prompt_field in values:
+    if prompt_field is not None and values.get(prompt_field) is not None:
+        mapped["prompt"] = values[prompt_field]
+    elif prompt_field in values:
         # The column is there without a value (a parquet null, "prompt": null): this row lost
         # its prompt, and its chosen and rejected are answers, not prompt + answer.
         raise DataError(row.location, prompt_field, "null (--data.prompt_field none reads every row's prompt "
                         "from the common start of chosen and rejected)")
-    others = _text_columns(values, columns)
-    if others or prompt_field != "prompt":
-        # Reading such a row as implicit-prompt would drop its prompt without a word.
-        hint = (f"; the row has {', '.join(map(repr, others))}: give --data.prompt_field {others[0]}" if others
-                else "") + " (or --data.prompt_field none: chosen and rejected hold the prompt)"
-        raise DataError(row.location, prompt_field, "missing" + hint)
-    return mapped  # implicit prompt: the row holds only chosen and rejected
+    return mapped  # or implicit prompt: the row holds only chosen and rejected
+
+
+def _missing_fields(values: dict, columns: tuple[str | None, str, str]) -> list[str]:
+    """The standard fields (``prompt``, ``chosen``, ``rejected``) whose column the row lacks."""
+    prompt_field, chosen_field, rejected_field = columns
+    missing = [std for std, name in (("chosen", chosen_field), ("rejected", rejected_field))
+               if values.get(name) is None]
+    # Without its prompt column, a row is read as implicit-prompt only when no text column is left
+    # over for the prompt once chosen and rejected have theirs: a question column is more likely
+    # the prompt under another name than a column to ignore, and reading the row as implicit-prompt
+    # would drop that prompt without a word.
+    if prompt_field is not None and prompt_field not in values and (
+            prompt_field != "prompt" or len(_text_columns(values, columns)) > len(missing)):
+        missing.insert(0, "prompt")
+    return missing
+
+
+def _missing_error(row: RawRow, columns: tuple[str | None, str, str], missing: list[str]) -> DataError:
+    """Every missing field in one error, with the row's columns and every mapping flag to pass:
+    a data set of question/good/bad columns took three runs to map, one field at a time."""
+    names = dict(zip(STANDARD_COLUMNS, columns))
+    others = _text_columns(row.values, columns)
+    # As many unmapped text columns as missing fields: map them in the file's order (TRL's and
+    # the usual one: prompt, chosen, rejected). Otherwise the user picks.
+    guess = dict(zip(missing, others)) if len(others) == len(missing) else {}
+    flags = " ".join(f"--data.{std}_field {guess.get(std, 'COLUMN')}" for std in missing)
+    has = f"columns {', '.join(map(repr, row.values))}" if row.values else "no columns"
+    reason = f"the row has {has}: pass {flags}"
+    if len(guess) > 1:  # an order is a guess, and a swapped chosen and rejected trains the opposite preference
+        preferred = f", above all that '{guess['chosen']}' is the preferred completion" if "chosen" in guess else ""
+        reason += f" (guessed from the file's column order: check it{preferred})"
+    if missing == ["prompt"]:
+        reason += " (or --data.prompt_field none: chosen and rejected hold the prompt)"
+    if len(missing) == 1:
+        return DataError(row.location, names[missing[0]], f"missing; {reason}")
+    return DataError(row.location, None, f"fields {', '.join(repr(names[m]) for m in missing)} missing; {reason}")
 
 
 def write_jsonl(rows: Iterable[dict], path: str | Path) -> Path:

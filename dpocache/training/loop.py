@@ -232,7 +232,7 @@ def train(cfg: Config) -> dict:
     configure_cuda_allocator()
     with stop_signals() as stop:
         run = setup(cfg)
-        env = run.env
+        env, lock = run.env, run.lock
         try:
             return _train(run, stop)
         finally:
@@ -240,6 +240,8 @@ def train(cfg: Config) -> dict:
             # that destroy ends the group while the interpreter is alive (``distributed.destroy``).
             run = None  # noqa: F841 - the last reference to the run
             destroy(env)
+            if lock is not None:
+                lock.release()  # the output directory is free for the next run
 
 
 def _train(run: Run, stop: StopRequest) -> dict:

@@ -21,6 +21,7 @@ from dpocache.data.pairs import DataError, PreferenceData, load_preference_data
 from dpocache.distributed.process_group import (
     DistEnv,
     barrier,
+    broadcast_object,
     destroy,
     differing_on_ranks,
     init_distributed,
@@ -41,7 +42,8 @@ from dpocache.models.policy import (
     wrap_for_distributed,
 )
 from dpocache.models.reference import dtype_name, resolve_dtype
-from dpocache.runtime.preflight import model_context, model_vocab_size
+from dpocache.runtime.preflight import UsageError, model_context, model_vocab_size
+from dpocache.runtime.run_lock import OutputDirLock, hold_output_dir
 from dpocache.scoring.compiling import compile_layers
 from dpocache.scoring.layouts import training_layout
 from dpocache.scoring.logprobs import CompletionLogProbs, scorer_core
@@ -62,9 +64,15 @@ def setup(cfg: Config) -> Run:
     for name in trackers(cfg.train.report_to, cfg.train.tensorboard):
         import_tracker(name)  # a missing tracker library: one line now, not after the reference pass
     env = init_distributed(cfg.model.device, cfg.distributed.backend)
+    lock = None
     try:
-        return _setup(cfg, env)
+        lock = hold_output_dir_for_job(cfg, env)  # before anything looks at what the directory holds
+        run = _setup(cfg, env)
+        run.lock = lock
+        return run
     except BaseException as failed:
+        if lock is not None:
+            lock.release()
         # ``train`` ends the group only for a run it got: one that failed here must end it too,
         # while the interpreter is alive (``distributed.destroy``; a gloo group that had run a
         # collective aborted the process at exit, exit -6, instead of the error's exit 2). What
@@ -72,6 +80,21 @@ def setup(cfg: Config) -> Run:
         traceback.clear_frames(failed.__traceback__)
         destroy(env)
         raise
+
+
+def hold_output_dir_for_job(cfg: Config, env: DistEnv) -> OutputDirLock | None:
+    """Rank 0 locks the output directory for the job (``runtime.run_lock``); every rank stops
+    with rank 0's one line if another run holds it."""
+    lock, refused = None, None
+    if env.is_main:
+        try:
+            lock = hold_output_dir(cfg.train.output_dir)
+        except UsageError as e:
+            refused = str(e)
+    refused = broadcast_object(env, refused)
+    if refused:
+        raise UsageError(refused)
+    return lock
 
 
 def _setup(cfg: Config, env: DistEnv) -> Run:

@@ -60,6 +60,7 @@ class Run:
     monitor: ProgressMonitor | None = None  # gradient and weight norms after each step (dpocache.training.divergence)
     # This step's micro-batches so far: (pairs, policy chosen, policy rejected, ref chosen, ref rejected), detached.
     step_batches: list = field(default_factory=list)
+    lock: object = None  # rank 0: the output directory's runtime.run_lock.OutputDirLock, released at the end
 
 
 def global_batch(run: Run) -> int:

@@ -56,6 +56,9 @@ def work(tmp_path_factory, model_dir, pref_rows) -> Path:
             shutil.copy(f, root / "no-weights" / f.name)
     write_jsonl([{"question": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"]} for r in pref_rows],
                 root / "question.jsonl")
+    write_jsonl([{"question": r["prompt"], "good": r["chosen"], "bad": r["rejected"]} for r in pref_rows],
+                root / "good-bad.jsonl")  # every field under another name: one error, every flag to pass
+    (root / "typo.yaml").write_text("optim:\n  learning_rate: 1.0e-5\nbata: 0.2\n")
     good = json.dumps(pref_rows[0]).encode()
     (root / "bytes.jsonl").write_bytes(good + b"\n" + b'{"prompt": "caf\xe9", "chosen": " a", "rejected": " b"}\n')
     (root / "bytes.csv").write_bytes(b"prompt,chosen,rejected\nsort 3 1, 1 3, 3 1\nsort \xff 2, 2, 1\n")
@@ -116,8 +119,38 @@ CASES = {
     "train without arguments": (("train",), ["--model", "--data"]),
     "cache build without --data": (("cache", "build", "--model", "model"), ["--data"]),
     "config file missing": (("train", "nope.yaml", "--model", "model"), ["nope.yaml"]),
-    "unknown flag": ((*TRAIN, "--bogus", "1"), ["bogus"]),
+    "unknown flag": ((*TRAIN, "--bogus", "1"), ["unknown flag --bogus (config field 'bogus'); see --help"]),
     "unknown flag, cache build": ((*BUILD, "--bogus", "1"), ["bogus"]),
+    "flag typo": ((*TRAIN, "--bata", "0.2"), ["unknown flag --bata (config field 'bata'); did you mean --beta?"]),
+    "flag typo, cache build": ((*BUILD, "--max-lenght", "64"),
+                               ["unknown flag --max-lenght (config field 'max_lenght'); did you mean --max-length?"]),
+    "typo of cache build's own option": ((*BUILD, "--per-tokens"), ["unknown flag --per-tokens; did you mean "
+                                                                    "--per-token?"]),
+    "typo of cache verify's own option": (("cache", "verify", *BUILD[2:], "--sample", "3"),
+                                          ["unknown flag --sample; did you mean --samples?"]),
+    "every unknown flag at once": ((*TRAIN, "--bata", "0.2", "--lerning-rate", "1e-5"),
+                                   ["did you mean --beta? | unknown flag --lerning-rate; did you mean --lr?"]),
+    "TRL's learning_rate": ((*TRAIN, "--learning-rate", "1e-5"),
+                            ["unknown flag --learning-rate; did you mean --lr? (TRL's learning_rate is dpocache's "
+                             "--lr)"]),
+    "TRL's per-device batch size": ((*TRAIN, "--per-device-train-batch-size", "4"),
+                                    ["unknown flag --per-device-train-batch-size; did you mean --batch-size? (TRL's "
+                                     "per_device_train_batch_size is dpocache's --batch-size: pairs per device per "
+                                     "micro-batch, as in TRL)"]),
+    "TRL's bf16 switch, cache build": ((*BUILD, "--bf16"), ["unknown flag --bf16; did you mean --dtype bfloat16?"]),
+    "TRL's push_to_hub switch": ((*TRAIN, "--push-to-hub"), ["--push-to-hub (train.push_to_hub) takes a Hub repo id",
+                                                             "got 'true'", "--push-to-hub REPO"]),
+    "YAML typos": (("train", "typo.yaml", *TRAIN[1:]),
+                   ["typo.yaml: unknown field 'optim.learning_rate'; did you mean 'optim.lr'? (TRL's learning_rate "
+                    "is dpocache's 'optim.lr') | unknown field 'bata'; did you mean 'beta'?"]),
+    "YAML typos, cache build": (("cache", "build", "typo.yaml", *BUILD[2:]),
+                                ["typo.yaml: unknown field 'optim.learning_rate'", "did you mean 'beta'?"]),
+    "score flag typo": (("score", "--model", "model", "--data", "score.jsonl", "--out", "o.jsonl", "--device", "cpu",
+                         "--temprature", "0.5"), ["unknown flag --temprature; did you mean --temperature?"]),
+    "score: typo of a required flag": (("score", "--modle", "model", "--data", "score.jsonl", "--out", "o.jsonl"),
+                                       ["unknown flag --modle; did you mean --model?"]),
+    "plot flag typo": (("plot", "run", "--ot", "c.png"), ["dpocache plot: error: unknown flag --ot; did you mean "
+                                                          "--out?"]),
     "unknown loss": ((*TRAIN, "--loss", "sigmoidd"), ["--loss", "sigmoidd", "known losses"]),
     "malformed loss spec": ((*TRAIN, "--loss", "sigmoid:abc"), ["--loss", "abc"]),
     "beta 0": ((*TRAIN, "--beta", "0"), ["--beta", "> 0"]),
@@ -134,7 +167,13 @@ CASES = {
     "output dir under a file": ((*TRAIN[:-1], "a-file/run"), ["--output-dir a-file/run"]),
     "cache dir under a file": ((*BUILD[:-1], "a-file/cache"), ["--cache-dir a-file/cache"]),
     "question column": (with_data(BUILD, "question.jsonl"),
-                        ["question.jsonl:1", "'prompt'", "--data.prompt_field question"]),
+                        ["question.jsonl:1: field 'prompt': missing; the row has columns 'question', 'chosen', "
+                         "'rejected': pass --data.prompt_field question (or --data.prompt_field none"]),
+    "question/good/bad columns": (with_data(TRAIN, "good-bad.jsonl"),
+                                  ["good-bad.jsonl:1: fields 'prompt', 'chosen', 'rejected' missing; the row has "
+                                   "columns 'question', 'good', 'bad': pass --data.prompt_field question "
+                                   "--data.chosen_field good --data.rejected_field bad (guessed from the file's "
+                                   "column order: check it, above all that 'good' is the preferred completion)"]),
     "non-UTF-8 byte in .jsonl": (with_data(BUILD, "bytes.jsonl"), ["bytes.jsonl:2", "UTF-8", "0xe9"]),
     "non-UTF-8 byte in .csv": (with_data(BUILD, "bytes.csv"), ["bytes.csv:3", "UTF-8", "0xff"]),
     "lone surrogate escape": (with_data(BUILD, "surrogate.jsonl"), ["surrogate.jsonl:2", "'prompt'", "surrogate"]),

@@ -4,6 +4,7 @@ and the counts the summaries print."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -42,6 +43,52 @@ def test_missing_mapped_column_is_named(tmp_path, tokenizer, pref_rows):
     path = write_jsonl(pref_rows[:3], tmp_path / "d.jsonl")
     with pytest.raises(DataError, match=rf"{path}:1: field 'good': missing.*--data\.chosen_field"):
         _load(path, tokenizer, columns=("prompt", "good", "rejected"))
+
+
+def test_every_missing_field_is_named_at_once_with_the_flags_to_pass(tmp_path, tokenizer, pref_rows):
+    """A question/good/bad data set took three runs, one field at a time; the flags the one error
+    gives now load it."""
+    renamed = [{"question": r["prompt"], "good": r["chosen"], "bad": r["rejected"], "id": i}
+               for i, r in enumerate(pref_rows)]
+    path = write_jsonl(renamed, tmp_path / "qgb.jsonl")
+    with pytest.raises(DataError) as err:
+        _load(path, tokenizer)
+    msg = str(err.value)
+    assert msg.startswith(f"{path}:1: fields 'prompt', 'chosen', 'rejected' missing; the row has columns 'question', "
+                          "'good', 'bad', 'id': pass --data.prompt_field question --data.chosen_field good "
+                          "--data.rejected_field bad (guessed from the file's column order: check it, above all "
+                          "that 'good' is the preferred completion)"), msg
+    flags = dict(re.findall(r"--data\.(\w+)_field (\w+)", msg))
+    mapped = _load(path, tokenizer, columns=(flags["prompt"], flags["chosen"], flags["rejected"]))
+    assert _keys(mapped) == _keys(_load(pref_rows, tokenizer))
+
+
+def test_completions_under_other_names_without_a_prompt_column_are_implicit_prompt(tokenizer):
+    rows = [{"good": "sort 3 1: 1 3", "bad": "sort 3 1: 3 1"}]
+    with pytest.raises(DataError) as err:
+        _load(rows, tokenizer)
+    assert "fields 'chosen', 'rejected' missing; the row has columns 'good', 'bad': pass --data.chosen_field good " \
+           "--data.rejected_field bad (" in str(err.value), err.value
+    implicit = _load(rows, tokenizer, columns=("prompt", "good", "bad"))
+    assert _keys(implicit) == _keys(_load([{"chosen": rows[0]["good"], "rejected": rows[0]["bad"]}], tokenizer))
+
+
+def test_columns_that_do_not_decide_the_mapping_get_placeholders(tokenizer):
+    rows = [{"question": "sort 3 1:", "good": " 1 3", "bad": " 3 1", "note": "synthetic"}]
+    with pytest.raises(DataError) as err:
+        _load(rows, tokenizer)
+    assert str(err.value).endswith("fields 'prompt', 'chosen', 'rejected' missing; the row has columns 'question', "
+                                   "'good', 'bad', 'note': pass --data.prompt_field COLUMN --data.chosen_field COLUMN "
+                                   "--data.rejected_field COLUMN"), err.value
+
+
+def test_a_mapped_column_that_is_missing_too_is_named_with_the_others(tmp_path, tokenizer, pref_rows):
+    path = write_jsonl([{"question": r["prompt"], "good": r["chosen"], "bad": r["rejected"]} for r in pref_rows[:2]],
+                       tmp_path / "d.jsonl")
+    with pytest.raises(DataError) as err:
+        _load(path, tokenizer, columns=("question", "preferred", "dispreferred"))
+    assert f"{path}:1: fields 'preferred', 'dispreferred' missing; the row has columns 'question', 'good', 'bad': " \
+           "pass --data.chosen_field good --data.rejected_field bad" in str(err.value), err.value
 
 
 def test_prompt_column_none_reads_implicit_prompts(tokenizer):
