@@ -252,7 +252,9 @@ BOOL_WORDS = ("true", "1", "yes", "on", "false", "0", "no", "off")  # a switch's
 TRACKERS = ("none", "tensorboard", "wandb")
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 # cache export's formats (dpocache.cache.export writes them); here so that checking a flag imports no torch.
-EXPORT_FORMATS = ("jsonl", "parquet", "datasets", "safetensors")
+EXPORT_FORMATS = ("jsonl", "parquet", "datasets", "safetensors", "keys")
+# The format an --out name picks when --format is not given (a directory or another name: say --format).
+EXPORT_SUFFIXES = {".jsonl": "jsonl", ".parquet": "parquet", ".safetensors": "safetensors"}
 
 
 def with_fields(record_type: type, record, fields: dict):

@@ -8,6 +8,8 @@
   on the duplicated columns. They are for code that reads them itself (the user's own loop, or a
   ``DPOTrainer`` subclass whose ``_precompute_ref_logps`` keeps them); dpocache's
   ``CachedDPOTrainer`` overrides that hook and fills the columns from the cache directly.
+- ``keys``: the cache's own table, one JSON line per row in data order (``index``, ``key``, the
+  sums and token counts; with ``--with-ids`` the token ids too).
 - ``safetensors``: index-aligned ``chosen_logps`` / ``rejected_logps`` ``(N,)`` float32 tensors
   (what open-instruct caches with ``torch.save``, without pickle), plus ``index``, the source row
   of each entry, so rows skipped as invalid cannot shift the alignment unnoticed.
@@ -39,6 +41,7 @@ import torch
 from safetensors.torch import save_file
 
 from dpocache.cache.atomic import atomic_output, atomic_output_dir
+from dpocache.cache.build import export_rows
 from dpocache.cache.store import CacheStore
 from dpocache.config import EXPORT_FORMATS as FORMATS
 from dpocache.data.pairs import TokenizedPair, read_rows
@@ -120,12 +123,23 @@ def _write_safetensors(store: CacheStore, pairs: Sequence[TokenizedPair], out: P
         save_file(tensors, str(tmp), metadata={"format": "dpocache-reference", "namespace": store.namespace.id})
 
 
-def export(fmt: str, out: str | Path, source: Any, store: CacheStore, pairs: Sequence[TokenizedPair]) -> int:
-    """Write the export of ``pairs`` (from ``source``) in ``fmt`` to ``out``; returns the rows written."""
+def _write_keys(store: CacheStore, pairs: Sequence[TokenizedPair], out: Path, with_ids: bool) -> None:
+    with atomic_output(out) as tmp, open(tmp, "w", encoding="utf-8") as f:  # no torn file if stopped
+        for row in export_rows(store, pairs, with_ids):
+            f.write(json.dumps(row) + "\n")
+
+
+def export(fmt: str, out: str | Path, source: Any, store: CacheStore, pairs: Sequence[TokenizedPair],
+           with_ids: bool = False) -> int:
+    """Write the export of ``pairs`` (from ``source``) in ``fmt`` to ``out``; returns the rows
+    written. ``with_ids``: the ``keys`` table also holds the token ids."""
     if fmt not in FORMATS:
         raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "keys":
+        _write_keys(store, pairs, out, with_ids)
+        return len(pairs)
     if fmt == "safetensors":
         _write_safetensors(store, pairs, out)
         return len(pairs)

@@ -137,6 +137,11 @@ class CorruptShard:
     def __str__(self) -> str:
         return f"{self.file}: {self.reason}"
 
+    @property
+    def problem(self) -> str:
+        """The reason without what becomes of the file (a manifest's "; ignored (...)")."""
+        return self.reason.removesuffix(_IGNORED)
+
 
 @dataclass
 class _Shard:
@@ -189,6 +194,19 @@ class CacheStore:
             if not manifest_sound or set(recorded) != {s.info.file for s in self.shards}:
                 self.write_manifest()
         return self
+
+    def describe_corrupt(self, entry: str, action: str, repaired: bool = True) -> str:
+        """One line for a refused entry (``str(CorruptShard)``, as a build's ``corrupt_shards`` holds
+        them): a shard, whose pairs get ``action``; or the manifest, which costs no value (the
+        shards carry their own checksums) and which a repairing open (a build's, a training
+        run's) has rewritten from the shards, else (``repaired`` False) the next one will."""
+        name, _, reason = entry.partition(": ")
+        if name != MANIFEST:
+            return f"corrupt shard {self.dir / entry}; {action}"
+        done = ("rebuilt from the shards" if repaired else
+                "not used; the next cache build or train rebuilds it from the shards")
+        return (f"damaged manifest {self.dir / MANIFEST}: {reason.removesuffix(_IGNORED)}; {done}, which carry their "
+                "own checksums (no pair is recomputed for it)")
 
     def refresh(self) -> int:
         """Load the shards that appeared in the directory since ``open`` (written by another

@@ -7,14 +7,13 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
 import torch
 
-from dpocache.cache import CacheError, CacheStore, default_cache_dir, export_rows, namespace_for_dir, verify
-from dpocache.cache.atomic import atomic_output
+from dpocache.cache import CacheError, CacheStore, default_cache_dir, namespace_for_dir, verify
 from dpocache.cache.build import BuildOptions, build_distributed, namespace_dirs, open_namespace_dir
 from dpocache.cache.probes import ProbeMemo
+from dpocache.cache.store import MANIFEST
 from dpocache.data.pairs import PreferenceData, load_preference_data
 from dpocache.distributed.process_group import destroy, init_distributed
 from dpocache.distributed.sharded_reference import reference_loader
@@ -62,7 +61,7 @@ def _open_store(args, device, open_now: bool = True, verbose: bool = True) -> tu
     if open_now:
         store.open()
         for bad in store.corrupt:
-            print(f"corrupt shard {store.dir / bad.file}: {bad.reason}; not loaded", file=sys.stderr)
+            print(store.describe_corrupt(str(bad), "not loaded", repaired=False), file=sys.stderr)
     return store, dtype
 
 
@@ -100,7 +99,7 @@ def cmd_build(args) -> int:
 
 def _print_build_summary(args, s, store: CacheStore, dtype: torch.dtype, data: PreferenceData) -> None:
     for bad in s.corrupt_shards:
-        print(f"corrupt shard {store.dir / bad}; not loaded", file=sys.stderr)
+        print(store.describe_corrupt(bad, "not loaded"), file=sys.stderr)
     ranks = f" on {s.world_size} ranks" if s.world_size > 1 else ""
     print(f"pairs {s.pairs} (unique {s.unique}): computed {s.computed}{ranks}, reused {s.reused}")
     print(f"rows: {data.truncated} truncated to max_length={args.max_length}, {data.identical} with chosen == "
@@ -146,21 +145,29 @@ def cmd_verify(args) -> int:
     print(f"checked {report.checked} pairs: max |stored - recomputed| = {report.max_abs_diff:.3g}")
     for line in report.mismatches:
         print(f"MISMATCH {line}")
-    for bad in report.corrupt_shards:
+    shards = [bad for bad in report.corrupt_shards if bad.file != MANIFEST]
+    for bad in shards:
         print(f"CORRUPT {store.dir / bad.file}: {bad.reason}")
+    for bad in report.corrupt_shards:
+        if bad.file == MANIFEST:
+            # The manifest only lists the shards; each shard was checked against its own checksum
+            # without it, so a damaged one costs no value and fails nothing.
+            print(f"DAMAGED MANIFEST {store.dir / MANIFEST}: {bad.problem}; the shards were checked without it "
+                  "(each carries its own checksum); the next cache build or train rebuilds it from them")
     if report.missing:
         print(f"MISSING {report.missing} pairs of the data have no cached value (run dpocache cache build)")
-    print("OK" if report.ok else "FAILED")
-    return 0 if report.ok else 1
+    ok = not report.mismatches and not shards and not report.missing
+    print("OK" if ok else "FAILED")
+    return 0 if ok else 1
 
 
 def truncation_warning(data: PreferenceData, max_length: int | None, max_prompt_length: int | None,
                        fmt: str | None) -> str | None:
     """The one-line warning of an export whose data has rows dpocache truncated; None if none.
-    ``fmt``: ``--format`` (None: the cache's own JSON lines, whose --with-ids shows the tokens)."""
+    ``fmt``: the export's format (``keys``: the cache's own table, whose --with-ids shows the tokens)."""
     if not data.truncated:
         return None
-    marked = {None: "--with-ids shows the tokens scored", "safetensors": "tensor 'truncated' marks them"}
+    marked = {"keys": "--with-ids shows the tokens scored", "safetensors": "tensor 'truncated' marks them"}
     floor = max_prompt_length if max_prompt_length is not None else max_length // 2
     return (f"warning: {data.truncated} of {len(data)} rows exceed --max-length {max_length} and were scored as "
             f"dpocache truncates them (the prompt keeps its end, {floor} tokens or more where it has them, the "
@@ -178,17 +185,10 @@ def cmd_export(args) -> int:
     if warning:
         print(warning, file=sys.stderr)
     store, _ = _open_store(args, device)
-    out: Path = args.out
-    if args.format is not None:
-        from dpocache.cache.export import export
+    from dpocache.cache.export import export
 
-        print(f"wrote {export(args.format, out, args.data, store, data.pairs)} rows to {out} ({args.format})")
-        return 0
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_output(out) as tmp, open(tmp, "w", encoding="utf-8") as f:  # no torn file if stopped
-        for row in export_rows(store, data.pairs, args.with_ids):
-            f.write(json.dumps(row) + "\n")
-    print(f"wrote {len(data.pairs)} rows to {out}")
+    written = export(args.format, args.out, args.data, store, data.pairs, args.with_ids)
+    print(f"wrote {written} rows to {args.out} ({args.format})")
     return 0
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dpocache.config import EXPORT_FORMATS, Config, build_config, help_text, parse_overrides
+from dpocache.config import EXPORT_FORMATS, EXPORT_SUFFIXES, Config, build_config, help_text, parse_overrides
 from dpocache.models.hub_ids import resolve_model_path
 from dpocache.runtime.preflight import UsageError, check_data_path, check_model_dir
 
@@ -19,10 +19,12 @@ OPTIONS = {
     "verify": {"samples": (int, 32, "pairs recomputed and compared with the cache"),
                "seed": (int, 0, "which pairs are sampled")},
     "export": {"out": (Path, None, "the file to write, or with --format datasets the directory (required)"),
-               "with_ids": (bool, False, "include the token ids the values were computed on (the cache's own "
-                                         "JSON lines only: refused with --format)"),
-               "format": (str, None, "the input rows plus ref_chosen_logps/ref_rejected_logps as "
-                                     f"{', '.join(EXPORT_FORMATS)} (default: the cache's own JSON lines)")},
+               "with_ids": (bool, False, "include the token ids the values were computed on (--format keys, "
+                                         "which it implies)"),
+               "format": (str, None, "jsonl, parquet or datasets: the input rows plus ref_chosen_logps/"
+                                     "ref_rejected_logps; safetensors: index-aligned tensors; keys: the cache's own "
+                                     "table (index, key, values) as JSON lines. Default: by --out's name (.jsonl, "
+                                     ".parquet, .safetensors)")},
 }
 # The short flags the cache commands had before they read the configuration, kept working.
 CACHE_ALIASES = {"layout": "cache.layout"}
@@ -46,9 +48,9 @@ Fields:
 {fields}"""
 TEXTS = {"build": "Compute the reference log-probs the cache lacks", "info": "List the cache's namespaces",
          "verify": "Check every shard's checksum and recompute a sample",
-         "export": "Write the cached values of every row, in data order: the cache's own JSON lines, or with "
-                   "--format the input rows plus TRL's reference columns (jsonl, parquet, datasets) or index-aligned "
-                   "tensors (safetensors)"}
+         "export": "Write the cached values of every row, in data order: with --format (or by --out's name) the "
+                   "input rows plus TRL's reference columns (jsonl, parquet, datasets), index-aligned tensors "
+                   "(safetensors) or the cache's own table (keys)"}
 
 
 def parse_args(command: str, rest: list[str]) -> argparse.Namespace | None:
@@ -93,12 +95,26 @@ def parse_args(command: str, rest: list[str]) -> argparse.Namespace | None:
         raise UsageError(f"--samples: must be >= 0, got {own['samples']}")
     if command == "export" and own.get("out") is None:
         raise UsageError("--out FILE is required")
-    if command == "export" and own.get("format") not in (None, *EXPORT_FORMATS):
-        raise UsageError(f"--format must be one of {', '.join(EXPORT_FORMATS)}; got {own['format']!r}")
-    if command == "export" and own.get("with_ids") and own.get("format") is not None:
-        raise UsageError(f"--with-ids: only the cache's own JSON lines (no --format) hold token ids; "
-                         f"drop --with-ids or --format {own['format']}")
+    if command == "export":
+        own["format"] = export_format(own.get("format"), own["out"], own.get("with_ids"))
     return _namespace(cfg, command, own)
+
+
+def export_format(fmt: str | None, out: Path, with_ids: bool) -> str:
+    """The format of an export: ``--format``, else what ``--out``'s name says (``.jsonl``: the
+    input rows plus TRL's reference columns, with or without ``--format jsonl``), else ``keys``
+    for ``--with-ids``; one line naming the flag where none fits."""
+    if fmt is not None and fmt not in EXPORT_FORMATS:
+        raise UsageError(f"--format must be one of {', '.join(EXPORT_FORMATS)}; got {fmt!r}")
+    if fmt is None:
+        fmt = "keys" if with_ids else EXPORT_SUFFIXES.get(out.suffix.lower())
+    if fmt is None:
+        raise UsageError(f"--out {out}: pass --format ({', '.join(EXPORT_FORMATS)}); a name ending in "
+                         f"{', '.join(EXPORT_SUFFIXES)} picks its format")
+    if with_ids and fmt != "keys":
+        raise UsageError(f"--with-ids: only --format keys (the cache's own table) holds token ids; drop --with-ids "
+                         f"or --format {fmt}")
+    return fmt
 
 
 def _option_value(name: str, type_: type, value: str):

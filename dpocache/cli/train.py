@@ -40,11 +40,16 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     if args.command == "train":
         return _train(args, extra)
     if args.command == "demo":
+        from dpocache.models.checkpoint import CheckpointWriteError
         from dpocache.training.demo import run_demo
 
         if args.out is not None:
             print("dpocache demo: --out is deprecated; use --output-dir", file=sys.stderr)
-        run_demo(args.output_dir or args.out or "dpocache-demo", extra)
+        try:
+            run_demo(args.output_dir or args.out or "dpocache-demo", extra)
+        except CheckpointWriteError as err:  # a full disk mid-run: one line, as train's
+            print(f"dpocache demo: error: {err}", file=sys.stderr)
+            return 1
         return 0
     from dpocache.training.plot import plot_run
 
@@ -73,6 +78,7 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     cfg.validate(required=("model.path", "data.train"))
     check_train_paths(cfg)
     from dpocache.cache import CacheError, default_cache_dir
+    from dpocache.models.checkpoint import CheckpointWriteError
     from dpocache.models.hub import HubError
     from dpocache.training.audit import ReferenceAuditFailed
     from dpocache.training.loop import TrainingDiverged, train
@@ -80,8 +86,8 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     try:
         with disk_errors(output_dir=cfg.train.output_dir, cache_dir=cfg.cache.dir or default_cache_dir()):
             info = train(cfg)
-    except (TrainingDiverged, ReferenceAuditFailed, HubError,
-            CacheError) as err:  # CacheError: e.g. NaN reference values refused
+    except (TrainingDiverged, ReferenceAuditFailed, HubError, CacheError,  # CacheError: e.g. NaN reference values
+            CheckpointWriteError) as err:  # a full disk mid-run: the run failed, not its input (exit 1)
         print(f"dpocache train: error: {err}", file=sys.stderr)
         return 1
     if int(os.environ.get("RANK", "0")) != 0:

@@ -12,11 +12,16 @@ Layout of ``OUTPUT/checkpoints/step-000100/``::
 
 A checkpoint is written to ``step-N.tmp`` and renamed when complete, so a crash mid-save
 leaves the previous checkpoint the newest complete one (and the next save removes the .tmp).
+A save that fails for want of space (or a read-only or forbidden directory) removes its .tmp
+at once and raises ``CheckpointWriteError``: one line saying what failed, where, about how much
+space a checkpoint needs and which complete checkpoint ``--resume`` continues from.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -26,8 +31,14 @@ from safetensors.torch import load_file, save_file
 from dpocache.cache.atomic import atomic_write_text
 from dpocache.models.hub_ids import snapshot_repo
 from dpocache.models.loading import safetensors_files
+from dpocache.runtime.preflight import FULL_ERRNOS, disk_errno
 
 STATE_FILE = "trainer_state.json"
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint (or the final model) could not be written: a full, read-only or forbidden
+    destination. The message is one line; the last complete checkpoint is left as it was."""
 
 
 def checkpoint_dir(output_dir: Path, step: int) -> Path:
@@ -90,22 +101,101 @@ def save_checkpoint(output_dir: Path, step: int, model, tokenizer, optimizer, sc
     # but holding the space this one needs.
     for unfinished in final.parent.glob("step-*.tmp"):
         shutil.rmtree(unfinished, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp)
-    name_hub_base(tmp)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
     tensors, opt_meta = _optimizer_tensors(optimizer)
     tensors["rng.torch"] = torch.get_rng_state()
     if torch.cuda.is_available():
         tensors["rng.cuda"] = torch.cuda.get_rng_state()
-    save_file(tensors, str(tmp / "optimizer.safetensors"))
-    state = {"step": step, "optimizer": opt_meta, "scheduler": scheduler.state_dict(), **extra}
-    atomic_write_text(tmp / STATE_FILE, json.dumps(state, indent=1, default=str))
+    with writing(tmp, f"checkpoint {final.name}", output_dir, model, tensors):
+        tmp.mkdir(parents=True)
+        model.save_pretrained(tmp)
+        name_hub_base(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        state = {"step": step, "optimizer": opt_meta, "scheduler": scheduler.state_dict(), **extra}
+        atomic_write_text(tmp / STATE_FILE, json.dumps(state, indent=1, default=str))
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     _prune(output_dir, keep)
     return final
+
+
+@contextlib.contextmanager
+def writing(tmp: Path, what: str, output_dir: Path, model, tensors: dict[str, torch.Tensor] | None = None):
+    """Write ``what`` into the directory ``tmp`` (renamed by the caller once complete). A disk
+    error inside (``preflight.disk_errno``: an ``OSError``, or safetensors' ``SafetensorError``,
+    which is not one, so the command line's ``disk_errors`` let it through as a traceback)
+    removes ``tmp`` and becomes one ``CheckpointWriteError``. ``tensors``: the optimizer's, for
+    the estimate of the space needed when there is no earlier checkpoint to measure."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - re-raised unless it is a disk error
+        code = disk_errno(e)
+        if code is None:
+            raise
+        # The partial checkpoint holds space the next attempt needs, and is never read.
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(_write_failure(tmp, what, output_dir, code, model, tensors)) from None
+
+
+def _write_failure(tmp: Path, what: str, output_dir: Path, code: int, model, tensors) -> str:
+    """The one line of a failed write: what, where, the space it needs, and what is kept."""
+    last = latest_checkpoint(output_dir)
+    line = f"cannot write {what} to {tmp}: {os.strerror(code)}"
+    if code in FULL_ERRNOS:
+        if tensors is not None and last is not None:  # a checkpoint is as large as the one before it
+            need, source = _dir_bytes(last), f"as {last.name} took"
+        else:
+            need = _model_bytes(model) + sum(_tensor_bytes(t) for t in (tensors or {}).values())
+            source = "its weights" + (" and optimizer state" if tensors is not None else "") + ", estimated"
+        free = shutil.disk_usage(_existing(tmp)).free
+        line += f"; it needs about {_human(need)} ({source}), {_human(free)} is free there"
+    if last is not None:
+        line += f"; the last complete checkpoint, {last}, is kept: make room and continue with --resume"
+    else:
+        line += "; no complete checkpoint was written before this one"
+    return line
+
+
+def _existing(path: Path) -> Path:
+    """``path`` or its nearest existing parent (``disk_usage`` needs one that exists)."""
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def _dir_bytes(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _model_bytes(model) -> int:
+    """Bytes of the weights ``model.save_pretrained`` writes: a PEFT model's trainable adapter,
+    else every tensor of the state, each shared one once (a gathered FSDP model: its ``state``)."""
+    policy = getattr(model, "policy", model)  # dpocache.distributed.fsdp.GatheredModel
+    if hasattr(policy, "peft_config"):
+        return sum(_tensor_bytes(p) for p in policy.parameters() if p.requires_grad)
+    state = getattr(model, "state", None)
+    state = state if isinstance(state, dict) else model.state_dict()
+    seen, total = set(), 0
+    for t in state.values():
+        if torch.is_tensor(t) and t.device.type != "meta":
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+            if key not in seen:
+                seen.add(key)
+                total += _tensor_bytes(t)
+    return total
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def _prune(output_dir: Path, keep: int) -> None:

@@ -24,7 +24,6 @@ in every process on its way).
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 from pathlib import Path
 
@@ -35,7 +34,9 @@ from torch import nn
 from dpocache.distributed.process_group import DistEnv
 from dpocache.models.directories import reference_weights_dir
 from dpocache.runtime.allocator import trim_heap
-from dpocache.runtime.preflight import UsageError
+
+# checkpoint_files lives with the model directory checks (no torch there); imported from here too.
+from dpocache.runtime.preflight import UsageError, checkpoint_files  # noqa: F401
 from dpocache.scoring import bf16_matmul
 
 # ------------------------------------------------------------------------- a whole model
@@ -172,20 +173,6 @@ def meta_model(path: str | Path, attn_implementation: str | None = "sdpa") -> nn
             model = AutoModelForCausalLM.from_config(config, **kwargs)
     disable_dropout(model)
     return model
-
-
-def checkpoint_files(directory: Path, stem: str = "model") -> list[Path]:
-    """The files a checkpoint in ``directory`` loads from, as transformers (``stem="model"``) or
-    PEFT (``"adapter_model"``) finds them: ``{stem}.safetensors``, or the shards its index
-    lists, else the same for the pickle format (``pytorch_model.bin`` / ``{stem}.bin``); [] if none."""
-    pickled = "pytorch_model.bin" if stem == "model" else f"{stem}.bin"
-    for single in (f"{stem}.safetensors", pickled):
-        if (directory / single).is_file():
-            return [directory / single]
-        index = directory / f"{single}.index.json"
-        if index.is_file():
-            return [directory / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    return []
 
 
 def safetensors_files(path: Path) -> list[Path]:

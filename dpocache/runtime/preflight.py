@@ -5,13 +5,25 @@ retries against the Hugging Face Hub for a path that does not exist).
 
 dpocache reads models from local directories only (the cache fingerprints their weight files),
 so a path that is not a directory is an error here, never a Hub repo id to download.
+
+A model directory is also checked for what would make loading it unsafe or a traceback, before
+any weight is read: a ``model_type`` transformers does not implement (with an ``auto_map``, the
+model's own Python code, which dpocache never runs: no ``trust_remote_code``), a safetensors
+file whose header is absurd or cut short, a pickled ``.bin`` that torch's ``weights_only``
+loader refuses (dpocache never unpickles anything else). Only the files ``from_pretrained``
+would load are checked, not a ``training_args.bin`` lying beside them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import functools
+import importlib.metadata
+import importlib.util
 import json
+import pickle
+import re
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -27,6 +39,17 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 
 # Errors of a full, read-only or forbidden destination: the user's to fix, not a bug.
 DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+# The two that more space fixes.
+FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+# safetensors (Rust) reports an I/O error as its own SafetensorError, not an OSError; the errno
+# is only in the message: "... I/O error: No space left on device (os error 28)".
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+# safetensors refuses a header longer than this (its MAX_HEADER_SIZE, "header too large"); a real
+# one is about 100 bytes per tensor.
+MAX_SAFETENSORS_HEADER = 100_000_000
+# What a Git LFS pointer file (a clone without `git lfs pull`) starts with instead of the weights.
+LFS_POINTER = b"version https://git-lfs"
 
 
 class UsageError(ValueError):
@@ -75,7 +98,181 @@ def check_model_dir(path: str | Path, flag: str = "--model", tokenizer: bool = T
     if tokenizer and not (_has_tokenizer(path) or (base is not None and _has_tokenizer(base))):
         raise UsageError(f"{flag} {path}: no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...); "
                          "save the tokenizer into the model directory (tokenizer.save_pretrained)")
+    _check_config(weights_dir, flag)
+    loaded = [(path, "adapter_model"), (weights_dir, "model")] if base is not None else [(path, "model")]
+    for directory, stem in loaded:
+        for file in checkpoint_files(directory, stem, flag):
+            _check_weight_file(file, directory, flag)
     return path
+
+
+def checkpoint_files(directory: Path, stem: str = "model", flag: str | None = None) -> list[Path]:
+    """The files a checkpoint in ``directory`` loads from, as transformers (``stem="model"``) or
+    PEFT (``"adapter_model"``) finds them: ``{stem}.safetensors``, or the shards its index
+    lists, else the same for the pickle format (``pytorch_model.bin`` / ``{stem}.bin``); [] if none.
+    An index that cannot be read, or that lists a shard not there, is a ``UsageError`` (naming
+    ``flag``, when given)."""
+    where = f"{flag} {directory}" if flag else str(directory)
+    pickled = "pytorch_model.bin" if stem == "model" else f"{stem}.bin"
+    for single in (f"{stem}.safetensors", pickled):
+        if (directory / single).is_file():
+            return [directory / single]
+        index = directory / f"{single}.index.json"
+        if index.is_file():
+            try:
+                names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+            except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+                raise UsageError(f"{where}: {index.name} is not a valid index of weight files "
+                                 f"({type(e).__name__}: {e})") from None
+            files = [directory / name for name in names]
+            for file in files:
+                if not file.is_file():
+                    raise UsageError(f"{where}: {index.name} lists {file.name}, which is not there "
+                                     "(a download cut short?)")
+            return files
+    return []
+
+
+def _check_config(directory: Path, flag: str) -> None:
+    """config.json names an architecture this transformers implements: never the model's own
+    code (``auto_map``), which only ``trust_remote_code=True`` would run."""
+    try:
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UsageError(f"{flag} {directory}: config.json is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"{flag} {directory}: config.json is not a JSON object")
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise UsageError(f"{flag} {directory}: config.json has no model_type; transformers cannot tell which "
+                         "architecture the weights are for")
+    if _known_model_type(model_type):
+        return
+    version = _transformers_version()
+    custom = config.get("auto_map")
+    if isinstance(custom, dict) and custom:
+        code = custom.get("AutoModelForCausalLM") or custom.get("AutoConfig") or next(iter(custom.values()))
+        code = next((c for c in code if c), "?") if isinstance(code, list) else code
+        raise UsageError(f"{flag} {directory}: config.json: model_type '{model_type}' is no architecture transformers "
+                         f"{version} implements, and its auto_map points at Python code shipped with the model "
+                         f"({code}); dpocache never runs a model's own code (no trust_remote_code): use a model of an "
+                         "architecture transformers implements")
+    raise UsageError(f"{flag} {directory}: config.json: model_type '{model_type}' is no architecture transformers "
+                     f"{version} knows (a newer transformers may: pip install -U transformers)")
+
+
+def _known_model_type(model_type: str) -> bool:
+    """Whether transformers' ``CONFIG_MAPPING`` has ``model_type``. Its generated list of names is
+    read on its own first (milliseconds; importing ``CONFIG_MAPPING`` imports torch, seconds):
+    only a type not in that list, which ``CONFIG_MAPPING`` may still add, pays for the import."""
+    if model_type in _generated_model_types():
+        return True
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return model_type in CONFIG_MAPPING
+
+
+@functools.cache
+def _generated_model_types() -> frozenset[str]:
+    """``CONFIG_MAPPING_NAMES`` of transformers' ``models/auto/auto_mappings.py`` (generated; it
+    imports only ``collections``), loaded from its file without importing transformers; empty
+    when this transformers has no such file or it does not load on its own."""
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or spec.origin is None:
+        return frozenset()
+    file = Path(spec.origin).parent / "models" / "auto" / "auto_mappings.py"
+    try:
+        names = importlib.util.spec_from_file_location("_dpocache_transformers_auto_mappings", file)
+        module = importlib.util.module_from_spec(names)
+        names.loader.exec_module(module)
+        return frozenset(module.CONFIG_MAPPING_NAMES)
+    except Exception:  # noqa: BLE001 - any failure only means the slow, exact lookup instead
+        return frozenset()
+
+
+def _transformers_version() -> str:
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
+def _check_weight_file(file: Path, directory: Path, flag: str) -> None:
+    if file.suffix == ".safetensors":
+        problem = safetensors_problem(file)
+    else:
+        problem = _pickle_problem(file)
+    if problem:
+        raise UsageError(f"{flag} {directory}: {file.name}: {problem}")
+
+
+def safetensors_problem(file: Path) -> str | None:
+    """Why safetensors would refuse ``file`` (its header: length, JSON, where the tensors end),
+    read without reading a tensor; None when it looks sound."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        start = f.read(len(LFS_POINTER))
+        if start == LFS_POINTER:
+            return "a Git LFS pointer file, not the weights (fetch them with git lfs pull)"
+        if len(start) < 8:
+            return f"{size} bytes, too short for a safetensors file"
+        length = int.from_bytes(start[:8], "little")
+        if length > min(size - 8, MAX_SAFETENSORS_HEADER):
+            return (f"its header length field says {length:,} bytes, more than "
+                    + (f"safetensors allows ({MAX_SAFETENSORS_HEADER:,})" if length > MAX_SAFETENSORS_HEADER else
+                       f"the file holds ({size - 8:,} after the field)")
+                    + "; the file is damaged or not safetensors")
+        f.seek(8)
+        raw = f.read(length)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        return f"its header is not valid JSON ({e}); the file is damaged or not safetensors"
+    if not isinstance(header, dict):
+        return "its header is not a JSON object; the file is damaged or not safetensors"
+    end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)):
+            return f"its header gives tensor '{name}' no valid data_offsets; the file is damaged"
+        end = max(end, offsets[1])
+    held = size - 8 - length
+    if end != held:
+        # safetensors refuses both: "incomplete metadata, file not fully covered".
+        return (f"its header describes {end:,} bytes of tensor data but the file holds {held:,}"
+                + ("; it was cut short (an interrupted download or copy?)" if end > held else "; the file is damaged"))
+    return None
+
+
+def _pickle_problem(file: Path) -> str | None:
+    """Why torch's ``weights_only`` loader, the only one dpocache (and transformers and PEFT)
+    loads a pickled checkpoint with, would refuse ``file``; None when it would not. Loaded onto
+    the meta device: the pickle is read, not one tensor's data. Imports torch, which a model
+    directory of safetensors never needs here."""
+    import torch  # noqa: PLC0415 - only for .bin weights: a directory of safetensors is checked without torch
+
+    try:
+        torch.load(file, map_location="meta", weights_only=True)
+    except pickle.UnpicklingError as e:
+        return (f"a pickle that torch's safe loader (weights_only) refuses ({_unpickler_reason(str(e))}); dpocache "
+                "never unpickles anything else: load it where you trust it and save it as safetensors "
+                "(save_pretrained)")
+    except (RuntimeError, EOFError, ValueError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return f"not a loadable torch checkpoint ({first})"
+    return None
+
+
+def _unpickler_reason(message: str) -> str:
+    """The cause in torch's many-line ``weights_only`` refusal: "Unsupported global: GLOBAL
+    builtins.print was not an allowed global by default"."""
+    _, found, rest = message.partition("WeightsUnpickler error:")
+    if not found:
+        return message.strip().splitlines()[0] if message.strip() else "refused"
+    reason = next((line.strip() for line in rest.splitlines() if line.strip()), "refused")
+    return reason.split(". Please", 1)[0].rstrip(".")
 
 
 def check_data_path(path: str | Path | None, flag: str = "--data") -> None:
@@ -147,3 +344,17 @@ def disk_errors(**dirs: str | Path | None) -> Iterator[None]:
             raise
         where = e.filename or " or ".join(f"{name.replace('_', ' ')} {d}" for name, d in dirs.items() if d)
         raise UsageError(f"cannot write to {where}: {e.strerror}; what was saved before this is kept") from None
+
+
+def disk_errno(err: BaseException) -> int | None:
+    """The errno of ``err`` if it is a full, read-only or forbidden destination (``DISK_ERRNOS``):
+    an ``OSError``'s, or the one safetensors' own error gives in its message; else None.
+    (``disk_errors`` above takes only ``OSError``: safetensors' error names no file, and the
+    directories it would name instead are not always the ones written to.)"""
+    if isinstance(err, OSError):
+        return err.errno if err.errno in DISK_ERRNOS else None
+    if type(err).__name__ == "SafetensorError":  # not imported: this module precedes torch
+        match = _RUST_OS_ERROR.search(str(err))
+        if match and int(match.group(1)) in DISK_ERRNOS:
+            return int(match.group(1))
+    return None

@@ -55,7 +55,7 @@ def prepare_reference(cfg: Config, env: DistEnv, dtype: torch.dtype, spec, token
     summary = build_distributed(store, pairs, load, env, options)
     if env.is_main:
         for bad in summary.corrupt_shards:
-            print(f"corrupt shard {store.dir / bad}; recomputing its pairs", file=sys.stderr)
+            print(store.describe_corrupt(bad, "recomputing its pairs"), file=sys.stderr)
     if summary.computed:
         gc.collect()  # the reference model is unreachable now; give its memory back
     if not env.is_main:

@@ -1,5 +1,6 @@
 """What a run writes besides its metrics: checkpoints (rank 0, FSDP shards gathered first), the
-final model, and the summary in run.json (pushed to the Hub when asked)."""
+final model, and the summary in run.json (pushed to the Hub when asked). A write that fails for
+want of space raises ``models.checkpoint.CheckpointWriteError`` (one line, the checkpoints kept)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from dpocache.distributed.process_group import (
 from dpocache.models.checkpoint import (
     name_hub_base,
     save_checkpoint,
+    writing,
 )
 from dpocache.models.hub import push_folder
 from dpocache.training.state import Run, global_batch, is_sharded, write_run_json
@@ -53,9 +55,10 @@ def save_final(run: Run) -> Path:
     if run.env.is_main:
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp)
-        name_hub_base(tmp)
-        run.tokenizer.save_pretrained(tmp)
+        with writing(tmp, "the final model", run.out, model):  # a full disk: one line, the checkpoints kept
+            model.save_pretrained(tmp)
+            name_hub_base(tmp)
+            run.tokenizer.save_pretrained(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
     barrier(run.env)

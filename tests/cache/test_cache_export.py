@@ -17,10 +17,11 @@ def _cache_args(command, model_dir, data, cache_dir, *extra):
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory, model_dir, pref_jsonl):
-    """A built cache and dpocache's own JSON-lines export (the reference values, in data order)."""
+    """A built cache and dpocache's own table (``--format keys``: the reference values, in data order)."""
     root = tmp_path_factory.mktemp("export")
     assert main(_cache_args("build", model_dir, pref_jsonl, root / "cache")) == 0
-    assert main(_cache_args("export", model_dir, pref_jsonl, root / "cache", "--out", root / "own.jsonl")) == 0
+    assert main(_cache_args("export", model_dir, pref_jsonl, root / "cache", "--out", root / "own.jsonl",
+                            "--format", "keys")) == 0
     own = [json.loads(line) for line in (root / "own.jsonl").read_text().splitlines()]
     return root, own
 
@@ -173,3 +174,29 @@ def test_a_missing_value_is_named_after_the_command(exported, model_dir, tmp_pat
     code = main(_cache_args("export", model_dir, data, root / "cache", "--out", tmp_path / "o.jsonl"))
     assert code == 1
     assert capsys.readouterr().err.startswith("dpocache cache export: error: ")
+
+
+def test_a_jsonl_name_gives_one_schema_with_or_without_format(exported, model_dir, pref_jsonl, pref_rows):
+    """``--out ref.jsonl`` writes the input rows plus TRL's reference columns whether or not
+    ``--format jsonl`` is passed (it wrote the cache's own table without it); ``--with-ids``
+    asks for that table, and a name that says no format asks for ``--format``."""
+    root, own = exported
+    plain, named = root / "plain.jsonl", root / "named.jsonl"
+    assert main(_cache_args("export", model_dir, pref_jsonl, root / "cache", "--out", plain)) == 0
+    assert main(_cache_args("export", model_dir, pref_jsonl, root / "cache", "--out", named, "--format", "jsonl")) == 0
+    assert plain.read_text() == named.read_text()
+    _check_rows([json.loads(line) for line in plain.read_text().splitlines()], pref_rows, own)
+    ids = root / "ids.jsonl"
+    assert main(_cache_args("export", model_dir, pref_jsonl, root / "cache", "--out", ids, "--with-ids")) == 0
+    assert {"key", "chosen_logps", "prompt_ids"} <= set(json.loads(ids.read_text().splitlines()[0]))
+
+
+@pytest.mark.parametrize("extra, words", [
+    ((), ["--out", "ref.json", "pass --format"]),
+    (("--format", "parquet", "--with-ids"), ["--with-ids", "--format keys"]),
+])
+def test_export_format_mistakes_are_one_line(exported, model_dir, pref_jsonl, capsys, extra, words):
+    root, _ = exported
+    code = main(_cache_args("export", model_dir, pref_jsonl, root / "cache", "--out", root / "ref.json", *extra))
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and all(w in err for w in words), err

@@ -44,7 +44,7 @@ def build(cli, model_dir):
 
 
 def export(cli, model_dir, data, cache_dir, out_path, *extra):
-    rc, _, err = cli(*cache_args("export", model_dir, data, cache_dir, "--out", out_path, *extra))
+    rc, _, err = cli(*cache_args("export", model_dir, data, cache_dir, "--out", out_path, "--format", "keys", *extra))
     assert rc == 0, err
     return [json.loads(line) for line in out_path.read_text().splitlines()]
 

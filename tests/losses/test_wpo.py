@@ -137,14 +137,7 @@ def test_wpo_sums_in_either_layout_equal_full_logits(tiny_models, pairs, batch, 
 # ------------------------------------------------------------------ WPO in dpocache train
 
 from train_fixtures import (  # noqa: E402,F401
-    base_model,
-    eval_jsonl,
-    eval_records,
-    flags,
-    one_thread,
-    run_training,
-    train_jsonl,
-    train_records,
+    base_model, eval_jsonl, eval_records, flags, one_thread, run_training, train_jsonl, train_records,
 )
 
 

@@ -9,14 +9,7 @@ import json
 import pytest
 import torch
 from train_fixtures import (  # noqa: F401  (fixtures are used by name; one_thread is autouse)
-    base_model,
-    flags,
-    interrupted_then_resumed,
-    load_tensors,
-    max_abs_diff,
-    one_thread,
-    run_training,
-    train_jsonl,
+    base_model, flags, interrupted_then_resumed, load_tensors, max_abs_diff, one_thread, run_training, train_jsonl,
     train_records,
 )
 

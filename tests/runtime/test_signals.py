@@ -18,17 +18,8 @@ import sys
 
 import pytest
 from train_fixtures import (  # noqa: F401  (fixtures are used by name; one_thread is autouse)
-    base_model,
-    eval_jsonl,
-    flags,
-    load_tensors,
-    max_abs_diff,
-    one_thread,
-    records,
-    run_json,
-    run_training,
-    train_jsonl,
-    train_records,
+    base_model, eval_jsonl, flags, load_tensors, max_abs_diff, one_thread, records, run_json, run_training,
+    train_jsonl, train_records,
 )
 
 from dpocache.cache import CacheStore, namespace_for_dir

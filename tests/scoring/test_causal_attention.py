@@ -204,7 +204,7 @@ def test_cache_build_names_the_causal_backend(tmp_path, model_dir, pref_jsonl, c
         assert summary["layout"]["used"] == "shared" and summary["layout"]["reason"] is None
         assert summary["layout"]["attention"] == ("sdpa" if attention == "sdpa" else CAUSAL)
         out = tmp_path / f"{attention}.jsonl"
-        assert main(["cache", "export", *common, "--out", str(out)]) == 0
+        assert main(["cache", "export", *common, "--out", str(out), "--format", "keys"]) == 0
         rows = [json.loads(line) for line in out.read_text().splitlines()]
         values[attention] = torch.tensor([[r["chosen_logps"], r["rejected_logps"]] for r in rows])
     torch.testing.assert_close(values["causal"], values["sdpa"], rtol=1e-5, atol=1e-5)

@@ -7,17 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 from train_fixtures import (  # noqa: F401  (fixtures are used by name; one_thread is autouse)
-    RESUME_STEPS,
-    base_model,
-    flags,
-    interrupted_then_resumed,
-    load_tensors,
-    max_abs_diff,
-    one_thread,
-    run_json,
-    run_training,
-    train_jsonl,
-    train_records,
+    RESUME_STEPS, base_model, flags, interrupted_then_resumed, load_tensors, max_abs_diff, one_thread, run_json,
+    run_training, train_jsonl, train_records,
 )
 
 STEPS = RESUME_STEPS

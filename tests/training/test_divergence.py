@@ -9,11 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from train_fixtures import (  # noqa: F401  (fixtures are used by name; one_thread is autouse)
-    base_model,
-    flags,
-    one_thread,
-    run_training,
-    train_jsonl,
+    base_model, flags, one_thread, run_training, train_jsonl,
 )
 
 from dpocache.cache import CacheStore, namespace_for_dir

@@ -9,21 +9,8 @@ import math
 import pytest
 import torch
 from train_fixtures import (  # noqa: F401  (fixtures are used by name; one_thread is autouse)
-    PNG_MAGIC,
-    TRAIN_PAIRS,
-    base_model,
-    eval_jsonl,
-    eval_records,
-    flags,
-    load_tensors,
-    max_abs_diff,
-    namespace_dirs,
-    one_thread,
-    records,
-    run_json,
-    run_training,
-    train_jsonl,
-    train_records,
+    PNG_MAGIC, TRAIN_PAIRS, base_model, eval_jsonl, eval_records, flags, load_tensors, max_abs_diff, namespace_dirs,
+    one_thread, records, run_json, run_training, train_jsonl, train_records,
 )
 
 from dpocache.cli.entry import main as cli_main
