@@ -33,6 +33,16 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+# Tests that run torch's compiler on the CPU (compiled layers, FlexAttention): torch 2.13 cannot
+# link CPU kernels when it is installed under a path with a space (dpocache.scoring.compiling).
+def _cpu_compile_blocked():
+    from dpocache.scoring.compiling import cpu_compile_blocked
+
+    return cpu_compile_blocked()
+
+
+needs_cpu_compile = pytest.mark.skipif(_cpu_compile_blocked() is not None, reason=str(_cpu_compile_blocked()))
+
 WORDS = (
     "the of and to in is that for it as was with be by on not this are or from at which but have "
     "sort sorted list numbers answer question please order ascending model reward prompt cache "

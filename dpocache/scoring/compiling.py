@@ -31,9 +31,12 @@ not measured side by side (docs/benchmarks/vs-trl-h100-20261123.md).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
+from dpocache.runtime.preflight import UsageError
 from dpocache.scoring.attention import is_flex
 from dpocache.scoring.layout_choice import COMPILES
 from dpocache.scoring.logprobs import decoder_layers, unwrap_causal_lm
@@ -58,7 +61,12 @@ def compile_layers(model: nn.Module) -> int:
     sdpa-layers [--dynamic]``: docs/benchmarks/probes-cpu-2core-20261123.md; on the H100:
     docs/benchmarks/probes-h100-20261122.md). Under FlexAttention on the CPU the layers compile
     statically instead, one graph per batch shape (``flex_on_cpu``). The layers are FSDP2's units
-    (``scoring.logprobs.decoder_layers``). Returns how many were compiled (0: the model has none)."""
+    (``scoring.logprobs.decoder_layers``). Returns how many were compiled (0: the model has none).
+    On a CPU that cannot compile (``cpu_compile_blocked``) it stops with one line instead."""
+    blocked = cpu_compile_blocked()
+    if blocked and next(model.parameters()).device.type == "cpu":
+        raise UsageError(f"--compile on: {blocked}; use --compile off (or auto), or install under a path "
+                         "without spaces")
     layers = decoder_layers(model)
     dynamic = not flex_on_cpu(model)
     for layer in layers:
@@ -77,12 +85,25 @@ def flex_on_cpu(model: nn.Module) -> bool:
     return config is not None and is_flex(config) and parameter is not None and parameter.device.type == "cpu"
 
 
+def cpu_compile_blocked() -> str | None:
+    """Why torch's compiler cannot build CPU kernels in this environment, or None. torch 2.13's
+    inductor hands its own library folder to the linker unquoted, so a torch installed under a
+    path with a space (a virtualenv in a clone at ``~/My Projects/dpocache``) fails to link every
+    CPU kernel."""
+    lib = Path(torch.__file__).parent / "lib"
+    if any(c.isspace() for c in str(lib)):
+        return f"torch is installed under a path with a space ({lib}), which its CPU compiler cannot link from"
+    return None
+
+
 def should_compile(requested: str, device_type: str, dtype: torch.dtype, tokens: int, parameters: int) -> bool:
     """Whether a pass over ``tokens`` with a model of ``parameters`` computing in ``dtype`` on
-    ``device_type`` compiles its layers."""
+    ``device_type`` compiles its layers (``auto`` on a CPU that cannot compile: never)."""
     if requested not in COMPILES:
         raise ValueError(f"compile must be one of {', '.join(COMPILES)}; got '{requested}'")
     if requested != "auto":
         return requested == "on"
+    if device_type == "cpu" and cpu_compile_blocked():
+        return False
     threshold = AUTO_MIN_WORK.get((device_type, dtype))
     return threshold is not None and tokens * parameters >= threshold

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from conftest import needs_cpu_compile
 from test_prefix import _max_diff, padded_values
 from transformers import AttentionInterface
 
@@ -63,6 +64,7 @@ def _flex_values(lp, layout, pairs, pad):
 
 # Each shape compiles a kernel (3-30 s on 2 cores; static on CPU: attention.compile_settings).
 # The compile cache is reset before each layout, so each layout's kernel is its own.
+@needs_cpu_compile
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", FLEX_ARCHS)
 def test_flex_matches_padded(tokenizer, pairs, arch, flex_calls):
@@ -81,6 +83,7 @@ def test_flex_matches_padded(tokenizer, pairs, arch, flex_calls):
     assert model.config._attn_implementation == loaded
 
 
+@needs_cpu_compile
 @pytest.mark.slow
 def test_flex_on_cpu_runs_batches_of_several_row_widths(tokenizer, make_rows):
     """A run's batches have rows of several widths. Left to transformers' compile (dynamo's
@@ -213,6 +216,7 @@ def test_auto_is_sdpa_on_cpu_and_flex_falls_back_with_a_reason(tokenizer):
     assert (choice.used, choice.attention) == ("packed", "sdpa") and "no backward on CPU" in choice.reason
 
 
+@needs_cpu_compile
 def test_the_padded_layout_runs_the_loaded_attention(tokenizer):
     """FlexAttention serves the shared and packed layouts' block masks. A reference that runs
     the padded layout (asked for, or a fallback) puts a model switched to flex back on its
@@ -234,6 +238,7 @@ def test_the_padded_layout_runs_the_loaded_attention(tokenizer):
     assert "does not support flex_attention" in reason and "loaded attention" not in reason
 
 
+@needs_cpu_compile
 @pytest.mark.slow
 def test_packed_flex_reference_rows_are_padded_to_the_budget(tokenizer, pairs):
     """A packed reference pass under FlexAttention pads every row to the token budget (one
@@ -258,6 +263,7 @@ def test_packed_flex_reference_rows_are_padded_to_the_budget(tokenizer, pairs):
     use_attention(model, "sdpa", "cpu")
 
 
+@needs_cpu_compile
 def test_cache_build_with_flex_stores_the_sdpa_values(tmp_path, model_dir, pref_jsonl, capsys):
     """``cache build --attention flex --layout packed`` on CPU names flex in its summary, and
     ``cache verify`` with flex recomputes every value a default (sdpa, shared) build stored."""
@@ -274,6 +280,7 @@ def test_cache_build_with_flex_stores_the_sdpa_values(tmp_path, model_dir, pref_
     assert "checked 48 pairs" in out and float(out.split("= ")[1].split()[0]) < 1e-4
 
 
+@needs_cpu_compile
 @pytest.mark.slow
 def test_compiled_layers_under_flex_on_cpu_build_every_row_width(tmp_path, model_dir, make_rows, capsys):
     """``cache build --attention flex --layout shared --compile on`` on the CPU: compiled with

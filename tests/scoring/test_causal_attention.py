@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import needs_cpu_compile
 from test_prefix import _max_diff, padded_values
 from transformers import AttentionInterface
 
@@ -118,6 +119,7 @@ def test_the_causal_rows_keep_off_cudnn_and_leave_the_process_flags_alone(tokeni
     assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()) == flags
 
 
+@needs_cpu_compile
 @pytest.mark.slow
 def test_compiled_training_through_the_causal_rows_has_no_graph_break(tokenizer, pairs):
     """The layers compiled (training's ``--compile on``): the kernel choice is traced into the

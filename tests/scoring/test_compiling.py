@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from conftest import needs_cpu_compile
 from train_fixtures import base_model, flags, one_thread, run_json, run_training, train_jsonl, train_records  # noqa: F401
 
 from dpocache.cache.build import score_batch
@@ -16,7 +17,10 @@ from dpocache.scoring.layouts import budget_batches
 from dpocache.scoring.logprobs import decoder_layers
 
 
-def test_auto_compiles_only_a_pass_long_enough_where_it_was_measured_to_pay():
+def test_auto_compiles_only_a_pass_long_enough_where_it_was_measured_to_pay(monkeypatch):
+    import dpocache.scoring.compiling as compiling
+
+    monkeypatch.setattr(compiling, "cpu_compile_blocked", lambda: None)  # the rule, wherever torch lives
     bf16, fp32 = torch.bfloat16, torch.float32
     gpu = int(AUTO_MIN_WORK["cuda", bf16] // 10**9) + 1  # tokens whose work at 1e9 parameters reaches it
     assert should_compile("auto", "cuda", bf16, gpu, 10**9)
@@ -31,6 +35,22 @@ def test_auto_compiles_only_a_pass_long_enough_where_it_was_measured_to_pay():
         should_compile("yes", "cuda", bf16, 1, 1)
 
 
+def test_a_cpu_that_cannot_compile_runs_eager_on_auto_and_says_so_on_on(monkeypatch, tokenizer):
+    """torch installed under a path with a space cannot link CPU kernels: --compile auto stays
+    eager there, and --compile on is one line naming why (it was a linker error per kernel)."""
+    import dpocache.scoring.compiling as compiling
+    from dpocache.models.tiny import build_model
+    from dpocache.runtime.preflight import UsageError
+
+    monkeypatch.setattr(compiling, "cpu_compile_blocked", lambda: "torch is installed under a path with a space")
+    work = int(AUTO_MIN_WORK["cpu", torch.float32] // 10**8) + 1
+    assert not should_compile("auto", "cpu", torch.float32, 100 * work, 10**8)
+    assert should_compile("auto", "cuda", torch.bfloat16, 10**9, 10**9)  # a GPU's kernels are not linked so
+    with pytest.raises(UsageError, match="--compile on: torch is installed under a path with a space"):
+        compile_layers(build_model("llama", tokenizer))
+
+
+@needs_cpu_compile
 def test_compile_layers_compiles_every_decoder_layer_in_place(tokenizer):
     from dpocache.models.tiny import build_model
 
@@ -44,6 +64,7 @@ def test_compile_layers_compiles_every_decoder_layer_in_place(tokenizer):
     assert compile_layers(torch.nn.Linear(2, 2)) == 0  # no decoder: nothing to compile
 
 
+@needs_cpu_compile
 @pytest.mark.slow
 def test_compiled_reference_pass_equals_eager_in_fp32(model_dir, data):
     """The compiled layers (inductor, CPU) against the eager model, per pair, in both layouts;
@@ -76,6 +97,7 @@ def test_build_summary_names_compiled_layers_and_bad_value_is_status_2(tmp_path,
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["compiled_layers"] == 0
 
 
+@needs_cpu_compile
 @pytest.mark.slow
 def test_training_with_compiled_layers_follows_the_eager_run(tmp_path, base_model, train_jsonl):
     """Three fp32 steps with the policy's layers compiled (forward and backward through inductor)
