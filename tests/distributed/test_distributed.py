@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -746,3 +747,57 @@ def test_fsdp_train_shards_its_reference_build_and_matches_one_process(assets, s
         assert_close_records(got[step], want[step])
     ref = json.loads((out / "run.json").read_text())["reference"]
     assert ref["computed"] == 75 and ref["built_on_ranks"] == 2 and ref["forward_passes_during_training"] == 0
+
+
+# The workers write STEP_FILE after each optimizer step (rank 0) and take a little longer per step,
+# so that a signal sent from outside lands mid-run.
+SLOW_STEPS = r"""
+import os, sys, time
+import dpocache.training.loop as train
+from dpocache.cli.entry import main
+
+one_step = train.train_step
+
+def slow_step(run, window):
+    one_step(run, window)
+    time.sleep(0.3)
+    if run.env.is_main:
+        with open(os.environ["STEP_FILE"], "w") as f:
+            f.write(str(run.step))
+
+train.train_step = slow_step
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_sigusr1_to_torchrun_stops_every_rank_at_a_checkpoint(assets, tmp_path):
+    """Slurm's SIGUSR1 to the torchrun agent, started with --signals-to-handle naming it (as
+    docs/distributed.md says): the agent forwards it, every rank stops at the same step with one
+    line and exit 138, that step is checkpointed, and --resume finishes the run."""
+    from dpocache.models.checkpoint import checkpoints
+
+    driver, step_file, out = tmp_path / "driver.py", tmp_path / "step", tmp_path / "run"
+    driver.write_text(SLOW_STEPS)
+    args = train_args(assets, out, 4, None, "--save-steps", "0", "--max-steps", "30")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               CUDA_VISIBLE_DEVICES="", STEP_FILE=str(step_file))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+           str(driver), "train", *args]
+    agent = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not (step_file.exists() and step_file.read_text().strip() not in ("", "0", "1")):
+        assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()[1][-4000:]
+        time.sleep(0.1)
+    agent.send_signal(signal.SIGUSR1)
+    stdout, stderr = agent.communicate(timeout=240)
+    assert agent.returncode != 0
+    stop = "dpocache: stopped by SIGUSR1: checkpoint of step"
+    stops = [line for line in stderr.splitlines() if line.startswith(stop)]
+    assert len(stops) == 1, stderr[-6000:]
+    assert not worker_traceback(subprocess.CompletedProcess(cmd, agent.returncode, stdout, stderr)), stderr[-6000:]
+    step = int(stops[0].split("checkpoint of step ")[1].split()[0])
+    assert [p.name for p in checkpoints(out)] == [f"step-{step:06d}"] and 2 <= step < 30
+    torchrun("train", *args, "--resume")
+    assert sorted(losses(out)) == list(range(1, 31))
