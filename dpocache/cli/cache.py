@@ -21,8 +21,10 @@ from dpocache.models.directories import reference_source
 from dpocache.models.loading import load_tokenizer
 from dpocache.models.reference import ReferenceModel, default_device, dtype_name, resolve_dtype
 from dpocache.runtime.preflight import (
+    UsageError,
     check_output,
     check_writable_dir,
+    disk_errno,
     disk_errors,
     model_context,
     model_vocab_size,
@@ -187,7 +189,14 @@ def cmd_export(args) -> int:
     store, _ = _open_store(args, device)
     from dpocache.cache.export import export
 
-    written = export(args.format, args.out, args.data, store, data.pairs, args.with_ids)
+    try:
+        written = export(args.format, args.out, args.data, store, data.pairs, args.with_ids)
+    except Exception as err:  # noqa: BLE001 - safetensors' own error on a full disk names no file: say which
+        errno_ = disk_errno(err)
+        if errno_ is None or isinstance(err, OSError):
+            raise  # an OSError names its file already (disk_errors)
+        raise UsageError(f"--out {args.out}: cannot write it: {os.strerror(errno_)}; the cache is unchanged and "
+                         "no partial file is left") from None
     print(f"wrote {written} rows to {args.out} ({args.format})")
     return 0
 

@@ -200,3 +200,23 @@ def test_export_format_mistakes_are_one_line(exported, model_dir, pref_jsonl, ca
     code = main(_cache_args("export", model_dir, pref_jsonl, root / "cache", "--out", root / "ref.json", *extra))
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and all(w in err for w in words), err
+
+
+def test_a_full_disk_under_a_safetensors_export_is_one_line(exported, model_dir, pref_jsonl, capsys, monkeypatch):
+    """safetensors reports a full disk as its own error, naming no file: the export names --out,
+    exit 2, and leaves no partial file (it was a traceback)."""
+    from safetensors import SafetensorError
+
+    import dpocache.cache.export as export_mod
+
+    def full(tensors, path, metadata=None):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(export_mod, "save_file", full)
+    root, _ = exported
+    out = root / "full.safetensors"
+    code = main(_cache_args("export", model_dir, pref_jsonl, root / "cache", "--out", out))
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and not out.exists(), err
+    assert err.strip().splitlines()[-1].endswith(f"--out {out}: cannot write it: No space left on device; the cache "
+                                                 "is unchanged and no partial file is left"), err
