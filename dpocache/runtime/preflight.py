@@ -198,12 +198,18 @@ def _transformers_version() -> str:
 
 
 def _check_weight_file(file: Path, directory: Path, flag: str) -> None:
-    if file.suffix == ".safetensors":
-        problem = safetensors_problem(file)
-    else:
-        problem = _pickle_problem(file)
+    stat = file.stat()
+    problem = _weight_file_problem(file, stat.st_size, stat.st_mtime_ns)
     if problem:
         raise UsageError(f"{flag} {directory}: {file.name}: {problem}")
+
+
+@functools.lru_cache(maxsize=1024)
+def _weight_file_problem(file: Path, size: int, mtime_ns: int) -> str | None:
+    """One look per file as it is (``size``, ``mtime_ns``): a command checks its model directory
+    more than once (``score``: its weights, its tokenizer, the service it starts), and a pickled
+    checkpoint's look unpickles its whole structure."""
+    return safetensors_problem(file) if file.suffix == ".safetensors" else _pickle_problem(file)
 
 
 def safetensors_problem(file: Path) -> str | None:
