@@ -9,6 +9,7 @@ from pathlib import Path
 
 from dpocache.models.hub_ids import resolve_model_path
 from dpocache.runtime.preflight import UsageError, check_data_path, check_model_dir, check_writable_dir, disk_errors
+from dpocache.runtime.run_lock import check_output_dir_free
 
 TRAIN_USAGE = """usage: dpocache train [CONFIG.yaml] [--key value ...]
 
@@ -75,6 +76,8 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     # The model directories first: checking them needs no imports, and a wrong --model must
     # not wait for torch (which validate imports), let alone for a model to load.
     check_model_dirs(cfg)
+    if os.environ.get("RANK", "0") == "0":  # rank 0 holds the directory for a torchrun job (training.setup)
+        check_output_dir_free(cfg.train.output_dir)  # a second run refused before torch is imported
     cfg.validate(required=("model.path", "data.train"))
     check_train_paths(cfg)
     from dpocache.cache import CacheError, default_cache_dir

@@ -33,6 +33,29 @@ class OutputDirLock:
             self.fd = None
 
 
+def check_output_dir_free(out: str | Path) -> None:
+    """Raise the ``UsageError`` of ``hold_output_dir`` at once if another run holds ``out``,
+    holding nothing: the command line asks before its slow imports, so a second run is refused in
+    a moment (the run's own hold, in ``training.setup``, still decides). A shared lock, so that the
+    ranks of one torchrun job, asking together, never refuse each other."""
+    lock_file = Path(out) / LOCK_FILE
+    if not lock_file.is_file():
+        return
+    fd = os.open(lock_file, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise UsageError(_busy(Path(out), fd)) from None
+    finally:
+        os.close(fd)
+
+
+def _busy(out: Path, fd: int) -> str:
+    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+    return (f"--output-dir {out}: another dpocache run (pid {holder}) is writing there; wait for it to end, or pass "
+            "another --output-dir")
+
+
 def hold_output_dir(out: str | Path) -> OutputDirLock:
     """Lock ``out`` (created if absent) for this process. Raises ``UsageError`` at once if
     another run holds it."""
@@ -42,10 +65,9 @@ def hold_output_dir(out: str | Path) -> OutputDirLock:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        message = _busy(out, fd)
         os.close(fd)
-        raise UsageError(f"--output-dir {out}: another dpocache run (pid {holder}) is writing there; wait for it to "
-                         "end, or pass another --output-dir") from None
+        raise UsageError(message) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return OutputDirLock(fd)

@@ -15,7 +15,7 @@ import pytest
 from train_fixtures import base_model, flags, one_thread, train_jsonl  # noqa: F401 - fixtures
 
 from dpocache.runtime.preflight import UsageError
-from dpocache.runtime.run_lock import LOCK_FILE, hold_output_dir
+from dpocache.runtime.run_lock import LOCK_FILE, check_output_dir_free, hold_output_dir
 
 
 def test_a_held_directory_is_refused_naming_the_holder_and_freed_on_release(tmp_path):
@@ -24,6 +24,18 @@ def test_a_held_directory_is_refused_naming_the_holder_and_freed_on_release(tmp_
         hold_output_dir(tmp_path / "run")
     first.release()
     hold_output_dir(tmp_path / "run").release()
+
+
+def test_the_early_check_refuses_a_held_directory_and_holds_nothing(tmp_path):
+    """The command line's check before its slow imports: refused while a run holds the
+    directory, silent otherwise, and never in the way of the run's own hold."""
+    check_output_dir_free(tmp_path / "never-used")  # no lock file: nothing to ask
+    held = hold_output_dir(tmp_path / "run")
+    with pytest.raises(UsageError, match=rf"another dpocache run \(pid {os.getpid()}\)"):
+        check_output_dir_free(tmp_path / "run")
+    held.release()
+    check_output_dir_free(tmp_path / "run")
+    hold_output_dir(tmp_path / "run").release()  # the check left no lock behind
 
 
 def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
