@@ -25,6 +25,7 @@ __getattr__, __dir__, __all__ = lazy_surface(__name__, {
     "dpocache.service.reference_service": ["ReferenceService", "ServiceOptions"],
     "dpocache.service.pool": ["ReferencePool"],
     "dpocache.integrations.trl": ["CachedDPOTrainer"],
+    "dpocache.integrations.trl_grpo": ["CachedGRPOTrainer"],
 })
 
 install_moved_modules()

@@ -4,4 +4,5 @@ from dpocache.imports import lazy_surface
 
 __getattr__, __dir__, __all__ = lazy_surface(__name__, {
     "dpocache.integrations.trl": ["CachedDPOTrainer"],
+    "dpocache.integrations.trl_grpo": ["CachedGRPOTrainer"],
 })

@@ -24,6 +24,7 @@ one message, since this overrides TRL internals (``_precompute_ref_logps``).
 from __future__ import annotations
 
 import copy
+import importlib
 import logging
 import sys
 from collections.abc import Callable, Iterator
@@ -326,3 +327,11 @@ class CachedDPOTrainer(DPOTrainer):
                                           if c in dataset.column_names])
         dataset = dataset.add_column("ref_chosen_logps", values.chosen_logps.float().tolist())
         return dataset.add_column("ref_rejected_logps", values.rejected_logps.float().tolist())
+
+
+def __getattr__(name: str):
+    """``CachedGRPOTrainer`` (``dpocache.integrations.trl_grpo``), imported on first use: that
+    module imports this one, so importing it here at the top would be a cycle."""
+    if name == "CachedGRPOTrainer":
+        return importlib.import_module("dpocache.integrations.trl_grpo").CachedGRPOTrainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

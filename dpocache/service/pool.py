@@ -94,6 +94,7 @@ class ReferencePool:
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False)
         self._ray = ray
+        self.temperature = options.temperature_or_one  # what each replica divides the logits by
         cluster = ray.cluster_resources()
         gpus, cpus = cluster.get("GPU", 0), cluster.get("CPU", 0)
         resources = {"num_gpus": 1} if gpus >= num_replicas else {"num_cpus": 1}
