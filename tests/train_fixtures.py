@@ -115,10 +115,10 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 
 
 def namespace_dirs(cache: Path) -> list[Path]:
-    """Namespace directories under a cache root (anything but the fingerprint memo)."""
+    """Namespace directories under a cache root (anything but the fingerprint memo and the token stores)."""
     if not cache.exists():
         return []
-    return [p for p in cache.iterdir() if p.is_dir()]
+    return [p for p in cache.iterdir() if p.is_dir() and p.name != "tokens"]
 
 
 def interrupted_then_resumed(tmp_path: Path, base_model: Path, train_jsonl: Path, cache: Path,

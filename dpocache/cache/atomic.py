@@ -139,7 +139,20 @@ def _describe(mode: int) -> str:
     return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
-def read_regular_file(path: str | Path, max_bytes: int) -> bytes:
+def file_stamp(st: os.stat_result) -> dict:
+    """What changes when a file is written or replaced: its size, times and inode (the ctime
+    too, which no one can put back as ``touch -r`` puts back the mtime)."""
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
+
+
+def read_regular_file_head(path: str | Path, max_bytes: int, head_bytes: int) -> tuple[bytes, dict]:
+    """The first ``head_bytes`` of ``path``, with ``read_regular_file``'s checks on the whole
+    file, and the file's ``file_stamp`` as read."""
+    return read_regular_file(path, max_bytes, head_bytes, with_stamp=True)
+
+
+def read_regular_file(path: str | Path, max_bytes: int, head_bytes: int | None = None,
+                      with_stamp: bool = False):
     """The whole content of ``path`` if it is a regular file of at most ``max_bytes`` bytes.
 
     Raises ``UnsafeFileError`` (naming what the path is) for a symbolic link, FIFO, device,
@@ -165,7 +178,8 @@ def read_regular_file(path: str | Path, max_bytes: int) -> bytes:
             raise UnsafeFileError("replaced while being opened")
         if now.st_size > max_bytes:
             raise UnsafeFileError(f"{now.st_size} bytes, more than the {max_bytes} a cache file may have")
-        return f.read(now.st_size)
+        data = f.read(now.st_size if head_bytes is None else min(head_bytes, now.st_size))
+        return (data, file_stamp(now)) if with_stamp else data
 
 
 @contextlib.contextmanager

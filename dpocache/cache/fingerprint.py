@@ -17,12 +17,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 from pathlib import Path
 
 import torch
 
-from dpocache.cache.atomic import atomic_write_text, read_regular_file
+from dpocache.cache.atomic import atomic_write_text, file_stamp, read_regular_file
 from dpocache.scoring.layout_choice import every_layer_slides
 
 log = logging.getLogger(__name__)
@@ -87,15 +88,18 @@ class FingerprintMemo:
         if digest is not None:  # a hub snapshot's LFS file: its blob's name is its hash
             return digest
         st = path.stat()
-        key = str(path.resolve())
-        stamp = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
-        hit = self.entries.get(key)
-        fresh = isinstance(hit, dict) and all(hit.get(k) == v for k, v in stamp.items())
+        hit = self.entries.get(str(path.resolve()))
+        fresh = isinstance(hit, dict) and all(hit.get(k) == v for k, v in file_stamp(st).items())
         if fresh and isinstance(hit.get("sha256"), str):
             return hit["sha256"]
         digest = file_sha256(path)
         self.hashed_bytes += st.st_size
-        self.entries[key] = {**stamp, "sha256": digest}
+        self.remember(path, digest, st)
+        return digest
+
+    def remember(self, path: Path, digest: str, st: os.stat_result | None = None) -> None:
+        """Record ``digest`` as ``path``'s, as the file is now (a writer that hashed what it wrote)."""
+        self.entries[str(path.resolve())] = {**file_stamp(st or path.stat()), "sha256": digest}
         if self.path is not None:
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -105,7 +109,6 @@ class FingerprintMemo:
                     raise
                 log.info("fingerprint memo %s not written (%s); the next run hashes %s again", self.path,
                          e.strerror or e, path.name)
-        return digest
 
 
 def weight_files(model_dir: Path) -> list[Path]:

@@ -3,7 +3,7 @@
 Layout::
 
     CACHE_DIR/
-      fingerprints.json                   memo of weight-file hashes (path, size, mtime → sha256)
+      fingerprints.json                   memo of weight-file and shard hashes (path, size, times, inode → sha256)
       <namespace id>/
         manifest.json                     namespace in words, shards with sha256 and counts
         shard-<sha256[:16]>.safetensors   one flushed batch of pairs
@@ -13,7 +13,10 @@ before updating the manifest (or by another rank or process) is still verifiable
 on the next open. Every shard is checked before its values are used: its checksum, the namespace
 recorded in its metadata (a shard copied from another model's directory holds that model's
 values), its shapes, and that every value is finite. One that fails is reported by name and
-never loaded; a build quarantines it (``*.corrupt``).
+never loaded; a build quarantines it (``*.corrupt``). A shard is hashed once: its digest is
+memoised by the file's size, times and inode (``cache.fingerprint``), recorded by the writer, and
+hashed again only when the file changed or on ``rehash`` (``cache verify``). Its tensors map the
+file (copy-on-write), so every process reading a cache shares its pages.
 
 The manifest only lists files; it is trusted for nothing. Only plain names of the shard pattern
 are honoured (never a path), a manifest of the wrong shape or namespace is ignored and rebuilt
@@ -49,16 +52,20 @@ from typing import Iterable, Sequence
 
 import torch
 from safetensors.torch import load as load_safetensors
+from safetensors.torch import load_file as load_safetensors_file
 from safetensors.torch import save as save_safetensors
 
 from dpocache.cache.atomic import (
     UnsafeFileError,
     atomic_write_bytes,
     atomic_write_text,
+    file_stamp,
     locked,
     read_regular_file,
+    read_regular_file_head,
     remove_stale_temps,
 )
+from dpocache.cache.fingerprint import FingerprintMemo, default_memo_path, file_sha256
 from dpocache.config import CacheConfig
 from dpocache.data.pairs import KEY_BYTES
 from dpocache.data.values import PairValues
@@ -164,6 +171,9 @@ class CacheStore:
         self._seen: set[str] = set()  # directory entries already loaded or refused
         self._loaded: set[str] = set()  # shard names whose values are in the index
         self._quarantine: list[str] = []  # directory entries a repairing open renames *.corrupt
+        # Shard digests memoised beside the weight files' (read-only: a memo not written costs a hash)
+        self._memo = FingerprintMemo(default_memo_path(self.root), read_only=True)
+        self.rehash = False  # True: hash every shard on open, memo or not (``cache verify``)
 
     # ---------------------------------------------------------------- opening and verifying
 
@@ -257,24 +267,29 @@ class CacheStore:
         return entries, True
 
     def _load_shard(self, name: str, expected_sha: str | None) -> None:
+        path = self.dir / name
         try:
-            data = read_regular_file(self.dir / name, MAX_SHARD_BYTES)
+            header, stamp = read_regular_file_head(path, MAX_SHARD_BYTES, 8 + MAX_HEADER_BYTES)
+            # Hashed once: a later open finds the digest in the memo while the file's size, times
+            # and inode are those it was hashed with (cache.fingerprint), unless asked to re-hash.
+            digest = file_sha256(path) if self.rehash else self._memo.sha256(path)
         except UnsafeFileError as e:
             return self._refuse(name, str(e))
         except OSError as e:  # e.g. another user's file without read permission: not bad content
             return self._refuse(name, f"unreadable ({e.strerror})", quarantine=False)
-        digest = hashlib.sha256(data).hexdigest()
         if expected_sha is not None and digest != expected_sha:
             return self._refuse(name, f"checksum mismatch (sha256 {digest[:16]}…, "
                                       f"manifest says {expected_sha[:16]}…)")
         if name != f"shard-{digest[:16]}.safetensors":
             return self._refuse(name, f"checksum mismatch (content sha256 {digest[:16]}… does not match its name)")
-        problem, tensors = _parse_shard(data, self.dir.name)
+        problem, tensors = _parse_shard(header, self.dir.name, path)
+        if not problem and file_stamp(os.stat(path)) != stamp:
+            problem = "replaced while being read"
         if problem:
             return self._refuse(name, problem)
         self._seen.add(name)
         self._loaded.add(name)
-        info = ShardInfo(name, digest, tensors["keys"].shape[0], _has_per_token(tensors), len(data))
+        info = ShardInfo(name, digest, tensors["keys"].shape[0], _has_per_token(tensors), stamp["size"])
         self._register(_Shard(info, tensors))
 
     def _register(self, shard: _Shard) -> None:
@@ -388,6 +403,7 @@ class CacheStore:
         digest = hashlib.sha256(data).hexdigest()
         name = f"shard-{digest[:16]}.safetensors"
         atomic_write_bytes(self.dir / name, data)
+        self._memo.remember(self.dir / name, digest)  # hashed as written: no open hashes it again
         info = ShardInfo(name, digest, tensors["keys"].shape[0], _has_per_token(tensors), len(data))
         if name not in self._loaded:  # the same bytes may be loaded already (another process wrote them first)
             self._seen.add(name)
@@ -410,7 +426,10 @@ def _has_per_token(tensors: dict[str, torch.Tensor]) -> bool:
 
 
 def _count_non_finite(tensors: dict[str, torch.Tensor]) -> int:
-    return sum(int((~torch.isfinite(t)).sum()) for t in tensors.values() if t.is_floating_point())
+    # A million values at a time: a mask the size of a mapped shard would be private memory
+    # that the allocator keeps after it is freed.
+    return sum(int((~torch.isfinite(part)).sum()) for t in tensors.values() if t.is_floating_point()
+               for part in t.reshape(-1).split(1 << 20))
 
 
 def non_finite_problem(tensors: dict[str, torch.Tensor]) -> str | None:
@@ -482,10 +501,11 @@ def _fields_problem(obj, types: dict[str, type], what: str, required: tuple[str,
     return None
 
 
-def _parse_shard(data: bytes, namespace_id: str) -> tuple[str | None, dict[str, torch.Tensor]]:
-    """``(problem, tensors)`` of a shard's bytes: ``read_namespaced_shard``'s checks, and shapes
-    and values must be those ``ShardWriter`` writes."""
-    problem, tensors = read_namespaced_shard(data, namespace_id)
+def _parse_shard(head: bytes, namespace_id: str, path: Path) -> tuple[str | None, dict[str, torch.Tensor]]:
+    """``(problem, tensors)`` of a shard file whose first bytes are ``head``: ``read_namespaced_shard``'s
+    checks, and shapes and values must be those ``ShardWriter`` writes. The tensors map the file
+    (copy-on-write): every process reading a cache shares its pages."""
+    problem, tensors = read_namespaced_shard(head, namespace_id, path)
     if problem:
         return problem, {}
     problem = _shape_problem(tensors) or non_finite_problem(tensors)
@@ -494,19 +514,22 @@ def _parse_shard(data: bytes, namespace_id: str) -> tuple[str | None, dict[str, 
     return None, tensors
 
 
-def read_namespaced_shard(data: bytes, namespace_id: str) -> tuple[str | None, dict[str, torch.Tensor]]:
+def read_namespaced_shard(data: bytes, namespace_id: str,
+                          path: Path | None = None) -> tuple[str | None, dict[str, torch.Tensor]]:
     """``(problem, tensors)`` of any cache shard's safetensors bytes (this module's pair shards,
-    ``sequences.py``'s look-aside shards): the header size is bounded before it is parsed, and
-    the namespace in its metadata must be ``namespace_id`` (a shard copied from another
-    namespace's directory holds another model's, config's or dtype's values)."""
-    if len(data) < 8:
+    ``sequences.py``'s look-aside shards), or of the file ``path`` whose first bytes ``data`` are:
+    the header size is bounded before it is parsed, and the namespace in its metadata must be
+    ``namespace_id`` (a shard copied from another namespace's directory holds another model's,
+    config's or dtype's values)."""
+    size = len(data) if path is None else path.stat().st_size
+    if size < 8:
         return "truncated (no safetensors header)", {}
     header_bytes = int.from_bytes(data[:8], "little")
-    if header_bytes > min(MAX_HEADER_BYTES, len(data) - 8):
-        return f"header of {header_bytes} bytes (at most {min(MAX_HEADER_BYTES, len(data) - 8)})", {}
+    if header_bytes > min(MAX_HEADER_BYTES, size - 8):
+        return f"header of {header_bytes} bytes (at most {min(MAX_HEADER_BYTES, size - 8)})", {}
     try:
         metadata = json.loads(data[8:8 + header_bytes]).get("__metadata__") or {}
-        tensors = load_safetensors(data)
+        tensors = load_safetensors(data) if path is None else load_safetensors_file(path)
     except Exception as e:  # a shard that hashes right but does not parse: written by a bug
         return f"unreadable ({e})", {}
     recorded = metadata.get("namespace") if isinstance(metadata, dict) else None

@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -15,6 +16,7 @@ from dpocache.cache.build import BuildOptions, build_distributed, namespace_dirs
 from dpocache.cache.probes import ProbeMemo
 from dpocache.cache.store import MANIFEST
 from dpocache.data.pairs import PreferenceData, load_preference_data
+from dpocache.data.token_store import token_stores
 from dpocache.distributed.process_group import destroy, init_distributed
 from dpocache.distributed.sharded_reference import reference_loader
 from dpocache.models.directories import reference_source
@@ -43,7 +45,9 @@ def _load_data(args, tokenizer, verbose: bool = True, source: str | None = None)
     cfg = args.cfg
     data = load_preference_data(source or args.data, tokenizer, args.max_length, args.max_prompt_length,
                                 args.skip_invalid, show_progress=verbose, columns=cfg.data.columns(),
-                                context=model_context(args.model), vocab_size=model_vocab_size(args.model))
+                                context=model_context(args.model), vocab_size=model_vocab_size(args.model),
+                                cache_dir=args.cache_dir or default_cache_dir(),
+                                cache_read_only=args.cache_command != "build")  # verify and export only read it
     if data.skipped and verbose:
         print(f"skipped {len(data.skipped)} invalid rows:", file=sys.stderr)
         for s in data.skipped[:20]:
@@ -60,6 +64,7 @@ def _open_store(args, device, open_now: bool = True, verbose: bool = True) -> tu
     cache_dir = args.cache_dir or default_cache_dir()
     reading = args.cache_command != "build"  # verify and export only read the cache
     store = CacheStore(cache_dir, namespace_for_dir(args.model, dtype, cache_dir, args.reference, read_only=reading))
+    store.rehash = args.cache_command == "verify"  # verify looks for damage: every shard hashed again, memo or not
     if open_now:
         store.open()
         for bad in store.corrupt:
@@ -122,7 +127,7 @@ def cmd_info(args) -> int:
     dirs = namespace_dirs(cache_dir)
     if not dirs:
         print(f"{cache_dir}: no cached namespaces")
-        return 0
+    _print_token_stores(Path(cache_dir))
     status = 0
     for ns_dir in dirs:
         store = open_namespace_dir(ns_dir)
@@ -134,6 +139,15 @@ def cmd_info(args) -> int:
             print(f"  CORRUPT {ns_dir / bad.file}: {bad.reason}")
             status = 1
     return status
+
+
+def _print_token_stores(cache_dir: Path) -> None:
+    """One line per token store (docs/data.md): its data file when written, pairs, tokens, size."""
+    for store in token_stores(cache_dir):
+        meta = store.get("meta")
+        what = (f"pairs {meta['pairs']}  tokens {meta['tokens']}  from {meta['source']}" if meta
+                else "incomplete (a build that did not finish: never read, removed by the next build)")
+        print(f"tokens/{store['path'].name}  {what}  size {_human_bytes(store['bytes'])}")
 
 
 def cmd_verify(args) -> int:

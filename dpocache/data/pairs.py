@@ -38,23 +38,29 @@ A pair whose kept prompt leaves no room for a completion is a bad row.
 
 Each pair's example key is a hash of its final token ids (after template and truncation), so
 any change to the tokenizer, template or length limits that changes the ids changes the key.
+
+The pairs are held as columns of integers (``dpocache.data.columns``); given a cache directory,
+``load_preference_data`` keeps them in a token store there, tokenized once and memory-mapped by
+every later call (``dpocache.data.token_store``).
 """
 
 from __future__ import annotations
 
 import ast
 import csv
-import hashlib
 import json
-import struct
-from array import array
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
+import numpy as np
 from tqdm.auto import tqdm
 
-KEY_BYTES = 16
+from dpocache.data import token_store
+from dpocache.data.columns import PairsView, TokenColumns
+from dpocache.data.keys import KEY_BYTES, example_key  # noqa: F401 (public names here)
+from dpocache.data.tokenize import continuation_ids, tokenize_continuations  # noqa: F401 (a public name here)
+
 STANDARD_COLUMNS = ("prompt", "chosen", "rejected")
 TEMPLATE_COLUMNS = ("tools", "chat_template_kwargs")  # per-row chat-template inputs, kept by map_columns
 
@@ -121,7 +127,7 @@ class PreferenceData:
     """Tokenized pairs in source order, plus the rows skipped (with ``skip_invalid``)."""
 
     source: str
-    pairs: list[TokenizedPair]
+    pairs: Sequence[TokenizedPair]  # a PairsView over columns, from load_preference_data
     skipped: list[SkippedRow] = field(default_factory=list)
 
     def __len__(self) -> int:
@@ -130,22 +136,16 @@ class PreferenceData:
     @property
     def truncated(self) -> int:
         """Pairs cut to ``max_length``."""
+        if isinstance(self.pairs, PairsView):
+            return self.pairs.truncated_count()
         return sum(p.truncated for p in self.pairs)
 
     @property
     def identical(self) -> int:
         """Pairs whose chosen and rejected completions are the same tokens: they teach nothing."""
+        if isinstance(self.pairs, PairsView):
+            return self.pairs.identical_count()
         return sum(p.chosen_ids == p.rejected_ids for p in self.pairs)
-
-
-def example_key(prompt_ids: Sequence[int], chosen_ids: Sequence[int], rejected_ids: Sequence[int]) -> bytes:
-    """16-byte BLAKE2b digest of the three id sequences; lengths are hashed too so that
-    moving a token across the prompt/completion boundary changes the key."""
-    h = hashlib.blake2b(digest_size=KEY_BYTES)
-    h.update(struct.pack("<3I", len(prompt_ids), len(chosen_ids), len(rejected_ids)))
-    for ids in (prompt_ids, chosen_ids, rejected_ids):
-        h.update(array("q", ids).tobytes())
-    return h.digest()
 
 
 # --------------------------------------------------------------------------------------------
@@ -524,45 +524,81 @@ def with_eos(ids: list[int], eos: int | None) -> list[int]:
     return ids if eos is None or (ids and ids[-1] == eos) else ids + [eos]
 
 
-def _tokenize_texts(tokenizer, texts: list[str], desc: str, show_progress: bool) -> list[list[int]]:
-    """Batched tokenization (the fast tokenizers parallelise a batch), chunked for the bar."""
-    out: list[list[int]] = []
-    step = 2048
-    for start in tqdm(range(0, len(texts), step), desc=desc, disable=not show_progress or len(texts) < 4 * step,
-                      unit_scale=step, unit="rows"):
-        out.extend(tokenizer(texts[start:start + step], add_special_tokens=False)["input_ids"])
-    return out
+ROWS_PER_CHUNK = 8192  # rows tokenized at a time: a chunk's ids are Python lists until they become columns
 
 
-def tokenize_continuations(tokenizer, prompts: list[str], completions: list[list[str]],
-                           show_progress: bool = False) -> tuple[list[list[int]], list[list[list[int]]]]:
-    """Ids of each prompt, and of each of its completions as it continues that prompt; no special
-    tokens are added (``with_prefix``/``with_eos`` add plain text's).
+def _render_rows(rows: list[RawRow], tokenizer, skip_invalid: bool) -> tuple[list[tuple[RawRow, _RenderedRow]],
+                                                                           list[SkippedRow]]:
+    """Every row checked and rendered to text before any is tokenized: a bad row is reported in
+    a moment, not after the whole set's tokenization."""
+    skipped: list[SkippedRow] = []
+    rendered: list[tuple[RawRow, _RenderedRow]] = []
+    for row in rows:
+        try:
+            rendered.append((row, _render(row, tokenizer)))
+        except DataError as e:
+            if not skip_invalid:
+                raise
+            skipped.append(SkippedRow(e.location, e.field, e.reason))
+    return rendered, skipped
 
-    A completion's ids are those that follow the prompt's own ids when prompt + completion is
-    tokenized as one text: the ids the model reads, and TRL 1.16's. Tokenized alone, a completion
-    can start otherwise: a SentencePiece tokenizer that puts "▁" before every text (Llama 2's,
-    Mistral v0.1's) makes " blue" "▁", "▁blue" where the whole text has "▁blue". Where tokens
-    merge across the boundary (the prompt's ids are not a prefix of the whole's), the completion
-    is tokenized alone, so that the prompt keeps exactly its own ids (TRL cuts them short
-    there instead)."""
-    prompt_ids = _tokenize_texts(tokenizer, prompts, "tokenizing prompts", show_progress)
-    owners = [(i, k) for i, texts in enumerate(completions) for k in range(len(texts))]
-    whole = _tokenize_texts(tokenizer, [prompts[i] + completions[i][k] for i, k in owners],
-                            "tokenizing prompt + completion", show_progress)
-    out: list[list[list[int]]] = [[[] for _ in texts] for texts in completions]
-    merged = []
-    for (i, k), ids in zip(owners, whole):
-        n = len(prompt_ids[i])
-        if ids[:n] == prompt_ids[i]:
-            out[i][k] = ids[n:]
-        else:
-            merged.append((i, k))
-    alone = _tokenize_texts(tokenizer, [completions[i][k] for i, k in merged], "tokenizing completions",
-                            show_progress)
-    for (i, k), ids in zip(merged, alone):
-        out[i][k] = ids
-    return prompt_ids, out
+
+def _where(location: str) -> int:
+    """The line (or row) number a row's location ends with: ``data.jsonl:17`` or ``data.json:row 16``."""
+    return int(location.rsplit(":", 1)[1].removeprefix("row "))
+
+
+def tokenize_columns(
+    rows: list[RawRow],
+    tokenizer,
+    max_length: int | None = None,
+    max_prompt_length: int | None = None,
+    skip_invalid: bool = False,
+    show_progress: bool = True,
+) -> tuple[TokenColumns, list[SkippedRow]]:
+    """Validate, render and tokenize rows into columns. Bad rows raise ``DataError`` unless
+    ``skip_invalid``, in which case they are returned as ``SkippedRow``s."""
+    if max_length is not None and max_prompt_length is not None and max_prompt_length >= max_length:
+        raise ValueError(f"max_prompt_length ({max_prompt_length}) must be below max_length ({max_length})")
+    rendered, skipped = _render_rows(rows, tokenizer, skip_invalid)
+    prefix, eos = special_prefix(tokenizer), tokenizer.eos_token_id
+    parts, unfit = [], []
+    with tqdm(total=len(rendered), desc="tokenizing", unit="rows",
+              disable=not show_progress or len(rendered) < ROWS_PER_CHUNK) as bar:
+        for start in range(0, len(rendered), ROWS_PER_CHUNK):
+            chunk = rendered[start:start + ROWS_PER_CHUNK]
+            parts.append(_tokenize_chunk(chunk, tokenizer, prefix, eos, max_length, max_prompt_length,
+                                         skip_invalid, unfit))
+            bar.update(len(chunk))
+    return TokenColumns.concatenate(parts), skipped + unfit
+
+
+def _tokenize_chunk(chunk: list[tuple[RawRow, _RenderedRow]], tokenizer, prefix: list[int], eos: int | None,
+                    max_length: int | None, max_prompt_length: int | None, skip_invalid: bool,
+                    unfit: list[SkippedRow]) -> TokenColumns:
+    # Each completion's ids are those after the prompt's in prompt + completion (see
+    # dpocache.data.tokenize). Special tokens of plain text follow TRL: the prompt gets what the
+    # tokenizer itself adds in front (a BOS only for tokenizers that add one), each completion
+    # one EOS unless it already ends with it. A chat template brings its own.
+    prompt_ids, completion_ids = continuation_ids(
+        tokenizer, [r.prompt for _, r in chunk], [[r.chosen, r.rejected] for _, r in chunk])
+    triples, rows, where, cut = [], [], [], []
+    for (row, r), prompt, (chosen, rejected) in zip(chunk, prompt_ids, completion_ids):
+        if not r.templated:
+            prompt = with_prefix(prompt, prefix)
+            chosen, rejected = with_eos(chosen, eos), with_eos(rejected, eos)
+        try:
+            triple, truncated = _finish_pair(row, prompt, chosen, rejected, max_length, max_prompt_length)
+        except DataError as e:
+            if not skip_invalid:
+                raise
+            unfit.append(SkippedRow(e.location, e.field, e.reason))
+            continue
+        triples.append(triple)
+        rows.append(row.index)
+        where.append(_where(row.location))
+        cut.append(truncated)
+    return TokenColumns.from_pairs(triples, rows, where, cut)
 
 
 def tokenize_rows(
@@ -573,42 +609,14 @@ def tokenize_rows(
     skip_invalid: bool = False,
     show_progress: bool = True,
 ) -> tuple[list[TokenizedPair], list[SkippedRow]]:
-    """Validate, render and tokenize rows. Bad rows raise ``DataError`` unless
-    ``skip_invalid``, in which case they are returned as ``SkippedRow``s."""
-    if max_length is not None and max_prompt_length is not None and max_prompt_length >= max_length:
-        raise ValueError(f"max_prompt_length ({max_prompt_length}) must be below max_length ({max_length})")
-    skipped: list[SkippedRow] = []
-    rendered: list[tuple[RawRow, _RenderedRow]] = []
-    for row in rows:
-        try:
-            rendered.append((row, _render(row, tokenizer)))
-        except DataError as e:
-            if not skip_invalid:
-                raise
-            skipped.append(SkippedRow(e.location, e.field, e.reason))
-    # Each completion's ids are those after the prompt's in prompt + completion (see
-    # tokenize_continuations). Special tokens of plain text follow TRL: the prompt gets what the
-    # tokenizer itself adds in front (a BOS only for tokenizers that add one), each completion
-    # one EOS unless it already ends with it. A chat template brings its own.
-    prompt_ids, completion_ids = tokenize_continuations(
-        tokenizer, [r.prompt for _, r in rendered], [[r.chosen, r.rejected] for _, r in rendered], show_progress)
-    prefix, eos = special_prefix(tokenizer), tokenizer.eos_token_id
-    pairs: list[TokenizedPair] = []
-    for i, (row, r) in enumerate(rendered):
-        prompt, (chosen, rejected) = prompt_ids[i], completion_ids[i]
-        if not r.templated:
-            prompt = with_prefix(prompt, prefix)
-            chosen, rejected = with_eos(chosen, eos), with_eos(rejected, eos)
-        try:
-            pairs.append(_finish_pair(row, prompt, chosen, rejected, max_length, max_prompt_length))
-        except DataError as e:
-            if not skip_invalid:
-                raise
-            skipped.append(SkippedRow(e.location, e.field, e.reason))
-    return pairs, skipped
+    """``tokenize_columns``, its pairs as ``TokenizedPair``s."""
+    columns, skipped = tokenize_columns(rows, tokenizer, max_length, max_prompt_length, skip_invalid, show_progress)
+    return [TokenizedPair(p.index, p.prompt_ids, p.chosen_ids, p.rejected_ids, p.key, p.truncated)
+            for p in PairsView(columns)], skipped
 
 
-def _finish_pair(row: RawRow, prompt, chosen, rejected, max_length, max_prompt_length) -> TokenizedPair:
+def _finish_pair(row: RawRow, prompt, chosen, rejected, max_length, max_prompt_length) -> tuple[tuple, bool]:
+    """The pair's (prompt, chosen, rejected) after truncation, and whether it was cut."""
     for name, ids in (("chosen", chosen), ("rejected", rejected)):
         if not ids:
             raise DataError(row.location, name, "tokenizes to no tokens")
@@ -617,8 +625,7 @@ def _finish_pair(row: RawRow, prompt, chosen, rejected, max_length, max_prompt_l
     if not chosen or not rejected:
         raise DataError(row.location, "prompt", f"the prompt ({len(prompt)} tokens after truncation) leaves "
                         f"no room for a completion within max_length={max_length}")
-    return TokenizedPair(row.index, tuple(prompt), tuple(chosen), tuple(rejected),
-                         example_key(prompt, chosen, rejected), truncated=cut)
+    return (prompt, chosen, rejected), cut
 
 
 def load_preference_data(
@@ -631,65 +638,91 @@ def load_preference_data(
     columns: tuple[str | None, str, str] = STANDARD_COLUMNS,
     context: int | None = None,
     vocab_size: int | None = None,
+    cache_dir: str | Path | None = None,
+    cache_read_only: bool = False,
 ) -> PreferenceData:
     """Read, validate, render and tokenize a preference data set. See the module docstring.
 
     ``columns``: the (prompt, chosen, rejected) column names; a prompt column of None reads every
     row as implicit-prompt. ``context``: the model's context length; a pair longer than it (after
     truncation) is a bad row. ``vocab_size``: the model's embedding rows; a pair with a token id
-    beyond them (a tokenizer grown without resizing the model) is a bad row."""
+    beyond them (a tokenizer grown without resizing the model) is a bad row. ``cache_dir``: keep
+    the tokenized pairs in a token store there (``dpocache.data.token_store``), tokenized by the
+    first call and memory-mapped by every later one; a data file only (rows given in memory, and
+    tokenizers without a fast backend, are tokenized in memory). A store that cannot be written
+    there raises the ``OSError``, unless ``cache_read_only`` (a command that only reads the
+    cache): then the tokens stay in memory, with a line saying so."""
+    def tokenize() -> token_store.StoredTokens:
+        return _tokenize_source(source, tokenizer, max_length, max_prompt_length, skip_invalid, show_progress,
+                                columns)
+
+    key = None
+    if cache_dir is not None and isinstance(source, (str, Path)) and Path(source).exists():
+        settings = {"max_length": max_length, "max_prompt_length": max_prompt_length, "columns": list(columns)}
+        key = token_store.store_key(Path(source), tokenizer, settings)
+    tokens = token_store.open_or_build(Path(cache_dir), key, str(source), tokenize, show_progress,
+                                       cache_read_only) if key else tokenize()
+    name = str(source) if isinstance(source, (str, Path)) else "<rows>" if isinstance(source, (list, tuple)) \
+        else "<dataset>"  # read_rows' names
+    base = str(Path(source)) if isinstance(source, (str, Path)) else name
+    skipped = [SkippedRow(_location(base, tokens.location_kind, where), f, reason)
+               for where, f, reason in tokens.skipped]
+    if skipped and not skip_invalid:
+        raise DataError(skipped[0].location, skipped[0].field, skipped[0].reason)
+    return _fitting(name, base, tokens, skipped, skip_invalid, context, max_length, vocab_size)
+
+
+def _location(base: str, kind: str, where: int | str) -> str:
+    return f"{base}:{'row ' if kind == 'row' else ''}{where}"
+
+
+def _tokenize_source(source: Any, tokenizer, max_length, max_prompt_length, skip_invalid: bool,
+                     show_progress: bool, columns: tuple[str | None, str, str]):
+    """Read and tokenize ``source``: its columns, skipped rows and how its rows are located."""
     name, rows = read_rows(source)
     if not rows:
         raise DataError(name, None, "no rows")
     rows = map_columns(rows, columns)
-    pairs, skipped = tokenize_rows(rows, tokenizer, max_length, max_prompt_length, skip_invalid, show_progress)
-    if vocab_size is not None:
-        pairs, skipped = _drop_unfit(rows, pairs, skipped, skip_invalid, lambda p: _vocab_problem(p, vocab_size))
-    if context is not None:
-        pairs, skipped = _drop_unfit(rows, pairs, skipped, skip_invalid,
-                                     lambda p: _context_problem(p, context, max_length))
-    if not pairs:
+    token_columns, skipped = tokenize_columns(rows, tokenizer, max_length, max_prompt_length, skip_invalid,
+                                              show_progress)
+    kind = "row" if rows[0].location.rsplit(":", 1)[1].startswith("row ") else "line"
+    return token_store.StoredTokens(token_columns, [(_where(s.location), s.field, s.reason) for s in skipped], kind)
+
+
+def _fitting(name: str, base: str, tokens, skipped: list[SkippedRow], skip_invalid: bool, context: int | None,
+             max_length: int | None, vocab_size: int | None) -> PreferenceData:
+    """The data with pairs the model cannot take (``_unfit``) raised, or skipped with ``skip_invalid``."""
+    columns = tokens.columns
+    keep = np.ones(len(columns), bool)
+    for problem in _unfit(columns, vocab_size, context, max_length):
+        for i, reason in problem:
+            err = DataError(_location(base, tokens.location_kind, int(columns.where[i])), None, reason)
+            if not skip_invalid:
+                raise err
+            skipped.append(SkippedRow(err.location, err.field, err.reason))
+            keep[i] = False
+    if not keep.any():
         raise DataError(name, None, f"no valid rows ({len(skipped)} skipped; first: {skipped[0] if skipped else '-'})")
-    return PreferenceData(name, pairs, skipped)
+    return PreferenceData(name, PairsView(columns, None if keep.all() else np.flatnonzero(keep)), skipped)
 
 
-def _vocab_problem(pair: TokenizedPair, vocab_size: int) -> str | None:
-    """A token id the model's embedding has no row for (the forward would fail with an
-    IndexError after the model loaded, or on a GPU with a device assert)."""
-    top = max(max(pair.prompt_ids, default=0), max(pair.chosen_ids, default=0), max(pair.rejected_ids, default=0))
-    if top < vocab_size:
-        return None
-    return (f"token id {top} is outside the model's vocabulary (vocab_size {vocab_size} in config.json): the "
-            "tokenizer has tokens the model's embeddings lack (resize them with model.resize_token_embeddings "
-            "and save the model)")
-
-
-def _context_problem(pair: TokenizedPair, context: int, max_length: int | None) -> str | None:
-    """A longer sequence than the model's context: the model has no positions for its tokens
-    (and a 10 MB row would allocate terabytes)."""
-    n = len(pair.prompt_ids) + max(len(pair.chosen_ids), len(pair.rejected_ids))
-    if n <= context:
-        return None
-    cut = f" after truncation to max_length={max_length}" if max_length is not None else ""
-    return (f"{n} tokens{cut}, longer than the model's context ({context}, max_position_embeddings in "
-            f"config.json); set --max-length {context} or less")
-
-
-def _drop_unfit(rows: list[RawRow], pairs: list[TokenizedPair], skipped: list[SkippedRow], skip_invalid: bool,
-                problem: Callable[[TokenizedPair], str | None]) -> tuple[list[TokenizedPair], list[SkippedRow]]:
-    """Pairs the model cannot take (``problem`` says why, None if it can) are bad rows: raised,
-    or skipped with ``skip_invalid``."""
-    kept = []
-    for pair in pairs:
-        reason = problem(pair)
-        if reason is None:
-            kept.append(pair)
-            continue
-        err = DataError(rows[pair.index].location, None, reason)
-        if not skip_invalid:
-            raise err
-        skipped.append(SkippedRow(err.location, err.field, err.reason))
-    return kept, skipped
+def _unfit(columns: TokenColumns, vocab_size: int | None, context: int | None, max_length: int | None):
+    """For each check, the (pair, reason) of every pair that fails it. A token id the model's
+    embedding has no row for fails on the first forward (an IndexError, or a device assert on a
+    GPU); a sequence longer than the model's context has no positions (and a 10 MB row would
+    allocate terabytes)."""
+    if vocab_size is not None:
+        top = columns.max_ids()
+        yield ((int(i), f"token id {int(top[i])} is outside the model's vocabulary (vocab_size {vocab_size} in "
+                "config.json): the tokenizer has tokens the model's embeddings lack (resize them with "
+                "model.resize_token_embeddings and save the model)") for i in np.flatnonzero(top >= vocab_size))
+    if context is not None:
+        lengths = columns.lengths()
+        longest = lengths[:, 0] + lengths[:, 1:].max(axis=1)
+        cut = f" after truncation to max_length={max_length}" if max_length is not None else ""
+        yield ((int(i), f"{int(longest[i])} tokens{cut}, longer than the model's context ({context}, "
+                f"max_position_embeddings in config.json); set --max-length {context} or less")
+               for i in np.flatnonzero(longest > context))
 
 
 # --------------------------------------------------------------------------------------------

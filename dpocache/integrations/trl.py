@@ -36,6 +36,7 @@ from safetensors import safe_open
 
 from dpocache.cache.build import BuildOptions, build_missing, default_cache_dir, namespace_for_dir
 from dpocache.cache.store import CacheStore
+from dpocache.data.columns import PairsView, TokenColumns
 from dpocache.data.pairs import TokenizedPair, example_key
 from dpocache.models.directories import reference_source
 from dpocache.models.loading import checkpoint_files
@@ -211,11 +212,12 @@ def check_reference_weights(module: Any, path: Path, what: str, given: bool) -> 
                          "pass that directory as cache_reference")
 
 
-def truncated_pair(index: int, prompt: list[int], chosen: list[int], rejected: list[int], max_length: int | None,
-                   truncation_mode: str) -> TokenizedPair:
-    """The pair TRL's collator (``DataCollatorForPreference``) scores: prompt + completion cut to
-    ``max_length`` tokens. ``keep_start`` cuts the completion's end; ``keep_end`` is supported
-    when nothing needs cutting (it would give chosen and rejected different prompts)."""
+def truncated_ids(index: int, prompt: list[int], chosen: list[int], rejected: list[int], max_length: int | None,
+                  truncation_mode: str) -> tuple[list[int], list[int], list[int]]:
+    """The (prompt, chosen, rejected) ids TRL's collator (``DataCollatorForPreference``) scores:
+    prompt + completion cut to ``max_length`` tokens. ``keep_start`` cuts the completion's end;
+    ``keep_end`` is supported when nothing needs cutting (it would give chosen and rejected
+    different prompts)."""
     if max_length is not None and max(len(prompt) + len(chosen), len(prompt) + len(rejected)) > max_length:
         if truncation_mode != "keep_start":
             raise ValueError(f"CachedDPOTrainer: row {index} exceeds max_length={max_length}; only "
@@ -223,7 +225,32 @@ def truncated_pair(index: int, prompt: list[int], chosen: list[int], rejected: l
         prompt = prompt[:max_length]
         keep = max(0, max_length - len(prompt))
         chosen, rejected = chosen[:keep], rejected[:keep]
+    return prompt, chosen, rejected
+
+
+def truncated_pair(index: int, prompt: list[int], chosen: list[int], rejected: list[int], max_length: int | None,
+                   truncation_mode: str) -> TokenizedPair:
+    """``truncated_ids`` as a ``TokenizedPair``."""
+    prompt, chosen, rejected = truncated_ids(index, prompt, chosen, rejected, max_length, truncation_mode)
     return TokenizedPair(index, tuple(prompt), tuple(chosen), tuple(rejected), example_key(prompt, chosen, rejected))
+
+
+ROWS_PER_CHUNK = 8192  # rows of TRL's dataset read at a time: their ids are Python lists until they become columns
+
+
+def dataset_pairs(dataset, max_length: int | None, truncation_mode: str) -> PairsView:
+    """The pairs of TRL's tokenized ``dataset`` (``prompt_ids``, ``chosen_ids``, ``rejected_ids``
+    columns) as TRL scores them, held as columns of integers (``dpocache.data.columns``), read
+    a chunk of rows at a time: not as tuples of Python ints, a hundred bytes a token."""
+    cols = dataset.select_columns(["prompt_ids", "chosen_ids", "rejected_ids"])
+    parts = []
+    for start in range(0, len(cols), ROWS_PER_CHUNK):
+        chunk = cols[start:start + ROWS_PER_CHUNK]
+        triples = [truncated_ids(start + i, p, c, r, max_length, truncation_mode)
+                   for i, (p, c, r) in enumerate(zip(chunk["prompt_ids"], chunk["chosen_ids"], chunk["rejected_ids"]))]
+        rows = range(start, start + len(triples))
+        parts.append(TokenColumns.from_pairs(triples, rows, rows, [False] * len(triples)))
+    return PairsView(TokenColumns.concatenate(parts))
 
 
 class CachedDPOTrainer(DPOTrainer):
@@ -312,9 +339,7 @@ class CachedDPOTrainer(DPOTrainer):
 
     def _precompute_ref_logps(self, dataset, name: str, batch_size: int):
         """Fill ``ref_chosen_logps`` / ``ref_rejected_logps`` from the cache (TRL's hook)."""
-        cols = dataset.select_columns(["prompt_ids", "chosen_ids", "rejected_ids"])
-        pairs = [truncated_pair(i, row["prompt_ids"], row["chosen_ids"], row["rejected_ids"], self.args.max_length,
-                                self.args.truncation_mode) for i, row in enumerate(cols)]
+        pairs = dataset_pairs(dataset, self.args.max_length, self.args.truncation_mode)
         store = CacheStore(self._cache_root, namespace_for_dir(self._ref_path, self._cache_dtype, self._cache_root))
         store.open(repair=True)  # bad shards quarantined, a killed build's shards adopted (as `cache build`)
         tokenizer = getattr(self, "_tokenizer", None) or self.processing_class
@@ -322,7 +347,7 @@ class CachedDPOTrainer(DPOTrainer):
         options = BuildOptions(pad_id=pad_id, max_tokens=self._cache_max_tokens, show_progress=False)
         summary = self.cache_summaries[name] = build_missing(store, pairs, self._load_reference, options)
         self._report(name, summary)
-        values = store.lookup([p.key for p in pairs])
+        values = store.lookup(pairs.keys())
         dataset = dataset.remove_columns([c for c in ("ref_chosen_logps", "ref_rejected_logps")
                                           if c in dataset.column_names])
         dataset = dataset.add_column("ref_chosen_logps", values.chosen_logps.float().tolist())

@@ -241,7 +241,7 @@ def _load_data(cfg: Config, source: str, tokenizer, env: DistEnv) -> PreferenceD
     data = load_preference_data(source, tokenizer, cfg.data.max_length, cfg.data.max_prompt_length,
                                 cfg.data.skip_invalid, show_progress=env.is_main and cfg.train.progress,
                                 columns=cfg.data.columns(), context=model_context(cfg.model.path),
-                                vocab_size=model_vocab_size(cfg.model.path))
+                                vocab_size=model_vocab_size(cfg.model.path), cache_dir=cache_dir_of(cfg))
     if data.skipped and env.is_main:
         print(f"{source}: skipped {len(data.skipped)} invalid rows, first: {data.skipped[0]}", file=sys.stderr)
     return data

@@ -29,6 +29,10 @@ def bos_tok():
 
 @pytest.fixture(scope="module")
 def sentencepiece_tok():
+    return build_sentencepiece_tokenizer()
+
+
+def build_sentencepiece_tokenizer():
     """A tokenizer built as Llama 2's and Mistral v0.1's tokenizer.json are: a "▁" put before every
     text and for every space (normalizer), byte fallback, BOS added in front. Tokenized alone, a
     completion " 1 2 3" starts with a lone "▁" that the whole text does not have."""

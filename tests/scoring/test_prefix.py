@@ -9,7 +9,7 @@ import torch
 
 from dpocache.cache import CacheStore, build_missing, namespace_for_module
 from dpocache.cache.build import score_batch
-from dpocache.data.pairs import load_preference_data
+from dpocache.data.pairs import TokenizedPair, load_preference_data
 from dpocache.data.values import PairValues
 from dpocache.models.reference import ReferenceModel
 from dpocache.models.tiny import ARCHITECTURES, build_model
@@ -91,8 +91,8 @@ def test_rejected_does_not_see_chosen(tiny_models, pairs, tokenizer):
     """Changing the chosen tokens leaves every rejected log-prob as it was (the block mask)."""
     model = tiny_models["llama"]
     (_, sr), _ = shared_values(model, pairs, tokenizer.pad_token_id)
-    altered = [type(p)(p.index, p.prompt_ids, tuple((t + 1) % 300 + 10 for t in p.chosen_ids), p.rejected_ids, p.key)
-               for p in pairs]
+    altered = [TokenizedPair(p.index, p.prompt_ids, tuple((t + 1) % 300 + 10 for t in p.chosen_ids), p.rejected_ids,
+                             p.key) for p in pairs]
     (sc2, sr2), _ = shared_values(model, altered, tokenizer.pad_token_id)
     assert _max_diff(sr, sr2) < TOL
 
@@ -306,7 +306,7 @@ def test_packed_pairs_do_not_see_each_other(tiny_models, tokenizer, mixed_pairs)
     victim = min(first_row)
     altered = list(mixed_pairs)
     p = altered[victim]
-    altered[victim] = type(p)(p.index, tuple((t + 3) % 300 + 10 for t in p.prompt_ids), p.chosen_ids,
+    altered[victim] = TokenizedPair(p.index, tuple((t + 3) % 300 + 10 for t in p.prompt_ids), p.chosen_ids,
                               p.rejected_ids, p.key)
     after = collate_packed(altered, pad, width=200)
     assert torch.equal(after.documents, before.documents)  # same places

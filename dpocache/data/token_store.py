@@ -1,0 +1,256 @@
+"""The token store: a data set's tokenized pairs on disk, keyed by everything that changes their
+ids, written once and memory-mapped by every later run and every process.
+
+A store is a directory ``<cache dir>/tokens/<key>/`` of ``.npy`` arrays (``TokenColumns``: every
+pair's ids in one int32 array, its bounds, source rows and lines, keys and truncation flags), the
+rows skipped as invalid (``skipped.jsonl``) and ``meta.json`` (what was stored, the files'
+checksums). Numpy's ``.npy`` rather than Arrow: the columns are flat integer arrays that
+``np.load(mmap_mode="r")`` maps without a copy and reads by slice; nothing here needs Arrow's
+nested types (the measurement is in docs/benchmarks/token-store-cpu-2core-20261125.md).
+
+The key (``store_key``) covers the data file's bytes and suffix, the tokenizer (its full
+definition, chat template and special tokens), the length limits, the column mapping, the
+versions of transformers and tokenizers, and ``RULES``, the version of dpocache's tokenization
+rules. It leaves out what is checked after loading (the model's vocabulary and context) and
+``--skip-invalid`` (the store lists the invalid rows; a run without the flag refuses the first).
+
+Written atomically: into ``.tmp-<key>-<pid>/``, each file synced, then renamed into place; a
+process killed on the way leaves a temporary directory that nothing reads and the next build of
+that key removes. One process builds a key at a time (a lock file beside the store): the ranks
+of a job on one machine, or of several machines on a shared file system, wait for the first and
+then map what it wrote. An edited data file has a new key and gets a new store; the old one stays
+until ``dpocache cache`` housekeeping removes it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from dpocache.data.columns import TokenColumns
+
+RULES = 1  # dpocache's tokenization rules: raise when a rule change changes the ids
+STORE_DIR = "tokens"
+_READ_CHUNK = 1 << 22
+
+
+@dataclass
+class StoredTokens:
+    """What a store holds: the columns, the rows skipped as invalid (``(where, field, reason)``,
+    ``where`` being the line or "row N" after the source's name), and how rows are located
+    (``"line"`` or ``"row"``)."""
+
+    columns: TokenColumns
+    skipped: list[tuple[str, str | None, str]] = field(default_factory=list)
+    location_kind: str = "line"
+    path: Path | None = None  # the store's directory; None for columns held in memory
+
+
+def _digest_file(h, path: Path) -> None:
+    with open(path, "rb") as f:
+        while chunk := f.read(_READ_CHUNK):
+            h.update(chunk)
+
+
+def source_digest(path: Path) -> str:
+    """BLAKE2b of the data's bytes: a file's, or a directory's files with their relative names."""
+    h = hashlib.blake2b(digest_size=16)
+    if path.is_dir():
+        for file in sorted(p for p in path.rglob("*") if p.is_file()):
+            h.update(str(file.relative_to(path)).encode() + b"\0")
+            _digest_file(h, file)
+    else:
+        _digest_file(h, path)
+    return h.hexdigest()
+
+
+def tokenizer_digest(tokenizer) -> str | None:
+    """BLAKE2b of what in ``tokenizer`` can change ids: the fast tokenizer's full definition
+    (vocabulary, merges, normalizer, pre-tokenizer, added tokens), its chat template and special
+    tokens. None for a tokenizer without a fast backend (no definition to hash: not stored)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    h = hashlib.blake2b(digest_size=16)
+    h.update(backend.to_str().encode())
+    extras = [type(tokenizer).__name__, getattr(tokenizer, "chat_template", None),
+              sorted((k, str(v)) for k, v in tokenizer.special_tokens_map.items()),
+              tokenizer.eos_token_id, getattr(tokenizer, "split_special_tokens", False)]
+    h.update(json.dumps(extras, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+def store_key(source: Path, tokenizer, settings: dict[str, Any]) -> str | None:
+    """The store's name for ``source`` tokenized by ``tokenizer`` under ``settings`` (the length
+    limits and column mapping); None where the tokenizer cannot be keyed."""
+    tok = tokenizer_digest(tokenizer)
+    if tok is None:
+        return None
+    inputs = {"rules": RULES, "data": source_digest(source), "suffix": source.suffix.lower(), "tokenizer": tok,
+              "transformers": version("transformers"), "tokenizers": version("tokenizers"), **settings}
+    return hashlib.blake2b(json.dumps(inputs, sort_keys=True).encode(), digest_size=16).hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# Writing and reading
+
+
+def _checksum(path: Path) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    _digest_file(h, path)
+    return h.hexdigest()
+
+
+def _write(directory: Path, tokens: StoredTokens, source: str) -> None:
+    directory.mkdir(parents=True)
+    checksums = {}
+    for name in TokenColumns.NAMES:
+        path = directory / f"{name}.npy"
+        with open(path, "wb") as f:
+            np.save(f, getattr(tokens.columns, name), allow_pickle=False)
+            f.flush()
+            os.fsync(f.fileno())
+        checksums[path.name] = _checksum(path)
+    with open(directory / "skipped.jsonl", "w", encoding="utf-8") as f:
+        for where, field_name, reason in tokens.skipped:
+            f.write(json.dumps({"where": where, "field": field_name, "reason": reason}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    checksums["skipped.jsonl"] = _checksum(directory / "skipped.jsonl")
+    meta = {"rules": RULES, "source": source, "pairs": len(tokens.columns), "tokens": int(len(tokens.columns.ids)),
+            "skipped": len(tokens.skipped), "location_kind": tokens.location_kind, "checksums": checksums}
+    with open(directory / "meta.json", "w", encoding="utf-8") as f:  # last: a directory with it is complete
+        json.dump(meta, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class StoreError(RuntimeError):
+    """A store that fails its checks: it is removed and built again."""
+
+
+def open_store(directory: Path, verify: bool = True) -> StoredTokens:
+    """Map a store's arrays read-only after checking its files against ``meta.json`` (their
+    checksums only with ``verify``: the process that has just written them knows them)."""
+    try:
+        meta = json.loads((directory / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise StoreError(f"{directory}: unreadable meta.json ({e})") from None
+    if meta.get("rules") != RULES:
+        raise StoreError(f"{directory}: written under tokenization rules {meta.get('rules')}, not {RULES}")
+    for name, expected in meta["checksums"].items() if verify else ():
+        if _checksum(directory / name) != expected:
+            raise StoreError(f"{directory}: {name} does not match its checksum")
+    arrays = {name: np.load(directory / f"{name}.npy", mmap_mode="r", allow_pickle=False)
+              for name in TokenColumns.NAMES}
+    columns = TokenColumns(**arrays)
+    if len(columns) != meta["pairs"] or len(columns.ids) != meta["tokens"]:
+        raise StoreError(f"{directory}: {len(columns)} pairs and {len(columns.ids)} tokens, meta.json says "
+                         f"{meta['pairs']} and {meta['tokens']}")
+    with open(directory / "skipped.jsonl", encoding="utf-8") as f:
+        skipped = [(r["where"], r["field"], r["reason"]) for r in map(json.loads, f)]
+    return StoredTokens(columns, skipped, meta["location_kind"], directory)
+
+
+@contextmanager
+def _building(lock, store: Path, show_progress: bool) -> Iterator[None]:
+    """Hold the build lock of ``store`` (the open file ``lock``); say so when another process
+    holds it first."""
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        if show_progress:
+            print(f"tokens: waiting for another process tokenizing the data ({store})", file=sys.stderr)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def open_or_build(cache_dir: Path, key: str, source: str, build: Callable[[], StoredTokens],
+                  show_progress: bool = True, read_only: bool = False) -> StoredTokens:
+    """The store ``key`` under ``cache_dir``, built with ``build()`` and written first if there is
+    none (or none that passes its checks). A ``build()`` that raises writes nothing. A cache
+    directory that cannot hold the store (full, read-only) raises the ``OSError``, as the cache's
+    own writes do, unless ``read_only`` (a command that only reads the cache): then it costs a
+    line and the store, the tokens kept in memory."""
+    root = Path(cache_dir) / STORE_DIR
+    final = root / key
+    if (final / "meta.json").exists():
+        try:
+            return open_store(final)
+        except StoreError as e:
+            print(f"tokens: {e}; tokenizing again", file=sys.stderr)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        lock = open(root / f".{key}.lock", "a")
+    except OSError as e:
+        if not read_only:
+            raise
+        print(f"tokens: no token store in {root} ({e.strerror or e}); the data is tokenized in memory, "
+              "again at every start", file=sys.stderr)
+        return build()
+    with lock, _building(lock, root / key, show_progress):
+        return _build_locked(root, key, source, build, read_only)
+
+
+def _build_locked(root: Path, key: str, source: str, build: Callable[[], StoredTokens],
+                  read_only: bool) -> StoredTokens:
+    final = root / key
+    if (final / "meta.json").exists():
+        try:
+            return open_store(final)  # written by the process that held the lock
+        except StoreError:
+            pass
+    for stale in [*root.glob(f".tmp-{key}-*"), final]:  # killed builds and a store that failed its checks
+        shutil.rmtree(stale, ignore_errors=True)
+    tokens = build()
+    tmp = root / f".tmp-{key}-{os.getpid()}"
+    try:
+        _write(tmp, tokens, source)
+        os.rename(tmp, final)
+        _sync_dir(root)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not read_only:
+            raise
+        print(f"tokens: the token store could not be written in {root} ({e.strerror or e}); the data stays in "
+              "memory", file=sys.stderr)
+        return tokens
+    return open_store(final, verify=False)  # mapped: the builder, too, keeps no private copy
+
+
+def token_stores(cache_dir: Path) -> list[dict]:
+    """The stores under ``cache_dir``: each one's path, size in bytes and ``meta.json`` (None for a
+    temporary directory a killed build left)."""
+    root = Path(cache_dir) / STORE_DIR
+    if not root.is_dir():
+        return []
+    out = []
+    for path in sorted(p for p in root.iterdir() if p.is_dir()):
+        try:
+            meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            meta = None
+        out.append({"path": path, "meta": meta, "bytes": sum(f.stat().st_size for f in path.iterdir())})
+    return out
+
+
+def _sync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
