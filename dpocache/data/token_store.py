@@ -143,11 +143,16 @@ class StoreError(RuntimeError):
 
 def open_store(directory: Path, verify: bool = True) -> StoredTokens:
     """Map a store's arrays read-only after checking its files against ``meta.json`` (their
-    checksums only with ``verify``: the process that has just written them knows them)."""
+    checksums only with ``verify``: the process that has just written them knows them). A file
+    missing, unreadable or not as recorded is a ``StoreError``."""
     try:
-        meta = json.loads((directory / "meta.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise StoreError(f"{directory}: unreadable meta.json ({e})") from None
+        return _open_checked(directory, verify)
+    except (OSError, ValueError, KeyError) as e:
+        raise StoreError(f"{directory}: unreadable ({e})") from None
+
+
+def _open_checked(directory: Path, verify: bool) -> StoredTokens:
+    meta = json.loads((directory / "meta.json").read_text(encoding="utf-8"))
     if meta.get("rules") != RULES:
         raise StoreError(f"{directory}: written under tokenization rules {meta.get('rules')}, not {RULES}")
     for name, expected in meta["checksums"].items() if verify else ():

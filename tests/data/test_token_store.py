@@ -253,3 +253,13 @@ def test_a_store_that_cannot_be_written_keeps_the_tokens(tmp_path, make_rows, ca
                                 cache_read_only=True)
     assert len(data) == 10 and "No space left on device" in capsys.readouterr().err
     assert not any((tmp_path / "cache" / STORE_DIR).glob(".tmp-*")) and not _stores(tmp_path / "cache")
+
+
+def test_a_store_missing_a_file_is_tokenized_again(tmp_path, make_rows, capsys):
+    path, tok, cache, first = _build_once(tmp_path, make_rows)
+    expected = _as_tuples(first)
+    (store,) = _stores(cache)
+    (store / "bounds.npy").unlink()
+    again = load_preference_data(path, tok, show_progress=False, cache_dir=cache)
+    assert "unreadable" in capsys.readouterr().err and _as_tuples(again) == expected
+    assert (store / "bounds.npy").exists()
