@@ -152,14 +152,19 @@ class PreferenceData:
 # Reading rows
 
 
+def source_name(source: Any) -> str:
+    """How rows and errors name ``source``: its path as given, ``<rows>`` or ``<dataset>``."""
+    if isinstance(source, (list, tuple)):
+        return "<rows>"
+    return "<dataset>" if _is_hf_dataset(source) else str(source)
+
+
 def read_rows(source: Any) -> tuple[str, list[RawRow]]:
     """Read every row of ``source`` without validating it. Returns (name, rows)."""
-    if isinstance(source, (list, tuple)):
-        return "<rows>", [RawRow(i, f"<rows>:row {i}", r) for i, r in enumerate(source)]
-    if _is_hf_dataset(source):
-        return "<dataset>", [RawRow(i, f"<dataset>:row {i}", r) for i, r in enumerate(source)]
+    name = source_name(source)
+    if isinstance(source, (list, tuple)) or _is_hf_dataset(source):
+        return name, [RawRow(i, f"{name}:row {i}", r) for i, r in enumerate(source)]
     path = Path(source)
-    name = str(source)
     if not path.exists():
         raise FileNotFoundError(f"{name}: no such file or directory")
     if path.is_dir():
@@ -662,8 +667,7 @@ def load_preference_data(
         key = token_store.store_key(Path(source), tokenizer, settings)
     tokens = token_store.open_or_build(Path(cache_dir), key, str(source), tokenize, show_progress,
                                        cache_read_only) if key else tokenize()
-    name = str(source) if isinstance(source, (str, Path)) else "<rows>" if isinstance(source, (list, tuple)) \
-        else "<dataset>"  # read_rows' names
+    name = source_name(source)
     base = str(Path(source)) if isinstance(source, (str, Path)) else name
     skipped = [SkippedRow(_location(base, tokens.location_kind, where), f, reason)
                for where, f, reason in tokens.skipped]

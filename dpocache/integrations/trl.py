@@ -52,13 +52,19 @@ except ImportError as e:  # the extra is optional; say how to get it
                       "(in a clone of dpocache: pip install -e '.[trl]')") from e
 
 
-def check_trl_version(version: str | None = None) -> None:
-    """Raise ``RuntimeError`` naming the versions supported when TRL's internals may differ."""
+def check_trl_internals(subclass: str, trainer: type, hooks: tuple[str, ...], version: str | None = None) -> None:
+    """Raise ``RuntimeError`` naming the versions supported when TRL's internals that ``subclass``
+    overrides (``trainer``'s ``hooks``) may differ from those it was checked against."""
     version = version or trl.__version__
-    if not version.startswith(SUPPORTED_TRL) or not hasattr(DPOTrainer, "_precompute_ref_logps"):
-        raise RuntimeError(f"CachedDPOTrainer supports TRL {', '.join(v + 'x' for v in SUPPORTED_TRL)}; found TRL "
-                           f"{version}, whose DPOTrainer internals may differ (pip install 'dpocache[trl]'; in a "
-                           "clone of dpocache: pip install -e '.[trl]')")
+    if not version.startswith(SUPPORTED_TRL) or not all(hasattr(trainer, h) for h in hooks):
+        raise RuntimeError(f"{subclass} supports TRL {', '.join(v + 'x' for v in SUPPORTED_TRL)}; found TRL "
+                           f"{version}, whose {trainer.__name__} internals may differ (pip install 'dpocache[trl]'; "
+                           "in a clone of dpocache: pip install -e '.[trl]')")
+
+
+def check_trl_version(version: str | None = None) -> None:
+    """``check_trl_internals`` for ``CachedDPOTrainer``."""
+    check_trl_internals("CachedDPOTrainer", DPOTrainer, ("_precompute_ref_logps",), version)
 
 
 log = logging.getLogger(__name__)

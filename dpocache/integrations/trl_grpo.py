@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from dpocache.cache.build import default_cache_dir, namespace_for_dir
-from dpocache.integrations.trl import SUPPORTED_TRL
+from dpocache.integrations.trl import check_trl_internals
 from dpocache.models.directories import reference_source
 from dpocache.models.hub_ids import resolve_model_path
 from dpocache.models.reference import DTYPES, ReferenceModel, dtype_name, resolve_dtype
@@ -60,7 +60,6 @@ from dpocache.service.reference_service import (
 )
 
 try:
-    import trl
     from accelerate.utils import is_peft_model
     from trl import GRPOTrainer
     from trl.trainer.utils import get_config_model_id
@@ -76,12 +75,8 @@ _HOOKS = ("_get_per_token_logps_and_entropies", "_generate_and_score_completions
 
 
 def check_trl_version(version: str | None = None) -> None:
-    """Raise ``RuntimeError`` naming the versions supported when TRL's internals may differ."""
-    version = version or trl.__version__
-    if not version.startswith(SUPPORTED_TRL) or not all(hasattr(GRPOTrainer, h) for h in _HOOKS):
-        raise RuntimeError(f"CachedGRPOTrainer supports TRL {', '.join(v + 'x' for v in SUPPORTED_TRL)}; found TRL "
-                           f"{version}, whose GRPOTrainer internals may differ (pip install 'dpocache[trl]'; in a "
-                           "clone of dpocache: pip install -e '.[trl]')")
+    """``check_trl_internals`` for ``CachedGRPOTrainer``."""
+    check_trl_internals("CachedGRPOTrainer", GRPOTrainer, _HOOKS, version)
 
 
 @contextlib.contextmanager
