@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import inspect
 import math
 import os
@@ -49,6 +50,7 @@ class ModelConfig:
     attn_implementation: str = "sdpa"  # train's policy only: sdpa | eager | flash_attention_2 (transformers)
     attention: str = "auto"  # shared/packed layouts: auto (GPU: causal, else sdpa) | sdpa | flex | causal
     compile: str = "auto"  # decoder layers compiled: auto (reference passes that repay it) | on (training too) | off
+    kernels: str = "auto"  # Liger's RMSNorm, RoPE, SwiGLU: auto (on CUDA, where installed) | liger | none
     gradient_checkpointing: bool = False  # recompute activations in the backward pass (less memory, slower)
 
 
@@ -128,6 +130,7 @@ class TrainLoopConfig:
     tensorboard: bool = False  # also write TensorBoard events to output_dir (same as --report-to tensorboard)
     push_to_hub: str | None = None  # a Hub repo id for the final checkpoint
     progress: bool = True  # progress bars on stderr
+    prefetch: str = "auto"  # lay the next micro-batches out on a background thread: auto (on CUDA) | on | off
 
 
 @dataclass
@@ -172,6 +175,7 @@ class Config:
         _validate_counts(self)
         _validate_hub(self.train)
         validate_device(self.model.device)
+        _validate_kernels(self.model)
         validate_environment()
         return self
 
@@ -189,6 +193,7 @@ ALIASES = {
     "resume": "train.resume", "push_to_hub": "train.push_to_hub", "cache_dir": "cache.dir", "fsdp": "distributed.fsdp",
     "skip_invalid": "data.skip_invalid", "max_tokens": "cache.max_tokens", "shard_size": "cache.shard_size",
     "report_to": "train.report_to", "attention": "model.attention", "compile": "model.compile",
+    "kernels": "model.kernels",
 }
 
 # The names of TRL's DPOConfig and TrainingArguments (and its scripts' ModelConfig) that a TRL user
@@ -245,12 +250,17 @@ TRL_NAMES: dict[str, tuple[str, str | None, str]] = {
     "lora_dropout": ("lora.dropout", None, ""),
     "lora_target_modules": ("lora.target_modules", None, ""),
     "torch_compile": ("model.compile", "on", "the decoder layers, in training and in reference passes"),
+    "use_liger_kernel": ("model.kernels", "liger", "RMSNorm, RoPE and SwiGLU, on CUDA; auto applies them where "
+                         "liger-kernel is installed; the output head stays dpocache's (no fused cross entropy)"),
 }
 
 SCHEDULES = ("linear", "cosine", "constant")
+PREFETCHES = ("auto", "on", "off")  # train.prefetch: dpocache.training.prefetch
 BOOL_WORDS = ("true", "1", "yes", "on", "false", "0", "no", "off")  # a switch's values: the first four are true
 TRACKERS = ("none", "tensorboard", "wandb")
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+KERNELS = ("auto", "liger", "none")  # model.kernels (dpocache.models.kernels), here so that checking imports no torch
+LIGER_MISSING = "liger-kernel is not installed (pip install 'dpocache[liger]')"
 # cache export's formats (dpocache.cache.export writes them); here so that checking a flag imports no torch.
 EXPORT_FORMATS = ("jsonl", "parquet", "datasets", "safetensors", "keys")
 # The format an --out name picks when --format is not given (a directory or another name: say --format).
@@ -328,7 +338,7 @@ def _validate_data(data: DataConfig) -> None:
 def _validate_choices(cfg: Config) -> None:
     choices = {"model.dtype": DTYPE_NAMES, "model.reference": ("initial", "base"), "optim.schedule": SCHEDULES,
                "train.layout": LAYOUTS, "cache.layout": LAYOUTS, "model.attention": ATTENTIONS,
-               "model.compile": COMPILES}
+               "model.compile": COMPILES, "train.prefetch": PREFETCHES, "model.kernels": KERNELS}
     for dotted, allowed in choices.items():
         if _get(cfg, dotted) not in allowed:
             raise ConfigError(f"{flag_name(dotted)}: must be one of {', '.join(allowed)}; got {_get(cfg, dotted)!r}")
@@ -411,6 +421,37 @@ def validate_device(device: str | None, flag: str | None = None) -> None:
         raise ConfigError(f"{flag} {device}: no CUDA device is available; use --device cpu")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise ConfigError(f"{flag} {device}: only {torch.cuda.device_count()} CUDA devices")
+
+
+def liger_unavailable(device_type: str, installed: bool | None = None) -> str | None:
+    """Why Liger's kernels cannot run on a device of ``device_type`` (``cuda``, ``cpu``), or None
+    where they can. ``installed``: whether liger-kernel is (None: look, without importing it).
+    The one rule of ``--kernels`` that needs no model: ``dpocache.models.kernels`` adds the family."""
+    if device_type != "cuda":  # Liger's kernels are Triton's, which runs on GPUs only
+        return f"Liger's kernels run on CUDA only, and this run's device is {device_type}"
+    if not (importlib.util.find_spec("liger_kernel") is not None if installed is None else installed):
+        return LIGER_MISSING
+    return None
+
+
+def _validate_kernels(model: ModelConfig) -> None:
+    """``--kernels liger`` where Liger cannot run, refused before any model loads (``auto`` runs
+    the model's own code there instead). After ``validate_device``: the device is one."""
+    if model.kernels != "liger":
+        return
+    import torch  # noqa: PLC0415 - see the note on torch above
+
+    device = torch.device(model.device) if model.device else torch.device("cuda" if torch.cuda.is_available()
+                                                                          else "cpu")
+    reason = liger_unavailable(device.type)
+    if reason:
+        raise liger_refused(reason)
+
+
+def liger_refused(reason: str) -> ConfigError:
+    """The one line that refuses ``--kernels liger`` for ``reason``."""
+    return ConfigError(f"{flag_name('model.kernels')} liger: {reason}; --kernels auto runs Liger's kernels where they "
+                       "can run and the model's own code elsewhere")
 
 
 def _sections() -> dict[str, type]:

@@ -39,6 +39,7 @@ from dpocache.distributed.process_group import (
 from dpocache.distributed.sharded_reference import build_share_sharded
 from dpocache.models.directories import reference_source
 from dpocache.models.reference import ReferenceModel, dtype_name
+from dpocache.runtime.lookahead import ahead
 from dpocache.runtime.signals import StopRequest, stop_signals
 from dpocache.scoring.layout_choice import PADDED
 from dpocache.scoring.layouts import budget_batches
@@ -133,6 +134,9 @@ class BuildSummary:
     layout: dict | None = None
     compiled_layers: int = 0  # decoder layers the reference pass ran compiled (dpocache.scoring.compiling)
     max_tokens: int | None = None  # the token budget of its forwards (None when no pass ran)
+    # The kernels the reference pass ran (dpocache.models.kernels.KernelChoice.to_json: requested, used, reason,
+    # applied); None when no pass ran.
+    kernels: dict | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -161,11 +165,25 @@ def unique_pairs(pairs: Sequence[TokenizedPair]) -> dict[bytes, TokenizedPair]:
 
 
 def score_batch(reference: ReferenceModel, batch: Sequence[TokenizedPair], pad_id: int,
-                max_tokens: int | None = None) -> PairValues:
+                max_tokens: int | None = None, laid=None) -> PairValues:
     """Reference values of one batch ``(B,)`` of the pass, per-token values included, on the CPU
     (``ReferenceModel.score``: the reference's layout, rows as the pass planned them under
-    ``max_tokens``)."""
-    return reference.score(batch, pad_id, max_tokens)
+    ``max_tokens``); ``laid``: the batch laid out already (``laid_out_ahead``)."""
+    if laid is None:  # also for a reference that lays nothing out ahead (laid_out_ahead)
+        return reference.score(batch, pad_id, max_tokens)
+    return reference.score(batch, pad_id, max_tokens, laid)
+
+
+def laid_out_ahead(reference: ReferenceModel, batches: Sequence[Sequence[TokenizedPair]], pad_id: int,
+                   max_tokens: int):
+    """``(batch, laid out)`` for each of ``batches``, the next laid out on a background thread
+    while the device runs this one (``dpocache.runtime.lookahead``), in page-locked memory: on a
+    GPU only, whose forward runs while the host collates (on a CPU the thread would take a core
+    from the forward). Elsewhere, or for a reference without ``lay_out``, ``(batch, None)``."""
+    device = getattr(reference, "device", None)
+    if device is None or device.type != "cuda" or not hasattr(reference, "lay_out"):
+        return ((batch, None) for batch in batches)
+    return ahead(batches, lambda batch: reference.lay_out(batch, pad_id, max_tokens).pin_memory())
 
 
 def reference_batches(reference: ReferenceModel, pairs: Sequence[TokenizedPair],
@@ -227,7 +245,8 @@ def score_missing(
         # A signal only sets ``stop`` here: a batch is scored and added whole, never half.
         with stop.deferred():
             try:
-                for batch in reference_batches(reference, todo, max_tokens):
+                batches = reference_batches(reference, todo, max_tokens)
+                for batch, laid in laid_out_ahead(reference, batches, pad_id, max_tokens):
                     if stop:
                         break
                     # A build running at once in this directory may have written these since: each
@@ -235,7 +254,8 @@ def score_missing(
                     scored = [p for p in batch if not store.has(p.key, per_token)]
                     skipped += len(batch) - len(scored)
                     if scored:
-                        values = score_batch(reference, scored, pad_id, max_tokens)
+                        values = score_batch(reference, scored, pad_id, max_tokens,
+                                             laid if len(scored) == len(batch) else None)
                         scored, values, bad = _finite_only(scored, values)
                         non_finite += bad
                         if scored:
@@ -263,7 +283,14 @@ def score_missing(
         layout=reference.layout_choice.to_json() if reference is not None else None,
         compiled_layers=reference.compiled_layers if reference is not None else 0,
         max_tokens=max_tokens if reference is not None else None,
+        kernels=_kernels_json(reference),
     )
+
+
+def _kernels_json(reference: ReferenceModel | None) -> dict | None:
+    """The kernels of the pass's reference, for the summary (None: no pass ran, or none chosen)."""
+    choice = getattr(reference, "kernels", None)
+    return choice.to_json() if choice is not None else None
 
 
 def _any_rank_layout(env: DistEnv, layout: dict | None) -> dict | None:
@@ -421,6 +448,7 @@ def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_refere
         layout=_any_rank_layout(env, local.layout if local else None),
         compiled_layers=local.compiled_layers if local else 0,  # this rank's (each rank decides alike)
         max_tokens=local.max_tokens if local else None,
+        kernels=_any_rank_layout(env, local.kernels if local else None),  # as the layout: a rank whose pass ran
     )
     if signum:
         raise stop.interrupted(interrupted_message(summary), signum=int(signum))

@@ -20,6 +20,7 @@ from dpocache.data.token_store import token_stores
 from dpocache.distributed.process_group import destroy, init_distributed
 from dpocache.distributed.sharded_reference import reference_loader
 from dpocache.models.directories import reference_source
+from dpocache.models.kernels import kernels_for
 from dpocache.models.loading import load_tokenizer
 from dpocache.models.reference import ReferenceModel, default_device, dtype_name, resolve_dtype
 from dpocache.runtime.preflight import (
@@ -77,7 +78,7 @@ def _load_reference(args, dtype, device) -> ReferenceModel:
     with its adapter on, or its base)."""
     base, adapter = reference_source(args.model, args.reference)
     return ReferenceModel.from_pretrained(base, dtype, device, layout=args.layout, adapter=adapter,
-                                          attention=args.attention, compile=args.compile)
+                                          attention=args.attention, compile=args.compile, kernels=args.kernels)
 
 
 def cmd_build(args) -> int:
@@ -85,15 +86,17 @@ def cmd_build(args) -> int:
     (``build_distributed``); rank 0 prints the totals."""
     env = init_distributed(args.device)
     try:
+        base, adapter = reference_source(args.model, args.reference)
+        kernels_for(args.kernels, env.device, base)  # --kernels liger for a family Liger lacks: said before the data
         tokenizer = load_tokenizer(args.tokenizer)
         data = _load_data(args, tokenizer, verbose=env.is_main)
         pairs = data.pairs
         if args.eval_data:  # a config's eval set is cached too, as train would
             pairs = pairs + _load_data(args, tokenizer, verbose=env.is_main, source=args.eval_data).pairs
         store, dtype = _open_store(args, env.device, open_now=False, verbose=env.is_main)
-        base, adapter = reference_source(args.model, args.reference)
         load = reference_loader(base, dtype, env, args.layout, sharded=args.fsdp, adapter=adapter,
-                                attention=args.attention, probe_memo=ProbeMemo(store.root), compile=args.compile)
+                                attention=args.attention, probe_memo=ProbeMemo(store.root), compile=args.compile,
+                                kernels=args.kernels)
         options = BuildOptions(pad_id=tokenizer.pad_token_id or 0, per_token=args.per_token,
                                max_tokens=args.max_tokens, shard_pairs=args.shard_size, sharded=args.fsdp)
         summary = build_distributed(store, pairs, load, env, options)
@@ -116,6 +119,8 @@ def _print_build_summary(args, s, store: CacheStore, dtype: torch.dtype, data: P
           + (" (largest rank)" if s.world_size > 1 else ""))
     print(f"cache {s.cache_dir} (dtype {dtype_name(dtype)}, {len(store)} pairs stored, "
           f"{_human_bytes(store.size_bytes())})")
+    if s.kernels and s.kernels["used"] == "liger":
+        print(f"kernels: Liger's {', '.join(s.kernels['applied'])}")
     if args.json:
         out = s.to_json()
         out.update(skipped=len(data.skipped), truncated=data.truncated, identical=data.identical)

@@ -142,7 +142,7 @@ def _namespace(cfg: Config, command: str, own: dict) -> argparse.Namespace:
         max_prompt_length=cfg.data.max_prompt_length, skip_invalid=cfg.data.skip_invalid,
         dtype=cfg.model.dtype, device=cfg.model.device, cache_dir=Path(cfg.cache.dir) if cfg.cache.dir else None,
         max_tokens=cfg.cache.max_tokens, layout=cfg.cache.layout, attention=cfg.model.attention,
-        compile=cfg.model.compile, shard_size=cfg.cache.shard_size,
+        compile=cfg.model.compile, kernels=cfg.model.kernels, shard_size=cfg.cache.shard_size,
         fsdp=cfg.distributed.fsdp,
         **options,
     )

@@ -29,6 +29,7 @@ from dpocache.data.pairs import TokenizedPair
 from dpocache.distributed.fsdp import gather_head_around, shard_policy, vocabulary_modules
 from dpocache.distributed.process_group import DistEnv, broadcast_object, reduce_counts
 from dpocache.distributed.vocab_stream import StreamedEmbedding, StreamedHead
+from dpocache.models.kernels import apply_kernels, kernels_for
 from dpocache.models.loading import (
     disable_dropout,
     load_for_sharding,
@@ -51,9 +52,9 @@ class ShardedReference(ReferenceModel):
     its own share is done."""
 
     def __init__(self, model, scorer: CompletionLogProbs, env: DistEnv, dtype: torch.dtype, layout: str,
-                 attention: str | None = None):
+                 attention: str | None = None, kernels=None):
         self.env = env
-        super().__init__(model, dtype, layout=layout, scorer=scorer, attention=attention)
+        super().__init__(model, dtype, layout=layout, scorer=scorer, attention=attention, kernels=kernels)
         if shares_prompts(self.layout):
             # The shared layout calls the body and the head, not the root's forward: gather the
             # root's own parameters (embeddings, final norm, head) around it.
@@ -177,13 +178,15 @@ def probe_sharded(scorer: CompletionLogProbs, env: DistEnv, dtype: torch.dtype, 
 
 def load_sharded_reference(path: str | Path, dtype: torch.dtype, env: DistEnv, layout: str = SHARED,
                            attn_implementation: str | None = "sdpa", attention: str | None = None,
-                           probe_memo: ProbeMemo | None = None) -> ShardedReference:
+                           probe_memo: ProbeMemo | None = None, kernels: str = "auto") -> ShardedReference:
     """The reference of ``path`` sharded over ``env``'s ranks (a collective: every rank calls
     it). Values are those of ``ReferenceModel.from_pretrained``: bf16 matrices stored in bf16
     where the native bf16 kernels run, the fp32-GEMM route on CPUs without AMX. ``probe_memo``:
-    where the fast-path probe's verdict is looked up and recorded (``dpocache.cache.probes``)."""
+    where the fast-path probe's verdict is looked up and recorded (``dpocache.cache.probes``);
+    ``kernels``: Liger's or the model's own (``dpocache.models.kernels``), patched in before sharding."""
     routed = dtype == torch.bfloat16 and routes_bf16_through_fp32(env.device)
     storage = None if routed else dtype
+    kernel_choice = kernels_for(kernels, env.device, path)
 
     def prepare(model):
         disable_dropout(model)
@@ -191,6 +194,7 @@ def load_sharded_reference(path: str | Path, dtype: torch.dtype, env: DistEnv, l
         model.requires_grad_(False)
         if storage is not None:
             store_frozen_matrices_(model, storage)
+        apply_kernels(model, kernel_choice)  # on the meta device: Liger patches the modules' forwards
 
     def shard(model):
         scorer = CompletionLogProbs(model, probe=False)  # probed below, once sharded
@@ -206,7 +210,7 @@ def load_sharded_reference(path: str | Path, dtype: torch.dtype, env: DistEnv, l
     make_root(scorer, env, dtype)
     probe_sharded(scorer, env, dtype, probe_memo, rooted=True)
     report_shards("reference", model, env)
-    return ShardedReference(model, scorer, env, dtype, layout, attention)
+    return ShardedReference(model, scorer, env, dtype, layout, attention, kernel_choice)
 
 
 def report_shards(what: str, model, env: DistEnv) -> None:
@@ -240,16 +244,18 @@ def build_share_sharded(build_share, load_reference, todo: bool, pad_id: int):
 
 def reference_loader(path: str | Path, dtype: torch.dtype, env: DistEnv, layout: str = SHARED,
                      sharded: bool = False, adapter: str | Path | None = None, attention: str | None = None,
-                     probe_memo: ProbeMemo | None = None, compile: str = "off"):
+                     probe_memo: ProbeMemo | None = None, compile: str = "off", kernels: str = "auto"):
     """What ``build_distributed`` calls to load the reference: sharded over ``env``'s ranks
     (``sharded`` and a world of several), else whole in every process; ``adapter``: a PEFT
     adapter directory applied on top of ``path`` (the initial policy of an adapter run);
     ``probe_memo``: the sharded reference's probe verdicts (``dpocache.cache.probes``);
-    ``compile``: the whole reference's decoder layers (``dpocache.scoring.compiling``; a sharded one stays eager)."""
+    ``compile``: the whole reference's decoder layers (``dpocache.scoring.compiling``; a sharded one stays eager);
+    ``kernels``: Liger's or the model's own (``dpocache.models.kernels``)."""
     if sharded and env.enabled:
         if adapter is not None:
             raise UsageError(f"--fsdp: a sharded reference with a PEFT adapter ({adapter}) is not supported; build "
                              "without --fsdp (the adapter's base is loaded whole) or with --reference base")
-        return lambda: load_sharded_reference(path, dtype, env, layout, attention=attention, probe_memo=probe_memo)
+        return lambda: load_sharded_reference(path, dtype, env, layout, attention=attention, probe_memo=probe_memo,
+                                              kernels=kernels)
     return lambda: ReferenceModel.from_pretrained(path, dtype, env.device, layout=layout, adapter=adapter,
-                                                  attention=attention, compile=compile)
+                                                  attention=attention, compile=compile, kernels=kernels)

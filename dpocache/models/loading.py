@@ -100,9 +100,11 @@ def _matrix_layers(model: nn.Module) -> list[nn.Module]:
 
 
 @torch.no_grad()
-def store_frozen_matrices_(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
+def store_frozen_matrices_(model: nn.Module, dtype: torch.dtype = torch.bfloat16, skip_trainable: bool = False) -> int:
     """Store the matrix weights (and their biases) of a frozen model used only under ``dtype``
-    autocast in ``dtype``, in place; returns how many layers changed.
+    autocast in ``dtype``, in place; returns how many layers changed. ``skip_trainable``: leave
+    the layers with a parameter that requires grad (a LoRA policy's adapters) in fp32, and store
+    only its frozen base.
 
     Left in fp32: a weight tied to an embedding (an embedding lookup is not autocast, so its
     fp32 values reach the residual stream), every non-matrix parameter, and the layers
@@ -114,6 +116,8 @@ def store_frozen_matrices_(model: nn.Module, dtype: torch.dtype = torch.bfloat16
     count = 0
     for layer in _matrix_layers(model):
         if bf16_matmul.installed(layer) or id(layer.weight) in embeddings:
+            continue
+        if skip_trainable and any(p.requires_grad for p in layer.parameters(recurse=False)):
             continue
         for name, p in list(layer.named_parameters(recurse=False)):
             if p.dtype == torch.float32:

@@ -16,7 +16,14 @@ from dpocache.distributed.fsdp import shard_policy
 from dpocache.distributed.process_group import DistEnv
 from dpocache.distributed.sharded_reference import probe_sharded, report_shards
 from dpocache.models.directories import adapter_base_dir
-from dpocache.models.loading import disable_dropout, load_causal_lm, load_for_sharding
+from dpocache.models.kernels import KernelChoice, apply_kernels
+from dpocache.models.loading import (
+    disable_dropout,
+    load_causal_lm,
+    load_for_sharding,
+    routes_bf16_through_fp32,
+    store_frozen_matrices_,
+)
 from dpocache.scoring.logprobs import CompletionLogProbs
 
 
@@ -55,16 +62,26 @@ def set_lora_dropout(model: nn.Module, p: float) -> int:
     return count
 
 
-def load_policy(cfg: Config, device: torch.device) -> nn.Module:
-    """fp32 master weights (autocast supplies bf16 compute). With ``lora.r > 0`` a fresh PEFT
-    LoRA adapter is added; a PEFT adapter directory as ``model.path`` is loaded trainable, with
-    the run's ``lora.dropout``."""
+def load_policy(cfg: Config, device: torch.device, kernels: KernelChoice | None = None,
+                dtype: torch.dtype = torch.float32) -> nn.Module:
+    """fp32 master weights (autocast supplies ``dtype`` compute). With ``lora.r > 0`` a fresh
+    PEFT LoRA adapter is added; a PEFT adapter directory as ``model.path`` is loaded trainable,
+    with the run's ``lora.dropout``. ``kernels``: Liger's patched in, if chosen
+    (``dpocache.models.kernels``), after LoRA (Liger's forwards call PEFT's layers) and before
+    any layer is compiled.
+
+    Under LoRA the base's matrices are frozen: where ``dtype`` is bf16 or fp16 and the device
+    runs it natively, they are stored in ``dtype`` (``frozen_in_compute_dtype``), the same
+    values autocast would cast them to at every call, in half the memory (16 GiB less for an
+    8B base). They are converted on the host first, so the fp32 base never takes device memory."""
     path = Path(cfg.model.path)
     base = adapter_base_dir(path)  # the same base the reference of an adapter directory loads
+    staged = frozen_in_compute_dtype(cfg, device, dtype)
+    load_on = torch.device("cpu") if staged else device
     if base is not None:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(load_causal_lm(base, device, cfg.model.attn_implementation), str(path),
+        model = PeftModel.from_pretrained(load_causal_lm(base, load_on, cfg.model.attn_implementation), str(path),
                                           is_trainable=True)
         # The base as loaded, a local directory (a Hub id's snapshot is named by its id again when
         # saved: checkpoint.name_hub_base), so that PEFT's save looks for its config locally.
@@ -72,15 +89,27 @@ def load_policy(cfg: Config, device: torch.device) -> nn.Module:
             adapter.base_model_name_or_path, adapter.revision = str(base), None
         set_lora_dropout(model, cfg.lora.dropout)
     else:
-        model = load_causal_lm(path, device, cfg.model.attn_implementation)
+        model = load_causal_lm(path, load_on, cfg.model.attn_implementation)
         if cfg.lora.r > 0:
             model = add_lora(model, cfg)
+    if staged:
+        store_frozen_matrices_(model, dtype, skip_trainable=True)
+    if kernels is not None:
+        apply_kernels(model, kernels)
     if cfg.model.gradient_checkpointing:
         # Non-reentrant: works with inputs that do not require grad (frozen embeddings in LoRA).
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if hasattr(model, "enable_input_require_grads"):
             model.enable_input_require_grads()
     return model.to(device)
+
+
+def frozen_in_compute_dtype(cfg: Config, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``load_policy`` stores a LoRA base's frozen matrices in ``dtype``: a LoRA run
+    (fresh or an adapter directory) in bf16 or fp16 where the linear layers run that dtype
+    natively (not through ``bf16_matmul``'s fp32 GEMM, which needs fp32 weights)."""
+    lora = cfg.lora.r > 0 or adapter_base_dir(Path(cfg.model.path)) is not None
+    return lora and dtype in (torch.bfloat16, torch.float16) and not routes_bf16_through_fp32(device)
 
 
 def _prepare_policy(model: nn.Module, cfg: Config) -> None:
@@ -91,12 +120,12 @@ def _prepare_policy(model: nn.Module, cfg: Config) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def load_sharded_policy(cfg: Config, env: DistEnv, dtype: torch.dtype,
-                        probe_memo: ProbeMemo | None = None) -> tuple[nn.Module, nn.Module]:
+def load_sharded_policy(cfg: Config, env: DistEnv, dtype: torch.dtype, probe_memo: ProbeMemo | None = None,
+                        kernels: KernelChoice | None = None) -> tuple[nn.Module, nn.Module]:
     """``train --fsdp``'s policy, created on the meta device on every rank and filled shard by
     shard from the files, each rank reading its own rows (``dpocache.models.loading.load_for_sharding``),
     sharded with FSDP2 in ``dtype``'s mixed precision. A collective. Returns ``(policy, scorer)``: the causal LM and
-    the ``CompletionLogProbs`` that is FSDP's root."""
+    the ``CompletionLogProbs`` that is FSDP's root. ``kernels``: Liger's patched in before sharding, if chosen."""
     if (Path(cfg.model.path) / "adapter_config.json").exists():
         raise ConfigError(f"{cfg.model.path}: --fsdp (distributed.fsdp) trains full weights; a PEFT adapter "
                           "directory is a LoRA run (use DDP: no --fsdp)")
@@ -105,8 +134,12 @@ def load_sharded_policy(cfg: Config, env: DistEnv, dtype: torch.dtype,
         scorer = CompletionLogProbs(model, probe=False)  # probed below, once its shards are filled
         return shard_policy(scorer, model, env, compute_dtype=dtype)
 
-    policy, scorer = load_for_sharding(cfg.model.path, env, lambda m: _prepare_policy(m, cfg), shard,
-                                       cfg.model.attn_implementation)
+    def prepare(model):
+        _prepare_policy(model, cfg)
+        if kernels is not None:
+            apply_kernels(model, kernels)  # on the meta device: Liger patches the modules' forwards
+
+    policy, scorer = load_for_sharding(cfg.model.path, env, prepare, shard, cfg.model.attn_implementation)
     # The fast-path verdict of the sharded reference pass when it ran on this architecture
     # (dpocache.cache.probes): probing here would gather the whole output head and embeddings.
     probe_sharded(scorer, env, dtype, probe_memo)

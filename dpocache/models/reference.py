@@ -19,13 +19,14 @@ from torch import nn
 
 from dpocache.data.pairs import TokenizedPair
 from dpocache.data.values import PairValues
+from dpocache.models.kernels import KernelChoice, apply_kernels, kernels_for
 from dpocache.models.loading import disable_dropout, load_causal_lm, store_frozen_matrices_
 from dpocache.scoring import bf16_matmul
 from dpocache.scoring.attention import choose_layout
 from dpocache.scoring.bf16_matmul import cpu_has_amx_bf16
 from dpocache.scoring.compiling import compile_layers, should_compile
 from dpocache.scoring.layout_choice import COMPILES, LAYOUTS
-from dpocache.scoring.layouts import reference_row_width, score_pairs
+from dpocache.scoring.layouts import LaidOut, lay_out, reference_row_width, run_laid_out
 from dpocache.scoring.logprobs import CompletionLogProbs, autocast, unwrap_causal_lm
 from dpocache.scoring.shared import shared_prompt_logps
 
@@ -64,7 +65,7 @@ class ReferenceModel:
 
     def __init__(self, model: nn.Module, dtype: torch.dtype = torch.float32, compile: str = "off",
                  adapter_disabled: bool = False, layout: str = "auto", scorer: CompletionLogProbs | None = None,
-                 attention: str | None = None, temperature: float = 1.0):
+                 attention: str | None = None, temperature: float = 1.0, kernels: KernelChoice | None = None):
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got '{layout}'")
         if compile not in COMPILES:
@@ -73,6 +74,9 @@ class ReferenceModel:
         self.dtype = dtype
         self.device = next(model.parameters()).device
         self.adapter_disabled = adapter_disabled
+        # The kernels the model runs (dpocache.models.kernels), applied before it came here: the layers
+        # compile below. None: not chosen for this reference (the policy's own, adapter off).
+        self.kernels = kernels
         if not adapter_disabled:
             model.eval()
             model.requires_grad_(False)
@@ -100,13 +104,16 @@ class ReferenceModel:
                         device: str | torch.device | None = None,
                         compile: str = "off", layout: str = "auto",
                         adapter: str | Path | None = None, attention: str | None = None,
-                        temperature: float = 1.0) -> "ReferenceModel":
+                        temperature: float = 1.0, kernels: str = "auto") -> "ReferenceModel":
         """The model in ``path``; with ``adapter`` (a PEFT adapter directory whose base is
         ``path``), that adapter on top, unmerged: the same layers the policy loaded from the
-        adapter directory runs, so at step 0 both compute the same numbers."""
+        adapter directory runs, so at step 0 both compute the same numbers. ``kernels``: Liger's
+        kernels or the model's own (``dpocache.models.kernels``; ``liger`` where Liger cannot run
+        is a ``ConfigError`` before the model loads)."""
         device = torch.device(device) if device is not None else default_device()
         if isinstance(dtype, str):
             dtype = resolve_dtype(dtype, device)
+        kernel_choice = kernels_for(kernels, device, path)
         # Off the CPU, the matrices are stored in the compute dtype (below) before the weights
         # move to the device, so the fp32 copy never takes device memory: on an H100 the 1.1B
         # bench model's fp32 weights alone would exceed the causal pass's whole peak at the 16384
@@ -121,7 +128,9 @@ class ReferenceModel:
         if staged:
             store_frozen_matrices_(model, dtype)
             model.to(device)
-        reference = cls(model, dtype, compile, layout=layout, attention=attention, temperature=temperature)
+        apply_kernels(model, kernel_choice)  # before the constructor compiles the layers (--compile on)
+        reference = cls(model, dtype, compile, layout=layout, attention=attention, temperature=temperature,
+                        kernels=kernel_choice)
         if dtype == torch.bfloat16:
             # This model is ours and frozen: its fp32 weights are only ever used as bf16 values.
             bf16_matmul.round_frozen_weights_(model)
@@ -167,14 +176,20 @@ class ReferenceModel:
         (each prompt run once for both completions)."""
         return self._call(lambda: self._run_shared(self._scorer, batch.to(self.device)), batch.num_tokens)
 
-    def score(self, pairs: Sequence[TokenizedPair], pad_id: int = 0, max_tokens: int | None = None) -> PairValues:
+    def score(self, pairs: Sequence[TokenizedPair], pad_id: int = 0, max_tokens: int | None = None,
+              laid: LaidOut | None = None) -> PairValues:
         """Reference values of one batch of ``pairs`` ``(B,)``, per-token values included, on the
         CPU, in this reference's layout (``scoring.layouts``); ``max_tokens``: the budget the batch
-        was planned under (packed FlexAttention rows are padded to it: ``reference_row_width``)."""
-        config = unwrap_causal_lm(self.model).config
-        values, _ = score_pairs(self, self.layout, pairs, pad_id, config, per_token=True, one_row=True,
-                                width=reference_row_width(self, max_tokens))
+        was planned under (packed FlexAttention rows are padded to it: ``reference_row_width``).
+        ``laid``: ``lay_out(pairs, ...)`` done already (on a background thread)."""
+        values, _ = run_laid_out(self, laid or self.lay_out(pairs, pad_id, max_tokens), per_token=True)
         return values
+
+    def lay_out(self, pairs: Sequence[TokenizedPair], pad_id: int = 0, max_tokens: int | None = None) -> LaidOut:
+        """``pairs`` laid out on the host as ``score`` runs them: pure host work, which the
+        cache build does for the next batch while the device runs this one."""
+        config = unwrap_causal_lm(self.model).config
+        return lay_out(self.layout, pairs, pad_id, config, one_row=True, width=reference_row_width(self, max_tokens))
 
     def run_padded(self, batch) -> torch.Tensor:
         """``scoring.layouts.LayoutRunner``: a ``PairBatch`` → ``(2B, T)`` values on the CPU."""

@@ -16,6 +16,7 @@ once per model (``scoring.layout_choice``, ``scoring.attention.choose_layout``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Protocol, Sequence
 
 import torch
@@ -84,25 +85,57 @@ def budget_batches(pairs: Sequence[TokenizedPair], max_tokens: int, layout: str,
     return batches
 
 
-def score_pairs(runner: LayoutRunner, layout: str, pairs: Sequence[TokenizedPair], pad_id: int, config,
-                device=None, per_token: bool = False, one_row: bool = False,
-                width: int | None = None) -> tuple[PairValues, int]:
-    """``pairs`` laid out in ``layout`` for a model with ``config`` and run by ``runner``:
-    (``PairValues`` of the ``B`` pairs, per-token values only if ``per_token``; real tokens run).
-    ``device``: where the batch goes first (None: the runner moves it); ``one_row`` and
-    ``width``: a packed reference batch in one row at least ``width`` tokens wide
-    (``packing.budget_batches`` planned it). Nothing here waits for the device: counts and
-    offsets come from ``pairs``."""
+@dataclass
+class LaidOut:
+    """A batch of pairs laid out for the model, on the host: what ``lay_out`` builds and
+    ``run_laid_out`` runs. Built apart from the forward so that a background thread can lay out
+    the next micro-batch while the device runs this one (``dpocache.training.prefetch``)."""
+
+    layout: str  # the layout it was built in (scoring.layout_choice)
+    batch: PairBatch | SharedPromptBatch  # host tensors (pinned by ``pin_memory``)
+    pairs: Sequence[TokenizedPair]
+    tokens: int  # real tokens the forward runs (each prompt once in the shared layouts)
+
+    def pin_memory(self) -> "LaidOut":
+        """The same batch in page-locked host memory: its copy to a GPU can then run
+        ``non_blocking``, behind the work already queued, instead of stalling the host."""
+        return replace(self, batch=self.batch.pin_memory())
+
+
+def lay_out(layout: str, pairs: Sequence[TokenizedPair], pad_id: int, config, one_row: bool = False,
+            width: int | None = None) -> LaidOut:
+    """``pairs`` laid out in ``layout`` for a model with ``config``, on the host (``one_row`` and
+    ``width``: a packed reference batch in one row at least ``width`` tokens wide, as
+    ``packing.budget_batches`` planned it)."""
     if shares_prompts(layout):
         batch = layout_batch(layout, pairs, pad_id, config, one_row=one_row, width=width)
-        logps = runner.run_shared(batch if device is None else batch.to(device))  # (M,)
+        return LaidOut(layout, batch, pairs, sum(p.unique_tokens for p in pairs))
+    return LaidOut(layout, collate_pairs(pairs, pad_id), pairs, sum(p.num_tokens for p in pairs))
+
+
+def run_laid_out(runner: LayoutRunner, laid: LaidOut, device=None, per_token: bool = False) -> tuple[PairValues, int]:
+    """``laid`` run by ``runner``: (``PairValues`` of its ``B`` pairs, per-token values only if
+    ``per_token``; real tokens run). ``device``: where the batch goes first (None: the runner
+    moves it). Nothing here waits for the device: counts and offsets come from the pairs."""
+    batch, pairs = laid.batch, laid.pairs
+    moved = batch if device is None else batch.to(device)
+    if shares_prompts(laid.layout):
+        logps = runner.run_shared(moved)  # (M,)
         chosen, rejected = sequence_sums(logps, batch)
         cpt, rpt = split_per_token(logps, batch, pairs) if per_token else (None, None)
         values = PairValues(chosen, rejected, batch.chosen_tokens, batch.rejected_tokens, cpt, rpt)
-        return values, sum(p.unique_tokens for p in pairs)
-    batch = collate_pairs(pairs, pad_id)
-    token_logps = runner.run_padded(batch if device is None else batch.to(device))  # (2B, T)
-    return pair_values(token_logps, batch, pairs if per_token else None), sum(p.num_tokens for p in pairs)
+        return values, laid.tokens
+    token_logps = runner.run_padded(moved)  # (2B, T)
+    return pair_values(token_logps, batch, pairs if per_token else None), laid.tokens
+
+
+def score_pairs(runner: LayoutRunner, layout: str, pairs: Sequence[TokenizedPair], pad_id: int, config,
+                device=None, per_token: bool = False, one_row: bool = False,
+                width: int | None = None) -> tuple[PairValues, int]:
+    """``pairs`` laid out in ``layout`` for a model with ``config`` (``lay_out``) and run by
+    ``runner`` (``run_laid_out``): (``PairValues`` of the ``B`` pairs, per-token values only if
+    ``per_token``; real tokens run)."""
+    return run_laid_out(runner, lay_out(layout, pairs, pad_id, config, one_row, width), device, per_token)
 
 
 class ModuleRunner:
@@ -120,11 +153,14 @@ class ModuleRunner:
 
 
 def layout_logprobs(scorer: nn.Module, layout: str, pairs: Sequence[TokenizedPair], pad_id: int, device,
-                    per_token: bool = False) -> tuple[PairValues, int]:
+                    per_token: bool = False, laid: LaidOut | None = None) -> tuple[PairValues, int]:
     """Policy log-probs of ``pairs`` in ``layout`` (packed: the micro-batch first fit into rows
     of its longest pair's width), through ``scorer``'s forward: (``PairValues`` carrying the
-    graph, per-token values only if ``per_token``; real tokens run)."""
-    return score_pairs(ModuleRunner(scorer), layout, pairs, pad_id, scorer_core(scorer).config, device, per_token)
+    graph, per-token values only if ``per_token``; real tokens run). ``laid``: ``pairs`` laid
+    out already (``lay_out``, by a prefetching thread)."""
+    if laid is None:
+        laid = lay_out(layout, pairs, pad_id, scorer_core(scorer).config)
+    return run_laid_out(ModuleRunner(scorer), laid, device, per_token)
 
 
 def training_layout(scorer: nn.Module, requested: str, attention: str = "auto") -> LayoutChoice:

@@ -31,6 +31,9 @@ class PairBatch:
         return PairBatch(*(t.to(device, non_blocking=True)
                            for t in (self.input_ids, self.attention_mask, self.completion_mask)))
 
+    def pin_memory(self) -> "PairBatch":
+        return PairBatch(*(t.pin_memory() for t in (self.input_ids, self.attention_mask, self.completion_mask)))
+
 
 def pad_sequences(seqs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int = 0):
     """``N`` (prompt, completion) id lists → right-padded ``input_ids``, ``attention_mask`` and

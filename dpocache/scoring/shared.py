@@ -85,8 +85,14 @@ class SharedPromptBatch:
         return int((self.segments != PAD).sum())
 
     def to(self, device) -> "SharedPromptBatch":
-        rows = None if self.rows is None else SequenceRows(*(t.to(device, non_blocking=True) for t in self.rows))
-        return SharedPromptBatch(*(t.to(device, non_blocking=True) for t in (
+        return self._map(lambda t: t.to(device, non_blocking=True))
+
+    def pin_memory(self) -> "SharedPromptBatch":
+        return self._map(torch.Tensor.pin_memory)
+
+    def _map(self, fn) -> "SharedPromptBatch":
+        rows = None if self.rows is None else SequenceRows(*(fn(t) for t in self.rows))
+        return SharedPromptBatch(*(fn(t) for t in (
             self.input_ids, self.position_ids, self.segments, self.source, self.labels, self.sequence,
             self.chosen_tokens, self.rejected_tokens, self.documents)), rows=rows)
 

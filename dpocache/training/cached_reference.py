@@ -47,7 +47,8 @@ def prepare_reference(cfg: Config, env: DistEnv, dtype: torch.dtype, spec, token
         resumed_from.check_namespace(cfg, store.namespace.id)
     pairs = train_data.pairs + (eval_data.pairs if eval_data else [])
     load = reference_loader(ref_dir, dtype, env, cfg.cache.layout, sharded=cfg.distributed.fsdp, adapter=adapter,
-                            attention=cfg.model.attention, probe_memo=ProbeMemo(cache_dir), compile=cfg.model.compile)
+                            attention=cfg.model.attention, probe_memo=ProbeMemo(cache_dir), compile=cfg.model.compile,
+                            kernels=cfg.model.kernels)
     # Every rank scores its token-balanced share of what is missing (one rank: all of it).
     options = BuildOptions(pad_id=tokenizer.pad_token_id or 0, max_tokens=cfg.cache.max_tokens,
                            shard_pairs=cfg.cache.shard_size, show_progress=cfg.train.progress and env.is_main,
@@ -72,6 +73,7 @@ def prepare_reference(cfg: Config, env: DistEnv, dtype: torch.dtype, spec, token
         # The build's own count (its summary), all before the first step. The loop holds no
         # reference model: the build's is unreachable once it returns (freed above).
         "forward_passes": summary.forward_passes, "forward_passes_during_training": 0,
+        "kernels": summary.kernels,  # the build's (dpocache.models.kernels); None when every pair was cached
     }
     if ld:
         train_vals = ld_values(train_vals, cfg.loss.ld_alpha)

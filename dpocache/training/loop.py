@@ -26,7 +26,6 @@ import torch
 from tqdm.auto import tqdm
 
 from dpocache.config import Config
-from dpocache.data.order import epoch_order
 from dpocache.distributed.process_group import (
     all_reduce_max,
     broadcast_object,
@@ -48,24 +47,9 @@ from dpocache.training.metrics import (
     train_flops_per_token,
 )
 from dpocache.training.objective import batch_losses
+from dpocache.training.prefetch import prepare
 from dpocache.training.setup import setup
-from dpocache.training.state import Run, TrainingDiverged, global_batch, is_sharded, last_good, write_run_json
-
-
-def step_indices(run: Run, step: int, micro: int) -> list[int]:
-    """Pair indices of this rank's micro-batch ``micro`` of optimizer step ``step``.
-
-    The global batch of a step is a slice of the epoch's seeded permutation (filled up to whole
-    batches, ``batching.epoch_order``); micro-batch ``a`` of rank ``r`` is its
-    ``(a * world + r)``-th block of ``batch_size``. So a run on W ranks with batch b sees
-    exactly the pairs of a 1-rank run with batch W*b.
-    """
-    cfg, env = run.cfg.train, run.env
-    batch = global_batch(run)
-    epoch, within = divmod(step, run.steps_per_epoch)
-    order = epoch_order(len(run.train_data), cfg.seed, epoch, batch)
-    start = within * batch + (micro * env.world_size + env.rank) * cfg.batch_size
-    return order[start:start + cfg.batch_size]
+from dpocache.training.state import Run, TrainingDiverged, is_sharded, last_good, write_run_json
 
 
 def train_step(run: Run, window: MetricWindow) -> None:
@@ -83,12 +67,11 @@ def train_step(run: Run, window: MetricWindow) -> None:
         run.monitor = ProgressMonitor(params)  # the norm of the weights the run starts (or resumes) from
     run.step_batches, losses_seen = [], []
     for micro in range(cfg.grad_accum):
-        idx = step_indices(run, run.step, micro)
-        pairs = [run.train_data.pairs[i] for i in idx]
+        batch = run.batches.get(run.step, micro)
         sync = micro == cfg.grad_accum - 1
         with _no_sync(run.scorer, sync):
             audit_now = run.audit_step0 and micro == 0
-            losses, aux, inputs = batch_losses(run, pairs, run.ref_train, idx, window, check_cache=audit_now)
+            losses, aux, inputs = batch_losses(run, batch, window, check_cache=audit_now)
             run.step_batches.append(inputs)
             loss = losses.mean()
             if aux is not None:  # MoE: the model's own router loss, with its own coefficient, as TRL adds it
@@ -197,11 +180,11 @@ def evaluate(run: Run, stop: StopRequest | None = None) -> dict[str, float]:
                 raise stop.interrupted(signum=signum)
         idx = mine[b * bs:(b + 1) * bs]
         if idx:
-            batch_losses(run, [run.eval_data.pairs[i] for i in idx], run.ref_eval, idx, window, prefix="eval/")
+            batch_losses(run, prepare(run, run.eval_data, run.ref_eval, idx), window, prefix="eval/")
         elif is_sharded(run):
             # An FSDP forward is a collective (it all-gathers each layer): a rank whose stride is
             # one pair shorter still runs it, on any pair, and records nothing.
-            batch_losses(run, run.eval_data.pairs[:1], run.ref_eval, [0], MetricWindow(), prefix="eval/")
+            batch_losses(run, prepare(run, run.eval_data, run.ref_eval, [0]), MetricWindow(), prefix="eval/")
     metrics = window.reduce(env)
     metrics.pop("eval/tokens", None)
     return metrics
@@ -236,6 +219,7 @@ def train(cfg: Config) -> dict:
         try:
             return _train(run, stop)
         finally:
+            run.batches.close()  # its thread gone before the process group and the lock
             # The models (DDP's reducer, FSDP's state) hold the process group: gone first, so
             # that destroy ends the group while the interpreter is alive (``distributed.destroy``).
             run = None  # noqa: F841 - the last reference to the run

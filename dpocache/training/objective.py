@@ -3,8 +3,6 @@ against the cached reference (LD-DPO's and WPO's modifiers applied), and its met
 
 from __future__ import annotations
 
-from dpocache.data.pairs import TokenizedPair
-from dpocache.data.values import PairValues
 from dpocache.losses.formulas import wpo_weights
 from dpocache.losses.ld_dpo import ld_values
 from dpocache.losses.registry import preference_loss
@@ -12,26 +10,26 @@ from dpocache.losses.wpo import wpo_sums
 from dpocache.scoring.layouts import layout_logprobs
 from dpocache.scoring.logprobs import autocast, scorer_core
 from dpocache.training.cached_reference import audit_step0
-from dpocache.training.metrics import (
-    MetricWindow,
-)
+from dpocache.training.metrics import MetricWindow
+from dpocache.training.prefetch import MicroBatch
 from dpocache.training.state import Run
 
 
-def batch_losses(run: Run, pairs: list[TokenizedPair], ref: PairValues | None, idx: list[int],
-                 window: MetricWindow, prefix: str = "", check_cache: bool = False):
-    """Policy forward on ``pairs``; returns the loss per example ``(B,)``, for MoE policies the
-    router load-balancing loss (a scalar, else None), and the loss's inputs (pairs and the
-    detached ``(B,)`` policy and reference sums); records the metrics.
-    ``check_cache``: first compare the policy's log-probs with the cached ones (``audit_step0``)."""
+def batch_losses(run: Run, micro: MicroBatch, window: MetricWindow, prefix: str = "", check_cache: bool = False):
+    """Policy forward on ``micro``'s pairs (``prefetch.prepare``: laid out on the host); returns
+    the loss per example ``(B,)``, for MoE policies the router load-balancing loss (a scalar,
+    else None), and the loss's inputs (pairs and the detached ``(B,)`` policy and reference
+    sums); records the metrics. ``check_cache``: first compare the policy's log-probs with the
+    cached ones (``audit_step0``)."""
+    pairs = micro.pairs
     ld_alpha = run.cfg.loss.ld_alpha  # LD-DPO: sums recombined from per-token values, as the cache's were
     with autocast(run.dtype, run.env.device):
         pad_id = run.tokenizer.pad_token_id or 0
         lp, tokens = layout_logprobs(run.scorer, run.layout.used, pairs, pad_id, run.env.device,
-                                     per_token=ld_alpha is not None)
+                                     per_token=ld_alpha is not None, laid=micro.laid)
     # The loss's inputs; the logged log-probs stay the plain sums.
     loss_lp = ld_values(lp, ld_alpha) if ld_alpha is not None else lp
-    ref = ref.select(idx).to(run.env.device) if ref is not None else None
+    ref = micro.ref.to(run.env.device) if micro.ref is not None else None
     ref_c = ref.chosen_logps if ref is not None else None
     ref_r = ref.rejected_logps if ref is not None else None
     pc, pr = loss_lp.chosen_logps, loss_lp.rejected_logps

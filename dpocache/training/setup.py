@@ -31,6 +31,7 @@ from dpocache.models.checkpoint import (
     latest_checkpoint,
 )
 from dpocache.models.hub_ids import resolve_model_path
+from dpocache.models.kernels import kernels_for
 from dpocache.models.loading import load_tokenizer
 from dpocache.models.policy import (
     build_grad_scaler,
@@ -55,6 +56,7 @@ from dpocache.training.metrics import (
     import_tracker,
     trackers,
 )
+from dpocache.training.prefetch import Prefetcher, prefetching
 from dpocache.training.resume import check_resumable, data_digest, resume
 from dpocache.training.state import Run, global_batch
 
@@ -109,6 +111,11 @@ def _setup(cfg: Config, env: DistEnv) -> Run:
     out = Path(cfg.train.output_dir)
     resumed_from = check_resumable(cfg, out)
     check_lora_settings(cfg)
+    # Liger's kernels or the model's own: --kernels liger on a family Liger lacks, refused before any model loads
+    # (the reference's own choice is made as it loads: cached_reference).
+    kernels = kernels_for(cfg.model.kernels, env.device, cfg.model.path)
+    if cfg.model.ref_model:
+        kernels_for(cfg.model.kernels, env.device, cfg.model.ref_model)
     if not cfg.train.resume:
         start_fresh(cfg, out, env)  # before any model loads: refusing later would waste the reference pass
     if env.is_main:
@@ -131,9 +138,9 @@ def _setup(cfg: Config, env: DistEnv) -> Run:
                                                       resumed_from)
     fsdp = cfg.distributed.fsdp and env.enabled
     if fsdp:  # created on the meta device, filled shard by shard: never whole in every process
-        policy, scorer = load_sharded_policy(cfg, env, dtype, ProbeMemo(cache_dir_of(cfg)))
+        policy, scorer = load_sharded_policy(cfg, env, dtype, ProbeMemo(cache_dir_of(cfg)), kernels)
     else:
-        policy = load_policy(cfg, env.device)
+        policy = load_policy(cfg, env.device, kernels, dtype)
         scorer = wrap_for_distributed(CompletionLogProbs(policy), policy, cfg, env)
     # After the scorer's fast-path probe (a compile for its few tokens would be wasted). Training
     # compiles with "on" only: "auto" is measured for the reference pass; FSDP2's units stay eager.
@@ -152,12 +159,15 @@ def _setup(cfg: Config, env: DistEnv) -> Run:
     run = Run(cfg, env, out, dtype, tokenizer, train_data, eval_data, ref_train, ref_eval, spec, policy, scorer,
               optimizer, scheduler, total, epoch_steps, writer, layout, compiled_layers,
               scaler=build_grad_scaler(dtype, env.device, fsdp))
-    run.info = _run_info(run, ref_info)
+    run.info = _run_info(run, ref_info, kernels.to_json())
     run.inputs = {"train_pairs": len(train_data), "train_digest": data_digest(train_data),
                   "reference_namespace": ref_info.get("namespace")}
     if cfg.train.resume:
         resume(run)
     run.audit_step0 = plan_audit(run)
+    # Last: its thread is the one thing here that needs closing (loop.train closes it).
+    run.batches = Prefetcher(run, prefetching(cfg.train.prefetch, env.device))
+    run.info["policy"]["prefetch"] = run.batches.pool is not None
     return run
 
 
@@ -247,7 +257,7 @@ def _load_data(cfg: Config, source: str, tokenizer, env: DistEnv) -> PreferenceD
     return data
 
 
-def _run_info(run: Run, ref_info: dict) -> dict:
+def _run_info(run: Run, ref_info: dict, kernels: dict) -> dict:
     # Installed versions, without importing peft (4 s of imports) in a run without LoRA.
     versions = {name: importlib.metadata.version(name) for name in ("transformers", "peft")}
 
@@ -263,7 +273,7 @@ def _run_info(run: Run, ref_info: dict) -> dict:
                  "train_truncated": run.train_data.truncated, "train_identical": run.train_data.identical,
                  "eval_pairs": len(run.eval_data) if run.eval_data else 0},
         "policy": {"parameters": count_params(run.policy), "trainable": count_params(run.policy, trainable_only=True),
-                   "compiled_layers": run.compiled_layers},
+                   "compiled_layers": run.compiled_layers, "kernels": kernels},  # kernels: dpocache.models.kernels
         "loss": str(run.spec), "total_steps": run.total_steps, "layout": run.layout.to_json(),
         "reference": ref_info,
     }

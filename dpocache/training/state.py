@@ -61,6 +61,7 @@ class Run:
     # This step's micro-batches so far: (pairs, policy chosen, policy rejected, ref chosen, ref rejected), detached.
     step_batches: list = field(default_factory=list)
     lock: object = None  # rank 0: the output directory's runtime.run_lock.OutputDirLock, released at the end
+    batches: object = None  # the training micro-batches, laid out ahead (dpocache.training.prefetch.Prefetcher)
 
 
 def global_batch(run: Run) -> int:

@@ -18,6 +18,7 @@ from dpocache.losses.registry import LOSSES
 from dpocache.models import reference as reference_mod
 from dpocache.training import loop as train_mod
 from dpocache.training import objective as objective_mod
+from dpocache.training import prefetch
 from dpocache.training import setup as setup_mod
 
 TRAIN_KEYS = {
@@ -539,13 +540,13 @@ def test_an_epoch_trains_on_every_pair(tmp_path, base_model, train_jsonl, monkey
     """24 pairs in batches of 5: 5 steps, the last filled up with one pair (the remainder of 4
     was dropped before, untrained in every epoch)."""
     seen = []
-    real = train_mod.step_indices
+    real = prefetch.step_indices
 
     def recording(run, step, micro):
         seen.append(real(run, step, micro))
         return seen[-1]
 
-    monkeypatch.setattr(train_mod, "step_indices", recording)
+    monkeypatch.setattr(prefetch, "step_indices", recording)
     out = tmp_path / "run"
     run_training(*flags(base_model, train_jsonl, out, tmp_path / "cache", "--batch-size", "5"))
     data = run_json(out)["data"]
