@@ -142,6 +142,16 @@ def write_results(name: str, summary: dict, runs: dict) -> Path:
 NOMINAL_BF16_PEAKS = {"H100 PCIe": 756e12, "H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
 
 
+def nominal_bf16_peak(device_name: str) -> float | None:
+    """The dense bf16 peak (FLOP/s) of the GPU named ``device_name`` (``torch.cuda.get_device_name``),
+    None for one not in ``NOMINAL_BF16_PEAKS``; needs no torch, so a parent process that only
+    starts workers can read it without initialising CUDA."""
+    for key, peak in NOMINAL_BF16_PEAKS.items():  # "H100 PCIe" before "H100"
+        if key in device_name:
+            return peak
+    return None
+
+
 def measure_peak(dtype_name: str, device: str = "cpu", seconds: float = 3.0, cached: bool = True) -> float:
     import torch
 

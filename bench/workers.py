@@ -11,6 +11,20 @@ Modes:
     dpo-train       ``dpocache train`` steps on a built cache
     dpo-startup     ``dpocache train`` until its first step, then stop (start-up on a cache hit)
     trl-hash        TRL's state-dict hash alone (what its every start costs beyond loading)
+    build-model     a Llama built from a config with random weights, on the spec's device and in
+                    its dtype, saved once with ``save_pretrained`` (``bench/gpu_suite.py``'s 8B model)
+
+Optional spec fields, added for ``bench/gpu_suite.py`` (each absent field keeps the behaviour
+``bench_vs_trl.py`` measured with):
+    trl_model_dtype  the dtype TRL loads the model in (default float32: autocast over fp32
+                     weights, as dpocache does); the suite's 8B rows load it in bfloat16
+    trl_lora         ``{"r": 16, "alpha": 32}``: TRL trains a LoRA adapter (``peft_config``)
+    trl_skip_hash    TRL's state-dict hash not run (it lies outside every timed span; on an 8B
+                     model it costs about 20 s a process): the fingerprint it names is constant,
+                     so the run needs a fresh ``HF_DATASETS_CACHE``, as the suite gives it
+
+Training runs also record ``step_tokens``, the real tokens of each step (each prompt once, plus
+chosen and rejected), beside ``step_s``.
 
 Results go to ``SPEC["out"]`` as JSON.
 """
@@ -33,6 +47,7 @@ def _write(spec: dict, result: dict) -> None:
         # The process's whole GPU peak: weights, optimizer state, activations, the allocator's cache.
         result["peak_gpu_allocated_bytes"] = torch.cuda.max_memory_allocated()
         result["peak_gpu_reserved_bytes"] = torch.cuda.max_memory_reserved()
+        result["gpu_name"] = torch.cuda.get_device_name()
     Path(spec["out"]).write_text(json.dumps(result))
 
 
@@ -51,6 +66,14 @@ def _token_counts(dataset) -> dict:
     return {"prompt": p, "chosen": c, "rejected": r, "unique": p + c + r, "prompt_twice": 2 * p + c + r}
 
 
+def _batch_unique_tokens(inputs: dict) -> int:
+    """Real tokens of one TRL training batch, each prompt once: its collator stacks the B
+    prompt+chosen rows over the B prompt+rejected rows, so the chosen half's attention mask plus
+    the rejected half's completion mask."""
+    half = inputs["input_ids"].shape[0] // 2
+    return int(inputs["attention_mask"][:half].sum() + inputs["completion_mask"][half:].sum())
+
+
 # ----------------------------------------------------------------------------------- TRL
 
 
@@ -63,7 +86,8 @@ def _trl_trainer(spec: dict, callbacks=()):
 
     timings: dict = {}
     t = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32, attn_implementation="sdpa")
+    model_dtype = getattr(torch, spec.get("trl_model_dtype", "float32"))
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=model_dtype, attn_implementation="sdpa")
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     timings["model_load_s"] = time.perf_counter() - t
     dataset = load_dataset("json", data_files=spec["data"], split="train")
@@ -71,6 +95,9 @@ def _trl_trainer(spec: dict, callbacks=()):
     original_hash = dpo_mod.hash_module
 
     def timed_hash(module):
+        if spec.get("trl_skip_hash"):
+            timings["hash_module_skipped"] = True
+            return "not-hashed"  # names the precompute's file in a fresh HF_DATASETS_CACHE only
         t = time.perf_counter()
         out = original_hash(module)
         timings["hash_module_s"] = time.perf_counter() - t
@@ -109,8 +136,19 @@ def _trl_trainer(spec: dict, callbacks=()):
         dataloader_num_workers=0, seed=0, learning_rate=1e-6, warmup_steps=0, beta=0.1,
     )
     trainer = DPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                         callbacks=list(callbacks))
+                         callbacks=list(callbacks), peft_config=_trl_peft_config(spec))
     return trainer, timings
+
+
+def _trl_peft_config(spec: dict):
+    """The LoRA adapter TRL trains when the spec asks for one (all linear layers, as dpocache's
+    ``--lora.target_modules`` default), else None (every weight trained)."""
+    lora = spec.get("trl_lora")
+    if not lora:
+        return None
+    import peft
+
+    return peft.LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], target_modules="all-linear", task_type="CAUSAL_LM")
 
 
 def trl_precompute(spec: dict) -> None:
@@ -140,8 +178,17 @@ def trl_train(spec: dict) -> None:
     trainer, timings = _trl_trainer(spec, callbacks=[Timer()])
     if "precompute_s" in timings:
         timings["cache_missed"] = True  # TRL recomputed: its datasets cache was not hit
+    step_tokens: list[int] = []
+    original_training_step = trainer.training_step
+
+    def counted_step(model, inputs, *a, **kw):
+        step_tokens.append(_batch_unique_tokens(inputs))
+        return original_training_step(model, inputs, *a, **kw)
+
+    trainer.training_step = counted_step  # one call per step (no gradient accumulation here)
     trainer.train()
-    _write(spec, {"side": "trl", **timings, "step_s": steps,
+    _write(spec, {"side": "trl", **timings, "step_s": steps, "step_tokens": step_tokens,
+                  "tokens": _token_counts(trainer.train_dataset),
                   "startup_s": marks["first_step_at"] - spec["spawned_at"],
                   "startup_beyond_load_s": marks["first_step_at"] - spec["spawned_at"] - timings["model_load_s"]})
 
@@ -187,6 +234,7 @@ class _Stop(Exception):
 def _dpo_train(spec: dict, stop_at_first_step: bool) -> dict:
     import dpocache.training.loop as train_mod
     import dpocache.training.setup as setup_mod  # setup() loads the policy: its load_policy is timed
+    from dpocache.training import prefetch
     from dpocache.config import build_config
 
     # Python-level imports (torch, transformers' lazily imported model and tokenizer modules),
@@ -199,6 +247,7 @@ def _dpo_train(spec: dict, stop_at_first_step: bool) -> dict:
 
     marks: dict = {"load_s": 0.0}
     steps: list[float] = []
+    step_tokens: list[int] = []
     original_step, original_load = train_mod.train_step, setup_mod.load_policy
 
     def timed_load(*a, **kw):
@@ -211,6 +260,9 @@ def _dpo_train(spec: dict, stop_at_first_step: bool) -> dict:
         marks.setdefault("first_step_at", time.time())
         if stop_at_first_step:
             raise _Stop
+        step_tokens.append(sum(run.train_data.pairs[i].unique_tokens for micro in range(run.cfg.train.grad_accum)
+                               for i in prefetch.step_indices(run, run.step, micro)))
+        marks.setdefault("reference", {k: run.info.get("reference", {}).get(k) for k in ("computed", "reused")})
         _sync(spec)
         t = time.perf_counter()
         original_step(run, window)
@@ -230,7 +282,8 @@ def _dpo_train(spec: dict, stop_at_first_step: bool) -> dict:
     except _Stop:
         pass
     first = marks["first_step_at"]
-    return {"side": "dpocache", "model_load_s": marks["load_s"], "step_s": steps,
+    return {"side": "dpocache", "model_load_s": marks["load_s"], "step_s": steps, "step_tokens": step_tokens,
+            "reference_pairs": marks.get("reference"),
             "imports_s": imports_done - spec["spawned_at"],
             "startup_beyond_load_and_imports_s": first - imports_done - marks["load_s"],
             "startup_s": first - spec["spawned_at"],
@@ -260,8 +313,35 @@ def trl_hash(spec: dict) -> None:
     _write(spec, {"side": "trl", "model_load_s": load, "hash_module_s": time.perf_counter() - t})
 
 
+def build_model(spec: dict) -> None:
+    """A Llama of ``spec["llama"]``'s shape (LlamaConfig keywords) with random weights, created
+    directly on ``spec["device"]`` in ``spec["dtype"]`` (transformers' own initialisation: normal,
+    std 0.02; an 8B model's eight billion draws are the GPU's work, not the CPU's), saved with
+    ``save_pretrained`` (safetensors) beside the benchmarks' tokenizer into ``spec["model_dir"]``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dpocache.models.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer(spec["tokenizer_vocab"])
+    config = LlamaConfig(**spec["llama"], bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    torch.manual_seed(spec.get("seed", 0))
+    t = time.perf_counter()
+    with torch.device(spec["device"]):
+        model = LlamaForCausalLM._from_config(config, dtype=getattr(torch, spec["dtype"]))
+    _sync(spec)
+    init_s = time.perf_counter() - t
+    n_params = sum(p.numel() for p in model.parameters())
+    t = time.perf_counter()
+    model.save_pretrained(spec["model_dir"])
+    tokenizer.save_pretrained(spec["model_dir"])
+    _write(spec, {"parameters": n_params, "init_s": init_s, "save_s": time.perf_counter() - t,
+                  "tokenizer_vocab": len(tokenizer)})
+
+
 MODES = {"trl-hash": trl_hash, "trl-precompute": trl_precompute, "trl-train": trl_train, "dpo-build": dpo_build,
-         "dpo-train": dpo_train, "dpo-startup": dpo_startup}
+         "dpo-train": dpo_train, "dpo-startup": dpo_startup, "build-model": build_model}
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

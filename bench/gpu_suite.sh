@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The wheels bench/gpu_suite.py needs on a GPU machine that has torch, transformers, peft,
+# accelerate, pyarrow and triton but not TRL, and no internet:
+#
+#   bench/gpu_suite.sh download     # where PyPI is reachable, in dpocache's venv: into bench/wheels/ (~3 MiB)
+#   bench/gpu_suite.sh install      # on the GPU machine: those wheels, no index, no dependencies; dpocache
+#   bench/gpu_suite.sh run [ARGS]   # install, then python bench/gpu_suite.py ARGS
+#
+# The wheels: TRL 1.16.0 and, of what it imports, what such a machine lacks (datasets, and
+# datasets' dill and multiprocess, at this venv's versions), plus liger-kernel 0.8.5 for
+# dpocache's --kernels liger. Everything else TRL and datasets require (accelerate, fsspec,
+# huggingface-hub, jinja2, numpy, pandas, psutil, pyarrow, pyyaml, tqdm, xxhash, ...) is there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=bench/wheels
+
+version() { python -c "import importlib.metadata as m; print(m.version('$1'))"; }
+
+download() {
+    mkdir -p "$WHEELS"
+    python -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d "$WHEELS" \
+        trl==1.16.0 "datasets==$(version datasets)" "dill==$(version dill)" \
+        "multiprocess==$(version multiprocess)" liger-kernel==0.8.5
+    ls -l "$WHEELS"
+    du -sh "$WHEELS"
+}
+
+install() {
+    python -m pip install --no-index --no-deps "$WHEELS"/*.whl
+    # dpocache itself; where the editable install cannot build offline, run puts the tree on PYTHONPATH
+    python -m pip install --no-deps --no-build-isolation -e . || echo "dpocache not installed: run uses PYTHONPATH=."
+}
+
+case "${1:-}" in
+    download) download ;;
+    install) install ;;
+    run) shift; install; PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" python bench/gpu_suite.py "$@" ;;
+    *) echo "usage: bench/gpu_suite.sh download | install | run [gpu_suite.py options]" >&2; exit 2 ;;
+esac

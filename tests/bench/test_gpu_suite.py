@@ -1,0 +1,141 @@
+"""``bench/gpu_suite.py``: its ``--dry-run`` (every row, both systems each in its own process,
+at tiny shapes on the CPU) writes the result's schema, so the GPU suite keeps working between
+the sessions that have a GPU; ``--merge`` joins parts of one device and refuses others."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import gpu_suite  # noqa: E402
+
+SCHEMA = ("name", "tokens_per_s", "mfu", "trl_tokens_per_s", "vs_trl", "peak_mem_gib", "trl_peak_mem_gib",
+          "mem_vs_trl")
+HEADER = ("device", "torch", "transformers", "trl", "date", "command", "rows")
+
+
+def _finite_positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+@pytest.mark.slow  # 9 worker processes: 53 s on 2 idle cores, 86 s on 2 loaded ones
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="the suite measures against TRL")
+def test_dry_run_writes_every_row_of_the_schema(tmp_path):
+    out = tmp_path / "x.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "gpu_suite.py"), "--dry-run", "--out", str(out),
+                           "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert set(HEADER) <= set(result)
+    assert result["dry_run"] is True and result["device_slug"] == "cpu-dryrun"
+    assert result["command"][:2] == ["python", "bench/gpu_suite.py"]
+    assert str(tmp_path) not in out.read_text()  # no machine path in a result
+    assert [row["name"] for row in result["rows"]] == list(gpu_suite.ROWS)
+    for row in result["rows"]:
+        assert set(SCHEMA) <= set(row), row["name"]
+        assert "error" not in row, row["error"]
+        for key in ("tokens_per_s", "trl_tokens_per_s", "vs_trl", "mfu", "peak_mem_gib", "trl_peak_mem_gib",
+                    "mem_vs_trl"):
+            assert _finite_positive(row[key]), (row["name"], key, row[key])
+        assert set(row["met"]) == set(gpu_suite.TARGETS[row["name"]])
+        assert row["raw"]["dpocache"] and row["raw"]["trl"]
+    ref = result["rows"][0]["raw"]["token_counts"]
+    assert ref["data"] == ref["dpocache"] == ref["trl"]  # both systems count the same real tokens
+    for row in result["rows"][1:]:
+        # the same pairs, the same count: each system's tokens over all its steps are the data's
+        assert sum(row["raw"]["dpocache"]["step_tokens"]) == sum(row["raw"]["trl"]["step_tokens"])
+        assert row["raw"]["dpocache"]["reference_pairs"]["computed"] == 0  # from the cache built before
+    # ref-8b's cache holds the LoRA row's pairs (its data is the start of ref-8b's): its build is a hit
+    assert result["rows"][1]["raw"]["dpocache_reference_build"]["summary"]["computed"] == 0
+
+
+def _part(tmp_path: Path, name: str, rows: list[dict], device: str = "NVIDIA H100 80GB HBM3") -> Path:
+    part = {"device": device, "device_slug": gpu_suite.device_slug(device), "torch": "2.11.0+cu130",
+            "transformers": "5.17.0", "trl": "1.16.0", "peft": "0.21.2", "dry_run": False, "kernels": "auto",
+            "date": f"2026-12-01T0{len(name)}:00:00+0000", "command": ["python", "bench/gpu_suite.py", "--only"],
+            "rows": rows}
+    path = tmp_path / name
+    path.write_text(json.dumps(part))
+    return path
+
+
+def _row(name: str, tps: float = 100.0, error: str | None = None) -> dict:
+    row = dict.fromkeys(SCHEMA[2:], None) | {"name": name, "tokens_per_s": tps}
+    return row | ({"error": error} if error else {})
+
+
+def test_merge_joins_parts_in_row_order(tmp_path):
+    a = _part(tmp_path, "a.json", [_row("train-1b-full"), _row("ref-8b", error="trl-precompute: out of memory")])
+    b = _part(tmp_path, "bb.json", [_row("ref-8b", 200.0), _row("train-8b-lora")])
+    out = tmp_path / "merged.json"
+    assert gpu_suite.main(["--merge", str(a), str(b), "--out", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    assert [r["name"] for r in merged["rows"]] == list(gpu_suite.ROWS)
+    assert merged["rows"][0]["tokens_per_s"] == 200.0 and "error" not in merged["rows"][0]  # the failed part replaced
+    assert [p["file"] for p in merged["parts"]] == ["a.json", "bb.json"]
+    assert merged["date"] == "2026-12-01T07:00:00+0000"  # the later part's
+    assert merged["device"] == "NVIDIA H100 80GB HBM3"
+
+
+def test_merge_refuses_another_device_and_a_row_measured_twice(tmp_path, capsys):
+    a = _part(tmp_path, "a.json", [_row("ref-8b")])
+    other = _part(tmp_path, "h200.json", [_row("train-8b-lora")], device="NVIDIA H200")
+    with pytest.raises(ValueError, match="device 'NVIDIA H200'"):
+        gpu_suite.merge_parts([a, other])
+    again = _part(tmp_path, "again.json", [_row("ref-8b")])
+    with pytest.raises(ValueError, match="row ref-8b"):
+        gpu_suite.merge_parts([a, again])
+    assert gpu_suite.main(["--merge", str(a), str(other), "--out", str(tmp_path / "m.json")]) == 2
+    assert "NVIDIA H200" in capsys.readouterr().err
+    assert not (tmp_path / "m.json").exists()
+    assert gpu_suite.main(["--merge", str(a), str(again)]) == 2  # --out is required
+
+
+def test_device_slug_and_peaks():
+    assert gpu_suite.device_slug("NVIDIA H100 80GB HBM3") == "h100"
+    assert gpu_suite.device_slug("NVIDIA H100 PCIe") == "h100-pcie"
+    assert gpu_suite.device_slug("NVIDIA H200") == "h200"
+    peak = gpu_suite.nominal_bf16_peak
+    assert peak("NVIDIA H100 80GB HBM3") == peak("NVIDIA H200") == 989.4e12
+    assert peak("NVIDIA H100 PCIe") == 756e12
+
+
+def test_flops_rules_on_the_8b_shape():
+    """2N forward, 6N full, 4N frozen base under LoRA (+ adapter, + attention): the 8B model has
+    8.03B parameters, 7.50B of them multiply (the input embedding is a lookup)."""
+    dims = gpu_suite.model_dims(gpu_suite.LLAMA_8B, 8_030_261_248)
+    assert dims["matmul_parameters"] == 8_030_261_248 - 128256 * 4096
+    assert dims["lora_parameters"] == 41_943_040  # peft's count for r 16 on every linear layer of Llama-3.1-8B
+    attention = 4 * 32 * 4096 * 1000.0
+    assert gpu_suite.flops_per_token("forward", dims, 1000.0) == 2 * dims["matmul_parameters"] + attention
+    assert gpu_suite.flops_per_token("full", dims, 1000.0) == 3 * (2 * dims["matmul_parameters"] + attention)
+    assert gpu_suite.flops_per_token("lora", dims, 1000.0) == (4 * dims["matmul_parameters"]
+                                                                + 6 * dims["lora_parameters"] + 3 * attention)
+
+
+def test_tulu_rows_fit_the_maximum_length():
+    rows = gpu_suite.tulu_rows(gpu_suite.GPU, 64)
+    assert rows[:16] == gpu_suite.tulu_rows(gpu_suite.GPU, 16)  # a shorter set is the longer one's start
+    for row in rows:
+        prompt, chosen, rejected = (len(row[k].split()) for k in ("prompt", "chosen", "rejected"))
+        assert 200 <= prompt <= 1200 and 100 <= min(chosen, rejected) and max(chosen, rejected) <= 800
+        assert prompt + max(chosen, rejected) + 1 <= 2048
+
+
+def test_a_failed_worker_is_named_by_its_own_error_line(tmp_path):
+    log = tmp_path / "suite.log"
+    log.write_text("\n=== dpo-build {}\nok\n\n=== trl-train {}\nwarnings.warn(FutureWarning)\n"
+                   "Traceback (most recent call last):\n  File x\n"
+                   "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
+    assert gpu_suite.last_log_line(log) == "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    log.write_text(log.read_text() + "\n=== dpo-train {}\ndpocache train: error: --kernels liger: CUDA only\n")
+    assert gpu_suite.last_log_line(log) == "dpocache train: error: --kernels liger: CUDA only"
