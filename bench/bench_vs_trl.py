@@ -43,7 +43,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import BENCH_DIR, CONFIGS, build_inputs, flops_of_build, measure_peak, nominal_peaks  # noqa: E402
+from common import (  # noqa: E402
+    BENCH_DIR,
+    CONFIGS,
+    build_inputs,
+    flops_of_build,
+    measure_peak,
+    nominal_peaks,
+    read_results,
+)
 
 WORKERS = BENCH_DIR / "workers.py"
 
@@ -277,12 +285,7 @@ def merge_results(paths: list[Path]) -> dict:
     The peaks are each the highest measured; ``merged_from`` names the files. Raises
     ``ValueError`` naming a file that cannot be read, or the first field in which a result differs
     from the first."""
-    results = []
-    for path in paths:
-        try:
-            results.append(json.loads(path.read_text()))
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}: not a readable result ({e})") from None
+    results = read_results(paths)
     first = results[0]
     for path, res in zip(paths[1:], results[1:]):
         for field in SAME_RUN_FIELDS:

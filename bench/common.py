@@ -136,6 +136,18 @@ def write_results(name: str, summary: dict, runs: dict) -> Path:
     return out
 
 
+def read_results(paths: list[Path]) -> list[dict]:
+    """Each of ``paths`` read as a result file (JSON); ``ValueError`` names the first that cannot
+    be read (``--merge`` of bench_vs_trl.py and gpu_suite.py)."""
+    results = []
+    for path in paths:
+        try:
+            results.append(json.loads(Path(path).read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: not a readable result ({e})") from None
+    return results
+
+
 # --------------------------------------------------------------------------- peaks and FLOPs
 
 # Dense bf16 tensor-core peaks from the vendor's data sheets (no sparsity), by device name.

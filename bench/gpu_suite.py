@@ -77,6 +77,7 @@ from common import (  # noqa: E402
     build_inputs,
     measure_peak,
     nominal_bf16_peak,
+    read_results,
 )
 
 ROOT = BENCH_DIR.parent
@@ -572,12 +573,7 @@ def merge_parts(paths: list[Path]) -> dict:
     with ``ValueError``, a file that cannot be read, one whose device (or versions, dry-run flag,
     ``--kernels``) differs from the first's, and a row measured without error in two files; a
     row that failed in one part is taken from a part where it did not."""
-    parts = []
-    for path in paths:
-        try:
-            parts.append(json.loads(path.read_text()))
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}: not a readable result ({e})") from None
+    parts = read_results(paths)
     first = parts[0]
     rows: dict[str, dict] = {}
     for path, part in zip(paths, parts):
