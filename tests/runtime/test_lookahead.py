@@ -5,7 +5,6 @@ reference pass's batches laid out ahead give exactly the values of batches laid 
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -31,17 +30,17 @@ def test_items_come_in_order_with_what_was_prepared(background):
 
 
 def test_the_next_item_is_prepared_while_the_caller_works():
-    started = {}
+    started = {i: threading.Event() for i in range(4)}
 
     def prepare(x):
-        started[x] = time.perf_counter()
+        started[x].set()
         return x
 
     for item, _ in ahead(range(3), prepare):
-        held = time.perf_counter()
-        time.sleep(0.2)  # the caller's work on this item
-        if item + 1 in started:
-            assert started[item + 1] < held + 0.15  # began during the caller's work, not after it
+        # While the caller still holds this item, the next one's preparation has begun (sequential
+        # code would start it only after the caller moves on: the wait would time out).
+        if item + 1 < 3:
+            assert started[item + 1].wait(timeout=30), f"item {item + 1} was not prepared ahead"
 
 
 def test_an_error_comes_out_at_its_item_and_an_early_stop_leaves_no_thread():
