@@ -13,12 +13,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=bench/wheels
+PY=${PYTHON:-python3}  # a GPU machine may have python3 only (its torch is there)
 
-version() { python -c "import importlib.metadata as m; print(m.version('$1'))"; }
+version() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }
 
 download() {
     mkdir -p "$WHEELS"
-    python -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d "$WHEELS" \
+    "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d "$WHEELS" \
         trl==1.16.0 "datasets==$(version datasets)" "dill==$(version dill)" \
         "multiprocess==$(version multiprocess)" liger-kernel==0.8.5
     ls -l "$WHEELS"
@@ -26,14 +27,14 @@ download() {
 }
 
 install() {
-    python -m pip install --no-index --no-deps "$WHEELS"/*.whl
+    "$PY" -m pip install --no-index --no-deps "$WHEELS"/*.whl
     # dpocache itself; where the editable install cannot build offline, run puts the tree on PYTHONPATH
-    python -m pip install --no-deps --no-build-isolation -e . || echo "dpocache not installed: run uses PYTHONPATH=."
+    "$PY" -m pip install --no-deps --no-build-isolation -e . || echo "dpocache not installed: run uses PYTHONPATH=."
 }
 
 case "${1:-}" in
     download) download ;;
     install) install ;;
-    run) shift; install; PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" python bench/gpu_suite.py "$@" ;;
+    run) shift; install; PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "$PY" bench/gpu_suite.py "$@" ;;
     *) echo "usage: bench/gpu_suite.sh download | install | run [gpu_suite.py options]" >&2; exit 2 ;;
 esac

@@ -10,8 +10,10 @@ its completion log-probs come back as one ``PairValues`` record.
 
 The reference pass (``ReferenceModel.score``, behind the cache build and the sharded
 reference), training and evaluation (``layout_logprobs``) call ``budget_batches`` and
-``score_pairs``; nothing else branches on a layout's name. Which layout runs is decided apart,
-once per model (``scoring.layout_choice``, ``scoring.attention.choose_layout``).
+``score_pairs``, which is ``lay_out`` (host work: a ``LaidOut``, which a background thread can
+build ahead) then ``run_laid_out`` (the forward); nothing else branches on a layout's name.
+Which layout runs is decided apart, once per model (``scoring.layout_choice``,
+``scoring.attention.choose_layout``).
 """
 
 from __future__ import annotations
