@@ -5,7 +5,7 @@
 #   bench/gpu_suite.sh download     # where PyPI is reachable, in dpocache's venv: into bench/wheels/ (~3 MiB)
 #   bench/gpu_suite.sh install      # on the GPU machine: those wheels, no index, no dependencies; dpocache
 #   bench/gpu_suite.sh run [ARGS]   # install, then python bench/gpu_suite.py ARGS
-#   bench/gpu_suite.sh session OUT  # a lent GPU's one call: install, the suite (at most 470 s), then the GPU
+#   bench/gpu_suite.sh session OUT [ARGS]  # a lent GPU's one call: install, the suite (at most 470 s), then the GPU
 #                                   # tests (at most 100 s); the result, its log and the tests' output into OUT
 #
 # The wheels: TRL 1.16.0 and, of what it imports, what such a machine lacks (datasets, and
@@ -36,11 +36,12 @@ install() {
 
 session() {
     local out="$1"
+    shift
     mkdir -p "$out"
     install >"$out/install.txt" 2>&1
     export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
     # The measurement first: each finished row is in the result at once, so a timeout keeps them.
-    timeout 470 "$PY" bench/gpu_suite.py --out "$out/gpu-suite.json" 2>&1 | tee "$out/gpu-suite.txt" | tail -40 || true
+    timeout 470 "$PY" bench/gpu_suite.py --out "$out/gpu-suite.json" "$@" 2>&1 | tee "$out/gpu-suite.txt" | tail -40 || true
     cp bench/work/gpu-suite-*.log "$out/" 2>/dev/null || true
     timeout 100 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests >"$out/gpu-tests.txt" 2>&1 || true
     tail -15 "$out/gpu-tests.txt"
@@ -50,6 +51,6 @@ case "${1:-}" in
     download) download ;;
     install) install ;;
     run) shift; install; PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "$PY" bench/gpu_suite.py "$@" ;;
-    session) session "${2:?usage: bench/gpu_suite.sh session OUT}" ;;
-    *) echo "usage: bench/gpu_suite.sh download | install | run [gpu_suite.py options] | session OUT" >&2; exit 2 ;;
+    session) shift; session "${1:?usage: bench/gpu_suite.sh session OUT [gpu_suite.py options]}" "${@:2}" ;;
+    *) echo "usage: bench/gpu_suite.sh download | install | run [gpu_suite.py options] | session OUT [options]" >&2; exit 2 ;;
 esac
