@@ -7,7 +7,9 @@ every matrix product casts its fp32 weight to bf16 on each call, so storing the 
 (``nn.Linear`` and GPT-2's ``Conv1D``) in bf16 once gives the same values bit for bit and
 halves their memory. Embeddings stay fp32: an embedding lookup is not an autocast op, so an
 fp32 table keeps the residual stream in fp32, and a bf16 one would change every number after
-it. Norms, biases of norms and buffers (rotary frequencies) stay fp32 as well. Layers that
+it; except a table whose values are all bf16 values (a checkpoint saved in bf16), stored in
+bf16 with its lookup cast back to fp32, the same numbers (``store_exact_embeddings_``). Norms,
+biases of norms and buffers (rotary frequencies) stay fp32 as well. Layers that
 ``dpocache.scoring.bf16_matmul`` routes through the fp32 GEMM (CPUs without AMX) keep their fp32
 storage: that route multiplies bf16-rounded fp32 values and needs them in fp32.
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import types
 from pathlib import Path
 
 import torch
@@ -108,12 +111,14 @@ def store_frozen_matrices_(model: nn.Module, dtype: torch.dtype = torch.bfloat16
 
     Left in fp32: a weight tied to an embedding (an embedding lookup is not autocast, so its
     fp32 values reach the residual stream), every non-matrix parameter, and the layers
-    ``dpocache.scoring.bf16_matmul`` switched to the fp32 GEMM (they need fp32 storage).
+    ``dpocache.scoring.bf16_matmul`` switched to the fp32 GEMM (they need fp32 storage). An
+    embedding table whose values are all exact in ``dtype`` (a checkpoint saved in it) is
+    stored in it all the same, its lookup cast back to fp32 (``store_exact_embeddings_``).
     """
     if dtype == torch.float32:
         return 0
+    count = store_exact_embeddings_(model, dtype, skip_trainable)
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    count = 0
     for layer in _matrix_layers(model):
         if bf16_matmul.installed(layer) or id(layer.weight) in embeddings:
             continue
@@ -124,6 +129,42 @@ def store_frozen_matrices_(model: nn.Module, dtype: torch.dtype = torch.bfloat16
                 setattr(layer, name, nn.Parameter(p.to(dtype), requires_grad=False))
         count += 1
     return count
+
+
+@torch.no_grad()
+def store_exact_embeddings_(model: nn.Module, dtype: torch.dtype, skip_trainable: bool = False) -> int:
+    """Store each frozen ``nn.Embedding`` table whose every value is exact in ``dtype`` in
+    ``dtype``, its lookup cast back to fp32: the residual stream gets the same fp32 values, bit
+    for bit, from half the memory (a checkpoint saved in bf16, as most are: 1 GiB of an 8B
+    Llama's 2 GiB table). A head tied to the table shares the new weight (autocast computes it
+    in ``dtype`` anyway), unless ``bf16_matmul`` routes that head through the fp32 GEMM.
+    Subclasses of ``nn.Embedding`` are left alone (Gemma 3 scales inside its lookup, in the
+    table's dtype), as are tables on the meta device and, with ``skip_trainable``, trainable
+    ones. Returns how many tables changed."""
+    count = 0
+    for table in [m for m in model.modules() if type(m) is nn.Embedding]:
+        weight = table.weight
+        if weight.dtype != torch.float32 or weight.is_meta or (skip_trainable and weight.requires_grad):
+            continue
+        holders = [(m, n) for m in model.modules() for n, p in m.named_parameters(recurse=False) if p is weight]
+        if any(bf16_matmul.installed(m) for m, _ in holders) or not _exact_in(weight, dtype):
+            continue
+        stored = nn.Parameter(weight.to(dtype), requires_grad=False)
+        for module, name in holders:
+            setattr(module, name, stored)
+        table.forward = types.MethodType(_lookup_in_fp32, table)
+        count += 1
+    return count
+
+
+def _exact_in(weight: torch.Tensor, dtype: torch.dtype, rows: int = 8192) -> bool:
+    """Whether every value of ``weight`` survives a round trip through ``dtype`` (in chunks of
+    ``rows``: no copy of the whole table)."""
+    return all(torch.equal(chunk.to(dtype).float(), chunk) for chunk in weight.split(rows))
+
+
+def _lookup_in_fp32(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    return nn.Embedding.forward(self, ids).float()
 
 
 def parameter_bytes(model: nn.Module) -> int:

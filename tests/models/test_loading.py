@@ -332,3 +332,57 @@ def test_probe_of_a_reference_stored_in_bf16_runs_under_autocast(tokenizer, monk
     assert store_frozen_matrices_(model, torch.bfloat16) > 0
     assert {p.dtype for p in model.parameters()} == {torch.float32, torch.bfloat16}
     assert CompletionLogProbs(model).fast_path
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])  # an untied head; a head tied to the table
+def test_an_embedding_saved_in_bf16_is_stored_in_bf16_with_the_same_values(tmp_path, tokenizer, arch, monkeypatch):
+    """A checkpoint saved in bf16 has a table whose every value is exact in bf16: the frozen
+    reference stores it in bf16 (half its memory) and casts each lookup back to fp32, so every
+    log-prob equals the fp32 table's, bit for bit. A head tied to it shares the bf16 weight."""
+    from dpocache.models import loading
+    from dpocache.models.reference import ReferenceModel
+    from dpocache.models.tiny import build_model
+    from dpocache.scoring.logprobs import unwrap_causal_lm
+
+    monkeypatch.setenv("DPOCACHE_BF16_MATMUL", "native")  # as on a GPU: the matrices in bf16 too
+    model = build_model(arch, tokenizer)
+    table = model.get_input_embeddings().weight
+    with torch.no_grad():
+        table.copy_(table.to(torch.bfloat16))  # as a checkpoint saved in bf16 loads
+    tied = model.get_output_embeddings().weight is table
+    assert tied == (arch == "gpt2")
+    model.save_pretrained(tmp_path / arch)
+    tokenizer.save_pretrained(tmp_path / arch)
+
+    stored = ReferenceModel.from_pretrained(tmp_path / arch, "bfloat16", "cpu")
+    lm = unwrap_causal_lm(stored.model)
+    assert lm.get_input_embeddings().weight.dtype == torch.bfloat16
+    assert (lm.get_output_embeddings().weight is lm.get_input_embeddings().weight) == tied
+    monkeypatch.setattr(loading, "store_exact_embeddings_", lambda *args, **kwargs: 0)  # the fp32 table, as before
+    plain = ReferenceModel.from_pretrained(tmp_path / arch, "bfloat16", "cpu")
+    assert unwrap_causal_lm(plain.model).get_input_embeddings().weight.dtype == torch.float32
+    assert loading.parameter_bytes(stored.model) < loading.parameter_bytes(plain.model)
+
+    torch.manual_seed(0)
+    ids = torch.randint(3, len(tokenizer), (2, 24))
+    attn = torch.ones_like(ids)
+    completion = torch.zeros_like(ids)
+    completion[:, 10:] = 1
+    assert torch.equal(stored.logprobs(ids, attn, completion), plain.logprobs(ids, attn, completion))
+
+
+def test_an_embedding_not_exact_in_bf16_and_a_subclass_stay_fp32(tokenizer):
+    from dpocache.models.loading import store_exact_embeddings_
+    from dpocache.models.tiny import build_model
+
+    model = build_model("llama", tokenizer)  # random fp32 values: most are not bf16 values
+    assert store_exact_embeddings_(model, torch.bfloat16) == 0
+    assert model.get_input_embeddings().weight.dtype == torch.float32
+
+    class Scaled(torch.nn.Embedding):  # Gemma 3's kind: it scales inside the lookup, in the table's dtype
+        pass
+
+    scaled = Scaled(8, 4)
+    with torch.no_grad():
+        scaled.weight.copy_(scaled.weight.to(torch.bfloat16))
+    assert store_exact_embeddings_(torch.nn.Sequential(scaled), torch.bfloat16) == 0

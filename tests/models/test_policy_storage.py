@@ -1,7 +1,7 @@
 """A LoRA policy's frozen base stored in the compute dtype (``models.policy.load_policy``): its
-matrices take half the memory, its adapters stay fp32, and training computes bit for bit what it
-computed with the fp32 base under autocast (the cast autocast makes at every call is the one
-made once at load)."""
+matrices (and an embedding table saved in bf16) take half the memory, its adapters stay fp32,
+and training computes bit for bit what it computed with the fp32 base under autocast (the cast
+autocast makes at every call is the one made once at load)."""
 
 from __future__ import annotations
 
@@ -48,21 +48,35 @@ def test_a_lora_base_stored_in_bf16_trains_exactly_as_the_fp32_base(tmp_path, ba
     # GEMM (dpocache.scoring.bf16_matmul), which keeps fp32 weights and so the fp32 base.
     monkeypatch.setenv("DPOCACHE_BF16_MATMUL", "native")
     bf16 = ("--dtype", "bfloat16")
-    policy, stored, adapters = _lora_run(tmp_path, base_model, train_jsonl, "stored", monkeypatch, *bf16)
+    model = _saved_in_bf16(base_model, tmp_path / "model")
+    policy, stored, adapters = _lora_run(tmp_path, model, train_jsonl, "stored", monkeypatch, *bf16)
     linears = [m for m in policy.modules() if type(m) is torch.nn.Linear]
     frozen = [m for m in linears if not m.weight.requires_grad]
     trained = [m for m in linears if m.weight.requires_grad]
     assert frozen and trained
     assert all(m.weight.dtype == torch.bfloat16 for m in frozen)  # the base's matrices and the head
     assert all(m.weight.dtype == torch.float32 for m in trained)  # LoRA's A and B
-    embeddings = [m for m in policy.modules() if isinstance(m, torch.nn.Embedding)]
-    assert all(m.weight.dtype == torch.float32 for m in embeddings)  # a lookup is not autocast
+    # The table's values are bf16 values (the checkpoint's): stored in bf16, each lookup cast back to fp32.
+    assert policy.get_input_embeddings().weight.dtype == torch.bfloat16
 
     monkeypatch.setattr(policy_mod, "frozen_in_compute_dtype", lambda *a: False)  # the fp32 base, as before
-    plain, values, plain_adapters = _lora_run(tmp_path, base_model, train_jsonl, "plain", monkeypatch, *bf16)
+    plain, values, plain_adapters = _lora_run(tmp_path, model, train_jsonl, "plain", monkeypatch, *bf16)
     assert all(m.weight.dtype == torch.float32 for m in plain.modules() if type(m) is torch.nn.Linear)
     assert len(values) == 3 and stored == values  # every logged value, bit for bit
     assert max_abs_diff(adapters, plain_adapters) == 0.0
+
+
+def _saved_in_bf16(base_model, out):  # noqa: F811
+    """``base_model`` with its embedding table rounded to bf16 values, as a checkpoint saved in bf16 loads."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    table = model.get_input_embeddings().weight
+    with torch.no_grad():
+        table.copy_(table.to(torch.bfloat16))
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(base_model).save_pretrained(out)
+    return out
 
 
 @pytest.mark.parametrize("extra", [("--lora-r", "4", "--dtype", "float32"), ("--lora-r", "0", "--dtype", "bfloat16")],
