@@ -77,6 +77,9 @@ def load_policy(cfg: Config, device: torch.device, kernels: KernelChoice | None 
     path = Path(cfg.model.path)
     base = adapter_base_dir(path)  # the same base the reference of an adapter directory loads
     staged = frozen_in_compute_dtype(cfg, device, dtype)
+    # Staged, the base is loaded on the host in fp32 all the same (not read in dtype, as a frozen
+    # reference's is: loading.load_for_storage): PEFT creates and loads the adapters in the base
+    # layers' dtype before it casts them to fp32, which would round their values to dtype's.
     load_on = torch.device("cpu") if staged else device
     if base is not None:
         from peft import PeftModel

@@ -20,7 +20,7 @@ from torch import nn
 from dpocache.data.pairs import TokenizedPair
 from dpocache.data.values import PairValues
 from dpocache.models.kernels import KernelChoice, apply_kernels, kernels_for
-from dpocache.models.loading import disable_dropout, load_causal_lm, store_frozen_matrices_
+from dpocache.models.loading import disable_dropout, load_causal_lm, load_for_storage, store_frozen_matrices_
 from dpocache.scoring import bf16_matmul
 from dpocache.scoring.attention import choose_layout
 from dpocache.scoring.bf16_matmul import cpu_has_amx_bf16
@@ -119,7 +119,9 @@ class ReferenceModel:
         # bench model's fp32 weights alone would exceed the causal pass's whole peak at the 16384
         # budget, measured with this staging (docs/benchmarks/vs-trl-h100-20261123.md).
         staged = device.type != "cpu" and dtype != torch.float32
-        model = load_causal_lm(path, "cpu" if staged else device)
+        # Staged, a checkpoint saved in the compute dtype is read in it (load_for_storage): the host
+        # never holds its fp32 copy.
+        model = load_for_storage(path, dtype) if staged else load_causal_lm(path, device)
         if adapter is not None:
             from peft import PeftModel
 

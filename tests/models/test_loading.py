@@ -386,3 +386,76 @@ def test_an_embedding_not_exact_in_bf16_and_a_subclass_stay_fp32(tokenizer):
     with torch.no_grad():
         scaled.weight.copy_(scaled.weight.to(torch.bfloat16))
     assert store_exact_embeddings_(torch.nn.Sequential(scaled), torch.bfloat16) == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2", "mixtral", "gemma2"])
+def test_a_checkpoint_saved_in_bf16_is_read_in_bf16_to_the_same_stored_model(tmp_path, tokenizer, arch):
+    """``load_for_storage`` reads a bf16 checkpoint in bf16 (no fp32 copy on the host) and gives,
+    once the matrices are stored, exactly what the fp32 load gives: every parameter's dtype and
+    values, every buffer, the same embedding lookup. Gemma 2's embedding scale, a buffer the bf16
+    load would compute in bf16, sends it to the fp32 load."""
+    from dpocache.models import loading
+    from dpocache.models.tiny import build_model
+
+    build_model(arch, tokenizer).to(torch.bfloat16).save_pretrained(tmp_path)
+    assert loading.checkpoint_dtypes(tmp_path) == {torch.bfloat16}
+    read = []
+    real = loading.load_causal_lm
+
+    def spied(*args, **kwargs):
+        read.append(args[3] if len(args) > 3 else kwargs.get("dtype", torch.float32))
+        return real(*args, **kwargs)
+
+    loading.load_causal_lm, saved = spied, loading.load_causal_lm
+    try:
+        direct = loading.load_for_storage(tmp_path, torch.bfloat16)
+    finally:
+        loading.load_causal_lm = saved
+    assert read[0] == torch.bfloat16 and (read[1:] == [torch.float32]) == (arch == "gemma2")
+    full = loading.load_causal_lm(tmp_path)
+    for model in (direct, full):
+        loading.store_frozen_matrices_(model, torch.bfloat16)
+    params = [dict(m.named_parameters(remove_duplicate=False)) for m in (direct, full)]
+    assert params[0].keys() == params[1].keys()
+    for name, p in params[0].items():
+        q = params[1][name]
+        assert p.dtype == q.dtype and torch.equal(p, q), name
+    assert {n: b for n, b in direct.named_buffers()}.keys() == {n: b for n, b in full.named_buffers()}.keys()
+    for (name, b), (_, c) in zip(direct.named_buffers(), full.named_buffers()):
+        assert b.dtype == c.dtype and torch.equal(b, c), name
+    ids = torch.randint(3, len(tokenizer), (2, 16))
+    with torch.no_grad():
+        assert torch.equal(direct.get_input_embeddings()(ids), full.get_input_embeddings()(ids))
+
+
+def test_a_checkpoint_in_fp32_is_read_in_fp32(tmp_path, tokenizer):
+    from dpocache.models.loading import checkpoint_dtypes, load_for_storage
+    from dpocache.models.tiny import build_model
+
+    build_model("llama", tokenizer).save_pretrained(tmp_path)
+    assert checkpoint_dtypes(tmp_path) == {torch.float32}
+    assert {p.dtype for p in load_for_storage(tmp_path, torch.bfloat16).parameters()} == {torch.float32}
+
+
+def test_an_adapter_on_a_base_read_in_bf16_gives_the_same_stored_reference(tmp_path, tokenizer):
+    """A reference of an adapter directory: its base read in bf16 (``load_for_storage``), the
+    saved fp32 adapter on top, every matrix stored in bf16, equals the fp32 load's, tensor for
+    tensor (PEFT casts a new adapter to the base's dtype before it loads the saved values)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from dpocache.models import loading
+    from dpocache.models.tiny import build_model
+
+    build_model("llama", tokenizer).to(torch.bfloat16).save_pretrained(tmp_path / "base")
+    adapter = get_peft_model(loading.load_causal_lm(tmp_path / "base"),
+                             LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    adapter.save_pretrained(tmp_path / "adapter")  # random A and B: the adapter changes the values
+    stored = []
+    base = tmp_path / "base"
+    for model in (loading.load_for_storage(base, torch.bfloat16), loading.load_causal_lm(base)):
+        model = PeftModel.from_pretrained(model, str(tmp_path / "adapter"), is_trainable=False)
+        loading.store_frozen_matrices_(model, torch.bfloat16)
+        stored.append(dict(model.named_parameters()))
+    assert stored[0].keys() == stored[1].keys() and any("lora_A" in name for name in stored[0])
+    for name, p in stored[0].items():
+        assert p.dtype == stored[1][name].dtype and torch.equal(p, stored[1][name]), name

@@ -67,14 +67,10 @@ def test_a_lora_base_stored_in_bf16_trains_exactly_as_the_fp32_base(tmp_path, ba
 
 
 def _saved_in_bf16(base_model, out):  # noqa: F811
-    """``base_model`` with its embedding table rounded to bf16 values, as a checkpoint saved in bf16 loads."""
+    """``base_model`` saved in bf16, as most checkpoints are."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
-    table = model.get_input_embeddings().weight
-    with torch.no_grad():
-        table.copy_(table.to(torch.bfloat16))
-    model.save_pretrained(out)
+    AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.bfloat16).save_pretrained(out)
     AutoTokenizer.from_pretrained(base_model).save_pretrained(out)
     return out
 
