@@ -76,7 +76,8 @@ def load_causal_lm(path: str | Path, device: torch.device | str = "cpu",
 
 def load_for_storage(path: str | Path, dtype: torch.dtype, attn_implementation: str | None = "sdpa") -> nn.Module:
     """A causal LM on the host whose matrices are about to be stored in ``dtype``
-    (``store_frozen_matrices_``: a frozen reference, a LoRA base). Tensor for tensor what
+    (``store_frozen_matrices_``: a frozen reference, with or without an adapter; not a LoRA
+    policy, whose new adapters PEFT would round to the base's dtype). Tensor for tensor what
     ``load_causal_lm`` gives once those matrices are stored; for a checkpoint saved in ``dtype``
     (every floating tensor of its files), read in ``dtype`` directly, so that the host never
     holds the fp32 copy: an 8B model takes 16 GiB and half the time to load, not 32, in every
