@@ -283,11 +283,22 @@ def _dpo_train(spec: dict, stop_at_first_step: bool) -> dict:
         pass
     first = marks["first_step_at"]
     return {"side": "dpocache", "model_load_s": marks["load_s"], "step_s": steps, "step_tokens": step_tokens,
-            "reference_pairs": marks.get("reference"),
+            "reference_pairs": marks.get("reference"), "ran": _what_ran(Path(spec["workdir"]) / "run.json"),
             "imports_s": imports_done - spec["spawned_at"],
             "startup_beyond_load_and_imports_s": first - imports_done - marks["load_s"],
             "startup_s": first - spec["spawned_at"],
             "startup_beyond_load_s": first - spec["spawned_at"] - marks["load_s"]}
+
+
+def _what_ran(run_json: Path) -> dict | None:
+    """What the run's ``run.json`` says ran: the policy's layout, compiled layers, kernels and
+    prefetch (a report names them beside its figures); None before the run wrote it."""
+    if not run_json.is_file():
+        return None
+    info = json.loads(run_json.read_text())
+    policy = info.get("policy", {})
+    return {"layout": info.get("layout"), "dtype": info.get("dtype"),
+            **{k: policy.get(k) for k in ("compiled_layers", "kernels", "prefetch", "trainable", "parameters")}}
 
 
 def dpo_train(spec: dict) -> None:
