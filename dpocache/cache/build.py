@@ -169,8 +169,6 @@ def score_batch(reference: ReferenceModel, batch: Sequence[TokenizedPair], pad_i
     """Reference values of one batch ``(B,)`` of the pass, per-token values included, on the CPU
     (``ReferenceModel.score``: the reference's layout, rows as the pass planned them under
     ``max_tokens``); ``laid``: the batch laid out already (``laid_out_ahead``)."""
-    if laid is None:  # also for a reference that lays nothing out ahead (laid_out_ahead)
-        return reference.score(batch, pad_id, max_tokens)
     return reference.score(batch, pad_id, max_tokens, laid)
 
 
@@ -179,9 +177,8 @@ def laid_out_ahead(reference: ReferenceModel, batches: Sequence[Sequence[Tokeniz
     """``(batch, laid out)`` for each of ``batches``, the next laid out on a background thread
     while the device runs this one (``dpocache.runtime.lookahead``), in page-locked memory: on a
     GPU only, whose forward runs while the host collates (on a CPU the thread would take a core
-    from the forward). Elsewhere, or for a reference without ``lay_out``, ``(batch, None)``."""
-    device = getattr(reference, "device", None)
-    if device is None or device.type != "cuda" or not hasattr(reference, "lay_out"):
+    from the forward); elsewhere ``(batch, None)``."""
+    if reference.device.type != "cuda":
         return ((batch, None) for batch in batches)
     return ahead(batches, lambda batch: reference.lay_out(batch, pad_id, max_tokens).pin_memory())
 
@@ -289,18 +286,18 @@ def score_missing(
 
 def _kernels_json(reference: ReferenceModel | None) -> dict | None:
     """The kernels of the pass's reference, for the summary (None: no pass ran, or none chosen)."""
-    choice = getattr(reference, "kernels", None)
+    choice = reference.kernels if reference is not None else None
     return choice.to_json() if choice is not None else None
 
 
-def _any_rank_layout(env: DistEnv, layout: dict | None) -> dict | None:
-    """The layout of a rank whose reference pass ran (every rank applies the same rule to the
-    same model); a collective: every rank calls it."""
+def _any_rank_choices(env: DistEnv, layout: dict | None, kernels: dict | None) -> tuple[dict | None, dict | None]:
+    """The layout and kernels of a rank whose reference pass ran (every rank applies the same
+    rules to the same model), in one collective: every rank calls it."""
     if not env.enabled:
-        return layout
+        return layout, kernels
     gathered = [None] * env.world_size
-    torch.distributed.all_gather_object(gathered, layout)
-    return next((x for x in gathered if x is not None), None)
+    torch.distributed.all_gather_object(gathered, (layout, kernels))
+    return next((x for x in gathered if x[0] is not None), (None, None))
 
 
 def interrupted_message(summary: BuildSummary) -> str:
@@ -437,6 +434,7 @@ def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_refere
     problem = broadcast_object(env, problem)
     if problem:
         raise CacheError(problem)
+    layout, kernels = _any_rank_choices(env, local.layout if local else None, local.kernels if local else None)
     seconds = time.perf_counter() - start
     summary = BuildSummary(
         pairs=len(pairs), unique=len(by_key), computed=int(computed),
@@ -445,10 +443,9 @@ def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_refere
         peak_memory_bytes=int(peak), cache_dir=str(store.dir), namespace=store.namespace.id,
         forward_passes=int(passes),
         corrupt_shards=corrupt, world_size=env.world_size, interrupted=int(signum),
-        layout=_any_rank_layout(env, local.layout if local else None),
+        layout=layout, kernels=kernels,  # a rank's whose pass ran (every rank decides alike)
         compiled_layers=local.compiled_layers if local else 0,  # this rank's (each rank decides alike)
         max_tokens=local.max_tokens if local else None,
-        kernels=_any_rank_layout(env, local.kernels if local else None),  # as the layout: a rank whose pass ran
     )
     if signum:
         raise stop.interrupted(interrupted_message(summary), signum=int(signum))
