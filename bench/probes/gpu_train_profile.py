@@ -8,8 +8,8 @@ run itself), times every step with the device synchronised, and wraps steps ``wa
 ``warmup + profile-steps`` in torch.profiler. Prints the kernel table (sorted by device time)
 and one JSON line: the step times, the useful FLOPs of a step (``common.flops_of_build``'s
 convention), the median step's MFU against the device's nominal bf16 peak, and per profiled step
-the ops' host time against the device's busy time (a step whose host time is the larger is bound
-by the host). Without CUDA it
+the host's own op time (its waits in synchronising CUDA calls apart) against the device's busy
+time (a step whose host time is the larger is bound by the host). Without CUDA it
 runs on the CPU (``--config 58m --dtype float32``: a smoke test of the code path).
 """
 
@@ -34,6 +34,12 @@ from common import CONFIGS, parse_probe_args, probe_inputs  # noqa: E402
 
 import dpocache.training.loop as train_mod  # noqa: E402
 from dpocache.config import build_config  # noqa: E402
+
+
+# CUDA runtime calls in which the host waits for the device (a synchronising copy waits inside its
+# cudaMemcpyAsync): their self CPU time is a wait, not host work.
+HOST_WAITS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+              "cudaMemcpyAsync"}
 
 
 def main() -> None:
@@ -84,9 +90,11 @@ def main() -> None:
     key = "cuda_time_total" if device == "cuda" else "cpu_time_total"
     averages = profiler.key_averages()
     print(averages.table(sort_by=key, row_limit=args.rows, max_name_column_width=70), flush=True)
-    # A step is bound by the host when the ops' host time exceeds the device's busy time
-    # (profiled, so the host side is inflated by the profiler's own cost).
-    host_s = sum(e.self_cpu_time_total for e in averages) / 1e6 / args.profile_steps
+    # A step is bound by the host when the host's own work exceeds the device's busy time
+    # (profiled, so the host side is inflated by the profiler's own cost). The host's time inside
+    # the CUDA runtime's synchronising calls is waiting for the device, not work: counted apart.
+    waits_s = sum(e.self_cpu_time_total for e in averages if e.key in HOST_WAITS) / 1e6 / args.profile_steps
+    host_s = sum(e.self_cpu_time_total for e in averages) / 1e6 / args.profile_steps - waits_s
     device_s = (sum(e.self_device_time_total for e in averages) / 1e6 / args.profile_steps
                 if device == "cuda" else None)
     median = statistics.median(steps[args.warmup:] or steps)
@@ -97,6 +105,7 @@ def main() -> None:
         "step_s": [round(s, 4) for s in steps], "median_profiled_step_s": round(median, 4),
         "step_tflop": round(step_flops / 1e12, 2),
         "profiled_host_op_s_per_step": round(host_s, 4),
+        "profiled_host_wait_s_per_step": round(waits_s, 4),
         "profiled_device_busy_s_per_step": None if device_s is None else round(device_s, 4),
         "mfu_nominal": round(step_flops / median / peak, 4) if peak else None,
         "peak_gpu_allocated_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,

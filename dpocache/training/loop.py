@@ -57,9 +57,11 @@ def train_step(run: Run, window: MetricWindow) -> None:
 
     No micro-batch waits for the device: the metrics stay device tensors until the logging step
     (``MetricWindow``), and whether a loss was finite is kept as a device flag. The step waits
-    once, before the optimizer step, for that flag (reduced over ranks) and the gradient norm
-    together: stopping on a NaN or a runaway norm is a host decision, made before any weight
-    changes (``dpocache.training.divergence``)."""
+    once, before the optimizer step, for that flag (reduced over ranks), the gradient norm and
+    the norm of the weights the last step left, together: stopping on a NaN, a runaway norm or
+    weights growing without bound is a host decision, made before any weight changes
+    (``dpocache.training.divergence``). The weights' norm after this step's update is queued,
+    not read (``ProgressMonitor.measure``)."""
     cfg = run.cfg.train
     run.scorer.train()
     params = [p for p in run.policy.parameters() if p.requires_grad]
@@ -90,7 +92,11 @@ def train_step(run: Run, window: MetricWindow) -> None:
     grad_norm = grad_norm.detach()
     not_finite = (~torch.isfinite(torch.stack(losses_seen))).any().double().reshape(1).to(run.env.device)
     not_finite = all_reduce_max(run.env, not_finite)  # every rank stops on any rank's NaN
-    not_finite, norm = torch.cat([not_finite, grad_norm.double().reshape(1).to(run.env.device)]).tolist()  # one sync
+    pending = run.monitor.pending  # the last step's weights' norm, read in the same wait
+    read = [not_finite, grad_norm.double().reshape(1).to(run.env.device)] + ([pending] if pending is not None else [])
+    not_finite, norm, *weights = torch.cat(read).tolist()  # the step's one sync
+    if weights:
+        _stop_if_grown(run, run.monitor.judge(weights[0]))
     if not_finite:
         _stop_non_finite(run, losses_seen)
     if run.scaler is None and not math.isfinite(norm):
@@ -107,6 +113,22 @@ def train_step(run: Run, window: MetricWindow) -> None:
     if reason is not None:
         raise TrainingDiverged(f"step {run.step}: {reason}. Stopped without saving; {last_good(run)}. "
                                "Try a lower --lr, or another --beta or loss.")
+    run.monitor.measure(run.step)
+
+
+def _stop_if_grown(run: Run, reason: str | None) -> None:
+    """Stop on the weights' norm the monitor judged (``reason``: why, or None), naming the step
+    whose update grew them: its weights are neither saved nor evaluated."""
+    if reason is not None:
+        raise TrainingDiverged(f"step {run.monitor.measured_step}: {reason}. Stopped without saving; "
+                               f"{last_good(run)}. Try a lower --lr, or another --beta or loss.")
+
+
+def _settle(run: Run) -> None:
+    """Judge the weights the last step left now (one wait for the device), before they are
+    logged, saved or evaluated; nothing is pending before the first step."""
+    if run.monitor is not None:
+        _stop_if_grown(run, run.monitor.settle())
 
 
 def _apply_update(run: Run, window: MetricWindow, grad_norm: torch.Tensor, norm: float) -> bool:
@@ -251,7 +273,10 @@ def _train(run: Run, stop: StopRequest) -> dict:
             # A checkpointed step logs its partial window: a run resumed there keeps the rows up to
             # it and redoes only the steps after it, so the steps since the last log would be in
             # no row. (A stopped run saves too.)
-            if run.step % cfg.train.logging_steps == 0 or last or signum or save_due:
+            log_due = run.step % cfg.train.logging_steps == 0 or last or signum or save_due
+            if log_due or _eval_due(run):
+                _settle(run)
+            if log_due:
                 elapsed = time.perf_counter() - t0
                 # Measured (0.5 s, once) at the first log rather than before the first step, so it
                 # neither delays the start nor counts in a window's throughput.
@@ -290,12 +315,16 @@ def _save(run: Run) -> None:
 def _save_or_stop(run: Run, stop: StopRequest) -> tuple[bool, int]:
     """(whether a checkpoint is due, the stop signal or 0), the same on every rank: ranks must
     save together (FSDP gathers) and stop together (a rank left in a collective waits forever).
-    Rank 0's clock decides a time-interval save; a signal on any rank stops every rank."""
+    Rank 0's clock decides a time-interval save; a signal on any rank stops every rank. One
+    process decides on the host alone: a device round trip here would make every step wait for
+    its optimizer update."""
     cfg = run.cfg.train
     by_steps = bool(cfg.save_steps) and run.step % cfg.save_steps == 0
     by_time = run.env.is_main and bool(cfg.save_minutes) and _clock() - run.saved_at >= 60 * cfg.save_minutes
-    agreed = all_reduce_max(run.env, torch.tensor([float(by_time), float(stop.signum or 0)], device=run.env.device))
-    by_time, signum = agreed.tolist()
+    flags = [float(by_time), float(stop.signum or 0)]
+    if run.env.enabled:  # a collective, so it waits for the device
+        flags = all_reduce_max(run.env, torch.tensor(flags, device=run.env.device)).tolist()
+    by_time, signum = flags
     return by_steps or by_time > 0, int(signum)
 
 

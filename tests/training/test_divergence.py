@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from train_fixtures import (  # noqa: F401  (fixtures are used by name; one_thread is autouse)
-    base_model, flags, one_thread, run_training, train_jsonl,
+    base_model, flags, one_thread, records, run_training, train_jsonl,
 )
 
 from dpocache.cache import CacheStore, namespace_for_dir
@@ -28,16 +28,29 @@ def test_monitor_counts_consecutive_zero_gradients():
     monitor = divergence.ProgressMonitor([w], zero_grad_steps=3, weight_growth=10.0)
     assert [monitor.check(g) for g in (0.0, 0.0, 1e-30, 0.0, 0.0)] == [None] * 5  # the streak restarts
     assert "exactly 0 for 3 consecutive steps" in monitor.check(0.0)
+
+
+
+def test_monitor_judges_the_weights_norm_it_measured_when_read():
+    w = torch.nn.Parameter(torch.ones(4))
     grown = divergence.ProgressMonitor([w], weight_growth=10.0)
+    assert grown.pending is None and grown.settle() is None  # nothing measured yet
     with torch.no_grad():
         w.mul_(9.0)
-    assert grown.check(1.0) is None  # 9 times the start: within the limit
+    grown.measure(1)
+    assert grown.measured_step == 1 and grown.judge(float(grown.pending)) is None  # 9 times the start: within
+    assert grown.pending is None  # consumed
     with torch.no_grad():
         w.mul_(2.0)
-    assert "growing without bound" in grown.check(1.0)
+    grown.measure(2)
     with torch.no_grad():
+        w.mul_(0.0)  # what the weights do after the measurement does not change it
+    assert "growing without bound" in grown.settle() and grown.measured_step == 2
+    with torch.no_grad():
+        w.fill_(1.0)
         w[0] = float("inf")
-    assert "growing without bound" in grown.check(1.0)
+    grown.measure(3)
+    assert "growing without bound" in grown.settle()
 
 
 def test_gradient_exactly_zero_for_many_steps_stops(tmp_path, base_model, train_jsonl, monkeypatch):
@@ -57,15 +70,22 @@ def test_gradient_exactly_zero_for_many_steps_stops(tmp_path, base_model, train_
     assert not (out / "final").exists()
 
 
-def test_weights_growing_without_bound_stop(tmp_path, base_model, train_jsonl, capsys):
+@pytest.mark.parametrize("max_steps,logging_steps", [(3, 1), (3, 10), (1, 10)],
+                         ids=["logged-step", "next-step-reads-it", "last-step"])
+def test_weights_growing_without_bound_stop(tmp_path, base_model, train_jsonl, capsys, max_steps, logging_steps):
     """An update far too large (lr 1e3 with Adam moves every weight by about 1e3 at once) is
-    caught after the step that made it, before any NaN."""
-    argv = flags(base_model, train_jsonl, tmp_path / "run", tmp_path / "cache", "--max-steps", "3", "--lr", "1e3",
-                 "--optim.max_grad_norm", "0")
+    caught after the step that made it, before any NaN, and before its weights are logged or
+    saved: read before a log (or the last step's save), else with the next step's one wait."""
+    out = tmp_path / "run"
+    argv = flags(base_model, train_jsonl, out, tmp_path / "cache", "--max-steps", str(max_steps), "--lr", "1e3",
+                 "--optim.max_grad_norm", "0", "--logging-steps", str(logging_steps))
     capsys.readouterr()
     assert cli_main(["train", *argv]) == 1
     err = capsys.readouterr().err
     assert "step 1: the trainable weights' norm is" in err and "growing without bound" in err
+    rows = records(out) if (out / "metrics.jsonl").exists() else []
+    assert not [r for r in rows if "loss" in r]  # no training row logged
+    assert not (out / "final").exists() and not list(out.glob("checkpoint-*"))
 
 
 class _InfiniteGradient(torch.autograd.Function):

@@ -41,34 +41,44 @@ class SyncCounter:
 
 
 def _syncs_per_step(tmp_path, monkeypatch, model, data, grad_accum: int) -> list[list[str]]:
+    """The reads of device values by each optimizer step of a 4-step run that logs at its last:
+    the step itself and the loop's decision after it (save, stop)."""
     counter = SyncCounter(monkeypatch)
-    real_step = train_mod.train_step
+    real_step, real_decision = train_mod.train_step, train_mod._save_or_stop
     per_step = []
 
-    def counted_step(run, window):
-        counter.active, counter.calls = True, []
-        try:
-            real_step(run, window)
-        finally:
-            counter.active = False
-            per_step.append(counter.calls)
+    def counted(real, new_step: bool):
+        def call(*args):
+            counter.active = True
+            if new_step:
+                per_step.append([])
+            try:
+                return real(*args)
+            finally:
+                counter.active = False
+                per_step[-1] += counter.calls
+                counter.calls = []
 
-    monkeypatch.setattr(train_mod, "train_step", counted_step)
+        return call
+
+    monkeypatch.setattr(train_mod, "train_step", counted(real_step, True))
+    monkeypatch.setattr(train_mod, "_save_or_stop", counted(real_decision, False))
     run_training(*flags(model, data, tmp_path / f"run{grad_accum}", tmp_path / "cache", "--batch-size", "2",
-                        "--grad-accum", str(grad_accum), "--max-steps", "3", "--logging-steps", "3"))
+                        "--grad-accum", str(grad_accum), "--max-steps", "4", "--logging-steps", "4"))
     monkeypatch.undo()
     return per_step
 
 
-def test_no_sync_per_micro_batch(tmp_path, monkeypatch, base_model, train_jsonl):  # noqa: F811
+def test_one_sync_per_step(tmp_path, monkeypatch, base_model, train_jsonl):  # noqa: F811
     one = _syncs_per_step(tmp_path, monkeypatch, base_model, train_jsonl, grad_accum=1)
     four = _syncs_per_step(tmp_path, monkeypatch, base_model, train_jsonl, grad_accum=4)
     # Step 1 audits its first micro-batch against the cache (dpocache.training.audit): later steps only.
     print("\nper step, grad_accum 1:", one[1:], "\nper step, grad_accum 4:", four[1:])
-    assert len(one) == len(four) == 3
-    assert [len(c) for c in one[1:]] == [len(c) for c in four[1:]]  # nothing scales with the micro-batches
-    # The step's one wait (NaN flag and gradient norm together) and the weight norm's (divergence).
-    assert all(len(c) <= 2 for c in four[1:]), four[1:]
+    assert len(one) == len(four) == 4
+    assert one[1:] == four[1:]  # nothing scales with the micro-batches
+    # The step's one wait: its NaN flag, its gradient norm and the last step's weights' norm
+    # together (divergence); the loop's save and stop decision waits for nothing in one process.
+    assert all(len(calls) == 1 and calls[0].startswith("dpocache.training.loop:") for calls in four[1:]), four
 
 
 def test_window_reads_once_and_equals_float_sums(monkeypatch):

@@ -127,27 +127,33 @@ def test_on_cuda_a_step_waits_for_the_device_only_for_the_divergence_check(tmp_p
                                                                           train_jsonl, monkeypatch):  # noqa: F811
     """torch's own sync detector (``set_sync_debug_mode``) sees every wait, those inside torch
     (a ``nonzero``, a boolean index, a pageable copy) included, which ``test_metric_syncs``'s
-    counter of dpocache's calls cannot."""
+    counter of dpocache's calls cannot. Watched: each step and the loop's decision after it."""
     import warnings
 
     from dpocache.training import loop as train_mod
 
-    real_step, per_step = train_mod.train_step, []
+    per_step = []
 
-    def watched(run, window):
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as seen:
-                warnings.simplefilter("always")
-                real_step(run, window)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        per_step.append([str(w.message) for w in seen if "synchroniz" in str(w.message)])
+    def watched(real, new_step: bool):
+        def call(*args):
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with warnings.catch_warnings(record=True) as seen:
+                    warnings.simplefilter("always")
+                    return real(*args)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                waits = [str(w.message) for w in seen if "synchroniz" in str(w.message)]
+                per_step.append(waits) if new_step else per_step[-1].extend(waits)
 
-    monkeypatch.setattr(train_mod, "train_step", watched)
-    run_training(*flags(base_model, train_jsonl, tmp_path / "run", tmp_path / "cache", "--max-steps", "3",
+        return call
+
+    monkeypatch.setattr(train_mod, "train_step", watched(train_mod.train_step, True))
+    monkeypatch.setattr(train_mod, "_save_or_stop", watched(train_mod._save_or_stop, False))
+    run_training(*flags(base_model, train_jsonl, tmp_path / "run", tmp_path / "cache", "--max-steps", "4",
                         "--grad-accum", "2", "--batch-size", "2", "--device", "cuda", "--dtype", "bfloat16",
-                        "--logging-steps", "3"))
-    # Step 1 audits the cache (training.audit); after it: the NaN flag with the gradient norm, and the weight norm.
-    assert len(per_step) == 3 and all(len(waits) <= 2 for waits in per_step[1:]), per_step
+                        "--logging-steps", "4"))
+    # Step 1 audits the cache (training.audit); after it, one wait: the NaN flag, the gradient
+    # norm and the last step's weights' norm together.
+    assert len(per_step) == 4 and all(len(waits) == 1 for waits in per_step[1:]), per_step
