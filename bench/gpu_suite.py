@@ -25,7 +25,8 @@ recompute):
 - Tokens are real tokens, each prompt once plus chosen and rejected (with their EOS), counted the
   same way for both systems. ``ref-8b``: the pass's tokens over its compute time (model load
   excluded; TRL: its ``_precompute_ref_logps``). Training rows: the tokens of the steps after the
-  warm-up steps over their summed wall time (each step between GPU synchronisations).
+  warm-up steps over their wall time, timed as one window with the GPU synchronised at its two
+  ends only, so each system's steps overlap as in a real run (``workers.StepClock``).
 - MFU counts useful FLOPs only: 2N per token for a forward, 6N for full training, 4N for a frozen
   base under LoRA (plus 6 per adapter parameter), attention included (4·L·H·T a forward, three
   times that with its backward), recomputation not counted. N is the parameters that multiply
@@ -290,10 +291,15 @@ def trl_spec(suite: Suite, row: str, side: str, model_dtype: str) -> dict:
 
 
 def steady_tokens_per_s(result: dict | None, warmup: int) -> float | None:
-    """Tokens of the steps after the first ``warmup`` over their summed time (None: no such step)."""
+    """Tokens of the steps after the first ``warmup`` over their wall time: the window the worker
+    timed from step ``warmup`` to the last (``workers.StepClock``), else the steps' summed times
+    (None: no such step)."""
     if not result or len(result.get("step_s", [])) <= warmup:
         return None
-    return sum(result["step_tokens"][warmup:]) / sum(result["step_s"][warmup:])
+    tokens = sum(result["step_tokens"][warmup:])
+    if result.get("window_s") and result.get("timed_from") == warmup:
+        return tokens / result["window_s"]
+    return tokens / sum(result["step_s"][warmup:])
 
 
 def row_ref_8b(suite: Suite) -> dict:
@@ -318,17 +324,20 @@ def row_ref_8b(suite: Suite) -> dict:
                           "trl": trl and trl["tokens"]["unique"]}})
 
 
-def train_row(suite: Suite, row: str, model: Path, data: Path, cache: Path, steps: int, trl_extra: dict,
-              dpo_args: list[str]) -> tuple[dict | None, dict | None, dict | None, list]:
+def train_row(suite: Suite, row: str, model: Path, data: Path, cache: Path, steps: int, warmup: int,
+              trl_extra: dict, dpo_args: list[str]) -> tuple[dict | None, dict | None, dict | None, list]:
     """A training row's runs: dpocache's reference values built (untimed; a hit when the cache
-    holds them), TRL's steps, dpocache's steps. Returns (prep, trl, dpocache, errors)."""
+    holds them), TRL's steps, dpocache's steps, each side's steps after ``warmup`` timed as one
+    window, synchronised at its two ends only (steps overlap as in a real run). Returns (prep,
+    trl, dpocache, errors)."""
     base = base_spec(suite, model, data, steps)
+    train_base = {**base, "timed_from": warmup}
     prep, prep_err = run_side(suite, row, "dpo-build", {**base, "cache_dir": str(cache),
                                                         "extra_args": suite.kernel_args})
-    trl, trl_err = run_side(suite, row, "trl-train", {**base, **trl_extra})
+    trl, trl_err = run_side(suite, row, "trl-train", {**train_base, **trl_extra})
     dpo, dpo_err = (None, "dpo-train: not run, its reference values failed to build") if prep_err else run_side(
-        suite, row, "dpo-train", {**base, "cache_dir": str(cache), "workdir": str(_row_scratch(suite, row) / "dpo"),
-                                  "extra_args": dpo_args})
+        suite, row, "dpo-train", {**train_base, "cache_dir": str(cache),
+                                  "workdir": str(_row_scratch(suite, row) / "dpo"), "extra_args": dpo_args})
     return prep, trl, dpo, [prep_err, trl_err, dpo_err]
 
 
@@ -348,7 +357,8 @@ def row_train_8b_lora(suite: Suite) -> dict:
                  "trl_gradient_checkpointing": True}
     dpo_args = [*DPO_LORA_ARGS, *suite.kernel_args]
     cache = suite.work / s.llama_dir / "dpocache-cache"  # ref-8b's: a hit after it
-    prep, trl, dpo, errors = train_row(suite, "train-8b-lora", model, data, cache, s.lora_steps, trl_extra, dpo_args)
+    prep, trl, dpo, errors = train_row(suite, "train-8b-lora", model, data, cache, s.lora_steps, s.lora_warmup,
+                                       trl_extra, dpo_args)
     dims = model_dims(s.llama, info["parameters"])
     setup = {"pairs": stats["pairs"], "batch_size": s.batch_size, "steps": s.lora_steps,
              "warmup_steps": s.lora_warmup, "dtype": s.dtype, "trl_model_dtype": s.trl_8b_dtype,
@@ -369,7 +379,7 @@ def row_train_1b_full(suite: Suite) -> dict:
     trl_extra = trl_spec(suite, "train-1b-full", "train", "float32")
     dpo_args = [*s.full_train_args, *suite.kernel_args]
     prep, trl, dpo, errors = train_row(suite, "train-1b-full", model, data, inputs / "dpocache-cache", s.full_steps,
-                                       trl_extra, dpo_args)
+                                       s.full_warmup, trl_extra, dpo_args)
     dims = model_dims(info["config"], info["parameters"])
     setup = {"config": s.full_config.name, "pairs": stats["pairs"], "batch_size": s.batch_size, "steps": s.full_steps,
              "warmup_steps": s.full_warmup, "dtype": s.dtype, "trl_model_dtype": "float32",
@@ -473,7 +483,8 @@ DEFINITIONS = {
     "tokens": "real tokens: each prompt once, plus chosen and rejected (with their EOS), both systems alike",
     "tokens_per_s": "ref-8b: the reference pass's tokens over its compute time (model load excluded; TRL: "
                     "_precompute_ref_logps). Training rows: the tokens of the steps after warmup_steps over their "
-                    "summed wall time (raw: step_s and step_tokens of each step)",
+                    "wall time, one window synchronised at its two ends only (raw: window_s, and step_s, the "
+                    "host's intervals, and step_tokens of each step)",
     "mfu": "useful FLOPs per token (flops_per_token) x tokens_per_s / peak_flops: 2N per token for a forward, 6N "
            "for full training, 4N for a frozen base under LoRA plus 6 per adapter parameter, attention "
            "4*L*H*T a forward (x3 with its backward, T = mean prompt + completion length), recomputation not "

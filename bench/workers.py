@@ -59,6 +59,44 @@ def _sync(spec: dict) -> None:
         torch.cuda.synchronize()
 
 
+class StepClock:
+    """Times a worker's training steps, ``spec["steps"]`` of them.
+
+    Each step alone (the default): the GPU synchronised before and after every step, so each
+    ``step_s`` is that step's own time. With ``spec["timed_from"] = k``, only the window from
+    step ``k`` (0-based) to the last is synchronised, at its two ends: the steps run as in a real
+    run, the host queueing the next step while the GPU finishes the last, and ``window_s`` is
+    the window's wall time (``step_s`` are then the host's intervals between steps)."""
+
+    def __init__(self, spec: dict):
+        self.spec, self.total = spec, spec.get("steps", 1)
+        self.timed_from = spec.get("timed_from")
+        self.steps: list[float] = []
+        self.window_start: float | None = None
+        self.window_s: float | None = None
+        self.t = 0.0
+
+    def begin(self) -> None:
+        index = len(self.steps)
+        if self.timed_from is None or index == self.timed_from:
+            _sync(self.spec)
+        self.t = time.perf_counter()
+        if index == self.timed_from:
+            self.window_start = self.t
+
+    def end(self) -> None:
+        last = len(self.steps) + 1 == self.total
+        if self.timed_from is None or last:
+            _sync(self.spec)
+        now = time.perf_counter()
+        self.steps.append(now - self.t)
+        if last and self.window_start is not None:
+            self.window_s = now - self.window_start
+
+    def record(self) -> dict:
+        return {"step_s": self.steps, "timed_from": self.timed_from, "window_s": self.window_s}
+
+
 def _token_counts(dataset) -> dict:
     p = sum(len(x) for x in dataset["prompt_ids"])
     c = sum(len(x) for x in dataset["chosen_ids"])
@@ -162,18 +200,16 @@ def trl_precompute(spec: dict) -> None:
 def trl_train(spec: dict) -> None:
     from transformers import TrainerCallback
 
-    steps: list[float] = []
+    clock = StepClock(spec)
     marks: dict = {}
 
     class Timer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
-            _sync(spec)
             marks.setdefault("first_step_at", time.time())
-            marks["t"] = time.perf_counter()
+            clock.begin()
 
         def on_step_end(self, args, state, control, **kw):
-            _sync(spec)
-            steps.append(time.perf_counter() - marks["t"])
+            clock.end()
 
     trainer, timings = _trl_trainer(spec, callbacks=[Timer()])
     if "precompute_s" in timings:
@@ -187,7 +223,7 @@ def trl_train(spec: dict) -> None:
 
     trainer.training_step = counted_step  # one call per step (no gradient accumulation here)
     trainer.train()
-    _write(spec, {"side": "trl", **timings, "step_s": steps, "step_tokens": step_tokens,
+    _write(spec, {"side": "trl", **timings, **clock.record(), "step_tokens": step_tokens,
                   "tokens": _token_counts(trainer.train_dataset),
                   "startup_s": marks["first_step_at"] - spec["spawned_at"],
                   "startup_beyond_load_s": marks["first_step_at"] - spec["spawned_at"] - timings["model_load_s"]})
@@ -246,7 +282,7 @@ def _dpo_train(spec: dict, stop_at_first_step: bool) -> dict:
     imports_done = time.time()
 
     marks: dict = {"load_s": 0.0}
-    steps: list[float] = []
+    clock = StepClock(spec)
     step_tokens: list[int] = []
     original_step, original_load = train_mod.train_step, setup_mod.load_policy
 
@@ -263,11 +299,9 @@ def _dpo_train(spec: dict, stop_at_first_step: bool) -> dict:
         step_tokens.append(sum(run.train_data.pairs[i].unique_tokens for micro in range(run.cfg.train.grad_accum)
                                for i in prefetch.step_indices(run, run.step, micro)))
         marks.setdefault("reference", {k: run.info.get("reference", {}).get(k) for k in ("computed", "reused")})
-        _sync(spec)
-        t = time.perf_counter()
+        clock.begin()
         original_step(run, window)
-        _sync(spec)
-        steps.append(time.perf_counter() - t)
+        clock.end()
 
     train_mod.train_step, setup_mod.load_policy = timed_step, timed_load
     overrides = ["--model", spec["model"], "--data", spec["data"], "--dtype", spec["dtype"],
@@ -282,7 +316,7 @@ def _dpo_train(spec: dict, stop_at_first_step: bool) -> dict:
     except _Stop:
         pass
     first = marks["first_step_at"]
-    return {"side": "dpocache", "model_load_s": marks["load_s"], "step_s": steps, "step_tokens": step_tokens,
+    return {"side": "dpocache", "model_load_s": marks["load_s"], **clock.record(), "step_tokens": step_tokens,
             "reference_pairs": marks.get("reference"), "ran": _what_ran(Path(spec["workdir"]) / "run.json"),
             "imports_s": imports_done - spec["spawned_at"],
             "startup_beyond_load_and_imports_s": first - imports_done - marks["load_s"],

@@ -54,6 +54,14 @@ def test_dry_run_writes_every_row_of_the_schema(tmp_path):
         # the same pairs, the same count: each system's tokens over all its steps are the data's
         assert sum(row["raw"]["dpocache"]["step_tokens"]) == sum(row["raw"]["trl"]["step_tokens"])
         assert row["raw"]["dpocache"]["reference_pairs"]["computed"] == 0  # from the cache built before
+        # each side's steps after the warmup timed as one window, synchronised at its ends only
+        warmup = row["setup"]["warmup_steps"]
+        for side in ("dpocache", "trl"):
+            timed = row["raw"][side]
+            assert timed["timed_from"] == warmup and _finite_positive(timed["window_s"]), (row["name"], side)
+            tokens = sum(timed["step_tokens"][warmup:])
+            expected = row["tokens_per_s" if side == "dpocache" else "trl_tokens_per_s"]
+            assert expected == pytest.approx(tokens / timed["window_s"])
     # ref-8b's cache holds the LoRA row's pairs (its data is the start of ref-8b's): its build is a hit
     assert result["rows"][1]["raw"]["dpocache_reference_build"]["summary"]["computed"] == 0
 
