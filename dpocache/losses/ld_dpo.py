@@ -23,8 +23,9 @@ def ld_sums(chosen: Sequence[Tensor], rejected: Sequence[Tensor], ld_alpha: floa
     """Per-pair lists of completion log-probs ``(Tc_i,)`` and ``(Tr_i,)`` -> LD-DPO sums, two ``(B,)``."""
     def padded(rows: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
         values = pad_sequence(list(rows), batch_first=True)  # (B, T)
-        lengths = torch.tensor([len(r) for r in rows], device=values.device)
-        mask = torch.arange(values.shape[1], device=values.device)[None, :] < lengths[:, None]
+        # Built on the values' device from their shapes: no host list copied over, which would
+        # make the host wait for the device.
+        mask = pad_sequence([torch.ones_like(r, dtype=torch.bool) for r in rows], batch_first=True)  # (B, T)
         return values, mask
 
     (c, cm), (r, rm) = padded(chosen), padded(rejected)

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from train_fixtures import base_model, flags, one_thread, run_training, train_jsonl  # noqa: F401 (fixtures)
 
 from dpocache.distributed.process_group import DistEnv
@@ -79,6 +80,65 @@ def test_one_sync_per_step(tmp_path, monkeypatch, base_model, train_jsonl):  # n
     # The step's one wait: its NaN flag, its gradient norm and the last step's weights' norm
     # together (divergence); the loop's save and stop decision waits for nothing in one process.
     assert all(len(calls) == 1 and calls[0].startswith("dpocache.training.loop:") for calls in four[1:]), four
+
+
+# Ops whose result's size or value the host must read back (on a GPU, each waits for the device).
+DATA_DEPENDENT = {"nonzero", "_local_scalar_dense", "masked_select", "unique", "_unique", "_unique2",
+                  "unique_consecutive", "unique_dim", "is_nonzero", "equal"}
+
+
+class DataDependentOps(TorchDispatchMode):
+    """Records the ops run under it that read a device value back to the host: those of
+    ``DATA_DEPENDENT``, an index by a boolean mask, and ``repeat_interleave`` without its
+    ``output_size``. On this CPU every tensor is a host tensor, so they are caught by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.__name__.split(".")[0]
+        bool_index = name in ("index", "index_put", "index_put_") and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None)
+        sized = name == "repeat_interleave" and kwargs.get("output_size") is None
+        if name in DATA_DEPENDENT or bool_index or sized:
+            self.seen.append(str(func))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("options", [(), ("--attention", "causal"), ("--loss.ld_alpha", "0.5"),
+                                     ("--loss.use_weighting", "true"), ("--loss.rpo_alpha", "1.0"),
+                                     ("--train.layout", "shared")],
+                         ids=["packed", "causal-rows", "ld-dpo", "wpo", "rpo", "shared"])
+def test_a_micro_batch_reads_nothing_back_from_the_device(tmp_path, monkeypatch, base_model, train_jsonl,  # noqa: F811
+                                                          options):
+    """A micro-batch's forward, head, loss and metrics, in the prompt-sharing layouts, run no op
+    that reads a device value back (the padded layout's boolean selection of completion
+    tokens does; it is the fallback for models these layouts cannot run)."""
+    real, seen = train_mod.batch_losses, []
+
+    def watched(run, batch, window, prefix="", check_cache=False):
+        if check_cache:  # step 1's audit compares with the cache on the host, once (training.audit)
+            return real(run, batch, window, prefix, check_cache)
+        with DataDependentOps() as mode:
+            out = real(run, batch, window, prefix, check_cache)
+        seen.extend(mode.seen)
+        return out
+
+    monkeypatch.setattr(train_mod, "batch_losses", watched)
+    run_training(*flags(base_model, train_jsonl, tmp_path / "run", tmp_path / "cache", "--batch-size", "2",
+                        "--max-steps", "2", "--train.layout", "packed", *options))
+    assert seen == []
+
+
+def test_the_data_dependent_op_detector_sees_a_boolean_selection():
+    x = torch.arange(6.0)
+    with DataDependentOps() as mode:
+        x[x > 2].sum()
+        x.repeat_interleave(torch.tensor([1, 2, 0, 1, 1, 1]))
+        x.repeat_interleave(torch.tensor([1, 2, 0, 1, 1, 1]), output_size=6)  # sized: not read back
+    assert len(mode.seen) == 2, mode.seen
 
 
 def test_window_reads_once_and_equals_float_sums(monkeypatch):
