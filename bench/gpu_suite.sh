@@ -31,7 +31,11 @@ download() {
 install() {
     "$PY" -m pip install --no-index --no-deps "$WHEELS"/*.whl
     # dpocache itself; where the editable install cannot build offline, run puts the tree on PYTHONPATH
-    "$PY" -m pip install --no-deps --no-build-isolation -e . || echo "dpocache not installed: run uses PYTHONPATH=."
+    "$PY" -m pip install --no-deps --no-build-isolation -e . || echo "dpocache not installed: run uses PYTHONPATH"
+    # The versions the wheels were installed against, without their dependencies (a mismatch shows at import)
+    "$PY" -m pip list 2>/dev/null | grep -iE "^(torch|transformers|peft|accelerate|trl|datasets|liger.kernel|pyarrow|fsspec|pandas|xxhash|triton|numpy|huggingface.hub|multiprocess|dill) " || true
+    "$PY" -c "import trl, datasets, liger_kernel; print('trl', trl.__version__, 'datasets', datasets.__version__)" \
+        || echo "an import failed: the rows that need it will say so"
 }
 
 session() {
@@ -39,7 +43,8 @@ session() {
     shift
     mkdir -p "$out"
     install >"$out/install.txt" 2>&1
-    export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+    # absolute: tests start python -m dpocache from other working directories
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
     # The measurement first: each finished row is in the result at once, so a timeout keeps them.
     timeout 470 "$PY" bench/gpu_suite.py --out "$out/gpu-suite.json" "$@" 2>&1 | tee "$out/gpu-suite.txt" | tail -40 || true
     cp bench/work/gpu-suite-*.log "$out/" 2>/dev/null || true
@@ -50,7 +55,7 @@ session() {
 case "${1:-}" in
     download) download ;;
     install) install ;;
-    run) shift; install; PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "$PY" bench/gpu_suite.py "$@" ;;
+    run) shift; install; PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PY" bench/gpu_suite.py "$@" ;;
     session) shift; session "${1:?usage: bench/gpu_suite.sh session OUT [gpu_suite.py options]}" "${@:2}" ;;
     *) echo "usage: bench/gpu_suite.sh download | install | run [gpu_suite.py options] | session OUT [options]" >&2; exit 2 ;;
 esac

@@ -167,11 +167,14 @@ class ReferenceModel:
     def _adapter_context(self):
         return self.model.disable_adapter() if self.adapter_disabled else contextlib.nullcontext()
 
-    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 completion_mask: torch.Tensor) -> torch.Tensor:
-        """``(N, T)`` inputs → ``(N, T)`` fp32 per-token log-probs, 0 at prompt and padding."""
+    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
+                 scored: torch.Tensor | None = None) -> torch.Tensor:
+        """``(N, T)`` inputs → ``(N, T)`` fp32 per-token log-probs, 0 at prompt and padding;
+        ``scored``: ``scoring.logprobs.scored_positions`` of the mask, built on the host."""
+        scored = None if scored is None else scored.to(self.device)
         return self._call(lambda: self._scorer(input_ids.to(self.device), attention_mask.to(self.device),
-                                               completion_mask.to(self.device)), int(attention_mask.sum()))
+                                               completion_mask.to(self.device), scored=scored),
+                          int(attention_mask.sum()))
 
     def shared_prompt_logprobs(self, batch) -> torch.Tensor:
         """``(M,)`` fp32 log-probs of the scored tokens of a ``dpocache.scoring.shared.SharedPromptBatch``
@@ -195,7 +198,7 @@ class ReferenceModel:
 
     def run_padded(self, batch) -> torch.Tensor:
         """``scoring.layouts.LayoutRunner``: a ``PairBatch`` → ``(2B, T)`` values on the CPU."""
-        return self.logprobs(batch.input_ids, batch.attention_mask, batch.completion_mask).cpu()
+        return self.logprobs(batch.input_ids, batch.attention_mask, batch.completion_mask, batch.scored).cpu()
 
     def run_shared(self, batch) -> torch.Tensor:
         """``scoring.layouts.LayoutRunner``: a ``SharedPromptBatch`` → ``(M,)`` values on the CPU."""

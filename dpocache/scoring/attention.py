@@ -124,8 +124,8 @@ def causal_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
 # of a cache build and every training step. On an H100 (eager reference pass, 1.1B Llama, bf16)
 # flash ran a pass of new shapes, as a cache build is, faster than cuDNN, which was faster only
 # over shapes already planned; in a compiled training step each cuDNN call cost several times
-# more host time than its kernel took on the GPU (docs/benchmarks/vs-trl-h100-20261123.md). CPUs have no cuDNN: there this picks what SDPA
-# would pick anyway.
+# more host time than its kernel took on the GPU (docs/benchmarks/vs-trl-h100-20261123.md).
+# CPUs have no cuDNN: there this picks what SDPA would pick anyway.
 CAUSAL_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 # ``$DPOCACHE_CAUSAL_SDPA=any`` leaves the causal rows to SDPA's own choice (cuDNN first on
 # Hopper GPUs), to measure the choice again; checked by ``Config.validate``. Read once, at

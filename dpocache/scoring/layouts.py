@@ -148,7 +148,7 @@ class ModuleRunner:
         self.scorer = scorer
 
     def run_padded(self, batch: PairBatch) -> torch.Tensor:
-        return self.scorer(batch.input_ids, batch.attention_mask, batch.completion_mask)
+        return self.scorer(batch.input_ids, batch.attention_mask, batch.completion_mask, scored=batch.scored)
 
     def run_shared(self, batch: SharedPromptBatch) -> torch.Tensor:
         return shared_prompt_logps(self.scorer, batch)

@@ -95,6 +95,16 @@ def logit_transform(config, temperature: float = 1.0) -> Callable[[torch.Tensor]
     return transform
 
 
+def scored_positions(completion_mask: torch.Tensor) -> torch.Tensor:
+    """``(N, T)`` completion mask → ``(M,)`` long flat index ``n * T + t`` of each position ``t``
+    whose next token is scored, in row-major order (a boolean selection's). Built on the host by
+    the padded layout's collate (``scoring.padded``): on a GPU, finding them there would make the
+    host wait for the device."""
+    predicts = torch.zeros(completion_mask.shape, dtype=torch.bool, device=completion_mask.device)  # (N, T)
+    predicts[:, :-1] = completion_mask[:, 1:].bool()  # position t predicts token t + 1
+    return predicts.reshape(-1).nonzero().squeeze(1)
+
+
 def router_shape(config) -> tuple[int, int] | None:
     """(experts, experts per token) of a mixture-of-experts config, else None."""
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
@@ -165,7 +175,7 @@ class CompletionLogProbs(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask, completion_mask: torch.Tensor | None = None, *,
                 position_ids: torch.Tensor | None = None, source: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, scored: torch.Tensor | None = None) -> torch.Tensor:
         """Per-token log-probs of completion tokens, in the padded layout or (with ``source``) in
         a layout that brings its own mask and positions (``dpocache.scoring.shared``).
 
@@ -177,6 +187,8 @@ class CompletionLogProbs(nn.Module):
             attention_mask: ``(N, T)`` 1 on real tokens, 0 on padding.
             completion_mask: ``(N, T)`` 1 on completion tokens (those scored), 0 on prompt and
                 padding. Position 0 is never a completion token.
+            scored: ``(M,)`` ``scored_positions(completion_mask)``, built on the host (None: found
+                here, from the mask on its device).
         Returns:
             ``(N, T)`` float32: ``log p(token_t | tokens_<t)`` where ``completion_mask`` is 1,
             0 elsewhere.
@@ -196,11 +208,13 @@ class CompletionLogProbs(nn.Module):
         """
         if source is not None:
             return self.gathered_logps(input_ids, attention_mask, position_ids, source, labels)
-        target = completion_mask[:, 1:].bool()  # (N, T-1): position t predicts token t+1
-        labels = input_ids[:, 1:][target]  # (M,)
+        if scored is None:
+            scored = scored_positions(completion_mask)  # (M,)
+        n, t = input_ids.shape
+        labels = input_ids.reshape(-1).index_select(0, scored + 1)  # (M,)
         if self.fast_path:
             hidden = self.body(input_ids, attention_mask)  # (N, T, H)
-            picked = hidden[:, :-1][target]  # (M, H)
+            picked = hidden.reshape(n * t, -1).index_select(0, scored)  # (M, H)
             logps = self.head_logps(picked, labels)  # (M,)
         else:
             moe = {"output_router_logits": True} if self._router else {}
@@ -208,15 +222,14 @@ class CompletionLogProbs(nn.Module):
                 result = self.causal_lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **moe)
             self.aux_loss = getattr(result, "aux_loss", None)
             logits = result.logits
-            full = (logits[:, :-1][target].float() / self.temperature).log_softmax(-1)  # (M, V)
+            full = (logits.reshape(n * t, -1).index_select(0, scored).float() / self.temperature).log_softmax(-1)
             logps = full.gather(-1, labels[:, None]).squeeze(-1)  # (M,)
             if self.sum_sq_probs:
                 self.log_sum_sq_probs = (2 * full.detach()).logsumexp(-1)  # (M,)
-        out = torch.zeros(target.shape, dtype=torch.float32, device=input_ids.device)  # (N, T-1)
+        out = torch.zeros(n * t, dtype=torch.float32, device=input_ids.device)  # token t+1's value at t+1
         if self.sum_sq_probs:  # (M,) -> (N, T) like the log-probs
-            self.log_sum_sq_probs = F.pad(out.masked_scatter(target, self.log_sum_sq_probs), (1, 0))
-        out = out.masked_scatter(target, logps)
-        return F.pad(out, (1, 0))  # (N, T)
+            self.log_sum_sq_probs = out.index_copy(0, scored + 1, self.log_sum_sq_probs).view(n, t)
+        return out.index_copy(0, scored + 1, logps).view(n, t)  # (N, T)
 
     def gathered_logps(self, input_ids: torch.Tensor, attention_mask, position_ids: torch.Tensor, source: torch.Tensor,
                        labels: torch.Tensor) -> torch.Tensor:

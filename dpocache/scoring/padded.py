@@ -14,7 +14,7 @@ import torch
 
 from dpocache.data.pairs import TokenizedPair
 from dpocache.data.values import PairValues
-from dpocache.scoring.logprobs import CompletionLogProbs
+from dpocache.scoring.logprobs import CompletionLogProbs, scored_positions
 
 
 @dataclass
@@ -22,17 +22,25 @@ class PairBatch:
     input_ids: torch.Tensor  # (2B, T)
     attention_mask: torch.Tensor  # (2B, T)
     completion_mask: torch.Tensor  # (2B, T)
+    scored: torch.Tensor | None = None  # (M,) ``scored_positions(completion_mask)``, built on the host
+
+    def __post_init__(self):
+        if self.scored is None and self.completion_mask.device.type == "cpu":
+            self.scored = scored_positions(self.completion_mask)
 
     @property
     def num_pairs(self) -> int:
         return self.input_ids.shape[0] // 2
 
     def to(self, device) -> "PairBatch":
-        return PairBatch(*(t.to(device, non_blocking=True)
-                           for t in (self.input_ids, self.attention_mask, self.completion_mask)))
+        return self._map(lambda t: t.to(device, non_blocking=True))
 
     def pin_memory(self) -> "PairBatch":
-        return PairBatch(*(t.pin_memory() for t in (self.input_ids, self.attention_mask, self.completion_mask)))
+        return self._map(torch.Tensor.pin_memory)
+
+    def _map(self, fn) -> "PairBatch":
+        return PairBatch(fn(self.input_ids), fn(self.attention_mask), fn(self.completion_mask),
+                         None if self.scored is None else fn(self.scored))
 
 
 def pad_sequences(seqs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int = 0):
@@ -79,4 +87,5 @@ def pair_values(token_logps: torch.Tensor, batch: PairBatch,
 def pair_logprobs(lp: CompletionLogProbs, batch: PairBatch,
                   pairs: Sequence[TokenizedPair] | None = None) -> PairValues:
     """Run ``lp`` on a pair batch and split the result (``pair_values``)."""
-    return pair_values(lp(batch.input_ids, batch.attention_mask, batch.completion_mask), batch, pairs)  # (2B, T)
+    token_logps = lp(batch.input_ids, batch.attention_mask, batch.completion_mask, scored=batch.scored)  # (2B, T)
+    return pair_values(token_logps, batch, pairs)

@@ -90,11 +90,19 @@ DATA_DEPENDENT = {"nonzero", "_local_scalar_dense", "masked_select", "unique", "
 class DataDependentOps(TorchDispatchMode):
     """Records the ops run under it that read a device value back to the host: those of
     ``DATA_DEPENDENT``, an index by a boolean mask, and ``repeat_interleave`` without its
-    ``output_size``. On this CPU every tensor is a host tensor, so they are caught by name."""
+    ``output_size``; each as ``op < module`` of the code that called it (the first frame outside
+    torch). On this CPU every tensor is a host tensor, so they are caught by name."""
 
     def __init__(self):
         super().__init__()
         self.seen: list[str] = []
+
+    @staticmethod
+    def _caller() -> str:
+        frame = sys._getframe(2)
+        while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in ("torch", __name__):
+            frame = frame.f_back
+        return frame.f_globals.get("__name__", "?") if frame is not None else "?"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -103,19 +111,21 @@ class DataDependentOps(TorchDispatchMode):
             isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None)
         sized = name == "repeat_interleave" and kwargs.get("output_size") is None
         if name in DATA_DEPENDENT or bool_index or sized:
-            self.seen.append(str(func))
+            self.seen.append(f"{func} < {self._caller()}")
         return func(*args, **kwargs)
 
 
 @pytest.mark.parametrize("options", [(), ("--attention", "causal"), ("--loss.ld_alpha", "0.5"),
                                      ("--loss.use_weighting", "true"), ("--loss.rpo_alpha", "1.0"),
-                                     ("--train.layout", "shared")],
-                         ids=["packed", "causal-rows", "ld-dpo", "wpo", "rpo", "shared"])
+                                     ("--train.layout", "shared"), ("--train.layout", "padded"),
+                                     ("--train.layout", "padded", "--loss.use_weighting", "true")],
+                         ids=["packed", "causal-rows", "ld-dpo", "wpo", "rpo", "shared", "padded", "padded-wpo"])
 def test_a_micro_batch_reads_nothing_back_from_the_device(tmp_path, monkeypatch, base_model, train_jsonl,  # noqa: F811
                                                           options):
-    """A micro-batch's forward, head, loss and metrics, in the prompt-sharing layouts, run no op
-    that reads a device value back (the padded layout's boolean selection of completion
-    tokens does; it is the fallback for models these layouts cannot run)."""
+    """A micro-batch's forward, head, loss and metrics run no op that reads a device value back,
+    in every layout: the padded layout's scored positions come from its collate, on the host.
+    Its one exception is transformers' own: building the causal mask from a padding mask, it
+    asks whether any token is padding (``masking_utils``), as it does for every trainer."""
     real, seen = train_mod.batch_losses, []
 
     def watched(run, batch, window, prefix="", check_cache=False):
@@ -129,7 +139,8 @@ def test_a_micro_batch_reads_nothing_back_from_the_device(tmp_path, monkeypatch,
     monkeypatch.setattr(train_mod, "batch_losses", watched)
     run_training(*flags(base_model, train_jsonl, tmp_path / "run", tmp_path / "cache", "--batch-size", "2",
                         "--max-steps", "2", "--train.layout", "packed", *options))
-    assert seen == []
+    padded = "padded" in options
+    assert [op for op in seen if not (padded and op.endswith("< transformers.masking_utils"))] == [], seen
 
 
 def test_the_data_dependent_op_detector_sees_a_boolean_selection():
