@@ -47,7 +47,7 @@ session() {
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
     # The measurement first: each finished row is in the result at once, so a timeout keeps them.
     timeout 470 "$PY" bench/gpu_suite.py --out "$out/gpu-suite.json" "$@" 2>&1 | tee "$out/gpu-suite.txt" | tail -40 || true
-    cp bench/work/gpu-suite-*.log "$out/" 2>/dev/null || true
+    cp "$(ls -t bench/work/gpu-suite-*.log 2>/dev/null | head -1)" "$out/" 2>/dev/null || true  # this run's log
     timeout 100 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests >"$out/gpu-tests.txt" 2>&1 || true
     tail -15 "$out/gpu-tests.txt"
 }
