@@ -1,7 +1,7 @@
 """Host synchronisations of the training loop: no micro-batch waits for the device (metric sums
-stay device tensors), an optimizer step waits a fixed number of times whatever its micro-batch
-count, and a logging window is read with one synchronisation, to the same values as the
-plain float sums it replaced."""
+stay device tensors, and no op of its forward or loss reads a value back), an optimizer step
+waits once whatever its micro-batch count, and a logging window is read with one
+synchronisation, to the same values as the plain float sums it replaced."""
 
 from __future__ import annotations
 
