@@ -118,16 +118,18 @@ def lay_out(layout: str, pairs: Sequence[TokenizedPair], pad_id: int, config, on
 def run_laid_out(runner: LayoutRunner, laid: LaidOut, device=None, per_token: bool = False) -> tuple[PairValues, int]:
     """``laid`` run by ``runner``: (``PairValues`` of its ``B`` pairs, per-token values only if
     ``per_token``; real tokens run). ``device``: where the batch goes first (None: the runner
-    moves it). Nothing here waits for the device: counts and offsets come from the pairs."""
-    batch, pairs = laid.batch, laid.pairs
-    moved = batch if device is None else batch.to(device)
+    moves it, and returns its values on the host). The values are combined with the batch where
+    they are, so every tensor of the result is on one device. Nothing here waits for the device:
+    counts and offsets come from the pairs."""
+    pairs = laid.pairs
+    batch = laid.batch if device is None else laid.batch.to(device)
     if shares_prompts(laid.layout):
-        logps = runner.run_shared(moved)  # (M,)
+        logps = runner.run_shared(batch)  # (M,)
         chosen, rejected = sequence_sums(logps, batch)
         cpt, rpt = split_per_token(logps, batch, pairs) if per_token else (None, None)
         values = PairValues(chosen, rejected, batch.chosen_tokens, batch.rejected_tokens, cpt, rpt)
         return values, laid.tokens
-    token_logps = runner.run_padded(moved)  # (2B, T)
+    token_logps = runner.run_padded(batch)  # (2B, T)
     return pair_values(token_logps, batch, pairs if per_token else None), laid.tokens
 
 
