@@ -332,7 +332,10 @@ class CachedDPOTrainer(DPOTrainer):
     def _load_reference(self) -> ReferenceModel:
         """The reference ``cache_reference`` describes (an adapter directory: its base, adapter on)."""
         base, adapter = reference_source(self._ref_path)
-        return ReferenceModel.from_pretrained(base, self._cache_dtype, self._cache_device, adapter=adapter)
+        # The model's own kernels, as TRL's policy runs: Liger's patches reach past the reference
+        # (its RoPE replaces the module's function for the whole process, the policy's included).
+        return ReferenceModel.from_pretrained(base, self._cache_dtype, self._cache_device, adapter=adapter,
+                                              kernels="none")
 
     def _report(self, name: str, summary) -> None:
         """Where the reference values of data set ``name`` came from, in the CLI's words: once, on

@@ -243,7 +243,9 @@ class CachedGRPOTrainer(GRPOTrainer):
         device = self.accelerator.device
         base, adapter = reference_source(path)
         self._check_tokenizer(path, base)
-        model = ReferenceModel.from_pretrained(base, dtype, device, adapter=adapter, temperature=self.temperature)
+        # The model's own kernels, as TRL's policy runs (Liger's RoPE patch would reach the policy too).
+        model = ReferenceModel.from_pretrained(base, dtype, device, adapter=adapter, temperature=self.temperature,
+                                               kernels="none")
 
         def service(cached: bool) -> ReferenceService:
             options = self._options(max_tokens, cached)

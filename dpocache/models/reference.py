@@ -45,7 +45,9 @@ def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
     if name == "auto":
         device = torch.device(device)
         if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+            # Native bf16 only (Ampere on): torch counts an older GPU's emulated bf16 as support,
+            # and there bf16 runs slower than float32 and SDPA's fused kernels refuse it.
+            return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float32
         return torch.bfloat16 if cpu_has_amx_bf16() else torch.float32
     if name not in DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got '{name}'")

@@ -47,7 +47,7 @@ from dpocache.models.reference import ReferenceModel, dtype_name, resolve_dtype
 from dpocache.runtime.preflight import check_model_dir
 from dpocache.scoring.groups import Group, budget_batches, collate_groups, collate_sequences, per_sequence, split_group
 from dpocache.scoring.layout_choice import CAUSAL, SHARED, shares_prompts
-from dpocache.scoring.logprobs import unwrap_causal_lm
+from dpocache.scoring.logprobs import scored_positions, unwrap_causal_lm
 
 log = logging.getLogger(__name__)
 
@@ -371,7 +371,8 @@ class ReferenceService:
                 c["prompt_tokens_saved"] += sum(len(g.prompt) * (len(g.completions) - 1) for g in members)
             else:
                 sb = collate_sequences(members)
-                token_logps = self.reference.logprobs(sb.input_ids, sb.attention_mask, sb.completion_mask)  # (N, T)
+                token_logps = self.reference.logprobs(sb.input_ids, sb.attention_mask, sb.completion_mask,
+                                                      scored_positions(sb.completion_mask))  # (N, T)
                 parts = iter(per_sequence(token_logps.float().cpu(), sb))
             c["forward_passes"] += 1
             c["tokens"] += self.reference.tokens - tokens

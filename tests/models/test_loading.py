@@ -459,3 +459,18 @@ def test_an_adapter_on_a_base_read_in_bf16_gives_the_same_stored_reference(tmp_p
     assert stored[0].keys() == stored[1].keys() and any("lora_A" in name for name in stored[0])
     for name, p in stored[0].items():
         assert p.dtype == stored[1][name].dtype and torch.equal(p, stored[1][name]), name
+
+
+def test_auto_dtype_takes_bf16_only_where_a_gpu_has_it_natively(monkeypatch):
+    """torch counts an older GPU's emulated bf16 as support (``is_bf16_supported()``); there bf16
+    runs slower than float32 and SDPA's fused kernels refuse it, so ``auto`` is float32."""
+    from dpocache.models.reference import resolve_dtype
+
+    def pre_ampere(including_emulation: bool = True) -> bool:
+        return including_emulation  # a T4 or V100: emulated only
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", pre_ampere)
+    assert resolve_dtype("auto", "cuda") == torch.float32
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # Ampere on
+    assert resolve_dtype("auto", "cuda") == torch.bfloat16
+    assert resolve_dtype("bfloat16", "cuda") == torch.bfloat16  # asked for: as asked
