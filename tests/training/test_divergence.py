@@ -30,7 +30,6 @@ def test_monitor_counts_consecutive_zero_gradients():
     assert "exactly 0 for 3 consecutive steps" in monitor.check(0.0)
 
 
-
 def test_monitor_judges_the_weights_norm_it_measured_when_read():
     w = torch.nn.Parameter(torch.ones(4))
     grown = divergence.ProgressMonitor([w], weight_growth=10.0)
