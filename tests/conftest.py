@@ -177,3 +177,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if str(item.path) in quick:
             item.add_marker(pytest.mark.quick)
+
+
+@pytest.fixture
+def reference_kernels_asked(monkeypatch) -> list[str]:
+    """The ``kernels`` each ``ReferenceModel.from_pretrained`` call of the test asks for, in order
+    (the model still loads)."""
+    from dpocache.models.reference import ReferenceModel
+
+    real, asked = ReferenceModel.from_pretrained.__func__, []
+
+    def spied(cls, *args, **kwargs):
+        asked.append(kwargs.get("kernels", "auto"))
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(ReferenceModel, "from_pretrained", classmethod(spied))
+    return asked

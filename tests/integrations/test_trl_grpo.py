@@ -189,20 +189,13 @@ def test_beta_zero_is_grpotrainer_and_loads_no_reference(model_dir, tmp_path, mo
     assert _logged(ours, "loss") == _logged(theirs, "loss")
 
 
-def test_the_reference_runs_the_models_own_kernels(model_dir, tmp_path, monkeypatch):
+def test_the_reference_runs_the_models_own_kernels(model_dir, tmp_path, reference_kernels_asked):
     """Liger's kernels (``--kernels auto`` elsewhere, on a GPU) are never applied to the reference
     beside TRL's policy: its RoPE patch replaces the model module's function for the process."""
     from dpocache.integrations.trl_grpo import CachedGRPOTrainer
 
-    real, asked = reference_mod.ReferenceModel.from_pretrained.__func__, []
-
-    def spied(cls, *args, **kwargs):
-        asked.append(kwargs.get("kernels", "auto"))
-        return real(cls, *args, **kwargs)
-
-    monkeypatch.setattr(reference_mod.ReferenceModel, "from_pretrained", classmethod(spied))
     _run(CachedGRPOTrainer, model_dir, tmp_path, steps=1, train=False, reference=model_dir)
-    assert asked == ["none"]
+    assert reference_kernels_asked == ["none"]
 
 
 def _swapped_tokenizer(model_dir: Path, out: Path) -> Path:

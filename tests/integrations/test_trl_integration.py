@@ -217,21 +217,14 @@ def test_model_given_as_its_directory(setup):
                          processing_class=AutoTokenizer.from_pretrained(model_dir), cache_dir=root / "c6")
 
 
-def test_the_reference_runs_the_models_own_kernels(setup, monkeypatch):
+def test_the_reference_runs_the_models_own_kernels(setup, reference_kernels_asked):
     """Liger's kernels (``--kernels auto`` elsewhere, on a GPU) are never applied to the reference
     beside TRL's policy: its RoPE patch replaces the model module's function for the process."""
     from dpocache.integrations.trl import CachedDPOTrainer
 
-    real, asked = reference_mod.ReferenceModel.from_pretrained.__func__, []
-
-    def spied(cls, *args, **kwargs):
-        asked.append(kwargs.get("kernels", "auto"))
-        return real(cls, *args, **kwargs)
-
-    monkeypatch.setattr(reference_mod.ReferenceModel, "from_pretrained", classmethod(spied))
     model_dir, dataset, root = setup
     _trainer(CachedDPOTrainer, model_dir, dataset, root / "kernels", cache_dir=root / "c-kernels")
-    assert asked == ["none"]
+    assert reference_kernels_asked == ["none"]
 
 
 def test_callers_config_is_not_changed(setup):
