@@ -211,7 +211,8 @@ class CompletionLogProbs(nn.Module):
         if scored is None:
             scored = scored_positions(completion_mask)  # (M,)
         n, t = input_ids.shape
-        labels = input_ids.reshape(-1).index_select(0, scored + 1)  # (M,)
+        predicted = scored + 1  # (M,) flat index of each scored token
+        labels = input_ids.reshape(-1).index_select(0, predicted)  # (M,)
         if self.fast_path:
             hidden = self.body(input_ids, attention_mask)  # (N, T, H)
             picked = hidden.reshape(n * t, -1).index_select(0, scored)  # (M, H)
@@ -226,10 +227,10 @@ class CompletionLogProbs(nn.Module):
             logps = full.gather(-1, labels[:, None]).squeeze(-1)  # (M,)
             if self.sum_sq_probs:
                 self.log_sum_sq_probs = (2 * full.detach()).logsumexp(-1)  # (M,)
-        out = torch.zeros(n * t, dtype=torch.float32, device=input_ids.device)  # token t+1's value at t+1
+        out = torch.zeros(n * t, dtype=torch.float32, device=input_ids.device)  # each token's value at its place
         if self.sum_sq_probs:  # (M,) -> (N, T) like the log-probs
-            self.log_sum_sq_probs = out.index_copy(0, scored + 1, self.log_sum_sq_probs).view(n, t)
-        return out.index_copy(0, scored + 1, logps).view(n, t)  # (N, T)
+            self.log_sum_sq_probs = out.index_copy(0, predicted, self.log_sum_sq_probs).view(n, t)
+        return out.index_copy(0, predicted, logps).view(n, t)  # (N, T)
 
     def gathered_logps(self, input_ids: torch.Tensor, attention_mask, position_ids: torch.Tensor, source: torch.Tensor,
                        labels: torch.Tensor) -> torch.Tensor:
