@@ -2,7 +2,7 @@
 model, data, dtype and batch, each system's run in its own process.
 
     bench/gpu_suite.sh install                                 # on a GPU machine without TRL (offline)
-    python bench/gpu_suite.py                                  # every row: about 7 min on one H100 (estimated)
+    python bench/gpu_suite.py                                  # every row: 6 min on one H200 (2026-11-26)
     python bench/gpu_suite.py --only ref-8b                    # a part (a lent GPU runs 10 min a call)
     python bench/gpu_suite.py --merge A.json B.json --out bench/results/gpu-suite-h100-<date>.json
     python bench/gpu_suite.py --dry-run --out /tmp/suite.json  # every row at tiny shapes on a CPU

@@ -5,8 +5,8 @@
 #   bench/gpu_suite.sh download     # where PyPI is reachable, in dpocache's venv: into bench/wheels/ (~3 MiB)
 #   bench/gpu_suite.sh install      # on the GPU machine: those wheels, no index, no dependencies; dpocache
 #   bench/gpu_suite.sh run [ARGS]   # install, then python bench/gpu_suite.py ARGS
-#   bench/gpu_suite.sh session OUT [ARGS]  # a lent GPU's one call: install, the suite (at most 470 s), then the GPU
-#                                   # tests (at most 100 s); the result, its log and the tests' output into OUT
+#   bench/gpu_suite.sh session OUT [ARGS]  # a lent GPU's one call: install, the suite (at most 420 s), then the GPU
+#                                   # tests (at most 150 s); the result, its log and the tests' output into OUT
 #
 # The wheels: TRL 1.16.0 and, of what it imports, what such a machine lacks (datasets, and
 # datasets' dill and multiprocess, at this venv's versions), plus liger-kernel 0.8.5 for
@@ -46,9 +46,9 @@ session() {
     # absolute: tests start python -m dpocache from other working directories
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
     # The measurement first: each finished row is in the result at once, so a timeout keeps them.
-    timeout 470 "$PY" bench/gpu_suite.py --out "$out/gpu-suite.json" "$@" 2>&1 | tee "$out/gpu-suite.txt" | tail -40 || true
+    timeout 420 "$PY" bench/gpu_suite.py --out "$out/gpu-suite.json" "$@" 2>&1 | tee "$out/gpu-suite.txt" | tail -40 || true
     cp "$(ls -t bench/work/gpu-suite-*.log 2>/dev/null | head -1)" "$out/" 2>/dev/null || true  # this run's log
-    timeout 100 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests >"$out/gpu-tests.txt" 2>&1 || true
+    timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests >"$out/gpu-tests.txt" 2>&1 || true
     tail -15 "$out/gpu-tests.txt"
 }
 

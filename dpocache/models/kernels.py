@@ -62,6 +62,12 @@ OFF = ("cross_entropy", "fused_linear_cross_entropy", "layer_norm")
 # The activations Liger's gated-MLP kernels compute. Its per-instance patch does not check the
 # model's (its class constructor does): a SwiGLU kernel on a GELU MLP would be silently wrong.
 GATED_ACTIVATIONS = {"swiglu": ("silu", "swish"), "geglu": ("gelu_pytorch_tanh", "gelu_new")}
+# A trained model's compiled layers cannot hold Liger's kernels: dynamo fails to trace Liger's
+# autograd functions with gradients on (an AssertionError in LigerRMSNormFunction, torch 2.11 and
+# liger-kernel 0.8.5 on an H200: docs/benchmarks/gpu-suite-h200-20261126.md), and inductor fuses
+# the same norms and activations itself.
+LIGER_UNDER_COMPILE = ("the policy's decoder layers are compiled (--compile on), and torch.compile cannot trace "
+                       "Liger's kernels in training")
 
 
 @dataclass
@@ -81,17 +87,20 @@ class KernelChoice:
 
 
 def choose_kernels(requested: str, device, model_type: str | None, installed: bool | None = None,
-                   families: frozenset[str] = LIGER_FAMILIES) -> KernelChoice:
+                   families: frozenset[str] = LIGER_FAMILIES, compiled_training: bool = False) -> KernelChoice:
     """The kernels a model of ``model_type`` runs on ``device`` (a ``torch.device`` or its name)
     for ``--kernels requested``; ``installed``: whether liger-kernel is (None: look, without
-    importing it). Pure: imports nothing, loads nothing. Raises ``ConfigError``, one line naming
-    ``--kernels``, for ``liger`` where Liger cannot run."""
+    importing it); ``compiled_training``: the model is trained with its decoder layers compiled
+    (``--compile on``). Pure: imports nothing, loads nothing. Raises ``ConfigError``, one line
+    naming ``--kernels``, for ``liger`` where Liger cannot run."""
     if requested not in KERNELS:
         raise ConfigError(f"{flag_name('model.kernels')}: must be one of {', '.join(KERNELS)}; got {requested!r}")
     if requested == "none":
         return KernelChoice(requested, "none", "--kernels none: the model's own code", model_type)
     device_type = getattr(device, "type", None) or str(device).split(":", 1)[0]
     reason = liger_unavailable(device_type, installed)
+    if reason is None and compiled_training:
+        reason = LIGER_UNDER_COMPILE
     if reason is None and model_type not in families:
         reason = (f"Liger has no kernels for model type '{model_type}'" if model_type else
                   "the model's config.json names no model type")
@@ -112,9 +121,9 @@ def model_type_of(path: str | Path) -> str | None:
     return config.get("model_type") if isinstance(config, dict) else None
 
 
-def kernels_for(requested: str, device, path: str | Path) -> KernelChoice:
+def kernels_for(requested: str, device, path: str | Path, compiled_training: bool = False) -> KernelChoice:
     """``choose_kernels`` for the model directory ``path``, before it loads."""
-    return choose_kernels(requested, device, model_type_of(path))
+    return choose_kernels(requested, device, model_type_of(path), compiled_training=compiled_training)
 
 
 def apply_kernels(model: nn.Module, choice: KernelChoice) -> list[str]:

@@ -113,7 +113,8 @@ def _setup(cfg: Config, env: DistEnv) -> Run:
     check_lora_settings(cfg)
     # Liger's kernels or the model's own: --kernels liger on a family Liger lacks, refused before any model loads
     # (the reference's own choice is made as it loads: cached_reference).
-    kernels = kernels_for(cfg.model.kernels, env.device, cfg.model.path)
+    compiled = cfg.model.compile == "on" and not (cfg.distributed.fsdp and env.enabled)  # as compile_layers below
+    kernels = kernels_for(cfg.model.kernels, env.device, cfg.model.path, compiled_training=compiled)
     if cfg.model.ref_model:
         kernels_for(cfg.model.kernels, env.device, cfg.model.ref_model)
     if not cfg.train.resume:
@@ -144,7 +145,7 @@ def _setup(cfg: Config, env: DistEnv) -> Run:
         scorer = wrap_for_distributed(CompletionLogProbs(policy), policy, cfg, env)
     # After the scorer's fast-path probe (a compile for its few tokens would be wasted). Training
     # compiles with "on" only: "auto" is measured for the reference pass; FSDP2's units stay eager.
-    compiled_layers = compile_layers(policy) if cfg.model.compile == "on" and not fsdp else 0
+    compiled_layers = compile_layers(policy) if compiled else 0
     # WPO (dpocache.losses.wpo): the policy's head also returns log sum_v p(v)^2 per scored token.
     scorer_core(scorer).sum_sq_probs = cfg.loss.use_weighting
     # scoring.layout_choice: packed where supported, else padded; the attention backend by scoring.attention

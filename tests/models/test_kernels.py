@@ -67,6 +67,33 @@ def test_liger_where_it_cannot_run_is_one_line_naming_the_flag(device, model_typ
     assert "\n" not in line and line.startswith("--kernels (model.kernels) liger: ") and reason in line, line
 
 
+def test_compiled_training_runs_the_models_own_code():
+    """dynamo cannot trace Liger's autograd functions with gradients on (seen on an H200), so a
+    policy trained with compiled layers gets the model's code, which inductor fuses itself."""
+    choice = choose_kernels("auto", "cuda", "llama", installed=True, compiled_training=True)
+    assert choice.used == "none" and "--compile on" in choice.reason, choice.reason
+    assert choose_kernels("auto", "cuda", "llama", installed=True).used == "liger"  # a reference pass is not trained
+    with pytest.raises(ConfigError, match=r"^--kernels \(model.kernels\) liger: the policy's decoder layers are "
+                                          r"compiled \(--compile on\)"):
+        choose_kernels("liger", "cuda", "llama", installed=True, compiled_training=True)
+
+
+def test_training_with_compiled_layers_refuses_liger_before_any_model_loads(cli, monkeypatch, tmp_path, base_model,
+                                                                           train_jsonl):
+    """Where Liger could run (made so here on the CPU), ``--compile on`` training still refuses it."""
+    import dpocache.config
+    import dpocache.models.kernels
+
+    _no_model_loads(monkeypatch)
+    for module in (dpocache.config, dpocache.models.kernels):
+        monkeypatch.setattr(module, "liger_unavailable", lambda *a, **k: None)
+    rc, _, err = cli("train", "--output-dir", tmp_path / "run", "--model", base_model, "--data", train_jsonl,
+                     "--cache-dir", tmp_path / "cache", "--device", "cpu", "--kernels", "liger", "--compile", "on")
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "liger: the policy's decoder layers are compiled (--compile on)" in err, err
+    assert not list(tmp_path.glob("cache/*/shard-*"))
+
+
 def test_an_unknown_choice_is_refused():
     with pytest.raises(ConfigError, match=r"--kernels \(model.kernels\): must be one of auto, liger, none; got 'on'"):
         choose_kernels("on", "cuda", "llama", installed=True)

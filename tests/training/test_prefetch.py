@@ -100,12 +100,17 @@ def test_auto_prefetches_on_cuda_only():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_a_prefetching_run_equals_the_plain_run_from_pinned_memory(tmp_path, base_model,  # noqa: F811
                                                                           train_jsonl, monkeypatch):  # noqa: F811
-    pinned = []
+    """A GPU's training step is not bitwise reproducible (its backward kernels add in an order of
+    their own: on an H200 two plain runs' grad norms differed at step 3 by 2e-5), so here the
+    runs must see the same token ids in the same order, and agree exactly at step 1 (the same
+    weights, the same batch) and to float rounding after it."""
+    pinned, seen = [], {"off": [], "on": []}
     real = prefetch.prepare
 
     def recorded(*args, **kwargs):
         batch = real(*args, **kwargs)
         pinned.append(batch.laid.batch.input_ids.is_pinned())
+        seen[setting].append(batch.laid.batch.input_ids.tolist())
         return batch
 
     monkeypatch.setattr(prefetch, "prepare", recorded)
@@ -116,11 +121,20 @@ def test_on_cuda_a_prefetching_run_equals_the_plain_run_from_pinned_memory(tmp_p
                             "--grad-accum", "2", "--batch-size", "2", "--device", "cuda", "--dtype", "bfloat16",
                             "--train.prefetch", setting))
     assert any(pinned) and not all(pinned)  # "on" pinned its batches, "off" did not
-    assert _values(outs["off"]) == _values(outs["on"])
+    assert seen["off"] and seen["off"] == seen["on"]
+    off, on = _values(outs["off"]), _values(outs["on"])
+    assert off[0] == on[0] and len(off) == len(on)
+    for a, b in zip(off[1:], on[1:]):
+        assert a.keys() == b.keys()
+        for key, value in a.items():  # numbers to float rounding, anything else exactly
+            expected = pytest.approx(b[key], rel=1e-3, abs=1e-5) if isinstance(value, float) else b[key]
+            assert value == expected, (a["step"], key)
     weights = [load_tensors(outs[s] / "final" / "model.safetensors") for s in ("off", "on")]
-    assert max_abs_diff(*weights) == 0.0
+    for name, w in weights[0].items():
+        assert (w.float() - weights[1][name].float()).norm() <= 1e-3 * w.float().norm() + 1e-6, name
 
 
+@pytest.mark.gpu
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_a_step_waits_for_the_device_only_for_the_divergence_check(tmp_path, base_model,  # noqa: F811
