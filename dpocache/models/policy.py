@@ -21,6 +21,7 @@ from dpocache.models.loading import (
     disable_dropout,
     load_causal_lm,
     load_for_sharding,
+    load_for_storage,
     routes_bf16_through_fp32,
     store_frozen_matrices_,
 )
@@ -73,26 +74,32 @@ def load_policy(cfg: Config, device: torch.device, kernels: KernelChoice | None 
     Under LoRA the base's matrices are frozen: where ``dtype`` is bf16 or fp16 and the device
     runs it natively, they are stored in ``dtype`` (``frozen_in_compute_dtype``), the same
     values autocast would cast them to at every call, in half the memory (16 GiB less for an
-    8B base). They are converted on the host first, so the fp32 base never takes device memory."""
+    8B base). A checkpoint saved in ``dtype`` is read in it on the host (``load_for_storage``),
+    so neither the host nor the device ever holds the fp32 base (an 8B LoRA run's host peak
+    was 49 GB with it: docs/benchmarks/gpu-suite-h200-20261126.md). PEFT rounds a fresh
+    adapter's init to its base layer's dtype before it casts it to fp32, so the init is drawn
+    again in fp32 (``init_lora_``)."""
     path = Path(cfg.model.path)
     base = adapter_base_dir(path)  # the same base the reference of an adapter directory loads
     staged = frozen_in_compute_dtype(cfg, device, dtype)
-    # Staged, the base is loaded on the host in fp32 all the same (not read in dtype, as a frozen
-    # reference's is: loading.load_for_storage): PEFT creates and loads the adapters in the base
-    # layers' dtype before it casts them to fp32, which would round their values to dtype's.
-    load_on = torch.device("cpu") if staged else device
+
+    def load_base(where: Path) -> nn.Module:
+        if staged:  # on the host, in dtype where the checkpoint holds dtype
+            return load_for_storage(where, dtype, cfg.model.attn_implementation)
+        return load_causal_lm(where, device, cfg.model.attn_implementation)
+
     if base is not None:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(load_causal_lm(base, load_on, cfg.model.attn_implementation), str(path),
-                                          is_trainable=True)
+        # PEFT casts the adapter to fp32 before it reads the file: its values are the file's.
+        model = PeftModel.from_pretrained(load_base(base), str(path), is_trainable=True)
         # The base as loaded, a local directory (a Hub id's snapshot is named by its id again when
         # saved: checkpoint.name_hub_base), so that PEFT's save looks for its config locally.
         for adapter in model.peft_config.values():
             adapter.base_model_name_or_path, adapter.revision = str(base), None
         set_lora_dropout(model, cfg.lora.dropout)
     else:
-        model = load_causal_lm(path, load_on, cfg.model.attn_implementation)
+        model = load_base(path)
         if cfg.lora.r > 0:
             model = add_lora(model, cfg)
     if staged:
@@ -151,6 +158,8 @@ def load_sharded_policy(cfg: Config, env: DistEnv, dtype: torch.dtype, probe_mem
 
 
 def add_lora(model: nn.Module, cfg: Config) -> nn.Module:
+    """A fresh LoRA adapter on ``model`` (PEFT's), its weights initialised in fp32 from the run's
+    seed (``init_lora_``)."""
     from peft import LoraConfig, get_peft_model
 
     targets = cfg.lora.target_modules
@@ -158,7 +167,24 @@ def add_lora(model: nn.Module, cfg: Config) -> nn.Module:
         r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout, task_type="CAUSAL_LM",
         target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
     )
-    return get_peft_model(model, lora)
+    model = get_peft_model(model, lora)
+    init_lora_(model, cfg.train.seed)
+    return model
+
+
+def init_lora_(model: nn.Module, seed: int) -> int:
+    """PEFT's own initialisation of every LoRA layer of ``model`` (A: kaiming-uniform, B: zero),
+    run again on its fp32 weights from ``seed``: PEFT drew A in fp32 and then rounded it to the
+    base layer's dtype, which a base stored in bf16 makes bf16. So the init is the same whatever
+    the base's storage, and on every rank. The process's random state is left as it was.
+    Returns how many layers were initialised."""
+    layers = [m for m in model.modules() if hasattr(m, "reset_lora_parameters") and hasattr(m, "lora_A")]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for layer in layers:
+            for name in layer.lora_A:
+                layer.reset_lora_parameters(name, True)
+    return len(layers)
 
 
 def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:

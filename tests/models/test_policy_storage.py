@@ -85,3 +85,60 @@ def test_fp32_runs_and_full_training_keep_every_weight_in_fp32(tmp_path, base_mo
     monkeypatch.setattr(setup_mod, "load_policy", lambda *a, **k: loaded.append(real(*a, **k)) or loaded[-1])
     run_training(*flags(base_model, train_jsonl, tmp_path / "run", tmp_path / "cache", "--max-steps", "1", *extra))
     assert all(p.dtype == torch.float32 for p in loaded[0].parameters())
+
+
+def _lora_config(path, r: int = 4):
+    from dpocache.config import Config
+
+    cfg = Config()
+    cfg.model.path, cfg.lora.r = str(path), r
+    return cfg
+
+
+def test_a_lora_policy_on_a_bf16_checkpoint_never_holds_the_fp32_base(tmp_path, base_model, monkeypatch):  # noqa: F811
+    """The base is read in bf16 on the host (``loading.load_for_storage``): never loaded in fp32,
+    whose copy took an 8B LoRA run's host memory to 49 GB on a GPU machine."""
+    from dpocache.models import loading
+
+    monkeypatch.setenv("DPOCACHE_BF16_MATMUL", "native")
+    model = _saved_in_bf16(base_model, tmp_path / "model")
+    read_in = []
+    real = loading.load_causal_lm
+
+    def recorded(path, device="cpu", attn_implementation="sdpa", dtype=torch.float32):
+        read_in.append(dtype)
+        return real(path, device, attn_implementation, dtype)
+
+    monkeypatch.setattr(loading, "load_causal_lm", recorded)
+    monkeypatch.setattr(policy_mod, "load_causal_lm", recorded)
+    policy = policy_mod.load_policy(_lora_config(model), torch.device("cpu"), None, torch.bfloat16)
+    assert read_in == [torch.bfloat16]
+    trained = [p for p in policy.parameters() if p.requires_grad]
+    assert trained and all(p.dtype == torch.float32 for p in trained)
+    assert all(m.weight.dtype == torch.bfloat16 for m in policy.modules()
+               if type(m) is torch.nn.Linear and not m.weight.requires_grad)
+
+
+def test_a_saved_adapter_keeps_its_fp32_values_on_a_base_stored_in_bf16(tmp_path, base_model, monkeypatch):  # noqa: F811
+    """PEFT loads a saved adapter into its base layers' dtype before it casts it to fp32; the
+    policy's trainable adapter holds the file's fp32 values all the same, as on the fp32 base."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+
+    from dpocache.models import loading
+
+    monkeypatch.setenv("DPOCACHE_BF16_MATMUL", "native")
+    model = _saved_in_bf16(base_model, tmp_path / "model")
+    adapter = get_peft_model(loading.load_causal_lm(model),
+                             LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    adapter.save_pretrained(tmp_path / "adapter")  # random fp32 A and B, not bf16 values
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert any(not torch.equal(t, t.bfloat16().float()) for t in saved.values())
+    cfg = _lora_config(tmp_path / "adapter", r=0)
+    for dtype in (torch.bfloat16, torch.float32):  # the base stored in bf16, then the fp32 base
+        policy = policy_mod.load_policy(cfg, torch.device("cpu"), None, dtype)
+        trained = {name: p for name, p in policy.named_parameters() if p.requires_grad}
+        assert len(trained) == len(saved)
+        for name, value in saved.items():
+            key = next(k for k in trained if k.replace(".default", "").endswith(name.removeprefix("base_model.")))
+            assert trained[key].dtype == torch.float32 and torch.equal(trained[key], value), (dtype, name)

@@ -100,17 +100,20 @@ def test_auto_prefetches_on_cuda_only():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_a_prefetching_run_equals_the_plain_run_from_pinned_memory(tmp_path, base_model,  # noqa: F811
                                                                           train_jsonl, monkeypatch):  # noqa: F811
-    """A GPU's training step is not bitwise reproducible (its backward kernels add in an order of
-    their own: on an H200 two plain runs' grad norms differed at step 3 by 2e-5), so here the
-    runs must see the same token ids in the same order, and agree exactly at step 1 (the same
-    weights, the same batch) and to float rounding after it."""
+    """The prefetching step equals the plain step exactly in what it is given: every tensor of
+    every micro-batch, in the same order. Its values then agree exactly at step 1 (the same
+    weights, the same batch) and to float rounding after it: a GPU's backward is not bitwise
+    reproducible (its kernels add in an order of their own; on an H200 the two runs' grad norms
+    differed at step 3 by 2e-5 relative)."""
     pinned, seen = [], {"off": [], "on": []}
     real = prefetch.prepare
 
     def recorded(*args, **kwargs):
         batch = real(*args, **kwargs)
         pinned.append(batch.laid.batch.input_ids.is_pinned())
-        seen[setting].append(batch.laid.batch.input_ids.tolist())
+        batch.laid.batch._map(lambda t: seen[setting].append(t.tolist()) or t)  # every tensor of the layout
+        if batch.ref is not None:
+            batch.ref.map(lambda t: seen[setting].append(t.tolist()) or t)  # and of the reference values
         return batch
 
     monkeypatch.setattr(prefetch, "prepare", recorded)
