@@ -6,6 +6,7 @@ model, data, dtype and batch, each system's run in its own process.
     python bench/gpu_suite.py --only ref-8b                    # a part (a lent GPU runs 10 min a call)
     python bench/gpu_suite.py --merge A.json B.json --out bench/results/gpu-suite-h100-<date>.json
     python bench/gpu_suite.py --dry-run --out /tmp/suite.json  # every row at tiny shapes on a CPU
+    python bench/gpu_suite.py --only train-8b-lora --profile   # and its dpocache steps under torch.profiler
 
 Rows:
 
@@ -148,6 +149,7 @@ class Suite:
     log: Path
     kernel_args: list[str]
     peak: float | None
+    profile_to: Path | None = None  # --profile: each training row's dpocache steps profiled once more, tables here
 
 
 # ------------------------------------------------------------------------------ inputs
@@ -312,8 +314,11 @@ def row_ref_8b(suite: Suite) -> dict:
     base = base_spec(suite, model, data)
     trl, trl_err = run_side(suite, "ref-8b", "trl-precompute",
                             {**base, **trl_spec(suite, "ref-8b", "pre", s.trl_8b_dtype)})
-    dpo, dpo_err = run_side(suite, "ref-8b", "dpo-build", {**base, "cache_dir": str(cache),
-                                                           "extra_args": suite.kernel_args})
+    build = {**base, "cache_dir": str(cache), "extra_args": suite.kernel_args}
+    dpo, dpo_err = run_side(suite, "ref-8b", "dpo-build", build)
+    if dpo is not None and suite.profile_to is not None:
+        shutil.rmtree(cache, ignore_errors=True)  # computed again, not read
+        dpo["profile"] = profile_run(suite, "ref-8b", "dpo-build", build)
     dims = model_dims(s.llama, info["parameters"])
     setup = {"pairs": s.ref_pairs, "trl_precompute_batch_size": s.batch_size, "dtype": s.dtype,
              "trl_model_dtype": s.trl_8b_dtype, "dpocache_args": ["cache", "build", *suite.kernel_args]}
@@ -335,10 +340,29 @@ def train_row(suite: Suite, row: str, model: Path, data: Path, cache: Path, step
     prep, prep_err = run_side(suite, row, "dpo-build", {**base, "cache_dir": str(cache),
                                                         "extra_args": suite.kernel_args})
     trl, trl_err = run_side(suite, row, "trl-train", {**train_base, **trl_extra})
+    dpo_spec = {**train_base, "cache_dir": str(cache), "workdir": str(_row_scratch(suite, row) / "dpo"),
+                "extra_args": dpo_args}
     dpo, dpo_err = (None, "dpo-train: not run, its reference values failed to build") if prep_err else run_side(
-        suite, row, "dpo-train", {**train_base, "cache_dir": str(cache),
-                                  "workdir": str(_row_scratch(suite, row) / "dpo"), "extra_args": dpo_args})
+        suite, row, "dpo-train", dpo_spec)
+    if dpo is not None and suite.profile_to is not None:
+        shutil.rmtree(dpo_spec["workdir"], ignore_errors=True)
+        dpo["profile"] = profile_run(suite, row, "dpo-train", {**dpo_spec, "steps": warmup + 2})
     return prep, trl, dpo, [prep_err, trl_err, dpo_err]
+
+
+def profile_run(suite: Suite, row: str, mode: str, spec: dict) -> dict:
+    """``--profile``: dpocache's side of a row once more under torch.profiler (apart from the
+    timed run, whose figures the profiler would slow): a build's pass, or the training steps
+    after the warm-up; its kernel table written beside the result. Returns the profiled run's
+    summary per step (per forward pass of a build), or the error."""
+    table = suite.profile_to / f"{row}-dpocache-profile.txt"
+    table.parent.mkdir(parents=True, exist_ok=True)
+    result, err = run_side(suite, row, mode, {**spec, "profile": str(table)})
+    if err:
+        return {"error": err}
+    keys = ("profiled_steps", "profiled_host_op_s_per_step", "profiled_host_wait_s_per_step",
+            "profiled_device_busy_s_per_step", "window_s", "compute_s")
+    return {"table": table.name, **{k: result[k] for k in keys if k in result}}
 
 
 # Where a training row's reference values come from, untimed, on each side.
@@ -618,6 +642,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                "[-<rows>].json; a dry run's in the temp directory)")
     p.add_argument("--kernels", default="auto", choices=["auto", "liger", "none"],
                    help="dpocache's --kernels (passed on when not auto)")
+    p.add_argument("--profile", action="store_true",
+                   help="each training row's dpocache steps run once more under torch.profiler (its kernel "
+                        "table beside the result, host and device time per step in the row)")
     p.add_argument("--dry-run", action="store_true", help="every row at tiny shapes on the CPU, in fp32")
     p.add_argument("--work", default=None, help="where inputs are built and reused (default: bench/work/)")
     p.add_argument("--ref-pairs", type=int, default=None, help="ref-8b's pairs (default 256; dry run 12)")
@@ -676,7 +703,8 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     suite = Suite(shapes, work, Path(tempfile.mkdtemp(prefix="gpu-suite-", dir=work)),
                   work / f"gpu-suite-{time.strftime('%Y%m%d-%H%M%S')}.log",
-                  [] if args.kernels == "auto" else ["--kernels", args.kernels], env["peak_flops"])
+                  [] if args.kernels == "auto" else ["--kernels", args.kernels], env["peak_flops"],
+                  out.parent / f"{out.stem}-profiles" if args.profile else None)
     names = {str(suite.scratch): "<scratch>", str(work): "<work>"}
     result = {**env, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "dry_run": args.dry_run, "kernels": args.kernels,
               "command": ["python", "bench/gpu_suite.py", *portable_argv(sys.argv[1:] if argv is None else argv)],
@@ -695,6 +723,8 @@ def main(argv: list[str] | None = None) -> int:
             result["rows"].append(row)
             write_result(out, result, names)  # every finished row on disk at once
             print(describe_row(row) if "tokens_per_s" in row else f"{name}: error: {row['error']}", flush=True)
+            if profiled := (row.get("raw", {}).get("dpocache") or {}).get("profile"):
+                print(f"  profile    {json.dumps(profiled)}", flush=True)
             shutil.rmtree(suite.scratch / name, ignore_errors=True)  # a 1.1B run's checkpoint: 4 GiB
     finally:
         shutil.rmtree(suite.scratch, ignore_errors=True)

@@ -5,8 +5,9 @@
 #   bench/gpu_suite.sh download     # where PyPI is reachable, in dpocache's venv: into bench/wheels/ (~3 MiB)
 #   bench/gpu_suite.sh install      # on the GPU machine: those wheels, no index, no dependencies; dpocache
 #   bench/gpu_suite.sh run [ARGS]   # install, then python bench/gpu_suite.py ARGS
-#   bench/gpu_suite.sh session OUT [ARGS]  # a lent GPU's one call: install, the suite (at most 420 s), then the GPU
-#                                   # tests (at most 150 s); the result, its log and the tests' output into OUT
+#   bench/gpu_suite.sh session OUT [ARGS]  # a lent GPU's one call: install, the suite (at most $SUITE_S s, 420), then
+#                                   # the GPU tests (at most $TESTS_S s, 150; 0: none); the result, its log, the
+#                                   # tests' output (and --profile's tables) into OUT
 #
 # The wheels: TRL 1.16.0 and, of what it imports, what such a machine lacks (datasets, and
 # datasets' dill and multiprocess, at this venv's versions), plus liger-kernel 0.8.5 for
@@ -42,14 +43,17 @@ session() {
     local out="$1"
     shift
     mkdir -p "$out"
-    install >"$out/install.txt" 2>&1
+    install >"$out/install.txt" 2>&1 || echo "install failed (install.txt); going on with what is installed"
     # absolute: tests start python -m dpocache from other working directories
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
     # The measurement first: each finished row is in the result at once, so a timeout keeps them.
-    timeout 420 "$PY" bench/gpu_suite.py --out "$out/gpu-suite.json" "$@" 2>&1 | tee "$out/gpu-suite.txt" | tail -40 || true
+    timeout "${SUITE_S:-420}" "$PY" bench/gpu_suite.py --out "$out/gpu-suite.json" "$@" 2>&1 | tee "$out/gpu-suite.txt" \
+        | tail -40 || true
     cp "$(ls -t bench/work/gpu-suite-*.log 2>/dev/null | head -1)" "$out/" 2>/dev/null || true  # this run's log
-    timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests >"$out/gpu-tests.txt" 2>&1 || true
-    tail -15 "$out/gpu-tests.txt"
+    if [ "${TESTS_S:-150}" -gt 0 ]; then
+        timeout "${TESTS_S:-150}" "$PY" -m pytest -q -m gpu -p no:cacheprovider tests >"$out/gpu-tests.txt" 2>&1 || true
+        tail -15 "$out/gpu-tests.txt"
+    fi
 }
 
 case "${1:-}" in

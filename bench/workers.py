@@ -22,6 +22,10 @@ Optional spec fields, added for ``bench/gpu_suite.py`` (each absent field keeps 
     trl_skip_hash    TRL's state-dict hash not run (it lies outside every timed span; on an 8B
                      model it costs about 20 s a process): the fingerprint it names is constant,
                      so the run needs a fresh ``HF_DATASETS_CACHE``, as the suite gives it
+    profile          a file: dpo-train's timed steps (from ``timed_from``), or dpo-build's pass
+                     after its model's load, run under torch.profiler, its kernel table written
+                     there, the host's and the device's time per step (per forward pass of a
+                     build) in the result (``common.profile_summary``)
 
 Training runs also record ``step_tokens``, the real tokens of each step (each prompt once, plus
 chosen and rejected), beside ``step_s``.
@@ -238,11 +242,14 @@ def dpo_build(spec: dict) -> None:
 
     loads: list[float] = []
     original = ReferenceModel.from_pretrained.__func__
+    profiler = _profiler(spec)
 
     def timed(cls, *a, **kw):
         t = time.perf_counter()
         out = original(cls, *a, **kw)
         loads.append(time.perf_counter() - t)
+        if profiler is not None and len(loads) == 1:  # the pass, from its model's load on
+            profiler.__enter__()
         return out
 
     ReferenceModel.from_pretrained = classmethod(timed)
@@ -253,6 +260,8 @@ def dpo_build(spec: dict) -> None:
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         rc = cli.main(argv)
+    if profiler is not None and loads:
+        profiler.__exit__(None, None, None)
     if rc != 0:
         raise SystemExit(f"dpocache cache build failed ({rc}): {buf.getvalue()}")
     summary = json.loads(buf.getvalue().strip().splitlines()[-1])
@@ -260,7 +269,8 @@ def dpo_build(spec: dict) -> None:
     compute = summary["seconds"] - load
     _write(spec, {"side": "dpocache", "summary": summary, "model_load_s": load, "compute_s": compute,
                   "tokens": summary["tokens"], "tokens_per_s": summary["tokens"] / compute if compute > 0 else 0.0,
-                  "wall_s": time.time() - spec["spawned_at"]})
+                  "wall_s": time.time() - spec["spawned_at"],
+                  **_write_profile(spec, profiler if loads else None, summary.get("forward_passes") or 1)})
 
 
 class _Stop(Exception):
@@ -292,6 +302,8 @@ def _dpo_train(spec: dict, stop_at_first_step: bool) -> dict:
         marks["load_s"] += time.perf_counter() - t
         return out
 
+    profiler = _profiler(spec)
+
     def timed_step(run, window):
         marks.setdefault("first_step_at", time.time())
         if stop_at_first_step:
@@ -299,9 +311,13 @@ def _dpo_train(spec: dict, stop_at_first_step: bool) -> dict:
         step_tokens.append(sum(run.train_data.pairs[i].unique_tokens for micro in range(run.cfg.train.grad_accum)
                                for i in prefetch.step_indices(run, run.step, micro)))
         marks.setdefault("reference", {k: run.info.get("reference", {}).get(k) for k in ("computed", "reused")})
+        if profiler is not None and len(step_tokens) - 1 == spec.get("timed_from", 0):
+            profiler.__enter__()
         clock.begin()
         original_step(run, window)
         clock.end()
+        if profiler is not None and len(clock.steps) == clock.total:  # the steps only, not the log after them
+            profiler.__exit__(None, None, None)
 
     train_mod.train_step, setup_mod.load_policy = timed_step, timed_load
     overrides = ["--model", spec["model"], "--data", spec["data"], "--dtype", spec["dtype"],
@@ -316,12 +332,37 @@ def _dpo_train(spec: dict, stop_at_first_step: bool) -> dict:
     except _Stop:
         pass
     first = marks["first_step_at"]
-    return {"side": "dpocache", "model_load_s": marks["load_s"], **clock.record(), "step_tokens": step_tokens,
+    profiled = _write_profile(spec, profiler, len(clock.steps) - spec.get("timed_from", 0))
+    return {"side": "dpocache", "model_load_s": marks["load_s"], **clock.record(), **profiled,
+            "step_tokens": step_tokens,
             "reference_pairs": marks.get("reference"), "ran": _what_ran(Path(spec["workdir"]) / "run.json"),
             "imports_s": imports_done - spec["spawned_at"],
             "startup_beyond_load_and_imports_s": first - imports_done - marks["load_s"],
             "startup_s": first - spec["spawned_at"],
             "startup_beyond_load_s": first - spec["spawned_at"] - marks["load_s"]}
+
+
+def _profiler(spec: dict):
+    """torch.profiler over the CPU (and CUDA) for ``spec["profile"]``; None without it."""
+    if not spec.get("profile"):
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda = spec.get("device", "cpu") != "cpu"
+    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else []))
+
+
+def _write_profile(spec: dict, profiler, steps: int) -> dict:
+    """The profiled steps' kernel table into ``spec["profile"]``; their per-step summary."""
+    if profiler is None or steps < 1:
+        return {}
+    from common import profile_summary
+
+    on_cuda = spec.get("device", "cpu") != "cpu"
+    averages = profiler.key_averages()
+    key = "self_cuda_time_total" if on_cuda else "self_cpu_time_total"
+    Path(spec["profile"]).write_text(averages.table(sort_by=key, row_limit=50, max_name_column_width=70))
+    return {"profiled_steps": steps, **profile_summary(averages, steps, on_cuda)}
 
 
 def _what_ran(run_json: Path) -> dict | None:

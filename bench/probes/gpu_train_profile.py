@@ -30,16 +30,10 @@ from torch.profiler import ProfilerActivity, profile
 BENCH = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(BENCH), str(BENCH.parent)]  # bench/common.py, and dpocache in a checkout not installed
 
-from common import CONFIGS, parse_probe_args, probe_inputs  # noqa: E402
+from common import CONFIGS, parse_probe_args, probe_inputs, profile_summary  # noqa: E402
 
 import dpocache.training.loop as train_mod  # noqa: E402
 from dpocache.config import build_config  # noqa: E402
-
-
-# CUDA runtime calls in which the host waits for the device (a synchronising copy waits inside its
-# cudaMemcpyAsync): their self CPU time is a wait, not host work.
-HOST_WAITS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
-              "cudaMemcpyAsync"}
 
 
 def main() -> None:
@@ -90,13 +84,6 @@ def main() -> None:
     key = "cuda_time_total" if device == "cuda" else "cpu_time_total"
     averages = profiler.key_averages()
     print(averages.table(sort_by=key, row_limit=args.rows, max_name_column_width=70), flush=True)
-    # A step is bound by the host when the host's own work exceeds the device's busy time
-    # (profiled, so the host side is inflated by the profiler's own cost). The host's time inside
-    # the CUDA runtime's synchronising calls is waiting for the device, not work: counted apart.
-    waits_s = sum(e.self_cpu_time_total for e in averages if e.key in HOST_WAITS) / 1e6 / args.profile_steps
-    host_s = sum(e.self_cpu_time_total for e in averages) / 1e6 / args.profile_steps - waits_s
-    device_s = (sum(e.self_device_time_total for e in averages) / 1e6 / args.profile_steps
-                if device == "cuda" else None)
     median = statistics.median(steps[args.warmup:] or steps)
     step_flops = flops["train_per_pair"] * args.batch_size
     print(json.dumps({
@@ -104,9 +91,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
         "step_s": [round(s, 4) for s in steps], "median_profiled_step_s": round(median, 4),
         "step_tflop": round(step_flops / 1e12, 2),
-        "profiled_host_op_s_per_step": round(host_s, 4),
-        "profiled_host_wait_s_per_step": round(waits_s, 4),
-        "profiled_device_busy_s_per_step": None if device_s is None else round(device_s, 4),
+        **profile_summary(averages, args.profile_steps, device == "cuda"),
         "mfu_nominal": round(step_flops / median / peak, 4) if peak else None,
         "peak_gpu_allocated_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
     }), flush=True)

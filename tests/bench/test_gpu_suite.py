@@ -27,12 +27,12 @@ def _finite_positive(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
-@pytest.mark.slow  # 9 worker processes: 53 s on 2 idle cores, 86 s on 2 loaded ones
+@pytest.mark.slow  # 12 worker processes: about 70 s on 2 idle cores
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="the suite measures against TRL")
 def test_dry_run_writes_every_row_of_the_schema(tmp_path):
     out = tmp_path / "x.json"
     proc = subprocess.run([sys.executable, str(BENCH / "gpu_suite.py"), "--dry-run", "--out", str(out),
-                           "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=600)
+                           "--work", str(tmp_path / "work"), "--profile"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert set(HEADER) <= set(result)
@@ -48,6 +48,11 @@ def test_dry_run_writes_every_row_of_the_schema(tmp_path):
             assert _finite_positive(row[key]), (row["name"], key, row[key])
         assert set(row["met"]) == set(gpu_suite.TARGETS[row["name"]])
         assert row["raw"]["dpocache"] and row["raw"]["trl"]
+        # --profile: dpocache's side once more under torch.profiler (a pass, or the steps after the
+        # warm-up), its kernel table beside the result, the host's time per step or pass in the row
+        profiled = row["raw"]["dpocache"]["profile"]
+        assert profiled["profiled_steps"] >= 1 and _finite_positive(profiled["profiled_host_op_s_per_step"])
+        assert "aten::mm" in (tmp_path / "x-profiles" / profiled["table"]).read_text()
     ref = result["rows"][0]["raw"]["token_counts"]
     assert ref["data"] == ref["dpocache"] == ref["trl"]  # both systems count the same real tokens
     for row in result["rows"][1:]:
