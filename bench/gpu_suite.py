@@ -7,6 +7,7 @@ model, data, dtype and batch, each system's run in its own process.
     python bench/gpu_suite.py --merge A.json B.json --out bench/results/gpu-suite-h100-<date>.json
     python bench/gpu_suite.py --dry-run --out /tmp/suite.json  # every row at tiny shapes on a CPU
     python bench/gpu_suite.py --only train-8b-lora --profile   # and its dpocache steps under torch.profiler
+    python bench/gpu_suite.py --only train-8b-lora --no-trl --train-args "--compile on"   # an A/B of dpocache's
 
 Rows:
 
@@ -59,6 +60,7 @@ import os
 import platform
 import random
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -149,7 +151,9 @@ class Suite:
     log: Path
     kernel_args: list[str]
     peak: float | None
-    profile_to: Path | None = None  # --profile: each training row's dpocache steps profiled once more, tables here
+    profile_to: Path | None = None  # --profile: each row's dpocache side profiled once more, tables here
+    train_args: tuple[str, ...] = ()  # --train-args: more dpocache train options in both training rows
+    no_trl: bool = False  # --no-trl: dpocache's side only
 
 
 # ------------------------------------------------------------------------------ inputs
@@ -262,6 +266,8 @@ def _row_scratch(suite: Suite, row: str) -> Path:
 def run_side(suite: Suite, row: str, mode: str, spec: dict) -> tuple[dict | None, str | None]:
     """One worker run: (its result, None), or (None, why it failed: the exit code and the last
     line of its log, e.g. torch.OutOfMemoryError). A failure ends no row."""
+    if suite.no_trl and mode.startswith("trl-"):
+        return None, None
     try:
         return run_worker(mode, spec, _row_scratch(suite, row), suite.log), None
     except RuntimeError as e:
@@ -379,7 +385,7 @@ def row_train_8b_lora(suite: Suite) -> dict:
     stats = data_stats(model, data, s.max_length)
     trl_extra = {**trl_spec(suite, "train-8b-lora", "train", s.trl_8b_dtype), "trl_lora": LORA,
                  "trl_gradient_checkpointing": True}
-    dpo_args = [*DPO_LORA_ARGS, *suite.kernel_args]
+    dpo_args = [*DPO_LORA_ARGS, *suite.kernel_args, *suite.train_args]
     cache = suite.work / s.llama_dir / "dpocache-cache"  # ref-8b's: a hit after it
     prep, trl, dpo, errors = train_row(suite, "train-8b-lora", model, data, cache, s.lora_steps, s.lora_warmup,
                                        trl_extra, dpo_args)
@@ -401,7 +407,7 @@ def row_train_1b_full(suite: Suite) -> dict:
     model, data = inputs / "model", inputs / "data.jsonl"
     stats = data_stats(model, data, 2048)
     trl_extra = trl_spec(suite, "train-1b-full", "train", "float32")
-    dpo_args = [*s.full_train_args, *suite.kernel_args]
+    dpo_args = [*s.full_train_args, *suite.kernel_args, *suite.train_args]
     prep, trl, dpo, errors = train_row(suite, "train-1b-full", model, data, inputs / "dpocache-cache", s.full_steps,
                                        s.full_warmup, trl_extra, dpo_args)
     dims = model_dims(info["config"], info["parameters"])
@@ -600,21 +606,23 @@ def default_out(slug: str, only: list[str] | None, dry_run: bool) -> Path:
 
 # ----------------------------------------------------------------------------- merge
 
-SAME_FIELDS = ("device", "dry_run", "kernels", "torch", "transformers", "trl", "peft")
+SAME_FIELDS = ("device", "dry_run", "kernels", "train_args", "no_trl", "torch", "transformers", "trl", "peft")
+FIELD_DEFAULTS = {"train_args": [], "no_trl": False}  # what a result written before these options ran
 
 
 def merge_parts(paths: list[Path]) -> dict:
     """One result of the rows of several part files (``--only`` runs) of one device. Refuses,
     with ``ValueError``, a file that cannot be read, one whose device (or versions, dry-run flag,
-    ``--kernels``) differs from the first's, and a row measured without error in two files; a
-    row that failed in one part is taken from a part where it did not."""
+    ``--kernels``, ``--train-args``, ``--no-trl``) differs from the first's, and a row measured
+    without error in two files; a row that failed in one part is taken from a part where it did not."""
     parts = read_results(paths)
     first = parts[0]
     rows: dict[str, dict] = {}
     for path, part in zip(paths, parts):
         for name in SAME_FIELDS:
-            if part.get(name) != first.get(name):
-                raise ValueError(f"{path}: {name} {part.get(name)!r}, not {first.get(name)!r} as in {paths[0]}")
+            value, expected = (FIELD_DEFAULTS.get(name) if p.get(name) is None else p.get(name) for p in (part, first))
+            if value != expected:
+                raise ValueError(f"{path}: {name} {value!r}, not {expected!r} as in {paths[0]}")
         for row in part["rows"]:
             kept = rows.get(row["name"])
             if kept is not None and not kept.get("error") and not row.get("error"):
@@ -645,6 +653,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true",
                    help="each training row's dpocache steps run once more under torch.profiler (its kernel "
                         "table beside the result, host and device time per step in the row)")
+    p.add_argument("--train-args", default="", metavar="OPTIONS",
+                   help="more dpocache train options, one string, in both training rows (an A/B: '--compile on')")
+    p.add_argument("--no-trl", action="store_true",
+                   help="dpocache's side only (a comparison of dpocache's options on one machine; no ratio to TRL)")
     p.add_argument("--dry-run", action="store_true", help="every row at tiny shapes on the CPU, in fp32")
     p.add_argument("--work", default=None, help="where inputs are built and reused (default: bench/work/)")
     p.add_argument("--ref-pairs", type=int, default=None, help="ref-8b's pairs (default 256; dry run 12)")
@@ -704,9 +716,11 @@ def main(argv: list[str] | None = None) -> int:
     suite = Suite(shapes, work, Path(tempfile.mkdtemp(prefix="gpu-suite-", dir=work)),
                   work / f"gpu-suite-{time.strftime('%Y%m%d-%H%M%S')}.log",
                   [] if args.kernels == "auto" else ["--kernels", args.kernels], env["peak_flops"],
-                  out.parent / f"{out.stem}-profiles" if args.profile else None)
+                  out.parent / f"{out.stem}-profiles" if args.profile else None, tuple(shlex.split(args.train_args)),
+                  args.no_trl)
     names = {str(suite.scratch): "<scratch>", str(work): "<work>"}
     result = {**env, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "dry_run": args.dry_run, "kernels": args.kernels,
+              "train_args": list(suite.train_args), "no_trl": args.no_trl,
               "command": ["python", "bench/gpu_suite.py", *portable_argv(sys.argv[1:] if argv is None else argv)],
               "definitions": DEFINITIONS, "rows": []}
     print(f"{env['device']}: rows {', '.join(rows)}; log {suite.log}; result {out}", flush=True)

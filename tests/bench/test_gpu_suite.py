@@ -152,3 +152,26 @@ def test_a_failed_worker_is_named_by_its_own_error_line(tmp_path):
     assert gpu_suite.last_log_line(log) == "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
     log.write_text(log.read_text() + "\n=== dpo-train {}\ndpocache train: error: --kernels liger: CUDA only\n")
     assert gpu_suite.last_log_line(log) == "dpocache train: error: --kernels liger: CUDA only"
+
+
+def test_a_dpocache_only_ab_is_not_merged_with_a_run_against_trl(tmp_path):
+    """``--no-trl --train-args``: dpocache's options compared on one machine; such a part and a
+    suite run against TRL are different measurements, refused as one result."""
+    committed = BENCH / "results" / "gpu-suite-h200-20261126.json"  # written before the options existed
+    ab = json.loads(committed.read_text())
+    ab.update(train_args=["--compile", "on"], no_trl=True, rows=[])
+    (tmp_path / "ab.json").write_text(json.dumps(ab))
+    with pytest.raises(ValueError, match="train_args"):
+        gpu_suite.merge_parts([committed, tmp_path / "ab.json"])
+    ab.update(train_args=[], no_trl=False)  # the defaults: what the committed result ran with
+    (tmp_path / "ab.json").write_text(json.dumps(ab))
+    assert gpu_suite.merge_parts([committed, tmp_path / "ab.json"])["rows"]
+
+
+def test_no_trl_runs_no_trl_worker(tmp_path, monkeypatch):
+    spawned = []
+    monkeypatch.setattr(gpu_suite, "run_worker", lambda mode, *a: spawned.append(mode) or {"mode": mode})
+    suite = gpu_suite.Suite(gpu_suite.DRY, tmp_path, tmp_path, tmp_path / "log", [], None, no_trl=True)
+    assert gpu_suite.run_side(suite, "row", "trl-train", {}) == (None, None)
+    assert gpu_suite.run_side(suite, "row", "dpo-train", {}) == ({"mode": "dpo-train"}, None)
+    assert spawned == ["dpo-train"]
