@@ -66,7 +66,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 
@@ -152,6 +152,8 @@ class Suite:
     kernel_args: list[str]
     peak: float | None
     profile_to: Path | None = None  # --profile: each row's dpocache side profiled once more, tables here
+    # --profile's runs, after every row is measured and written: (row, worker mode, spec)
+    profiles: list = field(default_factory=list)
     train_args: tuple[str, ...] = ()  # --train-args: more dpocache train options in both training rows
     no_trl: bool = False  # --no-trl: dpocache's side only
 
@@ -323,8 +325,7 @@ def row_ref_8b(suite: Suite) -> dict:
     build = {**base, "cache_dir": str(cache), "extra_args": suite.kernel_args}
     dpo, dpo_err = run_side(suite, "ref-8b", "dpo-build", build)
     if dpo is not None and suite.profile_to is not None:
-        shutil.rmtree(cache, ignore_errors=True)  # computed again, not read
-        dpo["profile"] = profile_run(suite, "ref-8b", "dpo-build", build)
+        suite.profiles.append(("ref-8b", "dpo-build", build))
     dims = model_dims(s.llama, info["parameters"])
     setup = {"pairs": s.ref_pairs, "trl_precompute_batch_size": s.batch_size, "dtype": s.dtype,
              "trl_model_dtype": s.trl_8b_dtype, "dpocache_args": ["cache", "build", *suite.kernel_args]}
@@ -351,18 +352,20 @@ def train_row(suite: Suite, row: str, model: Path, data: Path, cache: Path, step
     dpo, dpo_err = (None, "dpo-train: not run, its reference values failed to build") if prep_err else run_side(
         suite, row, "dpo-train", dpo_spec)
     if dpo is not None and suite.profile_to is not None:
-        shutil.rmtree(dpo_spec["workdir"], ignore_errors=True)
-        dpo["profile"] = profile_run(suite, row, "dpo-train", {**dpo_spec, "steps": warmup + 2})
+        suite.profiles.append((row, "dpo-train", {**dpo_spec, "steps": warmup + 2}))
     return prep, trl, dpo, [prep_err, trl_err, dpo_err]
 
 
 def profile_run(suite: Suite, row: str, mode: str, spec: dict) -> dict:
     """``--profile``: dpocache's side of a row once more under torch.profiler (apart from the
-    timed run, whose figures the profiler would slow): a build's pass, or the training steps
-    after the warm-up; its kernel table written beside the result. Returns the profiled run's
-    summary per step (per forward pass of a build), or the error."""
+    timed run, whose figures the profiler would slow; after every row, so a time limit cuts a
+    profile, not a row): a build's pass (its cache emptied first, so the pass is computed), or
+    the training steps after the warm-up (a fresh output directory); its kernel table written
+    beside the result. Returns the profiled run's summary per step (per forward pass of a
+    build), or the error."""
     table = suite.profile_to / f"{row}-dpocache-profile.txt"
     table.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(spec["cache_dir"] if mode == "dpo-build" else spec["workdir"], ignore_errors=True)
     result, err = run_side(suite, row, mode, {**spec, "profile": str(table)})
     if err:
         return {"error": err}
@@ -716,8 +719,8 @@ def main(argv: list[str] | None = None) -> int:
     suite = Suite(shapes, work, Path(tempfile.mkdtemp(prefix="gpu-suite-", dir=work)),
                   work / f"gpu-suite-{time.strftime('%Y%m%d-%H%M%S')}.log",
                   [] if args.kernels == "auto" else ["--kernels", args.kernels], env["peak_flops"],
-                  out.parent / f"{out.stem}-profiles" if args.profile else None, tuple(shlex.split(args.train_args)),
-                  args.no_trl)
+                  profile_to=out.parent / f"{out.stem}-profiles" if args.profile else None,
+                  train_args=tuple(shlex.split(args.train_args)), no_trl=args.no_trl)
     names = {str(suite.scratch): "<scratch>", str(work): "<work>"}
     result = {**env, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "dry_run": args.dry_run, "kernels": args.kernels,
               "train_args": list(suite.train_args), "no_trl": args.no_trl,
@@ -737,9 +740,14 @@ def main(argv: list[str] | None = None) -> int:
             result["rows"].append(row)
             write_result(out, result, names)  # every finished row on disk at once
             print(describe_row(row) if "tokens_per_s" in row else f"{name}: error: {row['error']}", flush=True)
-            if profiled := (row.get("raw", {}).get("dpocache") or {}).get("profile"):
-                print(f"  profile    {json.dumps(profiled)}", flush=True)
             shutil.rmtree(suite.scratch / name, ignore_errors=True)  # a 1.1B run's checkpoint: 4 GiB
+        for name, mode, spec in suite.profiles:
+            print(f"{name}: profiling dpocache's side ...", flush=True)
+            row = next(r for r in result["rows"] if r["name"] == name)
+            row["raw"]["dpocache"]["profile"] = profiled = profile_run(suite, name, mode, spec)
+            write_result(out, result, names)
+            print(f"  profile    {json.dumps(profiled)}", flush=True)
+            shutil.rmtree(suite.scratch / name, ignore_errors=True)
     finally:
         shutil.rmtree(suite.scratch, ignore_errors=True)
     print(summary_table(result["rows"]))

@@ -360,7 +360,7 @@ def _write_profile(spec: dict, profiler, steps: int) -> dict:
 
     on_cuda = spec.get("device", "cpu") != "cpu"
     averages = profiler.key_averages()
-    key = "self_cuda_time_total" if on_cuda else "self_cpu_time_total"
+    key = "self_device_time_total" if on_cuda else "self_cpu_time_total"
     Path(spec["profile"]).write_text(averages.table(sort_by=key, row_limit=50, max_name_column_width=70))
     return {"profiled_steps": steps, **profile_summary(averages, steps, on_cuda)}
 

@@ -138,10 +138,12 @@ def test_on_cuda_a_prefetching_run_equals_the_plain_run_from_pinned_memory(tmp_p
 
 
 @pytest.mark.gpu
-@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("options", [(), ("--lora-r", "4", "--gradient-checkpointing", "true")],
+                         ids=["full", "lora-checkpointed"])
 def test_on_cuda_a_step_waits_for_the_device_only_for_the_divergence_check(tmp_path, base_model,  # noqa: F811
-                                                                          train_jsonl, monkeypatch):  # noqa: F811
+                                                                          train_jsonl, monkeypatch,  # noqa: F811
+                                                                          options):
     """torch's own sync detector (``set_sync_debug_mode``) sees every wait, those inside torch
     (a ``nonzero``, a boolean index, a pageable copy) included, which ``test_metric_syncs``'s
     counter of dpocache's calls cannot. Watched: each step and the loop's decision after it."""
@@ -170,7 +172,7 @@ def test_on_cuda_a_step_waits_for_the_device_only_for_the_divergence_check(tmp_p
     monkeypatch.setattr(train_mod, "_save_or_stop", watched(train_mod._save_or_stop, False))
     run_training(*flags(base_model, train_jsonl, tmp_path / "run", tmp_path / "cache", "--max-steps", "4",
                         "--grad-accum", "2", "--batch-size", "2", "--device", "cuda", "--dtype", "bfloat16",
-                        "--logging-steps", "4"))
+                        "--logging-steps", "4", *options))
     # Step 1 audits the cache (training.audit); after it, one wait: the NaN flag, the gradient
     # norm and the last step's weights' norm together.
     assert len(per_step) == 4 and all(len(waits) == 1 for waits in per_step[1:]), per_step
