@@ -164,7 +164,10 @@ def test_sequence_rows_point_every_token_at_itself(tokenizer, pairs):
            SimpleNamespace(prompt_ids=[5, 6], chosen_ids=[], rejected_ids=[], unique_tokens=2, index=91),
            SimpleNamespace(prompt_ids=[4], chosen_ids=[3], rejected_ids=[], unique_tokens=2, index=92)]
     packed = layout_batch("packed", pairs, pad, SimpleNamespace(_attn_implementation=CAUSAL))
-    assert packed.input_ids.shape[0] < len(pairs)  # several pairs in some rows
+    # Every pair in one row, without padding: the attention runs on the sequence rows, so rows of
+    # the longest pair's width would only add padding for the projections and MLPs.
+    assert packed.input_ids.shape == (1, sum(p.unique_tokens for p in pairs))
+    assert layout_batch("packed", pairs, pad, SimpleNamespace(_attn_implementation="sdpa")).input_ids.shape[0] > 1
     for batch, rows in ((packed, 2 * len(pairs)), (collate_shared([*pairs[:3], *odd], pad, rows=True), 2 * 3 + 3)):
         gather, scatter = batch.rows
         assert gather.shape[0] == rows  # two rows for each pair with two completions, one for the others
