@@ -199,14 +199,15 @@ def test_causal_falls_back_with_a_reason(tokenizer, arch):
 
 def test_cache_build_names_the_causal_backend(tmp_path, model_dir, pref_jsonl, capsys):
     """``cache build --attention causal`` runs it and its summary names it; its values equal a
-    build under sdpa's mask."""
+    build under sdpa's mask. Its ``auto`` layout is packed: one row per forward, no padding."""
     values = {}
     for attention in ("sdpa", "causal"):
         common = ["--model", str(model_dir), "--data", str(pref_jsonl), "--cache-dir", str(tmp_path / attention),
                   "--dtype", "float32", "--device", "cpu"]
         assert main(["cache", "build", *common, "--attention", attention, "--json"]) == 0
         summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-        assert summary["layout"]["used"] == "shared" and summary["layout"]["reason"] is None
+        assert summary["layout"]["used"] == ("shared" if attention == "sdpa" else "packed")
+        assert summary["layout"]["reason"] is None
         assert summary["layout"]["attention"] == ("sdpa" if attention == "sdpa" else CAUSAL)
         out = tmp_path / f"{attention}.jsonl"
         assert main(["cache", "export", *common, "--out", str(out), "--format", "keys"]) == 0

@@ -42,6 +42,9 @@ def test_auto_packs_in_training_and_shares_in_the_reference_pass():
     assert select_layout("auto", _config("sdpa"), training=True).used == "packed"
     assert select_layout("auto", _config("sdpa")).used == "shared"
     assert select_layout("auto", _config("sdpa"), router_loss=True, training=True).used == "padded"
+    # Under the causal backend the reference pass packs too: one full row per forward, no padding.
+    assert select_layout("auto", _config("dpocache_causal")).used == "packed"
+    assert select_layout("shared", _config("dpocache_causal")).used == "shared"  # asked for
 
 
 def test_unknown_layout_is_refused():
