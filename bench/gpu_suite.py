@@ -654,8 +654,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kernels", default="auto", choices=["auto", "liger", "none"],
                    help="dpocache's --kernels (passed on when not auto)")
     p.add_argument("--profile", action="store_true",
-                   help="each training row's dpocache steps run once more under torch.profiler (its kernel "
-                        "table beside the result, host and device time per step in the row)")
+                   help="after every row, dpocache's side of each once more under torch.profiler (the "
+                        "reference pass, the training steps after the warm-up): kernel tables beside the result, "
+                        "host and device time per step in the row")
     p.add_argument("--train-args", default="", metavar="OPTIONS",
                    help="more dpocache train options, one string, in both training rows (an A/B: '--compile on')")
     p.add_argument("--no-trl", action="store_true",
