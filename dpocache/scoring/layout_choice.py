@@ -10,11 +10,13 @@ Layouts (how pairs become model inputs):
 - ``packed`` (``dpocache.scoring.shared`` and ``dpocache.scoring.packing``): the shared layout with several
   pairs per row, block-diagonal between pairs, positions restarting per pair: the reference
   pass fills one row of ``--cache.max_tokens`` per forward, training packs a micro-batch into
-  rows of its longest pair. Same support as ``shared``.
+  rows of its longest pair (into one row under the ``causal`` backend:
+  ``scoring.shared.layout_batch``). Same support as ``shared``.
 
 ``auto`` (the default) is, wherever they run, ``packed`` in training and ``shared`` in the
-reference pass (``packed`` there too under the ``causal`` attention backend), else ``padded``. Measured against the padded layout in one process on 2 CPU
-cores (``bench/bench_layouts.py``, fp32: docs/benchmarks/layouts-cpu-2core-20261122.md):
+reference pass (``packed`` there too under the ``causal`` attention backend), else ``padded``.
+Measured against the padded layout in one process on 2 CPU cores (``bench/bench_layouts.py``,
+fp32: docs/benchmarks/layouts-cpu-2core-20261122.md):
 
 - training: shared and packed both well ahead of padded, packed a little ahead of shared (within
   each other's noise). A packed micro-batch's rows are as wide as the shared layout's (its
