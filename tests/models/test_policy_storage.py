@@ -120,8 +120,9 @@ def test_a_lora_policy_on_a_bf16_checkpoint_never_holds_the_fp32_base(tmp_path, 
 
 
 def test_a_saved_adapter_keeps_its_fp32_values_on_a_base_stored_in_bf16(tmp_path, base_model, monkeypatch):  # noqa: F811
-    """PEFT loads a saved adapter into its base layers' dtype before it casts it to fp32; the
-    policy's trainable adapter holds the file's fp32 values all the same, as on the fp32 base."""
+    """The policy's trainable adapter holds the file's fp32 values on a base stored in bf16, as on
+    the fp32 base: PEFT casts a trainable adapter to fp32 before it reads the file (were it read
+    in the base layers' dtype, as a fresh adapter's init is cast, its values would be bf16's)."""
     from peft import LoraConfig, get_peft_model
     from safetensors.torch import load_file
 
