@@ -309,3 +309,14 @@ def profile_summary(averages, steps: int, on_cuda: bool) -> dict:
     device_s = sum(e.self_device_time_total for e in averages) / 1e6 / steps if on_cuda else None
     return {"profiled_host_op_s_per_step": round(host_s, 4), "profiled_host_wait_s_per_step": round(waits_s, 4),
             "profiled_device_busy_s_per_step": None if device_s is None else round(device_s, 4)}
+
+
+def timed_train_args(model, data, dtype: str, device: str, cache_dir, output_dir, batch_size: int,
+                     steps: int) -> list[str]:
+    """The ``dpocache train`` options of a benchmark's timed steps: a tiny learning rate and no
+    warm-up (the steps' cost is measured, not their learning), no log or progress bar among
+    them, no truncation (the data was built to fit)."""
+    return ["--model", str(model), "--data", str(data), "--dtype", dtype, "--device", device,
+            "--cache-dir", str(cache_dir), "--output-dir", str(output_dir), "--batch-size", str(batch_size),
+            "--max-steps", str(steps), "--lr", "1e-6", "--optim.warmup_ratio", "0", "--logging-steps", "10000",
+            "--train.progress", "false", "--max-length", "none"]

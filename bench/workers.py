@@ -320,13 +320,11 @@ def _dpo_train(spec: dict, stop_at_first_step: bool) -> dict:
             profiler.__exit__(None, None, None)
 
     train_mod.train_step, setup_mod.load_policy = timed_step, timed_load
-    overrides = ["--model", spec["model"], "--data", spec["data"], "--dtype", spec["dtype"],
-                 "--device", spec.get("device", "cpu"), "--cache-dir", spec["cache_dir"],
-                 "--output-dir", spec["workdir"], "--batch-size", str(spec["batch_size"]),
-                 "--max-steps", str(spec.get("steps", 1)), "--lr", "1e-6",
-                 "--optim.warmup_ratio", "0", "--logging-steps", "10000", "--train.progress", "false",
-                 "--max-length", "none", *spec.get("extra_args", [])]
-    cfg = build_config(None, overrides)
+    from common import timed_train_args
+
+    overrides = timed_train_args(spec["model"], spec["data"], spec["dtype"], spec.get("device", "cpu"),
+                                 spec["cache_dir"], spec["workdir"], spec["batch_size"], spec.get("steps", 1))
+    cfg = build_config(None, [*overrides, *spec.get("extra_args", [])])
     try:
         train_mod.train(cfg)
     except _Stop:

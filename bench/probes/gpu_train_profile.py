@@ -30,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 BENCH = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(BENCH), str(BENCH.parent)]  # bench/common.py, and dpocache in a checkout not installed
 
-from common import CONFIGS, parse_probe_args, probe_inputs, profile_summary  # noqa: E402
+from common import CONFIGS, parse_probe_args, probe_inputs, profile_summary, timed_train_args  # noqa: E402
 
 import dpocache.training.loop as train_mod  # noqa: E402
 from dpocache.config import build_config  # noqa: E402
@@ -75,12 +75,9 @@ def main() -> None:
 
     train_mod.train_step = timed_step
     scratch = Path(tempfile.mkdtemp(prefix="train-profile-"))
-    overrides = ["--model", str(inputs / "model"), "--data", str(inputs / "data.jsonl"), "--dtype", args.dtype,
-                 "--device", device, "--cache-dir", str(scratch / "cache"), "--output-dir", str(scratch / "run"),
-                 "--batch-size", str(args.batch_size), "--max-steps", str(profiled.stop), "--lr", "1e-6",
-                 "--optim.warmup_ratio", "0", "--logging-steps", "10000", "--train.progress", "false",
-                 "--max-length", "none", *shlex.split(args.train_args)]
-    train_mod.train(build_config(None, overrides))
+    overrides = timed_train_args(inputs / "model", inputs / "data.jsonl", args.dtype, device, scratch / "cache",
+                                 scratch / "run", args.batch_size, profiled.stop)
+    train_mod.train(build_config(None, [*overrides, *shlex.split(args.train_args)]))
     key = "cuda_time_total" if device == "cuda" else "cpu_time_total"
     averages = profiler.key_averages()
     print(averages.table(sort_by=key, row_limit=args.rows, max_name_column_width=70), flush=True)

@@ -28,7 +28,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(BENCH), str(BENCH.parent)]  # bench/common.py, and dpocache in a checkout not installed
 
-from common import CONFIGS, build_inputs  # noqa: E402
+from common import CONFIGS, build_inputs, timed_train_args  # noqa: E402
 
 DEFAULT_VARIANTS = ["full=", "lora=--lora-r 16", "lora-checkpointed=--lora-r 16 --gradient-checkpointing true"]
 
@@ -59,11 +59,9 @@ def count_step(inputs: Path, batch_size: int, train_args: list[str], scratch: Pa
 
     loop.train_step = counted
     try:
-        overrides = ["--model", str(inputs / "model"), "--data", str(inputs / "data.jsonl"), "--dtype", "float32",
-                     "--device", "cpu", "--cache-dir", str(scratch / "cache"), "--output-dir", str(scratch / "run"),
-                     "--batch-size", str(batch_size), "--max-steps", "2", "--logging-steps", "10000",
-                     "--train.progress", "false", *train_args]
-        loop.train(build_config(None, overrides))
+        overrides = timed_train_args(inputs / "model", inputs / "data.jsonl", "float32", "cpu", scratch / "cache",
+                                     scratch / "run", batch_size, 2)
+        loop.train(build_config(None, [*overrides, *train_args]))
     finally:
         loop.train_step = original
         shutil.rmtree(scratch / "run", ignore_errors=True)

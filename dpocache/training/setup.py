@@ -113,7 +113,9 @@ def _setup(cfg: Config, env: DistEnv) -> Run:
     check_lora_settings(cfg)
     # Liger's kernels or the model's own: --kernels liger on a family Liger lacks, refused before any model loads
     # (the reference's own choice is made as it loads: cached_reference).
-    compiled = cfg.model.compile == "on" and not (cfg.distributed.fsdp and env.enabled)  # as compile_layers below
+    fsdp = cfg.distributed.fsdp and env.enabled
+    # Training compiles with "on" only ("auto" is measured for the reference pass); FSDP2's units stay eager.
+    compiled = cfg.model.compile == "on" and not fsdp
     kernels = kernels_for(cfg.model.kernels, env.device, cfg.model.path, compiled_training=compiled)
     if cfg.model.ref_model:
         kernels_for(cfg.model.kernels, env.device, cfg.model.ref_model)
@@ -137,14 +139,12 @@ def _setup(cfg: Config, env: DistEnv) -> Run:
     spec = parse_loss_spec(cfg.loss.name, **cfg.loss.params())
     ref_train, ref_eval, ref_info = prepare_reference(cfg, env, dtype, spec, tokenizer, train_data, eval_data,
                                                       resumed_from)
-    fsdp = cfg.distributed.fsdp and env.enabled
     if fsdp:  # created on the meta device, filled shard by shard: never whole in every process
         policy, scorer = load_sharded_policy(cfg, env, dtype, ProbeMemo(cache_dir_of(cfg)), kernels)
     else:
         policy = load_policy(cfg, env.device, kernels, dtype)
         scorer = wrap_for_distributed(CompletionLogProbs(policy), policy, cfg, env)
-    # After the scorer's fast-path probe (a compile for its few tokens would be wasted). Training
-    # compiles with "on" only: "auto" is measured for the reference pass; FSDP2's units stay eager.
+    # After the scorer's fast-path probe (a compile for its few tokens would be wasted).
     compiled_layers = compile_layers(policy) if compiled else 0
     # WPO (dpocache.losses.wpo): the policy's head also returns log sum_v p(v)^2 per scored token.
     scorer_core(scorer).sum_sq_probs = cfg.loss.use_weighting
