@@ -302,11 +302,15 @@ HOST_WAITS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
 def profile_summary(averages, steps: int, on_cuda: bool) -> dict:
     """Per step of a torch.profiler run over ``steps`` steps (``averages``: its
     ``key_averages()``): the host's own op time, its waits in synchronising CUDA calls apart, and
-    the device's busy time. A step whose host time exceeds its device time is bound by the host
-    (the profiler inflates the host side by its own cost)."""
+    the device's busy time (its kernels' time). A step whose host time exceeds its device time
+    is bound by the host (the profiler inflates the host side by its own cost)."""
+    from torch.autograd import DeviceType
+
     waits_s = sum(e.self_cpu_time_total for e in averages if e.key in HOST_WAITS) / 1e6 / steps
     host_s = sum(e.self_cpu_time_total for e in averages) / 1e6 / steps - waits_s
-    device_s = sum(e.self_device_time_total for e in averages) / 1e6 / steps if on_cuda else None
+    # Kernels only, as torch's own table totals them: an op's self device time repeats its kernels'
+    device_s = sum(e.self_device_time_total for e in averages
+                   if e.device_type != DeviceType.CPU and not e.is_user_annotation) / 1e6 / steps if on_cuda else None
     return {"profiled_host_op_s_per_step": round(host_s, 4), "profiled_host_wait_s_per_step": round(waits_s, 4),
             "profiled_device_busy_s_per_step": None if device_s is None else round(device_s, 4)}
 
