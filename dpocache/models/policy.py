@@ -78,7 +78,8 @@ def load_policy(cfg: Config, device: torch.device, kernels: KernelChoice | None 
     so neither the host nor the device ever holds the fp32 base (an 8B LoRA run's host peak
     was 49 GB with it: docs/benchmarks/gpu-suite-h200-20261126.md). PEFT rounds a fresh
     adapter's init to its base layer's dtype before it casts it to fp32, so the init is drawn
-    again in fp32 (``init_lora_``)."""
+    again in fp32 (``init_lora_``), and the adapters take their inputs in ``dtype``
+    (``keep_adapter_inputs_``)."""
     path = Path(cfg.model.path)
     base = adapter_base_dir(path)  # the same base the reference of an adapter directory loads
     staged = frozen_in_compute_dtype(cfg, device, dtype)
@@ -104,6 +105,7 @@ def load_policy(cfg: Config, device: torch.device, kernels: KernelChoice | None 
             model = add_lora(model, cfg)
     if staged:
         store_frozen_matrices_(model, dtype, skip_trainable=True)
+        keep_adapter_inputs_(model)
     if kernels is not None:
         apply_kernels(model, kernels)
     if cfg.model.gradient_checkpointing:
@@ -120,6 +122,21 @@ def frozen_in_compute_dtype(cfg: Config, device: torch.device, dtype: torch.dtyp
     natively (not through ``bf16_matmul``'s fp32 GEMM, which needs fp32 weights)."""
     lora = cfg.lora.r > 0 or adapter_base_dir(Path(cfg.model.path)) is not None
     return lora and dtype in (torch.bfloat16, torch.float16) and not routes_bf16_through_fp32(device)
+
+
+def keep_adapter_inputs_(model: nn.Module) -> int:
+    """Stop PEFT casting each adapter's input to the adapter's fp32 (``cast_input_dtype_enabled``,
+    PEFT's documented switch); returns how many layers changed. For a base stored in the autocast
+    dtype only: there autocast casts ``lora_A``'s input back to that dtype at once, so the round
+    trip (bf16 to fp32 to bf16, exact) changes no value and cost two copies of the input, and two
+    of its gradient, in every adapted layer whose input is bf16 (attention's output and the MLP's
+    down projection: on an 8B Llama, activations up to 14336 wide)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for layer in layers:
+        layer.cast_input_dtype_enabled = False
+    return len(layers)
 
 
 def _prepare_policy(model: nn.Module, cfg: Config) -> None:

@@ -58,12 +58,61 @@ def test_a_lora_base_stored_in_bf16_trains_exactly_as_the_fp32_base(tmp_path, ba
     assert all(m.weight.dtype == torch.float32 for m in trained)  # LoRA's A and B
     # The table's values are bf16 values (the checkpoint's): stored in bf16, each lookup cast back to fp32.
     assert policy.get_input_embeddings().weight.dtype == torch.bfloat16
+    assert _input_casts(policy) == [False]  # the adapters take bf16 inputs as they come
 
     monkeypatch.setattr(policy_mod, "frozen_in_compute_dtype", lambda *a: False)  # the fp32 base, as before
     plain, values, plain_adapters = _lora_run(tmp_path, model, train_jsonl, "plain", monkeypatch, *bf16)
     assert all(m.weight.dtype == torch.float32 for m in plain.modules() if type(m) is torch.nn.Linear)
+    assert _input_casts(plain) == [True]  # PEFT's cast to the adapters' fp32
     assert len(values) == 3 and stored == values  # every logged value, bit for bit
     assert max_abs_diff(adapters, plain_adapters) == 0.0
+
+
+def _input_casts(policy) -> list[bool]:
+    """The distinct ``cast_input_dtype_enabled`` of the policy's LoRA layers."""
+    from peft.tuners.lora import LoraLayer
+
+    return sorted({getattr(m, "cast_input_dtype_enabled", True) for m in policy.modules() if isinstance(m, LoraLayer)})
+
+
+def test_adapters_on_a_bf16_base_skip_the_round_trip_through_fp32(tmp_path, base_model, monkeypatch):  # noqa: F811
+    """``keep_adapter_inputs_``: in a forward and backward under bf16 autocast, every adapted
+    layer whose input is bf16 (attention's output projection, the MLP's down projection) makes
+    four fewer copies of activation size (its input to fp32 and back, and their gradients), and
+    the outputs and gradients are the same, bit for bit."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):  # dtype casts of a tensor with more than a hidden row
+        def __init__(self, least: int):
+            super().__init__()
+            self.least, self.count = least, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0].numel() > self.least:
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setenv("DPOCACHE_BF16_MATMUL", "native")
+    policy = policy_mod.load_policy(_lora_config(_saved_in_bf16(base_model, tmp_path / "model")),
+                                    torch.device("cpu"), None, torch.bfloat16)
+    config = policy.config
+    ids = torch.randint(0, config.vocab_size, (2, 24))
+    bf16_inputs = 2 * config.num_hidden_layers  # o_proj and down_proj of every layer
+    runs = {}
+    for keep in (True, False):
+        for layer in policy.modules():
+            if hasattr(layer, "cast_input_dtype_enabled"):
+                layer.cast_input_dtype_enabled = not keep
+        policy.zero_grad()
+        mode = Copies(least=max(config.hidden_size, config.intermediate_size))
+        with mode, torch.autocast("cpu", torch.bfloat16):
+            logits = policy(input_ids=ids).logits
+            logits.float().logsumexp(-1).sum().backward()
+        grads = [p.grad.clone() for p in policy.parameters() if p.requires_grad]
+        runs[keep] = (mode.count, logits.detach(), grads)
+    assert runs[False][0] - runs[True][0] == 4 * bf16_inputs
+    assert torch.equal(runs[True][1], runs[False][1])
+    assert all(torch.equal(a, b) for a, b in zip(runs[True][2], runs[False][2], strict=True))
 
 
 def _saved_in_bf16(base_model, out):  # noqa: F811
