@@ -74,18 +74,68 @@ FLEX_BLOCK = 128  # torch's default BlockMask block size
 class SequenceRows(NamedTuple):
     """Each sequence of a shared or packed batch (its pair's prompt, then one completion)
     gathered into a row of its own, for an unmasked causal kernel (the ``causal`` backend).
-    ``S`` sequences in rows of ``W`` slots; the batch has ``B`` rows of ``T`` tokens.
+    ``S`` sequences in rows of ``W`` slots, each row ending past its sequence
+    (``scoring.shared.sequence_rows``); the batch has ``B`` rows of ``T`` tokens.
 
     A NamedTuple, so DDP and FSDP2 move and cast its tensors like any input's."""
 
     # (S, W) long: flat index b*T + t of the batch token in each slot (past a sequence's end: its last token again)
     gather: torch.Tensor
     scatter: torch.Tensor  # (B*T,) long: flat index s*W + j of the slot whose attention output each token takes
+    # (B*T,) long: a prompt token's slot in its pair's second row; any other token's: a slot past a sequence's end
+    second: torch.Tensor
+
+
+class _GatherRows(torch.autograd.Function):
+    """``x (B*T, h, D)`` → ``x[gather] (S*W, h, D)``, whose backward gathers rather than
+    scatter-adds (``index_select``'s own backward is an ``index_add_``, atomic adds over every
+    slot, 4% of an 8B LoRA step on an H200: docs/benchmarks/gpu-suite-h200-20261126-0556.md).
+
+    A token's gradient is the sum over the slots holding it, and only two of them can be
+    nonzero: the slot whose output it takes (``scatter``), and for a key or value of a prompt its
+    copy in the pair's second row (``second``). Every other slot holding it (a prompt query's copy,
+    a repeat past a sequence's end) produces no output that is read, so its gradient is exactly
+    zero: no query after it reads an output, and the causal kernel lets no earlier one see it.
+    ``second`` of a token without a copy names a slot past a sequence's end, a zero. So the
+    backward is one gather for queries, two and an add for keys and values: the same sum, bit
+    for bit (``tests/scoring/test_causal_attention.py``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, gather: torch.Tensor, scatter: torch.Tensor, second: torch.Tensor | None):
+        ctx.save_for_backward(scatter, second)
+        return x.index_select(0, gather)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        scatter, second = ctx.saved_tensors
+        out = grad.index_select(0, scatter)
+        if second is not None:
+            out += grad.index_select(0, second)
+        return out, None, None, None
+
+
+class _TakeOutputs(torch.autograd.Function):
+    """``out (S*W, h, D)`` → ``out[scatter] (B*T, h, D)``, each batch token's attention output;
+    its backward copies each token's gradient into its slot (a slot feeds one real token; the
+    padding tokens, whose gradient is zero, share one slot past a sequence's end) instead of
+    ``index_select``'s atomic ``index_add_``."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, scatter: torch.Tensor):
+        ctx.save_for_backward(scatter)
+        ctx.slots = out.shape[0]
+        return out.index_select(0, scatter)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (scatter,) = ctx.saved_tensors
+        return grad.new_zeros((ctx.slots, *grad.shape[1:])).index_copy_(0, scatter, grad), None
 
 
 def causal_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask, dpocache_gather: torch.Tensor | None = None,
-                             dpocache_scatter: torch.Tensor | None = None, **kwargs):
+                             dpocache_scatter: torch.Tensor | None = None, dpocache_second: torch.Tensor | None = None,
+                             **kwargs):
     """transformers' attention interface for the ``causal`` backend: ``query (B, H, T, D)``,
     ``key``/``value (B, Hkv, T, D)`` gathered into the sequence rows ``(S, H, W, D)``, SDPA with
     ``is_causal`` and no mask over them (``sdpa_attention_forward``: grouped-query heads, scale,
@@ -94,28 +144,30 @@ def causal_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     Why it is exact: in a sequence row a completion token sees, causally, its pair's prompt and
     its own completion: the block mask's rule (``scoring.shared.attention_mask``). A prompt token's
     output comes from its pair's first row; the copies in the other rows are discarded (their
-    gradient is zero), and keys and values used by several rows sum their gradients.
+    gradient is zero), and keys and values used by several rows sum their gradients
+    (``_GatherRows``).
 
     Without the rows (a plain forward of a switched model, such as a head probe) it is sdpa,
     with the mask transformers built (``register_causal``)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if dpocache_gather is None or dpocache_scatter is None:  # a plain forward (a head probe): sdpa with its mask
+    if dpocache_gather is None or dpocache_scatter is None or dpocache_second is None:  # a plain forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     s, w = dpocache_gather.shape
     b, t = query.shape[0], query.shape[2]
     slots = dpocache_gather.reshape(-1)
 
-    def rows(x: torch.Tensor) -> torch.Tensor:  # (B, h, T, D) -> (S, h, W, D)
+    def rows(x: torch.Tensor, second: torch.Tensor | None) -> torch.Tensor:  # (B, h, T, D) -> (S, h, W, D)
         h, d = x.shape[1], x.shape[3]
-        return x.transpose(1, 2).reshape(b * t, h, d).index_select(0, slots).view(s, w, h, d).transpose(1, 2)
+        flat = x.transpose(1, 2).reshape(b * t, h, d)
+        return _GatherRows.apply(flat, slots, dpocache_scatter, second).view(s, w, h, d).transpose(1, 2)
 
     kwargs.pop("is_causal", None)
     with sdpa_kernels():
-        out, _ = sdpa_attention_forward(module, rows(query), rows(key), rows(value), None, is_causal=True,
-                                        **kwargs)  # (S, W, H, D)
+        out, _ = sdpa_attention_forward(module, rows(query, None), rows(key, dpocache_second),
+                                        rows(value, dpocache_second), None, is_causal=True, **kwargs)  # (S, W, H, D)
     h, d = out.shape[2], out.shape[3]
-    return out.reshape(s * w, h, d).index_select(0, dpocache_scatter).view(b, t, h, d), None
+    return _TakeOutputs.apply(out.reshape(s * w, h, d), dpocache_scatter).view(b, t, h, d), None
 
 
 # SDPA's kernels for the causal rows: flash, or memory-efficient and math where flash cannot

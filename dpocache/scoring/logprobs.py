@@ -252,7 +252,8 @@ class CompletionLogProbs(nn.Module):
         lm = self.causal_lm
         positions = {} if position_ids is None else {"position_ids": position_ids}
         if isinstance(attention_mask, SequenceRows):  # the causal backend: its rows reach it as attention kwargs
-            positions |= {"dpocache_gather": attention_mask.gather, "dpocache_scatter": attention_mask.scatter}
+            positions |= {"dpocache_gather": attention_mask.gather, "dpocache_scatter": attention_mask.scatter,
+                          "dpocache_second": attention_mask.second}
             # A 4D mask is passed through as it is (transformers builds none); the backend ignores it.
             attention_mask = attention_mask.gather.new_ones((1, 1, 1, 1), dtype=torch.bool)
         padding_mask = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2

@@ -149,10 +149,12 @@ def sequence_rows(pairs: Sequence[TokenizedPair], placement: Sequence[tuple[int,
     """The ``SequenceRows`` of pairs placed at ``placement`` (``(row, offset)`` each) in
     ``n_rows`` rows of ``width`` tokens: ``prompt + chosen`` and ``prompt + rejected`` of each pair (one of them
     when the other completion is empty; the prompt alone when both are), ``S`` rows of ``W``
-    slots, ``W`` the longest sequence. A prompt token takes its output from its pair's first
-    row, a completion token from its own; a padding token from slot 0 (never read)."""
+    slots, ``W`` one more than the longest sequence, so that every row ends past its sequence. A
+    prompt token takes its output from its pair's first row, a completion token from its own, a
+    padding token from the last slot of row 0 (past its sequence; never read). ``second``: a
+    prompt token's slot in its pair's second row; any other token's is that last slot of row 0."""
     spans = []  # per sequence: (prompt's flat start, prompt length, completion's flat start, completion length)
-    prompts = []  # per pair: (prompt's flat start, prompt length, its first sequence)
+    prompts = []  # per pair: (prompt's flat start, prompt length, its first sequence, its sequences)
     for pair, (row, start) in zip(pairs, placement):
         p, c, r = len(pair.prompt_ids), len(pair.chosen_ids), len(pair.rejected_ids)
         base = row * width + start
@@ -160,18 +162,22 @@ def sequence_rows(pairs: Sequence[TokenizedPair], placement: Sequence[tuple[int,
         spans.extend((base, p, at, n) for at, n in ((base + p, c), (base + p + c, r)) if n)
         if len(spans) == first:  # both completions empty: the prompt still needs a row
             spans.append((base, p, base + p, 0))
-        prompts.append((base, p, first))
-    w = max(p + n for _, p, _, n in spans)
+        prompts.append((base, p, first, len(spans) - first))
+    w = 1 + max(p + n for _, p, _, n in spans)
     gather = torch.empty(len(spans), w, dtype=torch.long)
-    scatter = torch.zeros(n_rows * width, dtype=torch.long)
+    past = w - 1  # row 0's last slot, past its sequence
+    scatter = torch.full((n_rows * width,), past, dtype=torch.long)
+    second = torch.full((n_rows * width,), past, dtype=torch.long)
     for s, (base, p, at, n) in enumerate(spans):
         gather[s, :p] = torch.arange(base, base + p)
         gather[s, p:p + n] = torch.arange(at, at + n)
         gather[s, p + n:] = base + p - 1 if n == 0 else at + n - 1  # past the sequence: its last token
         scatter[at:at + n] = torch.arange(s * w + p, s * w + p + n)
-    for base, p, s in prompts:
+    for base, p, s, count in prompts:
         scatter[base:base + p] = torch.arange(s * w, s * w + p)
-    return SequenceRows(gather, scatter)
+        if count == 2:
+            second[base:base + p] = torch.arange((s + 1) * w, (s + 1) * w + p)
+    return SequenceRows(gather, scatter, second)
 
 
 def collate_packed(pairs: Sequence[TokenizedPair], pad_id: int = 0, width: int | None = None,

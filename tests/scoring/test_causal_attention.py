@@ -81,6 +81,38 @@ def test_causal_gradients_equal_masked_sdpa(tokenizer, pairs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("layout", ["shared", "packed"])
+def test_causal_rows_gradients_equal_index_selects_bit_for_bit(tokenizer, pairs, layout, monkeypatch):
+    """The rows' gathers and the outputs' take-back have backward passes that gather instead of
+    scatter-adding (``attention._GatherRows``, ``attention._TakeOutputs``): every parameter's
+    gradient equals, bit for bit, the one autograd derives from plain ``index_select`` (an
+    ``index_add_`` over every slot), with padding (shared: pairs of different lengths) and
+    without (packed, one row)."""
+    from dpocache.scoring import attention
+
+    class Plain:  # index_select, with its own backward
+        @staticmethod
+        def apply(x, index, *_):
+            return x.index_select(0, index)
+
+    model = build_model("llama", tokenizer).train()
+    lp = CompletionLogProbs(model)
+    assert training_layout(lp, layout, "causal").attention == CAUSAL
+    batch = layout_batch(layout, pairs, tokenizer.pad_token_id, model.config)
+    assert (batch.segments == PAD).any() == (layout == "shared")
+    grads = []
+    for plain in (False, True):
+        if plain:
+            monkeypatch.setattr(attention, "_GatherRows", Plain)
+            monkeypatch.setattr(attention, "_TakeOutputs", Plain)
+        model.zero_grad()
+        chosen, rejected = split_per_token(shared_prompt_logps(lp, batch), batch)
+        (sum(c.sum() for c in chosen) - 0.5 * sum(r.sum() for r in rejected)).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    assert any(g.abs().sum() > 0 for g in grads[0])
+
+
 def test_the_causal_rows_keep_off_cudnn_and_leave_the_process_flags_alone(tokenizer, pairs, monkeypatch):
     """The causal rows' SDPA calls run with cuDNN excluded (``sdpa_kernels``), in training and
     in the reference pass; a plain forward of the switched model (a head probe: sdpa with its
@@ -169,10 +201,20 @@ def test_sequence_rows_point_every_token_at_itself(tokenizer, pairs):
     assert packed.input_ids.shape == (1, sum(p.unique_tokens for p in pairs))
     assert layout_batch("packed", pairs, pad, SimpleNamespace(_attn_implementation="sdpa")).input_ids.shape[0] > 1
     for batch, rows in ((packed, 2 * len(pairs)), (collate_shared([*pairs[:3], *odd], pad, rows=True), 2 * 3 + 3)):
-        gather, scatter = batch.rows
+        gather, scatter, second = batch.rows
         assert gather.shape[0] == rows  # two rows for each pair with two completions, one for the others
         real = (batch.segments.reshape(-1) != PAD).nonzero().squeeze(1)
         assert torch.equal(gather.reshape(-1)[scatter[real]], real)
+        # Every row ends past its sequence; a padding token takes row 0's last slot, past its sequence.
+        flat, w = gather.reshape(-1), gather.shape[1]
+        assert torch.all(gather[:, -1] == gather[:, -2])
+        assert torch.all(scatter[batch.segments.reshape(-1) == PAD] == w - 1)
+        # A prompt token of a pair with two rows has its copy in the second; any other token's
+        # ``second`` is a slot past a sequence's end.
+        copied = second != w - 1
+        assert torch.equal(flat[second[copied]], copied.nonzero().squeeze(1))
+        assert torch.all(second[copied] // w == scatter[copied] // w + 1)
+        assert torch.all(batch.segments.reshape(-1)[copied] == PROMPT)
         seg, docs = batch.segments.reshape(-1), batch.documents.reshape(-1)
         for row in gather:
             n = int((row[1:] != row[:-1]).sum()) + 1  # the sequence's own slots, before the repeats
