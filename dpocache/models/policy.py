@@ -17,6 +17,7 @@ from dpocache.distributed.process_group import DistEnv
 from dpocache.distributed.sharded_reference import probe_sharded, report_shards
 from dpocache.models.directories import adapter_base_dir
 from dpocache.models.kernels import KernelChoice, apply_kernels
+from dpocache.models.lora_fused import fuse_lora_updates_
 from dpocache.models.loading import (
     disable_dropout,
     load_causal_lm,
@@ -79,7 +80,8 @@ def load_policy(cfg: Config, device: torch.device, kernels: KernelChoice | None 
     was 49 GB with it: docs/benchmarks/gpu-suite-h200-20261126.md). PEFT rounds a fresh
     adapter's init to its base layer's dtype before it casts it to fp32, so the init is drawn
     again in fp32 (``init_lora_``), and the adapters take their inputs in ``dtype``
-    (``keep_adapter_inputs_``)."""
+    (``keep_adapter_inputs_``). Under bf16 or fp16 autocast each LoRA layer adds its update
+    inside ``lora_B``'s GEMM (``fuses_lora_updates``)."""
     path = Path(cfg.model.path)
     base = adapter_base_dir(path)  # the same base the reference of an adapter directory loads
     staged = frozen_in_compute_dtype(cfg, device, dtype)
@@ -106,6 +108,8 @@ def load_policy(cfg: Config, device: torch.device, kernels: KernelChoice | None 
     if staged:
         store_frozen_matrices_(model, dtype, skip_trainable=True)
         keep_adapter_inputs_(model)
+    if fuses_lora_updates(cfg, device, dtype):
+        fuse_lora_updates_(model)
     if kernels is not None:
         apply_kernels(model, kernels)
     if cfg.model.gradient_checkpointing:
@@ -137,6 +141,14 @@ def keep_adapter_inputs_(model: nn.Module) -> int:
     for layer in layers:
         layer.cast_input_dtype_enabled = False
     return len(layers)
+
+
+def fuses_lora_updates(cfg: Config, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``load_policy`` adds each LoRA layer's update inside ``lora_B``'s GEMM
+    (``dpocache.models.lora_fused``): a LoRA run under bf16 or fp16 autocast on native kernels.
+    fp32 runs, and bf16 through ``bf16_matmul``'s fp32 GEMM, keep PEFT's forward."""
+    lora = cfg.lora.r > 0 or adapter_base_dir(Path(cfg.model.path)) is not None
+    return lora and dtype in (torch.bfloat16, torch.float16) and not routes_bf16_through_fp32(device)
 
 
 def _prepare_policy(model: nn.Module, cfg: Config) -> None:

@@ -1,0 +1,68 @@
+"""A LoRA layer's update added inside one GEMM: ``result.addmm_(h, B.T, alpha=scaling)``.
+
+PEFT's LoRA linear layer computes ``result + lora_B(lora_A(x)) * scaling``: after the base
+layer's product and ``lora_A``'s, a product for ``lora_B``, then a multiplication by the scale and
+an addition, each a kernel that reads and writes a ``(tokens, out_features)`` tensor, and a third
+such kernel in the backward (the scale's). In an 8B Llama with every linear layer adapted those
+tensors are up to 14,336 wide, and the multiplications and additions took about 6% of a LoRA
+step's GPU time (docs/benchmarks/gpu-suite-h200-20261126-0556.md). Here ``lora_B``'s product
+is accumulated into the base layer's output in place, scaled in the GEMM's epilogue: one kernel
+instead of three, no ``(tokens, out_features)`` tensor beyond the output, and in the backward
+only ``(tokens, r)`` and ``(r, out)`` tensors are scaled.
+
+The values: the product is rounded once, with the scale and the sum, instead of three times
+(product, scale, sum), so they differ from PEFT's within the compute dtype's rounding. An
+adapter whose ``B`` is zero (a fresh one) leaves the base's output exactly as it is, so the
+policy still starts at the cached reference.
+
+Only for a run under bf16 or fp16 autocast on native kernels (``fuses_lora_updates``): fp32 runs
+keep PEFT's forward, and so do calls it does not cover (several or no active adapters, a
+variant such as DoRA, a bias on ``B``, merged weights, adapters off, extra arguments), which
+fall through to PEFT's own forward at each call.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+
+def fuse_lora_updates_(model: nn.Module) -> int:
+    """Give every PEFT LoRA ``Linear`` of ``model`` the fused forward (``fused_lora_forward``),
+    on the instance; returns how many layers changed."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    layers = [m for m in model.modules() if type(m) is LoraLinear]
+    for layer in layers:
+        layer.forward = types.MethodType(fused_lora_forward, layer)
+    return len(layers)
+
+
+def fused_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """PEFT's ``Linear.forward`` with the adapter's update added in ``lora_B``'s GEMM:
+    ``x (..., in)`` → ``(..., out)``. Falls through to PEFT's forward for any call it does not
+    cover (the module docstring)."""
+    adapter = _plain_adapter(self, args, kwargs)
+    if adapter is None:
+        return type(self).forward(self, x, *args, **kwargs)
+    flat = x.reshape(-1, x.shape[-1])  # (N, in): the update goes into a whole tensor, not a view of one
+    result = self.base_layer(flat)  # (N, out), a new tensor: its product does not keep it for backward
+    lora_a, lora_b = self.lora_A[adapter], self.lora_B[adapter]
+    h = lora_a(self.lora_dropout[adapter](self._cast_input_dtype(flat, lora_a.weight.dtype)))  # (N, r)
+    # addmm_ is in place, which autocast does not cast: B in the output's dtype, as autocast
+    # would cast it for lora_B's product (the same rounding).
+    result.addmm_(h.to(result.dtype), lora_b.weight.to(result.dtype).t(), alpha=self.scaling[adapter])
+    return result.view(*x.shape[:-1], result.shape[-1])
+
+
+def _plain_adapter(layer, args: tuple, kwargs: dict) -> str | None:
+    """The name of the layer's one active plain LoRA adapter where the fused forward computes
+    what PEFT's would; None otherwise."""
+    if args or kwargs or layer.disable_adapters or layer.merged or len(layer.active_adapters) != 1:
+        return None
+    name = layer.active_adapters[0]
+    if name not in layer.lora_A or name in getattr(layer, "lora_variant", {}) or layer.lora_B[name].bias is not None:
+        return None
+    return name

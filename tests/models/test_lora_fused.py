@@ -1,0 +1,155 @@
+"""A LoRA layer's update added inside ``lora_B``'s GEMM (``dpocache.models.lora_fused``): the
+values of the LoRA formula (``base(x) + scaling * x A^T B^T``, computed here in float64) within
+the compute dtype's rounding, as close as PEFT's own forward, with gradients; a fresh adapter
+leaves the base's output exactly; no multiplication or addition of a whole output tensor is
+left; calls it does not cover go to PEFT's forward; ``load_policy`` fuses under bf16 autocast only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from train_fixtures import base_model  # noqa: F401 (fixture)
+
+from dpocache.models import policy as policy_mod
+from dpocache.models.lora_fused import fuse_lora_updates_, fused_lora_forward
+
+IN, OUT, R, ALPHA = 48, 80, 4, 8
+
+
+def _layer(fresh: bool = False, dtype=torch.float32):
+    """One adapted linear layer (PEFT's), A and B random unless ``fresh`` (B zero)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential()
+    base.add_module("proj", torch.nn.Linear(IN, OUT, bias=True))
+    model = get_peft_model(base, LoraConfig(r=R, lora_alpha=ALPHA, target_modules=["proj"],
+                                            init_lora_weights=fresh))
+    model.to(dtype)
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.float()  # the adapters in fp32, as dpocache trains them
+    from peft.tuners.lora.layer import Linear
+
+    return model, next(m for m in model.modules() if type(m) is Linear)
+
+
+def _formula(layer, x):
+    """``base(x) + scaling * x A^T B^T`` in float64, from the layer's weights."""
+    w, b = layer.base_layer.weight.double(), layer.base_layer.bias.double()
+    a, bb = layer.lora_A["default"].weight.double(), layer.lora_B["default"].weight.double()
+    x = x.double()
+    return x @ w.T + b + layer.scaling["default"] * (x @ a.T @ bb.T)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_update_is_the_lora_formula_as_close_as_pefts(dtype):
+    model, layer = _layer(dtype=torch.float32 if dtype == torch.float32 else torch.bfloat16)
+    x = torch.randn(2, 7, IN)
+    want = _formula(layer, x.to(dtype))
+    runs = {}
+    for fused in (False, True):
+        if fused:
+            fuse_lora_updates_(model)
+        x_in = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype, enabled=dtype != torch.float32):
+            out = model(x_in)
+        (out.float() * torch.linspace(-1, 1, OUT)).sum().backward()
+        grads = [x_in.grad] + [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        model.zero_grad()
+        runs[fused] = (out.float(), grads)
+    assert runs[True][0].shape == (2, 7, OUT)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    peft_err = (runs[False][0] - want).abs().max().item()
+    fused_err = (runs[True][0] - want).abs().max().item()
+    assert fused_err <= max(2 * peft_err, tol / 100) and fused_err < tol, (fused_err, peft_err)
+    for a, b in zip(runs[True][1], runs[False][1], strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+
+
+def test_a_fresh_adapter_leaves_the_base_output_exactly():
+    """B is zero: the policy starts at the cached reference (the base), bit for bit."""
+    model, layer = _layer(fresh=True, dtype=torch.bfloat16)
+    fuse_lora_updates_(model)
+    x = torch.randn(3, 5, IN)
+    with torch.autocast("cpu", torch.bfloat16), torch.no_grad():
+        assert torch.equal(model(x), layer.base_layer(x))
+
+
+def test_no_whole_output_tensor_is_scaled_or_added():
+    """PEFT's forward and backward multiply and add whole ``(tokens, out)`` tensors; the fused
+    ones do not (the update goes into the base's output in its GEMM)."""
+
+    class Elementwise(TorchDispatchMode):
+        def __init__(self, least: int):
+            super().__init__()
+            self.least, self.ops = least, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in (torch.ops.aten.mul, torch.ops.aten.add) and out.numel() >= self.least:
+                self.ops.append(func.overloadpacket.__name__)
+            return out
+
+    counts = {}
+    for fused in (False, True):
+        model, _ = _layer(dtype=torch.bfloat16)
+        if fused:
+            fuse_lora_updates_(model)
+        x = torch.randn(4, 6, IN, requires_grad=True)
+        mode = Elementwise(least=4 * 6 * OUT)
+        with mode, torch.autocast("cpu", torch.bfloat16):
+            model(x).float().sum().backward()
+        counts[fused] = mode.ops
+    assert counts[False]  # so that the count below could fail
+    assert counts[True] == []
+
+
+def test_calls_it_does_not_cover_go_to_pefts_forward():
+    model, layer = _layer()
+    fuse_lora_updates_(model)
+    assert layer.forward.__func__ is fused_lora_forward
+    x = torch.randn(2, 3, IN)
+    with torch.no_grad():
+        with model.disable_adapter():  # adapters off: the base alone
+            assert torch.equal(model(x), layer.base_layer(x))
+        mixed = layer(x, adapter_names=["default", "__base__"])  # PEFT's mixed-batch forward
+        assert torch.allclose(mixed[0], _formula(layer, x)[0].float(), atol=1e-5)
+        torch.testing.assert_close(mixed[1], layer.base_layer(x[1]))
+
+
+@pytest.mark.parametrize("dtype,fused", [(torch.bfloat16, True), (torch.float32, False)], ids=["bf16", "fp32"])
+def test_load_policy_fuses_under_bf16_autocast_only(base_model, monkeypatch, dtype, fused):  # noqa: F811
+    from peft.tuners.lora.layer import Linear
+
+    from dpocache.config import Config
+
+    monkeypatch.setenv("DPOCACHE_BF16_MATMUL", "native")
+    cfg = Config()
+    cfg.model.path, cfg.lora.r = str(base_model), 4
+    policy = policy_mod.load_policy(cfg, torch.device("cpu"), None, dtype)
+    layers = [m for m in policy.modules() if type(m) is Linear]
+    assert layers and {getattr(m.forward, "__func__", None) is fused_lora_forward for m in layers} == {fused}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_fused_update_is_the_lora_formula_as_close_as_pefts():
+    """cuBLAS's GEMM with the update in its epilogue, under bf16 autocast: no farther from the
+    float64 formula than PEFT's forward, with the same gradients within bf16 rounding."""
+    outs = {}
+    for fused in (False, True):
+        model, layer = _layer(dtype=torch.bfloat16)
+        model.cuda()
+        if fused:
+            fuse_lora_updates_(model)
+        x = torch.randn(8, 64, IN, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        with torch.autocast("cuda", torch.bfloat16):
+            out = model(x.requires_grad_(True))
+        out.float().sum().backward()
+        outs[fused] = (out.float(), _formula(layer, x.detach().bfloat16()).float(), x.grad.float())
+    peft_err = (outs[False][0] - outs[False][1]).abs().max()
+    fused_err = (outs[True][0] - outs[True][1]).abs().max()
+    assert fused_err <= 2 * peft_err + 1e-3
+    torch.testing.assert_close(outs[True][2], outs[False][2], rtol=2e-2, atol=2e-2)
