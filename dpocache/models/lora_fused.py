@@ -24,6 +24,7 @@ fall through to PEFT's own forward at each call.
 from __future__ import annotations
 
 import types
+import weakref
 
 import torch
 from torch import nn
@@ -47,14 +48,63 @@ def fused_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     adapter = _plain_adapter(self, args, kwargs)
     if adapter is None:
         return type(self).forward(self, x, *args, **kwargs)
-    flat = x.reshape(-1, x.shape[-1])  # (N, in): the update goes into a whole tensor, not a view of one
-    result = self.base_layer(flat)  # (N, out), a new tensor: its product does not keep it for backward
+    # (N, in) each: the update goes into a whole tensor, not a view of one. The cast is keyed on x
+    # itself, the tensor the decoder layer hands to q, k and v (gate and up).
+    to_base, to_adapter = (t.reshape(-1, t.shape[-1]) for t in _compute_inputs(x))
+    result = self.base_layer(to_base)  # (N, out), a new tensor: its product does not keep it for backward
     lora_a, lora_b = self.lora_A[adapter], self.lora_B[adapter]
-    h = lora_a(self.lora_dropout[adapter](self._cast_input_dtype(flat, lora_a.weight.dtype)))  # (N, r)
+    h = lora_a(self.lora_dropout[adapter](self._cast_input_dtype(to_adapter, lora_a.weight.dtype)))  # (N, r)
     # addmm_ is in place, which autocast does not cast: B in the output's dtype, as autocast
     # would cast it for lora_B's product (the same rounding).
     result.addmm_(h.to(result.dtype), lora_b.weight.to(result.dtype).t(), alpha=self.scaling[adapter])
     return result.view(*x.shape[:-1], result.shape[-1])
+
+
+class _AsCast(torch.autograd.Function):
+    """``x`` (fp32) as ``y``, its cast to the autocast dtype made once before (no graph), for one
+    consumer: the backward casts that consumer's gradient to fp32, as autocast's own cast
+    (``ToCopyBackward``) would, so each consumer's gradient reaches ``x`` and is summed there
+    in fp32, in the same order: the same gradients, bit for bit."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.to(torch.float32), None
+
+
+# The last fp32 input cast for a LoRA layer: (a weak reference to it, its version, the dtype, the
+# cast). q, k and v (gate and up) take the same normed input one after the other: autocast cast it
+# twice for each (its base and its lora_A), six times in all, where once gives the same values.
+_last_cast: tuple | None = None
+
+
+def _forget_cast(_ref=None) -> None:
+    global _last_cast
+    _last_cast = None
+
+
+def _compute_inputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` for the base layer's product and for ``lora_A``'s: under autocast, an fp32 input cast
+    once to the autocast dtype and shared by consecutive layers (``_last_cast``), each consumer
+    with its own gradient node (``_AsCast``). Anything else, and under ``torch.compile`` (whose
+    graph casts once by itself), ``x`` as it is."""
+    global _last_cast
+    device = x.device.type
+    if x.dtype != torch.float32 or not torch.is_autocast_enabled(device) or torch.compiler.is_compiling() \
+            or x.is_inference():  # an inference tensor has no version to key on
+        return x, x
+    dtype = torch.get_autocast_dtype(device)
+    last = _last_cast
+    if last is None or last[0]() is not x or last[1] != x._version or last[2] != dtype:
+        with torch.no_grad():
+            cast = x.to(dtype)
+        last = _last_cast = (weakref.ref(x, _forget_cast), x._version, dtype, cast)  # dropped with x
+    if not torch.is_grad_enabled() or not x.requires_grad:
+        return last[3], last[3]
+    return _AsCast.apply(x, last[3]), _AsCast.apply(x, last[3])
 
 
 def _plain_adapter(layer, args: tuple, kwargs: dict) -> str | None:

@@ -75,6 +75,8 @@ def test_a_fresh_adapter_leaves_the_base_output_exactly():
     x = torch.randn(3, 5, IN)
     with torch.autocast("cpu", torch.bfloat16), torch.no_grad():
         assert torch.equal(model(x), layer.base_layer(x))
+    with torch.autocast("cpu", torch.bfloat16), torch.inference_mode():  # inference tensors: no shared cast
+        assert torch.equal(model(x), layer.base_layer(x))
 
 
 def test_no_whole_output_tensor_is_scaled_or_added():
@@ -153,3 +155,48 @@ def test_on_cuda_the_fused_update_is_the_lora_formula_as_close_as_pefts():
     fused_err = (outs[True][0] - outs[True][1]).abs().max()
     assert fused_err <= 2 * peft_err + 1e-3
     torch.testing.assert_close(outs[True][2], outs[False][2], rtol=2e-2, atol=2e-2)
+
+
+def test_an_input_shared_by_layers_is_cast_once_with_the_same_gradients(base_model, monkeypatch):  # noqa: F811
+    """q, k and v (gate and up) take one normed fp32 input: the fused forward casts it to bf16
+    once for all of them (``_compute_inputs``), where autocast cast it for each base layer and
+    each ``lora_A``; outputs and every gradient are the same, bit for bit (each consumer's
+    gradient still reaches the fp32 input on its own, and is summed there in fp32)."""
+    from dpocache.config import Config
+    from dpocache.models import lora_fused
+
+    class Casts(TorchDispatchMode):  # fp32 -> bf16 casts of activations (more than a row)
+        def __init__(self, least: int):
+            super().__init__()
+            self.least, self.count = least, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            x = args[0] if args else None
+            if func is torch.ops.aten._to_copy.default and x.dtype == torch.float32 and x.numel() > self.least \
+                    and kwargs.get("dtype") == torch.bfloat16:
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setenv("DPOCACHE_BF16_MATMUL", "native")
+    cfg = Config()
+    cfg.model.path, cfg.lora.r = str(base_model), 4
+    policy = policy_mod.load_policy(cfg, torch.device("cpu"), None, torch.bfloat16)
+    for name, p in policy.named_parameters():  # a trained adapter: B not zero
+        if "lora_B" in name:
+            p.data.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(name)))
+    config = policy.config
+    ids = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for shared in (True, False):
+        if not shared:
+            monkeypatch.setattr(lora_fused, "_compute_inputs", lambda x: (x, x))
+        policy.zero_grad()
+        mode = Casts(least=config.hidden_size)
+        with mode, torch.autocast("cpu", torch.bfloat16):
+            logits = policy(input_ids=ids).logits
+        logits.float().logsumexp(-1).sum().backward()
+        runs[shared] = (mode.count, logits.detach(), [p.grad.clone() for p in policy.parameters() if p.requires_grad])
+    # per layer: the attention's input cast once instead of 6 times, the MLP's once instead of 4
+    assert runs[False][0] - runs[True][0] == 8 * config.num_hidden_layers
+    assert torch.equal(runs[True][1], runs[False][1])
+    assert all(torch.equal(a, b) for a, b in zip(runs[True][2], runs[False][2], strict=True))
