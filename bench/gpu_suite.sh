@@ -6,8 +6,9 @@
 #   bench/gpu_suite.sh install      # on the GPU machine: those wheels, no index, no dependencies; dpocache
 #   bench/gpu_suite.sh run [ARGS]   # install, then python bench/gpu_suite.py ARGS
 #   bench/gpu_suite.sh session OUT [ARGS]  # a lent GPU's one call: install, the suite (at most $SUITE_S s, 420), then
-#                                   # the GPU tests (at most $TESTS_S s, 150; 0: none); the result, its log, the
-#                                   # tests' output (and --profile's tables) into OUT
+#                                   # the GPU tests (at most $TESTS_S s, 150; 0: none; $GPU_TESTS: which, in order,
+#                                   # default all, each named as it ends); the result, its log, the tests' output
+#                                   # (and --profile's tables) into OUT
 #
 # The wheels: TRL 1.16.0 and, of what it imports, what such a machine lacks (datasets, and
 # datasets' dill and multiprocess, at this venv's versions), plus liger-kernel 0.8.5 for
@@ -51,7 +52,9 @@ session() {
         | tail -40 || true
     cp "$(ls -t bench/work/gpu-suite-*.log 2>/dev/null | head -1)" "$out/" 2>/dev/null || true  # this run's log
     if [ "${TESTS_S:-150}" -gt 0 ]; then
-        timeout "${TESTS_S:-150}" "$PY" -m pytest -q -m gpu -p no:cacheprovider tests >"$out/gpu-tests.txt" 2>&1 || true
+        # shellcheck disable=SC2086  # $GPU_TESTS: test paths, split on spaces
+        timeout "${TESTS_S:-150}" "$PY" -m pytest -v -m gpu -p no:cacheprovider ${GPU_TESTS:-tests} \
+            >"$out/gpu-tests.txt" 2>&1 || true
         tail -15 "$out/gpu-tests.txt"
     fi
 }
