@@ -124,6 +124,11 @@ def frozen_in_compute_dtype(cfg: Config, device: torch.device, dtype: torch.dtyp
     """Whether ``load_policy`` stores a LoRA base's frozen matrices in ``dtype``: a LoRA run
     (fresh or an adapter directory) in bf16 or fp16 where the linear layers run that dtype
     natively (not through ``bf16_matmul``'s fp32 GEMM, which needs fp32 weights)."""
+    return _lora_under_native_autocast(cfg, device, dtype)
+
+
+def _lora_under_native_autocast(cfg: Config, device: torch.device, dtype: torch.dtype) -> bool:
+    """A LoRA run (fresh or an adapter directory) under bf16 or fp16 autocast on native kernels."""
     lora = cfg.lora.r > 0 or adapter_base_dir(Path(cfg.model.path)) is not None
     return lora and dtype in (torch.bfloat16, torch.float16) and not routes_bf16_through_fp32(device)
 
@@ -147,8 +152,7 @@ def fuses_lora_updates(cfg: Config, device: torch.device, dtype: torch.dtype) ->
     """Whether ``load_policy`` adds each LoRA layer's update inside ``lora_B``'s GEMM
     (``dpocache.models.lora_fused``): a LoRA run under bf16 or fp16 autocast on native kernels.
     fp32 runs, and bf16 through ``bf16_matmul``'s fp32 GEMM, keep PEFT's forward."""
-    lora = cfg.lora.r > 0 or adapter_base_dir(Path(cfg.model.path)) is not None
-    return lora and dtype in (torch.bfloat16, torch.float16) and not routes_bf16_through_fp32(device)
+    return _lora_under_native_autocast(cfg, device, dtype)
 
 
 def _prepare_policy(model: nn.Module, cfg: Config) -> None:
