@@ -15,6 +15,14 @@ The values: the product is rounded once, with the scale and the sum, instead of 
 adapter whose ``B`` is zero (a fresh one) leaves the base's output exactly as it is, so the
 policy still starts at the cached reference.
 
+The same forward casts an fp32 input once for the consecutive layers that take it (q, k and v;
+gate and up), where autocast cast it for each base layer and each ``lora_A``, and sends each
+consumer's gradient back on its own (``_AsCast``), so that they are summed in fp32 as before.
+That costs host time (a custom autograd node per consumer): on a tiny Llama on one CPU thread a
+forward and backward took 10-13% longer than without it (``bench/probes/lora_host_probe.py``),
+for 8 fewer casts of an activation per decoder layer and forward on the device, where the 8B
+LoRA step was bound; ``$DPOCACHE_LORA_CAST=per-product`` turns it off.
+
 Only for a run under bf16 or fp16 autocast on native kernels (``fuses_lora_updates``): fp32 runs
 keep PEFT's forward, and so do calls it does not cover (several or no active adapters, a
 variant such as DoRA, a bias on ``B``, merged weights, adapters off, extra arguments), which
@@ -23,11 +31,14 @@ fall through to PEFT's own forward at each call.
 
 from __future__ import annotations
 
+import os
 import types
 import weakref
 
 import torch
 from torch import nn
+
+from dpocache.scoring.layout_choice import LORA_CAST_ENV, LORA_CAST_MODES
 
 
 def fuse_lora_updates_(model: nn.Module) -> int:
@@ -75,6 +86,10 @@ class _AsCast(torch.autograd.Function):
         return grad.to(torch.float32), None
 
 
+# ``$DPOCACHE_LORA_CAST=per-product`` leaves each product's cast to autocast, to measure the choice
+# again (checked by ``config.validate_environment``). Read once, at import.
+CAST_ONCE = os.environ.get(LORA_CAST_ENV, LORA_CAST_MODES[0]) == LORA_CAST_MODES[0]
+
 # The last fp32 input cast for a LoRA layer: (a weak reference to it, its version, the dtype, the
 # cast). q, k and v (gate and up) take the same normed input one after the other: autocast cast it
 # twice for each (its base and its lora_A), six times in all, where once gives the same values.
@@ -93,8 +108,8 @@ def _compute_inputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     graph casts once by itself), ``x`` as it is."""
     global _last_cast
     device = x.device.type
-    if x.dtype != torch.float32 or not torch.is_autocast_enabled(device) or torch.compiler.is_compiling() \
-            or x.is_inference():  # an inference tensor has no version to key on
+    if not CAST_ONCE or x.dtype != torch.float32 or not torch.is_autocast_enabled(device) \
+            or torch.compiler.is_compiling() or x.is_inference():  # an inference tensor has no version to key on
         return x, x
     dtype = torch.get_autocast_dtype(device)
     last = _last_cast

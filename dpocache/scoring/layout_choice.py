@@ -57,6 +57,10 @@ CAUSAL_SDPA_MODES = ("no-cudnn", "any")
 # the environment (config.validate_environment) imports no torch.
 BF16_MATMUL_ENV = "DPOCACHE_BF16_MATMUL"
 BF16_MATMUL_MODES = ("auto", "native", "fp32-gemm")
+# How a LoRA layer's fp32 input reaches its bf16 products (dpocache.models.lora_fused): cast once for
+# the layers that share it (the default), or by autocast for each product (to measure the choice again).
+LORA_CAST_ENV = "DPOCACHE_LORA_CAST"
+LORA_CAST_MODES = ("once", "per-product")
 # Attentions that serve the shared and packed layouts: with their custom mask, a dense one (sdpa,
 # eager) or a BlockMask (flex_attention), or with their sequence rows (causal; dpocache.scoring.attention).
 BLOCK_MASK_ATTENTION = ("sdpa", "eager", "flex_attention", CAUSAL)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from train_fixtures import base_model  # noqa: F401 (fixture)
+from train_fixtures import base_model, train_jsonl  # noqa: F401 (fixtures)
 
 from dpocache.models import policy as policy_mod
 from dpocache.models.lora_fused import fuse_lora_updates_, fused_lora_forward
@@ -188,8 +188,8 @@ def test_an_input_shared_by_layers_is_cast_once_with_the_same_gradients(base_mod
     ids = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     runs = {}
     for shared in (True, False):
-        if not shared:
-            monkeypatch.setattr(lora_fused, "_compute_inputs", lambda x: (x, x))
+        if not shared:  # $DPOCACHE_LORA_CAST=per-product, read at import
+            monkeypatch.setattr(lora_fused, "CAST_ONCE", False)
         policy.zero_grad()
         mode = Casts(least=config.hidden_size)
         with mode, torch.autocast("cpu", torch.bfloat16):
@@ -200,3 +200,16 @@ def test_an_input_shared_by_layers_is_cast_once_with_the_same_gradients(base_mod
     assert runs[False][0] - runs[True][0] == 8 * config.num_hidden_layers
     assert torch.equal(runs[True][1], runs[False][1])
     assert all(torch.equal(a, b) for a, b in zip(runs[True][2], runs[False][2], strict=True))
+
+
+def test_a_lora_cast_mode_that_is_not_one_stops_the_command(tmp_path, base_model, train_jsonl, monkeypatch,  # noqa: F811
+                                                            capsys):
+    """``$DPOCACHE_LORA_CAST``: one line and status 2, before any model loads."""
+    from dpocache.cli.entry import main
+
+    monkeypatch.setenv("DPOCACHE_LORA_CAST", "twice")
+    assert main(["train", "--model", str(base_model), "--data", str(train_jsonl), "--lora-r", "4",
+                 "--output-dir", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert "$DPOCACHE_LORA_CAST must be once or per-product; got 'twice'" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "c").exists()

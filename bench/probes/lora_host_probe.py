@@ -1,0 +1,90 @@
+"""The host's cost of a LoRA layer's forward, with shapes so small that the kernels take no time:
+PEFT's forward against dpocache's fused one (``dpocache.models.lora_fused``), with and without
+the shared cast of an fp32 input (``$DPOCACHE_LORA_CAST``).
+
+    python bench/probes/lora_host_probe.py [--layers 8] [--rounds 8] [--steps 40]
+
+A tiny Llama (hidden 64, 16 tokens) with every linear layer adapted (r 4), its base stored in
+bf16, forward and backward under bf16 autocast on one CPU thread. The three variants run in
+turn, ``--rounds`` times; each round's figure is the median of ``--steps`` forward-and-backward
+passes after 5 of warm-up. Prints one JSON line: the median over the rounds per variant, in
+milliseconds, and every round's. On a GPU the same host work runs beside the kernels; it is
+the bound only where the device waits for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # dpocache in a checkout not installed
+
+VARIANTS = ("peft", "fused", "fused+cast-once")
+
+
+def build(variant: str, layers: int):
+    """The tiny adapted Llama of ``variant``."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dpocache.models.lora_fused import fuse_lora_updates_
+    from dpocache.models.policy import keep_adapter_inputs_
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256)
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, target_modules="all-linear"))
+    for module in model.modules():  # the frozen base in bf16, as load_policy stores it for bf16 runs
+        if type(module) is torch.nn.Linear and not module.weight.requires_grad:
+            module.weight.data = module.weight.data.bfloat16()
+    keep_adapter_inputs_(model)
+    if variant != "peft":
+        fuse_lora_updates_(model)
+    return model
+
+
+def time_steps(model, steps: int) -> float:
+    """Median seconds of a forward and backward, after 5 of warm-up."""
+    import torch
+
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+    times = []
+    for _ in range(steps + 5):
+        start = time.perf_counter()
+        with torch.autocast("cpu", torch.bfloat16):
+            logits = model(input_ids=ids).logits
+        logits.float().sum().backward()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[5:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=40)
+    args = parser.parse_args()
+
+    import torch
+
+    from dpocache.models import lora_fused
+
+    torch.set_num_threads(1)
+    models = {v: build(v, args.layers) for v in VARIANTS}
+    rounds = {v: [] for v in VARIANTS}
+    for _ in range(args.rounds):
+        for variant, model in models.items():
+            lora_fused.CAST_ONCE = variant == "fused+cast-once"
+            rounds[variant].append(time_steps(model, args.steps) * 1e3)
+    print(json.dumps({"ms_median": {v: round(statistics.median(r), 2) for v, r in rounds.items()},
+                      "ms_rounds": {v: [round(x, 2) for x in r] for v, r in rounds.items()},
+                      "layers": args.layers, "threads": 1, "torch": torch.__version__}))
+
+
+if __name__ == "__main__":
+    main()
