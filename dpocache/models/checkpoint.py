@@ -77,6 +77,12 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torc
     return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
 
 
+def _optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors of the optimizer's state, as ``_optimizer_tensors`` would write them."""
+    return sum(_tensor_bytes(v) for values in optimizer.state_dict()["state"].values() for v in values.values()
+               if torch.is_tensor(v))
+
+
 def name_hub_base(directory: Path) -> None:
     """A PEFT adapter saved in ``directory`` names its base by Hub id and commit when the base was
     loaded from a snapshot of the local Hugging Face cache (``--model org/name``): the snapshot's
@@ -101,16 +107,19 @@ def save_checkpoint(output_dir: Path, step: int, model, tokenizer, optimizer, sc
     # but holding the space this one needs.
     for unfinished in final.parent.glob("step-*.tmp"):
         shutil.rmtree(unfinished, ignore_errors=True)
-    tensors, opt_meta = _optimizer_tensors(optimizer)
-    tensors["rng.torch"] = torch.get_rng_state()
-    if torch.cuda.is_available():
-        tensors["rng.cuda"] = torch.cuda.get_rng_state()
-    with writing(tmp, f"checkpoint {final.name}", output_dir, model, tensors):
+    with writing(tmp, f"checkpoint {final.name}", output_dir, model, _optimizer_bytes(optimizer)):
         tmp.mkdir(parents=True)
         model.save_pretrained(tmp)
         name_hub_base(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        # Copied to the host only once the weights are written (save_pretrained copies a GPU model's
+        # tensors to the host too): the host holds one of the two at a time, not both (AdamW's
+        # moments are twice the fp32 weights: 13 GB for a 1.1B model at once, 9 GB in turn).
+        tensors, opt_meta = _optimizer_tensors(optimizer)
+        tensors["rng.torch"] = torch.get_rng_state()
+        if torch.cuda.is_available():
+            tensors["rng.cuda"] = torch.cuda.get_rng_state()
         save_file(tensors, str(tmp / "optimizer.safetensors"))
         state = {"step": step, "optimizer": opt_meta, "scheduler": scheduler.state_dict(), **extra}
         atomic_write_text(tmp / STATE_FILE, json.dumps(state, indent=1, default=str))
@@ -121,12 +130,13 @@ def save_checkpoint(output_dir: Path, step: int, model, tokenizer, optimizer, sc
 
 
 @contextlib.contextmanager
-def writing(tmp: Path, what: str, output_dir: Path, model, tensors: dict[str, torch.Tensor] | None = None):
+def writing(tmp: Path, what: str, output_dir: Path, model, optimizer_bytes: int | None = None):
     """Write ``what`` into the directory ``tmp`` (renamed by the caller once complete). A disk
     error inside (``preflight.disk_errno``: an ``OSError``, or safetensors' ``SafetensorError``,
     which is not one, so the command line's ``disk_errors`` let it through as a traceback)
-    removes ``tmp`` and becomes one ``CheckpointWriteError``. ``tensors``: the optimizer's, for
-    the estimate of the space needed when there is no earlier checkpoint to measure."""
+    removes ``tmp`` and becomes one ``CheckpointWriteError``. ``optimizer_bytes``: the size of
+    the optimizer's state in a checkpoint, for the estimate of the space needed when there is no
+    earlier checkpoint to measure."""
     try:
         yield
     except Exception as e:  # noqa: BLE001 - re-raised unless it is a disk error
@@ -135,19 +145,19 @@ def writing(tmp: Path, what: str, output_dir: Path, model, tensors: dict[str, to
             raise
         # The partial checkpoint holds space the next attempt needs, and is never read.
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointWriteError(_write_failure(tmp, what, output_dir, code, model, tensors)) from None
+        raise CheckpointWriteError(_write_failure(tmp, what, output_dir, code, model, optimizer_bytes)) from None
 
 
-def _write_failure(tmp: Path, what: str, output_dir: Path, code: int, model, tensors) -> str:
+def _write_failure(tmp: Path, what: str, output_dir: Path, code: int, model, optimizer_bytes: int | None) -> str:
     """The one line of a failed write: what, where, the space it needs, and what is kept."""
     last = latest_checkpoint(output_dir)
     line = f"cannot write {what} to {tmp}: {os.strerror(code)}"
     if code in FULL_ERRNOS:
-        if tensors is not None and last is not None:  # a checkpoint is as large as the one before it
+        if optimizer_bytes is not None and last is not None:  # a checkpoint is as large as the one before it
             need, source = _dir_bytes(last), f"as {last.name} took"
         else:
-            need = _model_bytes(model) + sum(_tensor_bytes(t) for t in (tensors or {}).values())
-            source = "its weights" + (" and optimizer state" if tensors is not None else "") + ", estimated"
+            need = _model_bytes(model) + (optimizer_bytes or 0)
+            source = "its weights" + (" and optimizer state" if optimizer_bytes is not None else "") + ", estimated"
         free = shutil.disk_usage(_existing(tmp)).free
         line += f"; it needs about {_human(need)} ({source}), {_human(free)} is free there"
     if last is not None:

@@ -80,6 +80,27 @@ def test_a_save_removes_what_failed_saves_left(tmp_path, base_model, train_jsonl
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001"]
 
 
+def test_a_checkpoint_copies_the_optimizer_state_to_the_host_after_the_weights_are_written(
+        tmp_path, base_model, train_jsonl, monkeypatch):
+    """On a GPU both the weights (``save_pretrained``) and AdamW's moments (twice the weights)
+    are copied to the host to be written: one after the other, never both at once. The
+    optimizer's copy is made once the weights' file is complete."""
+    from dpocache.models import checkpoint as checkpoint_mod
+
+    seen = []
+    real = checkpoint_mod._optimizer_tensors
+
+    def recorded(optimizer):
+        seen.append(sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("*.tmp/model.safetensors")))
+        return real(optimizer)
+
+    monkeypatch.setattr(checkpoint_mod, "_optimizer_tensors", recorded)
+    run_training(*flags(base_model, train_jsonl, tmp_path / "run", tmp_path / "cache", "--max-steps", "2",
+                        "--save-steps", "1"))
+    assert seen == [["model.safetensors"], ["model.safetensors"]]
+    assert load_tensors(tmp_path / "run" / "checkpoints" / "step-000002" / "optimizer.safetensors")
+
+
 def test_resume_without_a_checkpoint_starts_at_step_zero(tmp_path, base_model, train_jsonl, capsys):
     out = tmp_path / "run"
     run_training(*flags(base_model, train_jsonl, out, tmp_path / "cache", "--max-steps", "2", "--resume"))
