@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from train_fixtures import base_model, train_jsonl  # noqa: F401 (fixtures)
+from train_fixtures import base_model, flags, load_tensors, run_training, train_jsonl, train_records  # noqa: F401
 
 from dpocache.models import policy as policy_mod
 from dpocache.models.lora_fused import fuse_lora_updates_, fused_lora_forward
@@ -213,3 +213,22 @@ def test_a_lora_cast_mode_that_is_not_one_stops_the_command(tmp_path, base_model
     err = capsys.readouterr().err
     assert "$DPOCACHE_LORA_CAST must be once or per-product; got 'twice'" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "c").exists()
+
+
+def test_checkpointed_lora_training_recomputes_the_same_values(tmp_path, base_model, train_jsonl,  # noqa: F811
+                                                               monkeypatch):
+    """bf16 LoRA training through the fused forward (its shared cast included) with gradient
+    checkpointing, whose backward runs each layer's forward again: every logged value and the
+    adapter after 3 steps are the run's without checkpointing, bit for bit."""
+    monkeypatch.setenv("DPOCACHE_BF16_MATMUL", "native")
+    timing = {"seconds", "tokens_per_s", "mfu"}
+    runs = []
+    for checkpointed in ("false", "true"):
+        out = tmp_path / f"run-{checkpointed}"
+        run_training(*flags(base_model, train_jsonl, out, tmp_path / "cache", "--lora-r", "4", "--max-steps", "3",
+                            "--lr", "1e-2", "--dtype", "bfloat16", "--gradient-checkpointing", checkpointed))
+        runs.append(([{k: v for k, v in r.items() if k not in timing} for r in train_records(out)],
+                     load_tensors(out / "final" / "adapter_model.safetensors")))
+    assert len(runs[0][0]) == 3 and runs[0][0] == runs[1][0]
+    assert runs[0][1].keys() == runs[1][1].keys()
+    assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
