@@ -4,8 +4,8 @@ PEFT's LoRA linear layer computes ``result + lora_B(lora_A(x)) * scaling``: afte
 layer's product and ``lora_A``'s, a product for ``lora_B``, then a multiplication by the scale and
 an addition, each a kernel that reads and writes a ``(tokens, out_features)`` tensor, and a third
 such kernel in the backward (the scale's). In an 8B Llama with every linear layer adapted those
-tensors are up to 14,336 wide, and the multiplications and additions took about 6% of a LoRA
-step's GPU time (docs/benchmarks/gpu-suite-h200-20261126-0556.md). Here ``lora_B``'s product
+tensors are up to 14,336 wide (their share of a LoRA step on a GPU:
+docs/benchmarks/gpu-suite-h200-20261126-0556.md). Here ``lora_B``'s product
 is accumulated into the base layer's output in place, scaled in the GEMM's epilogue: one kernel
 instead of three, no ``(tokens, out_features)`` tensor beyond the output, and in the backward
 only ``(tokens, r)`` and ``(r, out)`` tensors are scaled.
@@ -18,10 +18,9 @@ policy still starts at the cached reference.
 The same forward casts an fp32 input once for the consecutive layers that take it (q, k and v;
 gate and up), where autocast cast it for each base layer and each ``lora_A``, and sends each
 consumer's gradient back on its own (``_AsCast``), so that they are summed in fp32 as before.
-That costs host time (a custom autograd node per consumer): on a tiny Llama on one CPU thread a
-forward and backward took 10-13% longer than without it (``bench/probes/lora_host_probe.py``),
-for 8 fewer casts of an activation per decoder layer and forward on the device, where the 8B
-LoRA step was bound; ``$DPOCACHE_LORA_CAST=per-product`` turns it off.
+That trades host time (a Python autograd node per consumer, ``bench/probes/lora_host_probe.py``)
+for 8 fewer casts of an activation per decoder layer and forward on the device, which bounds
+an 8B LoRA step; ``$DPOCACHE_LORA_CAST=per-product`` turns it off (docs/speed.md).
 
 Only for a run under bf16 or fp16 autocast on native kernels (``fuses_lora_updates``): fp32 runs
 keep PEFT's forward, and so do calls it does not cover (several or no active adapters, a

@@ -89,7 +89,7 @@ class SequenceRows(NamedTuple):
 class _GatherRows(torch.autograd.Function):
     """``x (B*T, h, D)`` → ``x[gather] (S*W, h, D)``, whose backward gathers rather than
     scatter-adds (``index_select``'s own backward is an ``index_add_``, atomic adds over every
-    slot, 4% of an 8B LoRA step on an H200: docs/benchmarks/gpu-suite-h200-20261126-0556.md).
+    slot: docs/benchmarks/gpu-suite-h200-20261126-0556.md).
 
     A token's gradient is the sum over the slots holding it, and only two of them can be
     nonzero: the slot whose output it takes (``scatter``), and for a key or value of a prompt its
