@@ -17,6 +17,21 @@ from dpocache.models.lora_fused import fuse_lora_updates_, fused_lora_forward
 IN, OUT, R, ALPHA = 48, 80, 4, 8
 
 
+class SelectedOps(TorchDispatchMode):
+    """The names of the aten ops run inside it that ``selects(func, args, kwargs, out)`` picks."""
+
+    def __init__(self, selects):
+        super().__init__()
+        self.selects, self.names = selects, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.selects(func, args, kwargs, out):
+            self.names.append(func.overloadpacket.__name__)
+        return out
+
+
 def _layer(fresh: bool = False, dtype=torch.float32):
     """One adapted linear layer (PEFT's), A and B random unless ``fresh`` (B zero)."""
     from peft import LoraConfig, get_peft_model
@@ -83,16 +98,8 @@ def test_no_whole_output_tensor_is_scaled_or_added():
     """PEFT's forward and backward multiply and add whole ``(tokens, out)`` tensors; the fused
     ones do not (the update goes into the base's output in its GEMM)."""
 
-    class Elementwise(TorchDispatchMode):
-        def __init__(self, least: int):
-            super().__init__()
-            self.least, self.ops = least, []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func.overloadpacket in (torch.ops.aten.mul, torch.ops.aten.add) and out.numel() >= self.least:
-                self.ops.append(func.overloadpacket.__name__)
-            return out
+    def whole_output(func, args, kwargs, out):  # a multiplication or addition of a (tokens, out) tensor
+        return func.overloadpacket in (torch.ops.aten.mul, torch.ops.aten.add) and out.numel() >= 4 * 6 * OUT
 
     counts = {}
     for fused in (False, True):
@@ -100,10 +107,10 @@ def test_no_whole_output_tensor_is_scaled_or_added():
         if fused:
             fuse_lora_updates_(model)
         x = torch.randn(4, 6, IN, requires_grad=True)
-        mode = Elementwise(least=4 * 6 * OUT)
+        mode = SelectedOps(whole_output)
         with mode, torch.autocast("cpu", torch.bfloat16):
             model(x).float().sum().backward()
-        counts[fused] = mode.ops
+        counts[fused] = mode.names
     assert counts[False]  # so that the count below could fail
     assert counts[True] == []
 
@@ -165,18 +172,6 @@ def test_an_input_shared_by_layers_is_cast_once_with_the_same_gradients(base_mod
     from dpocache.config import Config
     from dpocache.models import lora_fused
 
-    class Casts(TorchDispatchMode):  # fp32 -> bf16 casts of activations (more than a row)
-        def __init__(self, least: int):
-            super().__init__()
-            self.least, self.count = least, 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            x = args[0] if args else None
-            if func is torch.ops.aten._to_copy.default and x.dtype == torch.float32 and x.numel() > self.least \
-                    and kwargs.get("dtype") == torch.bfloat16:
-                self.count += 1
-            return func(*args, **(kwargs or {}))
-
     monkeypatch.setenv("DPOCACHE_BF16_MATMUL", "native")
     cfg = Config()
     cfg.model.path, cfg.lora.r = str(base_model), 4
@@ -191,11 +186,14 @@ def test_an_input_shared_by_layers_is_cast_once_with_the_same_gradients(base_mod
         if not shared:  # $DPOCACHE_LORA_CAST=per-product, read at import
             monkeypatch.setattr(lora_fused, "CAST_ONCE", False)
         policy.zero_grad()
-        mode = Casts(least=config.hidden_size)
+        mode = SelectedOps(lambda func, args, kwargs, out: func is torch.ops.aten._to_copy.default
+                           and args[0].dtype == torch.float32 and kwargs.get("dtype") == torch.bfloat16
+                           and args[0].numel() > config.hidden_size)  # fp32 -> bf16 casts of activations
         with mode, torch.autocast("cpu", torch.bfloat16):
             logits = policy(input_ids=ids).logits
         logits.float().logsumexp(-1).sum().backward()
-        runs[shared] = (mode.count, logits.detach(), [p.grad.clone() for p in policy.parameters() if p.requires_grad])
+        grads = [p.grad.clone() for p in policy.parameters() if p.requires_grad]
+        runs[shared] = (len(mode.names), logits.detach(), grads)
     # per layer: the attention's input cast once instead of 6 times, the MLP's once instead of 4
     assert runs[False][0] - runs[True][0] == 8 * config.num_hidden_layers
     assert torch.equal(runs[True][1], runs[False][1])

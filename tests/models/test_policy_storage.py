@@ -80,17 +80,7 @@ def test_adapters_on_a_bf16_base_skip_the_round_trip_through_fp32(tmp_path, base
     layer whose input is bf16 (attention's output projection, the MLP's down projection) makes
     four fewer copies of activation size (its input to fp32 and back, and their gradients), and
     the outputs and gradients are the same, bit for bit."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Copies(TorchDispatchMode):  # dtype casts of a tensor with more than a hidden row
-        def __init__(self, least: int):
-            super().__init__()
-            self.least, self.count = least, 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten._to_copy.default and args[0].numel() > self.least:
-                self.count += 1
-            return func(*args, **(kwargs or {}))
+    from test_lora_fused import SelectedOps
 
     monkeypatch.setenv("DPOCACHE_BF16_MATMUL", "native")
     monkeypatch.setattr(policy_mod, "fuses_lora_updates", lambda *a: False)  # PEFT's forward (lora_fused's has tests)
@@ -105,12 +95,14 @@ def test_adapters_on_a_bf16_base_skip_the_round_trip_through_fp32(tmp_path, base
             if hasattr(layer, "cast_input_dtype_enabled"):
                 layer.cast_input_dtype_enabled = not keep
         policy.zero_grad()
-        mode = Copies(least=max(config.hidden_size, config.intermediate_size))
+        least = max(config.hidden_size, config.intermediate_size)  # dtype casts of activations
+        mode = SelectedOps(lambda func, args, kwargs, out: func is torch.ops.aten._to_copy.default
+                           and args[0].numel() > least)
         with mode, torch.autocast("cpu", torch.bfloat16):
             logits = policy(input_ids=ids).logits
             logits.float().logsumexp(-1).sum().backward()
         grads = [p.grad.clone() for p in policy.parameters() if p.requires_grad]
-        runs[keep] = (mode.count, logits.detach(), grads)
+        runs[keep] = (len(mode.names), logits.detach(), grads)
     assert runs[False][0] - runs[True][0] == 4 * bf16_inputs
     assert torch.equal(runs[True][1], runs[False][1])
     assert all(torch.equal(a, b) for a, b in zip(runs[True][2], runs[False][2], strict=True))
