@@ -8,6 +8,7 @@ model, data, dtype and batch, each system's run in its own process.
     python bench/gpu_suite.py --dry-run --out /tmp/suite.json  # every row at tiny shapes on a CPU
     python bench/gpu_suite.py --only train-8b-lora --profile   # and its dpocache steps under torch.profiler
     python bench/gpu_suite.py --only train-8b-lora --no-trl --train-args "--compile on"   # an A/B of dpocache's
+    python bench/gpu_suite.py --only ref-8b --build-args "--stream-reference true"       # its layers from the host
 
 Rows:
 
@@ -155,6 +156,7 @@ class Suite:
     # --profile's runs, after every row is measured and written: (row, worker mode, spec)
     profiles: list = field(default_factory=list)
     train_args: tuple[str, ...] = ()  # --train-args: more dpocache train options in both training rows
+    build_args: tuple[str, ...] = ()  # --build-args: more dpocache cache build options in ref-8b
     no_trl: bool = False  # --no-trl: dpocache's side only
 
 
@@ -322,13 +324,13 @@ def row_ref_8b(suite: Suite) -> dict:
     base = base_spec(suite, model, data)
     trl, trl_err = run_side(suite, "ref-8b", "trl-precompute",
                             {**base, **trl_spec(suite, "ref-8b", "pre", s.trl_8b_dtype)})
-    build = {**base, "cache_dir": str(cache), "extra_args": suite.kernel_args}
+    build = {**base, "cache_dir": str(cache), "extra_args": [*suite.kernel_args, *suite.build_args]}
     dpo, dpo_err = run_side(suite, "ref-8b", "dpo-build", build)
     if dpo is not None and suite.profile_to is not None:
         suite.profiles.append(("ref-8b", "dpo-build", build))
     dims = model_dims(s.llama, info["parameters"])
     setup = {"pairs": s.ref_pairs, "trl_precompute_batch_size": s.batch_size, "dtype": s.dtype,
-             "trl_model_dtype": s.trl_8b_dtype, "dpocache_args": ["cache", "build", *suite.kernel_args]}
+             "trl_model_dtype": s.trl_8b_dtype, "dpocache_args": ["cache", "build", *build["extra_args"]]}
     return finish_row(suite, "ref-8b", dpo, trl, dpo and dpo["tokens_per_s"], trl and trl["tokens_per_s"],
                       flops_per_token("forward", dims, stats["mean_seq_len"]), [trl_err, dpo_err], setup,
                       {"data": stats, "model": dims, "token_counts": {
@@ -609,14 +611,16 @@ def default_out(slug: str, only: list[str] | None, dry_run: bool) -> Path:
 
 # ----------------------------------------------------------------------------- merge
 
-SAME_FIELDS = ("device", "dry_run", "kernels", "train_args", "no_trl", "torch", "transformers", "trl", "peft")
-FIELD_DEFAULTS = {"train_args": [], "no_trl": False}  # what a result written before these options ran
+SAME_FIELDS = ("device", "dry_run", "kernels", "train_args", "build_args", "no_trl", "torch", "transformers", "trl",
+               "peft")
+# what a result written before these options ran
+FIELD_DEFAULTS = {"train_args": [], "build_args": [], "no_trl": False}
 
 
 def merge_parts(paths: list[Path]) -> dict:
     """One result of the rows of several part files (``--only`` runs) of one device. Refuses,
     with ``ValueError``, a file that cannot be read, one whose device (or versions, dry-run flag,
-    ``--kernels``, ``--train-args``, ``--no-trl``) differs from the first's, and a row measured
+    ``--kernels``, ``--train-args``, ``--build-args``, ``--no-trl``) differs from the first's, and a row measured
     without error in two files; a row that failed in one part is taken from a part where it did not."""
     parts = read_results(paths)
     first = parts[0]
@@ -659,6 +663,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "host and device time per step in the row")
     p.add_argument("--train-args", default="", metavar="OPTIONS",
                    help="more dpocache train options, one string, in both training rows (an A/B: '--compile on')")
+    p.add_argument("--build-args", default="", metavar="OPTIONS",
+                   help="more dpocache cache build options, one string, in ref-8b (an A/B: '--stream-reference true')")
     p.add_argument("--no-trl", action="store_true",
                    help="dpocache's side only (a comparison of dpocache's options on one machine; no ratio to TRL)")
     p.add_argument("--dry-run", action="store_true", help="every row at tiny shapes on the CPU, in fp32")
@@ -721,10 +727,11 @@ def main(argv: list[str] | None = None) -> int:
                   work / f"gpu-suite-{time.strftime('%Y%m%d-%H%M%S')}.log",
                   [] if args.kernels == "auto" else ["--kernels", args.kernels], env["peak_flops"],
                   profile_to=out.parent / f"{out.stem}-profiles" if args.profile else None,
-                  train_args=tuple(shlex.split(args.train_args)), no_trl=args.no_trl)
+                  train_args=tuple(shlex.split(args.train_args)), build_args=tuple(shlex.split(args.build_args)),
+                  no_trl=args.no_trl)
     names = {str(suite.scratch): "<scratch>", str(work): "<work>"}
     result = {**env, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "dry_run": args.dry_run, "kernels": args.kernels,
-              "train_args": list(suite.train_args), "no_trl": args.no_trl,
+              "train_args": list(suite.train_args), "build_args": list(suite.build_args), "no_trl": args.no_trl,
               "command": ["python", "bench/gpu_suite.py", *portable_argv(sys.argv[1:] if argv is None else argv)],
               "definitions": DEFINITIONS, "rows": []}
     print(f"{env['device']}: rows {', '.join(rows)}; log {suite.log}; result {out}", flush=True)

@@ -54,6 +54,7 @@ class ModelConfig:
     compile: str = "auto"  # decoder layers compiled: auto (reference passes that repay it) | on (training too) | off
     kernels: str = "auto"  # Liger's RMSNorm, RoPE, SwiGLU: auto (on CUDA, where installed) | liger | none
     gradient_checkpointing: bool = False  # recompute activations in the backward pass (less memory, slower)
+    stream_reference: bool = False  # reference pass (GPU): decoder layers stay in host memory, copied in one ahead
 
 
 @dataclass
@@ -178,6 +179,7 @@ class Config:
         _validate_hub(self.train)
         validate_device(self.model.device)
         _validate_kernels(self.model)
+        _validate_streaming(self)
         validate_environment()
         return self
 
@@ -195,7 +197,7 @@ ALIASES = {
     "resume": "train.resume", "push_to_hub": "train.push_to_hub", "cache_dir": "cache.dir", "fsdp": "distributed.fsdp",
     "skip_invalid": "data.skip_invalid", "max_tokens": "cache.max_tokens", "shard_size": "cache.shard_size",
     "report_to": "train.report_to", "attention": "model.attention", "compile": "model.compile",
-    "kernels": "model.kernels",
+    "kernels": "model.kernels", "stream_reference": "model.stream_reference",
 }
 
 # The names of TRL's DPOConfig and TrainingArguments (and its scripts' ModelConfig) that a TRL user
@@ -448,6 +450,27 @@ def _validate_kernels(model: ModelConfig) -> None:
     reason = liger_unavailable(device.type)
     if reason:
         raise liger_refused(reason)
+
+
+def _validate_streaming(cfg: Config) -> None:
+    """``--stream-reference`` where it cannot run, refused before any model loads
+    (``dpocache.models.streaming``). After ``validate_device``: the device is one."""
+    if not cfg.model.stream_reference:
+        return
+    flag = flag_name("model.stream_reference")
+    if cfg.model.compile == "on":
+        raise ConfigError(f"{flag}: a streamed layer swaps its weights around each call, which a compiled layer "
+                          f"would trace; use {flag_name('model.compile')} auto or off with it")
+    if cfg.distributed.fsdp:
+        raise ConfigError(f"{flag}: a reference sharded with {flag_name('distributed.fsdp')} is loaded a shard per "
+                          "GPU and gathered a layer at a time already; pass one of them")
+    import torch  # noqa: PLC0415 - see the note on torch above
+
+    device = torch.device(cfg.model.device) if cfg.model.device else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda":
+        raise ConfigError(f"{flag}: streams the reference's weights from host memory to a GPU; this run's device "
+                          f"is {device.type}, where they are in host memory already")
 
 
 def liger_refused(reason: str) -> ConfigError:

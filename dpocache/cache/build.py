@@ -137,6 +137,9 @@ class BuildSummary:
     # The kernels the reference pass ran (dpocache.models.kernels.KernelChoice.to_json: requested, used, reason,
     # applied); None when no pass ran.
     kernels: dict | None = None
+    # The decoder layers streamed from host memory (dpocache.models.streaming.StreamedLayers.to_json: layers,
+    # slots, host_gib, device_gib); None when the reference was resident or no pass ran.
+    streamed: dict | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -281,6 +284,7 @@ def score_missing(
         compiled_layers=reference.compiled_layers if reference is not None else 0,
         max_tokens=max_tokens if reference is not None else None,
         kernels=_kernels_json(reference),
+        streamed=reference.streamed.to_json() if reference is not None and reference.streamed is not None else None,
     )
 
 
@@ -446,6 +450,7 @@ def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_refere
         layout=layout, kernels=kernels,  # a rank's whose pass ran (every rank decides alike)
         compiled_layers=local.compiled_layers if local else 0,  # this rank's (each rank decides alike)
         max_tokens=local.max_tokens if local else None,
+        streamed=local.streamed if local else None,  # this rank's (each rank streams alike)
     )
     if signum:
         raise stop.interrupted(interrupted_message(summary), signum=int(signum))

@@ -78,7 +78,8 @@ def _load_reference(args, dtype, device) -> ReferenceModel:
     with its adapter on, or its base)."""
     base, adapter = reference_source(args.model, args.reference)
     return ReferenceModel.from_pretrained(base, dtype, device, layout=args.layout, adapter=adapter,
-                                          attention=args.attention, compile=args.compile, kernels=args.kernels)
+                                          attention=args.attention, compile=args.compile, kernels=args.kernels,
+                                          stream=args.stream_reference)
 
 
 def cmd_build(args) -> int:
@@ -96,7 +97,7 @@ def cmd_build(args) -> int:
         store, dtype = _open_store(args, env.device, open_now=False, verbose=env.is_main)
         load = reference_loader(base, dtype, env, args.layout, sharded=args.fsdp, adapter=adapter,
                                 attention=args.attention, probe_memo=ProbeMemo(store.root), compile=args.compile,
-                                kernels=args.kernels)
+                                kernels=args.kernels, stream=args.stream_reference)
         options = BuildOptions(pad_id=tokenizer.pad_token_id or 0, per_token=args.per_token,
                                max_tokens=args.max_tokens, shard_pairs=args.shard_size, sharded=args.fsdp)
         summary = build_distributed(store, pairs, load, env, options)
@@ -121,6 +122,9 @@ def _print_build_summary(args, s, store: CacheStore, dtype: torch.dtype, data: P
           f"{_human_bytes(store.size_bytes())})")
     if s.kernels and s.kernels["used"] == "liger":
         print(f"kernels: Liger's {', '.join(s.kernels['applied'])}")
+    if s.streamed:
+        print(f"streamed: {s.streamed['layers']} decoder layers from host memory ({s.streamed['host_gib']:.2f} GiB "
+              f"page-locked) through {s.streamed['slots']} slots on the device ({s.streamed['device_gib']:.2f} GiB)")
     if args.json:
         out = s.to_json()
         out.update(skipped=len(data.skipped), truncated=data.truncated, identical=data.identical)

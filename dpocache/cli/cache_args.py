@@ -143,6 +143,6 @@ def _namespace(cfg: Config, command: str, own: dict) -> argparse.Namespace:
         dtype=cfg.model.dtype, device=cfg.model.device, cache_dir=Path(cfg.cache.dir) if cfg.cache.dir else None,
         max_tokens=cfg.cache.max_tokens, layout=cfg.cache.layout, attention=cfg.model.attention,
         compile=cfg.model.compile, kernels=cfg.model.kernels, shard_size=cfg.cache.shard_size,
-        fsdp=cfg.distributed.fsdp,
+        fsdp=cfg.distributed.fsdp, stream_reference=cfg.model.stream_reference,
         **options,
     )

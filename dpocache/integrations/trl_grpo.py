@@ -187,11 +187,16 @@ class CachedGRPOTrainer(GRPOTrainer):
         reference_dtype: ``float32``, ``bfloat16`` or ``float16`` of a reference this trainer
             loads. Default: TRL's: the policy's dtype, or bf16 / fp16 when ``args`` autocasts.
         reference_max_tokens: token slots per reference forward (default: the service's).
+        reference_stream: keep the decoder layers of a reference this trainer loads (a model
+            directory or Hub id) in host memory, each copied to the GPU as it runs
+            (``dpocache.models.streaming``): the GPU holds its embeddings, head and two layers
+            beside the policy, as verl's ``ref.fsdp_config.param_offload`` offloads its
+            reference. Eager layers; not for a PEFT policy's base, which is the policy's own.
     """
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: Any = None, *rest: Any, reference: Any = None,
                  cache_dir: str | Path | None = None, cache: str = "eval", reference_dtype: str | None = None,
-                 reference_max_tokens: int | None = None, **kwargs: Any):
+                 reference_max_tokens: int | None = None, reference_stream: bool = False, **kwargs: Any):
         check_trl_version()
         self.dpocache_reference: ServiceReference | None = None
         if args is None or args.beta == 0.0:  # GRPOTrainer as it is: no reference pass at all
@@ -200,6 +205,9 @@ class CachedGRPOTrainer(GRPOTrainer):
             super().__init__(model, reward_funcs, args, *rest, **kwargs)
             return
         _check_arguments(args, reference, cache_dir, cache)
+        if reference_stream and (reference is None or not isinstance(reference, (str, Path))):
+            raise ValueError("CachedGRPOTrainer: reference_stream=True streams a reference this trainer loads; pass "
+                             "reference= a model directory or Hub id")
         beta, args = args.beta, copy.copy(args)  # the caller's config is left as it is
         args.beta = 0.0  # so GRPOTrainer loads no reference model of its own (nor a "ref" adapter copy)
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
@@ -210,7 +218,8 @@ class CachedGRPOTrainer(GRPOTrainer):
         self._cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
         self._cache = cache
         with _rng_kept():
-            self.dpocache_reference = self._build_reference(reference, reference_dtype, reference_max_tokens)
+            self.dpocache_reference = self._build_reference(reference, reference_dtype, reference_max_tokens,
+                                                            reference_stream)
         self._check_reference(self.dpocache_reference.train)
         self.ref_model = self.dpocache_reference  # TRL hands it back to _get_per_token_logps_and_entropies
         if self.accelerator.is_main_process:
@@ -232,7 +241,8 @@ class CachedGRPOTrainer(GRPOTrainer):
         return ServiceOptions(max_tokens=max_tokens, temperature=self.temperature,
                               cache_dir=self._cache_dir if cached else None)
 
-    def _build_reference(self, reference: Any, dtype_name_: str | None, max_tokens: int | None) -> ServiceReference:
+    def _build_reference(self, reference: Any, dtype_name_: str | None, max_tokens: int | None,
+                         stream: bool = False) -> ServiceReference:
         if reference is not None and not isinstance(reference, (str, Path)):
             return ServiceReference(reference, f"{type(reference).__name__} given, at temperature "
                                                f"{self.temperature:g}")
@@ -245,7 +255,7 @@ class CachedGRPOTrainer(GRPOTrainer):
         self._check_tokenizer(path, base)
         # The model's own kernels, as TRL's policy runs (Liger's RoPE patch would reach the policy too).
         model = ReferenceModel.from_pretrained(base, dtype, device, adapter=adapter, temperature=self.temperature,
-                                               kernels="none")
+                                               kernels="none", stream=stream)
 
         def service(cached: bool) -> ReferenceService:
             options = self._options(max_tokens, cached)

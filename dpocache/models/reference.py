@@ -21,13 +21,14 @@ from dpocache.data.pairs import TokenizedPair
 from dpocache.data.values import PairValues
 from dpocache.models.kernels import KernelChoice, apply_kernels, kernels_for
 from dpocache.models.loading import disable_dropout, load_causal_lm, load_for_storage, store_frozen_matrices_
+from dpocache.models.streaming import StreamedLayers, move_all_but_layers_, outside_parameters
 from dpocache.scoring import bf16_matmul
 from dpocache.scoring.attention import choose_layout
 from dpocache.scoring.bf16_matmul import cpu_has_amx_bf16
 from dpocache.scoring.compiling import compile_layers, should_compile
 from dpocache.scoring.layout_choice import COMPILES, LAYOUTS
 from dpocache.scoring.layouts import LaidOut, lay_out, reference_row_width, run_laid_out
-from dpocache.scoring.logprobs import CompletionLogProbs, autocast, unwrap_causal_lm
+from dpocache.scoring.logprobs import CompletionLogProbs, autocast, decoder_layers, unwrap_causal_lm
 from dpocache.scoring.shared import shared_prompt_logps
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,8 @@ class ReferenceModel:
         # known (``prepare``), "off" never.
         self.compile = compile
         self.compiled_layers = compile_layers(model) if compile == "on" else 0
+        # The decoder layers streamed from host memory (dpocache.models.streaming; ``from_pretrained(stream=True)``).
+        self.streamed: StreamedLayers | None = None
         self._run_shared = shared_prompt_logps  # a sharded reference wraps it (dpocache.distributed.sharded_reference)
         self.forward_passes = 0
         self.tokens = 0
@@ -106,15 +109,19 @@ class ReferenceModel:
                         device: str | torch.device | None = None,
                         compile: str = "off", layout: str = "auto",
                         adapter: str | Path | None = None, attention: str | None = None,
-                        temperature: float = 1.0, kernels: str = "auto") -> "ReferenceModel":
+                        temperature: float = 1.0, kernels: str = "auto", stream: bool = False) -> "ReferenceModel":
         """The model in ``path``; with ``adapter`` (a PEFT adapter directory whose base is
         ``path``), that adapter on top, unmerged: the same layers the policy loaded from the
         adapter directory runs, so at step 0 both compute the same numbers. ``kernels``: Liger's
         kernels or the model's own (``dpocache.models.kernels``; ``liger`` where Liger cannot run
-        is a ``ConfigError`` before the model loads)."""
+        is a ``ConfigError`` before the model loads). ``stream``: the decoder layers stay in host
+        memory and are copied to ``device`` one ahead of the layer that runs
+        (``dpocache.models.streaming``; eager layers only)."""
         device = torch.device(device) if device is not None else default_device()
         if isinstance(dtype, str):
             dtype = resolve_dtype(dtype, device)
+        if stream and compile == "on":
+            raise ValueError("a streamed reference runs eager layers: compile must be auto or off")
         kernel_choice = kernels_for(kernels, device, path)
         # Off the CPU, the matrices are stored in the compute dtype (below) before the weights
         # move to the device, so the fp32 copy never takes device memory: on an H100 the 1.1B
@@ -123,7 +130,8 @@ class ReferenceModel:
         staged = device.type != "cpu" and dtype != torch.float32
         # Staged, a checkpoint saved in the compute dtype is read in it (load_for_storage): the host
         # never holds its fp32 copy.
-        model = load_for_storage(path, dtype) if staged else load_causal_lm(path, device)
+        # Streamed, the model is read to the host: its layers stay there.
+        model = load_for_storage(path, dtype) if staged else load_causal_lm(path, "cpu" if stream else device)
         if adapter is not None:
             from peft import PeftModel
 
@@ -131,15 +139,21 @@ class ReferenceModel:
             disable_dropout(model)
         if staged:
             store_frozen_matrices_(model, dtype)
+        if stream:  # the layers stay on the host: the whole model never passes through the device
+            move_all_but_layers_(model, decoder_layers(model), device)
+        elif staged:
             model.to(device)
         apply_kernels(model, kernel_choice)  # before the constructor compiles the layers (--compile on)
-        reference = cls(model, dtype, compile, layout=layout, attention=attention, temperature=temperature,
-                        kernels=kernel_choice)
+        reference = cls(model, dtype, "off" if stream else compile, layout=layout, attention=attention,
+                        temperature=temperature, kernels=kernel_choice)
         if dtype == torch.bfloat16:
             # This model is ours and frozen: its fp32 weights are only ever used as bf16 values.
             bf16_matmul.round_frozen_weights_(model)
         # ... so store its matrices in the compute dtype where no fp32 route needs them (dpocache.models.loading).
         store_frozen_matrices_(model, dtype)
+        if stream:  # last: the layers are packed with the values they compute with
+            layers = decoder_layers(model)
+            reference.streamed = StreamedLayers(layers, device, resident=outside_parameters(model, layers))
         return reference
 
     @classmethod

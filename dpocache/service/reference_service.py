@@ -153,6 +153,7 @@ class ServiceOptions:
     layout: str = SHARED
     cache_memory_bytes: int = DEFAULT_MEMORY_BYTES
     temperature: float | None = None
+    stream: bool = False
 
     @property
     def temperature_or_one(self) -> float:
@@ -180,6 +181,10 @@ class ReferenceService:
             policy and the reference alike, so the KL is 0 where the policy equals the
             reference. Values at another temperature are cached under a namespace of their own.
             None: 1, or the temperature of the ``ReferenceModel`` given.
+        stream: ``from_pretrained`` only: the decoder layers stay in host memory, each copied to
+            the GPU as it runs (``dpocache.models.streaming``), so a reference beside the policy
+            takes its embeddings, head and two layers of GPU memory. Eager layers (not with
+            ``compile``).
     """
 
     def __init__(self, model: nn.Module | ReferenceModel, dtype: torch.dtype = torch.float32,
@@ -232,7 +237,7 @@ class ReferenceService:
         options = with_fields(ServiceOptions, options, fields)
         model = ReferenceModel.from_pretrained(base, dtype, device, compile="on" if options.compile else "off",
                                                layout=options.layout, adapter=adapter,
-                                               temperature=options.temperature_or_one)
+                                               temperature=options.temperature_or_one, stream=options.stream)
         if options.cache_dir is not None and options.namespace is None:
             options = replace(options, namespace=namespace_for_dir(path, model.dtype, options.cache_dir, reference))
         return cls(model, options=options)

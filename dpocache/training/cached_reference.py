@@ -48,7 +48,7 @@ def prepare_reference(cfg: Config, env: DistEnv, dtype: torch.dtype, spec, token
     pairs = train_data.pairs + (eval_data.pairs if eval_data else [])
     load = reference_loader(ref_dir, dtype, env, cfg.cache.layout, sharded=cfg.distributed.fsdp, adapter=adapter,
                             attention=cfg.model.attention, probe_memo=ProbeMemo(cache_dir), compile=cfg.model.compile,
-                            kernels=cfg.model.kernels)
+                            kernels=cfg.model.kernels, stream=cfg.model.stream_reference)
     # Every rank scores its token-balanced share of what is missing (one rank: all of it).
     options = BuildOptions(pad_id=tokenizer.pad_token_id or 0, max_tokens=cfg.cache.max_tokens,
                            shard_pairs=cfg.cache.shard_size, show_progress=cfg.train.progress and env.is_main,
@@ -74,6 +74,7 @@ def prepare_reference(cfg: Config, env: DistEnv, dtype: torch.dtype, spec, token
         # reference model: the build's is unreachable once it returns (freed above).
         "forward_passes": summary.forward_passes, "forward_passes_during_training": 0,
         "kernels": summary.kernels,  # the build's (dpocache.models.kernels); None when every pair was cached
+        "streamed": summary.streamed,  # its layers streamed from host memory (dpocache.models.streaming), or None
     }
     if ld:
         train_vals = ld_values(train_vals, cfg.loss.ld_alpha)

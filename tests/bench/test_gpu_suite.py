@@ -175,3 +175,26 @@ def test_no_trl_runs_no_trl_worker(tmp_path, monkeypatch):
     assert gpu_suite.run_side(suite, "row", "trl-train", {}) == (None, None)
     assert gpu_suite.run_side(suite, "row", "dpo-train", {}) == ({"mode": "dpo-train"}, None)
     assert spawned == ["dpo-train"]
+
+
+def test_build_args_reach_the_ref_8b_build_and_keep_parts_apart(tmp_path, monkeypatch):
+    """``--build-args``: more ``cache build`` options in ref-8b's dpocache build (an A/B such as
+    ``--stream-reference true``), named in the row's setup; a part run with them is not merged
+    with one run without."""
+    specs = {}
+    monkeypatch.setattr(gpu_suite, "llama_inputs", lambda suite, pairs: (tmp_path, tmp_path, {"parameters": 8}))
+    monkeypatch.setattr(gpu_suite, "data_stats", lambda *a: {"mean_seq_len": 10.0, "unique_tokens": 100})
+    monkeypatch.setattr(gpu_suite, "run_side", lambda suite, row, mode, spec: specs.update({mode: spec}) or
+                        (None, f"{mode}: not run here"))
+    args = gpu_suite.parse_args(["--only", "ref-8b", "--build-args", "--stream-reference true", "--kernels", "none"])
+    suite = gpu_suite.Suite(gpu_suite.DRY, tmp_path, tmp_path, tmp_path / "log", ["--kernels", args.kernels], None,
+                            build_args=tuple(args.build_args.split()))
+    row = gpu_suite.row_ref_8b(suite)
+    assert specs["dpo-build"]["extra_args"] == ["--kernels", "none", "--stream-reference", "true"]
+    assert row["setup"]["dpocache_args"] == ["cache", "build", "--kernels", "none", "--stream-reference", "true"]
+    committed = BENCH / "results" / "gpu-suite-h200-20261126.json"
+    part = json.loads(committed.read_text())
+    part.update(build_args=["--stream-reference", "true"], rows=[])
+    (tmp_path / "streamed.json").write_text(json.dumps(part))
+    with pytest.raises(ValueError, match="build_args"):
+        gpu_suite.merge_parts([committed, tmp_path / "streamed.json"])

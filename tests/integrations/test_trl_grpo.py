@@ -118,17 +118,20 @@ def test_batches_have_padding_on_both_sides(trl_full):
     assert any(p > 1 and c > 1 for p, c in widths), widths
 
 
-@pytest.mark.parametrize("kind", ["none", "directory", "service"])
+@pytest.mark.parametrize("kind", ["none", "directory", "streamed", "service"])
 def test_full_finetuning_equals_grpotrainer(trl_full, model_dir, tmp_path, kind):
-    """reference=None (TRL's: the policy's starting weights), its directory, or a
-    ReferenceService: TRL's values, kl and loss over 5 steps with the same seed."""
+    """reference=None (TRL's: the policy's starting weights), its directory (its layers
+    streamed from host memory, or not), or a ReferenceService: TRL's values, kl and loss over 5
+    steps with the same seed."""
     from dpocache.integrations.trl_grpo import CachedGRPOTrainer
     from dpocache.service import ReferenceService
 
-    reference = {"none": None, "directory": model_dir}.get(kind) if kind != "service" else \
+    reference = {"none": None, "directory": model_dir, "streamed": model_dir}.get(kind) if kind != "service" else \
         ReferenceService.from_pretrained(model_dir, "float32", "cpu", temperature=TEMPERATURE)
-    ours = _run(CachedGRPOTrainer, model_dir, tmp_path, reference=reference)
+    ours = _run(CachedGRPOTrainer, model_dir, tmp_path, reference=reference, reference_stream=kind == "streamed")
     assert ours[0].ref_model is ours[0].dpocache_reference  # TRL holds no reference weights
+    streamed = ours[0].dpocache_reference.train.reference.streamed if kind != "service" else None
+    assert (streamed is not None) == (kind == "streamed")
     _assert_equal_to_trl(ours, trl_full)
     stats = ours[0].dpocache_reference.stats()
     assert stats["trainer_calls"] == STEPS and stats["prompt_tokens_saved"] > 0  # each group's prompt ran once
@@ -231,6 +234,8 @@ def test_mistakes_are_refused_before_the_first_step_in_one_line(model_dir, tmp_p
         assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="sync_ref_model=True"):
         _run(CachedGRPOTrainer, model_dir, tmp_path, args=_args(tmp_path, sync_ref_model=True), train=False)
+    with pytest.raises(ValueError, match="reference_stream=True streams a reference this trainer loads"):
+        _run(CachedGRPOTrainer, model_dir, tmp_path, reference_stream=True, train=False)
     with pytest.raises(ValueError, match="cache must be one of eval, always, never"):
         _run(CachedGRPOTrainer, model_dir, tmp_path, cache="sometimes", train=False)
 
