@@ -55,6 +55,7 @@ class ModelConfig:
     kernels: str = "auto"  # Liger's RMSNorm, RoPE, SwiGLU: auto (on CUDA, where installed) | liger | none
     gradient_checkpointing: bool = False  # recompute activations in the backward pass (less memory, slower)
     stream_reference: bool = False  # reference pass (GPU): decoder layers stay in host memory, copied in one ahead
+    stream_base: bool = False  # LoRA training (GPU): the frozen base's layers likewise (needs gradient checkpointing)
 
 
 @dataclass
@@ -197,7 +198,7 @@ ALIASES = {
     "resume": "train.resume", "push_to_hub": "train.push_to_hub", "cache_dir": "cache.dir", "fsdp": "distributed.fsdp",
     "skip_invalid": "data.skip_invalid", "max_tokens": "cache.max_tokens", "shard_size": "cache.shard_size",
     "report_to": "train.report_to", "attention": "model.attention", "compile": "model.compile",
-    "kernels": "model.kernels", "stream_reference": "model.stream_reference",
+    "kernels": "model.kernels", "stream_reference": "model.stream_reference", "stream_base": "model.stream_base",
 }
 
 # The names of TRL's DPOConfig and TrainingArguments (and its scripts' ModelConfig) that a TRL user
@@ -453,24 +454,36 @@ def _validate_kernels(model: ModelConfig) -> None:
 
 
 def _validate_streaming(cfg: Config) -> None:
-    """``--stream-reference`` where it cannot run, refused before any model loads
-    (``dpocache.models.streaming``). After ``validate_device``: the device is one."""
-    if not cfg.model.stream_reference:
-        return
-    flag = flag_name("model.stream_reference")
+    """``--stream-reference`` and ``--stream-base`` where they cannot run, refused before any
+    model loads (``dpocache.models.streaming``). After ``validate_device``: the device is one."""
+    for dotted in ("model.stream_reference", "model.stream_base"):
+        if _get(cfg, dotted):
+            _validate_streamed(cfg, flag_name(dotted))
+    if cfg.model.stream_base:
+        flag = flag_name("model.stream_base")
+        adapter_dir = bool(cfg.model.path) and (Path(cfg.model.path) / "adapter_config.json").is_file()
+        if cfg.lora.r == 0 and not adapter_dir:
+            raise ConfigError(f"{flag}: streams the frozen base of a LoRA policy; pass {flag_name('lora.r')} N "
+                              "(full fine-tuning trains every weight, which the optimizer needs on the device)")
+        if not cfg.model.gradient_checkpointing:
+            raise ConfigError(f"{flag}: needs {flag_name('model.gradient_checkpointing')} true (without it autograd "
+                              "keeps every layer's weights for the backward, which a streamed layer gives back)")
+
+
+def _validate_streamed(cfg: Config, flag: str) -> None:
     if cfg.model.compile == "on":
         raise ConfigError(f"{flag}: a streamed layer swaps its weights around each call, which a compiled layer "
                           f"would trace; use {flag_name('model.compile')} auto or off with it")
     if cfg.distributed.fsdp:
-        raise ConfigError(f"{flag}: a reference sharded with {flag_name('distributed.fsdp')} is loaded a shard per "
-                          "GPU and gathered a layer at a time already; pass one of them")
+        raise ConfigError(f"{flag}: a model sharded with {flag_name('distributed.fsdp')} is loaded a shard per GPU "
+                          "and gathered a layer at a time already; pass one of them")
     import torch  # noqa: PLC0415 - see the note on torch above
 
     device = torch.device(cfg.model.device) if cfg.model.device else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda":
-        raise ConfigError(f"{flag}: streams the reference's weights from host memory to a GPU; this run's device "
-                          f"is {device.type}, where they are in host memory already")
+        raise ConfigError(f"{flag}: streams weights from host memory to a GPU; this run's device is {device.type}, "
+                          "where they are in host memory already")
 
 
 def liger_refused(reason: str) -> ConfigError:

@@ -18,6 +18,7 @@ from dpocache.distributed.sharded_reference import probe_sharded, report_shards
 from dpocache.models.directories import adapter_base_dir
 from dpocache.models.kernels import KernelChoice, apply_kernels
 from dpocache.models.lora_fused import fuse_lora_updates_
+from dpocache.models.streaming import StreamedLayers, move_resident_
 from dpocache.models.loading import (
     disable_dropout,
     load_causal_lm,
@@ -26,7 +27,7 @@ from dpocache.models.loading import (
     routes_bf16_through_fp32,
     store_frozen_matrices_,
 )
-from dpocache.scoring.logprobs import CompletionLogProbs
+from dpocache.scoring.logprobs import CompletionLogProbs, decoder_layers
 
 
 def check_lora_settings(cfg: Config) -> None:
@@ -81,15 +82,21 @@ def load_policy(cfg: Config, device: torch.device, kernels: KernelChoice | None 
     adapter's init to its base layer's dtype before it casts it to fp32, so the init is drawn
     again in fp32 (``init_lora_``), and the adapters take their inputs in ``dtype``
     (``keep_adapter_inputs_``). Under bf16 or fp16 autocast each LoRA layer adds its update
-    inside ``lora_B``'s GEMM (``fuses_lora_updates``)."""
+    inside ``lora_B``'s GEMM (``fuses_lora_updates``).
+
+    ``model.stream_base``: the frozen base's decoder layers stay in host memory, each copied to
+    the device just ahead of its forward and, in reverse, of the backward's recompute
+    (``dpocache.models.streaming``); the adapters, embeddings and head are on the device. The
+    model then has ``dpocache_streamed``, its ``StreamedLayers``."""
     path = Path(cfg.model.path)
     base = adapter_base_dir(path)  # the same base the reference of an adapter directory loads
     staged = frozen_in_compute_dtype(cfg, device, dtype)
+    stream = cfg.model.stream_base  # read to the host, where the base's layers stay
 
     def load_base(where: Path) -> nn.Module:
         if staged:  # on the host, in dtype where the checkpoint holds dtype
             return load_for_storage(where, dtype, cfg.model.attn_implementation)
-        return load_causal_lm(where, device, cfg.model.attn_implementation)
+        return load_causal_lm(where, "cpu" if stream else device, cfg.model.attn_implementation)
 
     if base is not None:
         from peft import PeftModel
@@ -117,6 +124,11 @@ def load_policy(cfg: Config, device: torch.device, kernels: KernelChoice | None 
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if hasattr(model, "enable_input_require_grads"):
             model.enable_input_require_grads()
+    if stream:
+        layers = decoder_layers(model)
+        move_resident_(model, layers, device)
+        model.dpocache_streamed = StreamedLayers(model, layers, device)
+        return model
     return model.to(device)
 
 

@@ -21,7 +21,7 @@ from dpocache.data.pairs import TokenizedPair
 from dpocache.data.values import PairValues
 from dpocache.models.kernels import KernelChoice, apply_kernels, kernels_for
 from dpocache.models.loading import disable_dropout, load_causal_lm, load_for_storage, store_frozen_matrices_
-from dpocache.models.streaming import StreamedLayers, move_all_but_layers_, outside_parameters
+from dpocache.models.streaming import StreamedLayers, move_resident_
 from dpocache.scoring import bf16_matmul
 from dpocache.scoring.attention import choose_layout
 from dpocache.scoring.bf16_matmul import cpu_has_amx_bf16
@@ -140,7 +140,8 @@ class ReferenceModel:
         if staged:
             store_frozen_matrices_(model, dtype)
         if stream:  # the layers stay on the host: the whole model never passes through the device
-            move_all_but_layers_(model, decoder_layers(model), device)
+            model.requires_grad_(False)  # frozen (as the constructor makes it): what streams
+            move_resident_(model, decoder_layers(model), device)
         elif staged:
             model.to(device)
         apply_kernels(model, kernel_choice)  # before the constructor compiles the layers (--compile on)
@@ -152,8 +153,7 @@ class ReferenceModel:
         # ... so store its matrices in the compute dtype where no fp32 route needs them (dpocache.models.loading).
         store_frozen_matrices_(model, dtype)
         if stream:  # last: the layers are packed with the values they compute with
-            layers = decoder_layers(model)
-            reference.streamed = StreamedLayers(layers, device, resident=outside_parameters(model, layers))
+            reference.streamed = StreamedLayers(model, decoder_layers(model), device)
         return reference
 
     @classmethod

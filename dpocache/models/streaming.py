@@ -1,28 +1,35 @@
-"""A frozen reference's decoder layers kept in host memory and copied to the device one layer
-ahead of the layer that runs (``--stream-reference``): the device holds the embeddings, the
-final norm, the head and two layers' weights instead of the whole model.
+"""Frozen decoder layers kept in host memory and copied to the device one layer ahead of the
+layer that runs: a reference's (``--stream-reference``) and a LoRA policy's base
+(``--stream-base``). The device holds the embeddings, the final norm, the head, the adapters
+and two layers' frozen weights instead of the whole model.
 
-Why: a reference pass needs each layer's weights once per forward, and a forward over a token
-budget of thousands of tokens can compute on a layer for longer than a PCIe link takes to bring
-the next one in, so the copies can hide behind the compute (docs/memory.md has the arithmetic
-for an 8B model). An 8B Llama's 32 layers are 13.0 GiB of its 15.0 GiB in bf16; streamed, they
-take two slots of 0.41 GiB on the device. verl
-(``ref.fsdp_config.param_offload``) and OpenRLHF (``--ref_reward_offload``) offload the
-reference too, through FSDP's or DeepSpeed's CPU offload, which are built for training (sharded
-optimizer steps on the host, collectives); a frozen reference in one process needs neither,
-only the copies, so they are done here.
+Why: a pass needs each layer's weights once, and over a token budget of thousands of tokens it
+can compute on a layer for longer than a PCIe link takes to bring the next one in, so the
+copies can hide behind the compute (docs/memory.md has the arithmetic for an 8B model). An 8B
+Llama's 32 layers are 13.0 GiB of its 15.0 GiB in bf16; streamed, they take two slots of 0.41
+GiB on the device. verl (``ref.fsdp_config.param_offload``) and OpenRLHF
+(``--ref_reward_offload``) offload a reference too, through FSDP's or DeepSpeed's CPU offload,
+which are built for sharded training (optimizer steps on the host, collectives); frozen weights
+in one process need neither, only the copies, so they are done here.
 
-How: each layer's parameters are packed into one page-locked host buffer (one large copy per
-layer: PCIe moves large copies at full speed). Before layer ``i`` runs, the compute stream waits
-for ``i``'s copy and the layer's parameters are pointed at its slot; then ``i + 1``'s copy is
-issued on a side stream into the other slot, after the compute stream is done with the slot's
-last user (``i - 1``). After the layer its parameters point back at the host buffer, so between
-forwards the model's parameters hold its values wherever they are read. The last layer fetches
-the first for the next forward. On a CPU the "device" slots are host tensors and the copies
-synchronous: it runs the same bookkeeping, which is what the tests check there.
+How: each layer's frozen parameters are packed into one page-locked host buffer (one large
+copy per layer: PCIe moves large copies at full speed). When a layer starts, the compute stream
+waits for its copy and the layer's modules are pointed at parameters that view its slot; then
+the next layer's copy is issued on a side stream into the other slot, once the compute stream
+is done with the slot's last user. Without autograd a layer gives its slot back when it ends,
+and its modules hold their own parameters again (their values in the host buffer), so between
+passes the model's parameters are its own; the last layer fetches the first for the next pass.
+Under autograd (a LoRA policy, checkpointed) a layer keeps its slot until the next one starts,
+and the order turns at each end: the backward's recompute runs the layers last to first, and
+each needs its weights for its recompute and its backward. transformers checkpoints a layer's
+``forward`` and keeps the layer's hooks outside, so a layer is entered by the first of its
+modules to be called, not by its own hook. A slot that still holds the layer wanted (at a turn,
+or with as many slots as layers) is used again without a copy. On a CPU the "device" slots are
+host tensors and the copies synchronous: it runs the same bookkeeping, which the tests check.
 
-Inference only (no autograd through the swapped parameters), and eager only: a compiled layer
-would trace the hooks (``--compile on`` is refused with it).
+Without checkpointing autograd would keep each layer's weights for the backward, which their
+slot no longer holds (training refuses it; autograd's version check would stop the backward).
+Eager only: a compiled layer would trace the hooks (``--compile on`` is refused with it).
 """
 
 from __future__ import annotations
@@ -55,22 +62,23 @@ class _Packed:
 
 
 class StreamedLayers:
-    """``layers``' parameters in host memory, each layer copied into one of ``slots`` device
-    buffers just ahead of its forward (module docstring). ``resident``: the ids of parameters
-    that stay where they are (shared with a module outside the layers, such as tied weights).
+    """The frozen parameters ``layers`` alone hold (``streamed_parameters``) in host memory,
+    each layer copied into one of ``slots`` device buffers just ahead of its forward (module
+    docstring); trainable parameters (a LoRA adapter) and those shared with a module outside
+    the layers (tied weights) stay where they are.
 
-    While a layer runs its modules hold parameters that view its slot; after it, their own
-    again, whose values are in the host buffer: between forwards ``model.parameters()`` are the
-    model's, on the host."""
+    While a layer runs its modules hold parameters that view its slot, and otherwise their own,
+    whose values are in the host buffer; under autograd a layer keeps its slot until the next
+    one starts (module docstring)."""
 
-    def __init__(self, layers: Sequence[nn.Module], device: torch.device | str, slots: int = 2,
-                 resident: set[int] = frozenset()):
+    def __init__(self, model: nn.Module, layers: Sequence[nn.Module], device: torch.device | str, slots: int = 2):
         if slots < 2:
             raise ValueError(f"slots must be at least 2 (one running, one being filled); got {slots}")
         self.device = torch.device(device)
         self.layers = list(layers)
         self._cuda = self.device.type == "cuda"
-        self._packed = [self._pack(layer, resident) for layer in self.layers]
+        streamed = streamed_parameters(model, self.layers)
+        self._packed = [self._pack(layer, streamed) for layer in self.layers]
         self._host = [self._host_buffer(packed) for packed in self._packed]
         width = max((buffer.numel() for buffer in self._host), default=0)
         self._slots = [torch.empty(width, dtype=torch.uint8, device=self.device) for _ in range(slots)]
@@ -81,12 +89,23 @@ class StreamedLayers:
         self._copied: list[torch.cuda.Event | None] = [None] * slots  # the slot's last copy, done
         self._freed: list[torch.cuda.Event | None] = [None] * slots  # the compute on the slot's last layer, done
         self._fetched: dict[int, int] = {}  # layer -> slot holding it (copy issued, layer not run yet)
-        self._running: dict[int, int] = {}  # layer -> slot it runs from
+        self._running: dict[int, int] = {}  # layer -> slot it runs from (under autograd: ran last)
+        self._last: int | None = None  # the layer that started last under autograd
+        self._direction = 1  # +1: forward order; -1: the backward's recompute, last layer first
         self.copies = 0  # layers copied to the device so far
-        self._handles = []
+        self.waits = 0  # layers not fetched ahead of their call (on a GPU the compute waits for their copy)
+        self._content: list[int | None] = [None] * slots  # the layer whose values each slot holds
+        shared = _modules_in_several(self.layers)
         for index, layer in enumerate(self.layers):
-            self._handles.append(layer.register_forward_pre_hook(self._pre_hook(index)))
-            self._handles.append(layer.register_forward_hook(self._post_hook(index), always_call=True))
+            enter = self._enter_hook(index)
+            layer.register_forward_pre_hook(enter)
+            layer.register_forward_hook(self._leave_hook(index), always_call=True)
+            # A checkpointed layer's recompute runs its forward without the layer's own hooks
+            # (transformers checkpoints ``forward`` and keeps module hooks outside): the first of
+            # its modules to be called enters it.
+            for module in layer.modules():
+                if module is not layer and id(module) not in shared:
+                    module.register_forward_pre_hook(enter)
 
     # --------------------------------------------------------------------- what it holds
 
@@ -102,21 +121,15 @@ class StreamedLayers:
         return {"layers": len(self.layers), "slots": len(self._slots),
                 "host_gib": round(self.host_bytes / 2**30, 3), "device_gib": round(self.slot_bytes / 2**30, 3)}
 
-    def remove(self) -> None:
-        """Take the hooks off; the parameters stay in host memory."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
     # --------------------------------------------------------------------- packing
 
     @staticmethod
-    def _pack(layer: nn.Module, resident: set[int]) -> list[_Packed]:
+    def _pack(layer: nn.Module, streamed: set[int]) -> list[_Packed]:
         packed: dict[int, _Packed] = {}
         offset = 0
         for module in layer.modules():
             for name, param in module._parameters.items():
-                if param is None or id(param) in resident:
+                if param is None or id(param) not in streamed:
                     continue
                 if id(param) in packed:  # shared within the layer: one place, several owners
                     packed[id(param)].owners.append((module, name))
@@ -141,26 +154,56 @@ class StreamedLayers:
 
     # --------------------------------------------------------------------- the hooks
 
-    def _pre_hook(self, index: int):
-        def before(module, args):
-            self._release_running()  # a layer whose forward raised before its post-hook ran
-            if index not in self._fetched:  # the first forward's first layer, or a layer called out of order
-                self._fetch(index)
-            slot = self._fetched.pop(index)
-            if self._copied[slot] is not None:
-                torch.cuda.current_stream(self.device).wait_event(self._copied[slot])
-            for p, param in zip(self._packed[index], self._slot_params[index][slot]):
-                p.hold(param)
-            self._running[index] = slot
-            following = (index + 1) % len(self.layers)
-            if following not in self._fetched and following != index:
-                self._fetch(following)
-        return before
+    def _enter_hook(self, index: int):
+        def enter(module, args):
+            if index not in self._running:
+                self._enter(index)
+        return enter
 
-    def _post_hook(self, index: int):
-        def after(module, args, output):
-            self._release(index)
-        return after
+    def _leave_hook(self, index: int):
+        def leave(module, args, output):
+            if not torch.is_grad_enabled():  # under autograd the layer's backward may still need its slot
+                self._release(index)
+        return leave
+
+    def _enter(self, index: int) -> None:
+        """Layer ``index`` starts: the layer still holding its slot gives it back (the one before
+        under autograd, or one whose forward raised), ``index`` takes its own, and the layer
+        that runs after it is fetched."""
+        for other in list(self._running):
+            self._release(other)
+        self._hold(index)
+        following = self._following(index, torch.is_grad_enabled())
+        if following is not None and following not in self._fetched and following not in self._running:
+            self._fetch(following)
+
+    def _hold(self, index: int) -> None:
+        """Point layer ``index``'s modules at its slot, once its copy is done."""
+        if index not in self._fetched:  # not fetched ahead: the first layer of a pass, or one out of order
+            self._fetch(index)
+            self.waits += 1
+        slot = self._fetched.pop(index)
+        if self._copied[slot] is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._copied[slot])
+        for p, param in zip(self._packed[index], self._slot_params[index][slot]):
+            p.hold(param)
+        self._running[index] = slot
+
+    def _following(self, index: int, autograd: bool) -> int | None:
+        """The layer to fetch while ``index`` runs. Without autograd the next, the first after the
+        last. Under autograd the order turns at each end (forward 0..L-1, the backward's
+        recompute L-1..0, the next forward 0..L-1): the next in the current direction, and at an
+        end the one before (the end layer itself runs again next, from the slot it holds)."""
+        n = len(self.layers)
+        if not autograd:  # an evaluation between training steps leaves the autograd order as it was
+            return (index + 1) % n if n > 1 else None
+        last, self._last = self._last, index
+        if last is not None and index != last:
+            self._direction = 1 if index > last else -1
+        following = index + self._direction
+        if not 0 <= following < n:
+            following = index - self._direction
+        return following if 0 <= following < n and following != index else None
 
     def _release(self, index: int) -> None:
         slot = self._running.pop(index, None)
@@ -173,18 +216,19 @@ class StreamedLayers:
         for p in self._packed[index]:
             p.hold(p.param)
 
-    def _release_running(self) -> None:
-        for index in list(self._running):
-            self._release(index)
-
     def _fetch(self, index: int) -> None:
-        """Issue layer ``index``'s copy into a slot no running or fetched layer holds."""
+        """Issue layer ``index``'s copy into a slot no running or fetched layer holds; none where
+        such a slot holds its values still (a layer given back and fetched again at a turn)."""
         busy = set(self._running.values()) | set(self._fetched.values())
         free = [s for s in range(len(self._slots)) if s not in busy]
-        if not free:  # every slot holds a fetched layer that has not run (an interrupted forward)
+        if not free:  # every slot holds a fetched layer that has not run (an interrupted pass)
             self._fetched.clear()
             free = [s for s in range(len(self._slots)) if s not in set(self._running.values())]
-        slot = free[0]
+        kept = [s for s in free if self._content[s] == index]
+        if kept:
+            self._fetched[index] = kept[0]
+            return
+        slot = min(free, key=lambda s: self._content[s] is not None)  # an empty slot first
         host = self._host[index]
         target = self._slots[slot][:host.numel()]
         if self._cuda:
@@ -199,21 +243,41 @@ class StreamedLayers:
             self._copied[slot] = copied
         else:
             target.copy_(host)
+        self._content[slot] = index
         self._fetched[index] = slot
         self.copies += 1
 
 
+def _modules_in_several(layers: Sequence[nn.Module]) -> set[int]:
+    """The ids of modules found in more than one of ``layers`` (calling one says nothing of
+    which layer runs)."""
+    seen: dict[int, int] = {}
+    for layer in layers:
+        for module in {id(m) for m in layer.modules()}:
+            seen[module] = seen.get(module, 0) + 1
+    return {module for module, count in seen.items() if count > 1}
+
+
 def outside_parameters(model: nn.Module, layers: Sequence[nn.Module]) -> set[int]:
     """The ids of ``model``'s parameters held by a module outside ``layers`` (embeddings, final
-    norm, head; a weight a layer shares with them stays resident)."""
+    norm, head)."""
     inside = {id(m) for layer in layers for m in layer.modules()}
     return {id(p) for m in model.modules() if id(m) not in inside for p in m.parameters(recurse=False)}
 
 
-def move_all_but_layers_(model: nn.Module, layers: Sequence[nn.Module], device: torch.device | str) -> None:
-    """Move ``model`` to ``device`` except the parameters only ``layers`` hold: they stay on the
-    host for ``StreamedLayers`` (the whole model never passes through device memory)."""
-    streamed = {id(p) for layer in layers for p in layer.parameters()} - outside_parameters(model, layers)
+def streamed_parameters(model: nn.Module, layers: Sequence[nn.Module]) -> set[int]:
+    """The ids of the parameters that stream: frozen, and held by ``layers`` alone (a weight a
+    layer shares with the embeddings stays resident, and so does a trainable adapter, which
+    its optimizer updates on the device)."""
+    outside = outside_parameters(model, layers)
+    return {id(p) for layer in layers for p in layer.parameters() if not p.requires_grad and id(p) not in outside}
+
+
+def move_resident_(model: nn.Module, layers: Sequence[nn.Module], device: torch.device | str) -> None:
+    """Move ``model`` to ``device`` except the parameters that stream (``streamed_parameters``):
+    they stay on the host for ``StreamedLayers`` (the whole model never passes through device
+    memory)."""
+    streamed = streamed_parameters(model, layers)
     moved: dict[int, nn.Parameter] = {}  # a tied parameter is moved once and stays one parameter
     for module in model.modules():
         for name, param in module._parameters.items():
@@ -235,4 +299,3 @@ def _moved(param: nn.Parameter, device: torch.device | str) -> nn.Parameter:
         param.data = data
         return param
     return nn.Parameter(data, requires_grad=param.requires_grad)
-

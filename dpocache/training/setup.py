@@ -102,6 +102,9 @@ def hold_output_dir_for_job(cfg: Config, env: DistEnv) -> OutputDirLock | None:
 def _setup(cfg: Config, env: DistEnv) -> Run:
     check_same_settings_on_every_rank(cfg, env)  # as given: a Hub id resolves to each machine's own cache
     cfg.model.path, cfg.model.ref_model = resolve_model_path(cfg.model.path), resolve_model_path(cfg.model.ref_model)
+    if cfg.model.stream_base and env.world_size > 1:
+        raise ConfigError(f"{flag_name('model.stream_base')}: one process only (under DDP every parameter must be on "
+                          f"the GPU); {env.world_size} processes here")
     if cfg.distributed.fsdp and env.enabled and cfg.lora.r > 0:
         raise ConfigError("--fsdp (distributed.fsdp) with LoRA is not supported: "
                           "LoRA trains few parameters, use DDP (no --fsdp)")
@@ -258,6 +261,11 @@ def _load_data(cfg: Config, source: str, tokenizer, env: DistEnv) -> PreferenceD
     return data
 
 
+def _streamed_json(policy) -> dict | None:
+    streamed = getattr(policy, "dpocache_streamed", None)
+    return streamed.to_json() if streamed is not None else None
+
+
 def _run_info(run: Run, ref_info: dict, kernels: dict) -> dict:
     # Installed versions, without importing peft (4 s of imports) in a run without LoRA.
     versions = {name: importlib.metadata.version(name) for name in ("transformers", "peft")}
@@ -274,7 +282,9 @@ def _run_info(run: Run, ref_info: dict, kernels: dict) -> dict:
                  "train_truncated": run.train_data.truncated, "train_identical": run.train_data.identical,
                  "eval_pairs": len(run.eval_data) if run.eval_data else 0},
         "policy": {"parameters": count_params(run.policy), "trainable": count_params(run.policy, trainable_only=True),
-                   "compiled_layers": run.compiled_layers, "kernels": kernels},  # kernels: dpocache.models.kernels
+                   "compiled_layers": run.compiled_layers, "kernels": kernels,  # kernels: dpocache.models.kernels
+                   # --stream-base: its frozen layers in host memory (dpocache.models.streaming), or None
+                   "streamed": _streamed_json(run.policy)},
         "loss": str(run.spec), "total_steps": run.total_steps, "layout": run.layout.to_json(),
         "reference": ref_info,
     }

@@ -9,13 +9,24 @@ from __future__ import annotations
 
 import gc
 
+import importlib
+
 import pytest
 import torch
 from torch import nn
+from train_fixtures import (  # noqa: F401 (fixtures)
+    flags,
+    load_tensors,
+    max_abs_diff,
+    run_json,
+    run_training,
+    train_jsonl,
+    train_records,
+)
 
 from dpocache.data.pairs import TokenizedPair
 from dpocache.models.reference import ReferenceModel
-from dpocache.models.streaming import ALIGN, StreamedLayers, move_all_but_layers_, outside_parameters
+from dpocache.models.streaming import ALIGN, StreamedLayers, move_resident_, streamed_parameters
 from dpocache.models.tiny import save_tiny_model
 from dpocache.scoring.logprobs import decoder_layers
 
@@ -24,7 +35,8 @@ META = torch.device("meta")
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("streamed-reference"), "llama")
+    """A tiny Llama of 4 layers: more layers than slots, so slots are reused."""
+    return save_tiny_model(tmp_path_factory.mktemp("streamed-reference"), "llama", num_hidden_layers=4)
 
 
 def _pairs(n: int = 6) -> list[TokenizedPair]:
@@ -47,7 +59,7 @@ def test_streamed_reference_scores_as_the_resident_one(model_path, layout, atten
     streamed = ReferenceModel.from_pretrained(model_path, "float32", "cpu", layout=layout, attention=attention,
                                               kernels="none", stream=True)
     layers = decoder_layers(streamed.model)
-    assert streamed.streamed is not None and len(streamed.streamed.layers) == len(layers) == 2
+    assert streamed.streamed is not None and len(streamed.streamed.layers) == len(layers) == 4
     expected = resident.score(pairs, 0, 256)
     for _ in range(2):  # the second pass runs from the slots the first one left
         got = streamed.score(pairs, 0, 256)
@@ -77,9 +89,10 @@ def test_a_streamed_service_answers_as_the_resident_one(model_path):
 
 
 def _stack(widths=(8, 16, 8, 24, 8), seed=0) -> nn.Sequential:
-    """Layers of different shapes (the slots are sized for the largest)."""
+    """Frozen layers of different shapes (the slots are sized for the largest)."""
     torch.manual_seed(seed)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in zip(widths, widths[1:])])
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in zip(widths, widths[1:])])
+    return model.requires_grad_(False)
 
 
 def test_each_layer_runs_from_a_slot_with_the_next_one_fetched_before_it_runs():
@@ -87,7 +100,7 @@ def test_each_layer_runs_from_a_slot_with_the_next_one_fetched_before_it_runs():
     x = torch.randn(3, 8)
     with torch.no_grad():
         expected = model(x)
-    streamer = StreamedLayers(list(model), "cpu")
+    streamer = StreamedLayers(model, list(model), "cpu")
     seen = []
 
     def look(index):
@@ -113,12 +126,27 @@ def test_each_layer_runs_from_a_slot_with_the_next_one_fetched_before_it_runs():
         assert all(p.offset % ALIGN == 0 for p in packed)
 
 
+def test_a_module_shared_by_the_layers_enters_none_of_them():
+    """A module in several layers (one activation instance) says nothing of which layer runs:
+    calling it leaves the running layer in its slot."""
+    torch.manual_seed(0)
+    act = nn.Tanh()
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), act) for _ in range(4)]).requires_grad_(False)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        expected = model(x)
+    streamer = StreamedLayers(model, list(model), "cpu")
+    with torch.inference_mode():
+        assert torch.equal(model(x), expected) and torch.equal(model(x), expected)
+    assert streamer.waits == 1 and streamer.copies == 2 * 4 + 1
+
+
 def test_a_forward_that_raised_leaves_the_next_one_right():
     model = _stack()
     x = torch.randn(3, 8)
     with torch.no_grad():
         expected = model(x)
-    streamer = StreamedLayers(list(model), "cpu")
+    streamer = StreamedLayers(model, list(model), "cpu")
     fail = {"on": True}
 
     def boom(module, args):
@@ -136,26 +164,33 @@ def test_a_forward_that_raised_leaves_the_next_one_right():
     assert all(_inside(p, streamer._host) for layer in model for p in layer.parameters())
 
 
-def test_a_weight_shared_with_a_module_outside_the_layers_stays_resident():
+def test_a_weight_shared_outside_the_layers_and_a_trainable_one_stay_resident():
     model = _stack((8, 8, 8))
-    head = nn.Linear(8, 8)
+    head = nn.Linear(8, 8).requires_grad_(False)
     head.weight = model[1][0].weight  # tied, as a head to an embedding
+    model[0][0].bias.requires_grad_(True)  # trained, as a LoRA adapter
     whole = nn.ModuleDict({"body": model, "head": head})
-    resident = outside_parameters(whole, list(model))
-    assert id(head.weight) in resident
-    streamer = StreamedLayers(list(model), "cpu", resident=resident)
-    assert not _inside(head.weight, streamer._host)
+    streamed = streamed_parameters(whole, list(model))
+    assert id(head.weight) not in streamed and id(model[0][0].bias) not in streamed
+    assert id(model[0][0].weight) in streamed and id(model[1][0].bias) in streamed
+    streamer = StreamedLayers(whole, list(model), "cpu")
+    assert not _inside(head.weight, streamer._host) and not _inside(model[0][0].bias, streamer._host)
     assert _inside(model[1][0].bias, streamer._host) and _inside(model[0][0].weight, streamer._host)
+    move_resident_(whole, list(model), META)
+    assert head.weight.is_meta and head.bias.is_meta and model[0][0].bias.is_meta
+    assert not model[0][0].weight.is_meta and not model[1][0].bias.is_meta
 
 
-def test_only_what_the_layers_alone_hold_stays_off_the_device():
+def test_only_what_streams_stays_off_the_device():
     model = _stack((8, 8, 8))
     head = nn.Linear(8, 8)
     head.weight = model[1][0].weight
     head.register_buffer("scale", torch.ones(8))
+    model[0].register_buffer("count", torch.zeros(1))  # a layer's buffer moves: only parameters stream
     whole = nn.ModuleDict({"body": model, "head": head})
-    move_all_but_layers_(whole, list(model), META)
-    assert head.weight.is_meta and head.bias.is_meta and head.scale.is_meta
+    move_resident_(whole, list(model), META)
+    assert head.weight.is_meta and head.bias.is_meta and head.scale.is_meta and model[0].count.is_meta
+    assert head.weight is model[1][0].weight  # still one parameter
     assert not model[0][0].weight.is_meta and not model[1][0].bias.is_meta
 
 
@@ -241,3 +276,170 @@ def test_streamed_reference_on_a_gpu_matches_and_holds_two_layers(tmp_path):
     for name in ("chosen_logps", "rejected_logps"):
         assert torch.equal(getattr(values[True], name), getattr(values[False], name))
     assert peaks[True] <= peaks[False] - layer_bytes * (10 / 12) * 0.9
+
+
+class _Block(nn.Module):
+    """A frozen matrix with a trainable low-rank adapter beside it, as a LoRA layer; under
+    autograd its forward is checkpointed as transformers does it: the layer's own hooks run
+    outside the checkpoint, so the backward's recompute calls only its modules."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.base = nn.Linear(width, width).requires_grad_(False)
+        self.down, self.up = nn.Linear(width, 2, bias=False), nn.Linear(2, width, bias=False)
+        self.checkpointed = True
+
+    def forward(self, x):
+        if self.checkpointed and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x):
+        return x + torch.tanh(self.base(x) + self.up(self.down(x)))
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, layers: int = 5, width: int = 8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(_Block(width) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _train(model: nn.Module, steps: int = 3, evaluate: bool = True) -> tuple[list[float], list[torch.Tensor]]:
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(steps):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        if evaluate:
+            with torch.no_grad():  # an evaluation between steps
+                model(x)
+    return losses, [p.detach().clone() for p in model.parameters() if p.requires_grad]
+
+
+def test_checkpointed_training_through_streamed_layers_equals_the_resident_run():
+    """A trainable adapter over frozen streamed layers, checkpointed: the same losses and
+    adapters bit for bit; each layer fetched ahead in the forward and, in reverse, in the
+    backward's recompute, so after the first layer of the first step no layer waits for its
+    copy, whatever evaluations run between the steps."""
+    import copy
+
+    resident = _Checkpointed()
+    streamed_model = copy.deepcopy(resident)
+    streamer = StreamedLayers(streamed_model, list(streamed_model.layers), "cpu")
+    assert all(_inside(layer.base.weight, streamer._host) for layer in streamed_model.layers)
+    assert not any(_inside(layer.up.weight, streamer._host) for layer in streamed_model.layers)
+    order = []
+    for i, layer in enumerate(streamed_model.layers):  # the recompute calls the base matrix, not the layer
+        layer.base.register_forward_pre_hook(lambda m, a, i=i: order.append(
+            (i, torch.is_grad_enabled(), sorted(streamer._fetched), _inside(m.weight, streamer._slots))))
+    expected = _train(resident)
+    got = _train(streamed_model)
+    assert got[0] == expected[0]
+    assert all(torch.equal(a, b) for a, b in zip(got[1], expected[1]))
+    assert streamer.waits == 1
+    assert all(in_slot for *_, in_slot in order)
+    n = len(streamed_model.layers)
+    step = order[:3 * n]  # forward, the backward's recompute, then an evaluation
+    assert [i for i, *_ in step] == [*range(n), *reversed(range(n)), *range(n)]
+    forward, backward = step[:n], step[n:2 * n]
+    # ahead of each layer the next; at the turn the one before, which the recompute needs next
+    assert [fetched for _, _, fetched, _ in forward] == [[i + 1] for i in range(n - 1)] + [[n - 2]]
+    assert [fetched for _, _, fetched, _ in backward] == [[n - 2]] + [[i - 1] for i in range(n - 2, 0, -1)] + [[1]]
+
+
+def test_training_without_checkpointing_cannot_use_a_reused_slot_silently():
+    """Without checkpointing autograd keeps each layer's weights for the backward, which their
+    slot no longer holds: autograd's version check stops the backward instead of a silent
+    wrong gradient (training refuses the combination before this: config)."""
+    model = _Checkpointed()
+    for layer in model.layers:
+        layer.checkpointed = False
+    StreamedLayers(model, list(model.layers), "cpu")
+    loss = model(torch.randn(4, 8)).pow(2).mean()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_a_lora_run_with_its_base_and_reference_streamed_trains_as_the_resident_one(tmp_path, model_path,
+                                                                                   train_jsonl,  # noqa: F811
+                                                                                   monkeypatch, device):
+    """``train --stream-base --stream-reference`` through the whole loop, the CPU standing in for
+    the GPU (the check that refuses a CPU is what is stood in for): a bf16 LoRA run with its
+    base stored in bf16 and checkpointed by transformers, as on a GPU, logs the same values and
+    saves the same adapter as the resident run, bit for bit; every frozen matrix runs from a
+    slot, in the forward and in the backward's recompute (which transformers runs without the
+    layer's own hooks); run.json says what streamed; no layer of the policy waited for its copy
+    after the first."""
+    import dpocache.config as config_mod
+
+    setup_mod = importlib.import_module("dpocache.training.setup")
+    if device == "cpu":
+        monkeypatch.setenv("DPOCACHE_BF16_MATMUL", "native")  # the native bf16 kernels, as on a GPU
+        monkeypatch.setattr(config_mod, "_validate_streamed", lambda cfg, flag: None)
+    loaded, calls = [], []
+    real = setup_mod.load_policy
+
+    def load(*args, **kwargs):
+        policy = real(*args, **kwargs)
+        streamer = getattr(policy, "dpocache_streamed", None)
+        for layer in decoder_layers(policy) if streamer is not None else []:
+            for module in layer.modules():
+                if isinstance(module, nn.Linear) and not module.weight.requires_grad:
+                    module.register_forward_pre_hook(lambda m, a: calls.append(
+                        (torch.is_grad_enabled(), _inside(m.weight, streamer._slots))))
+        loaded.append(policy)
+        return policy
+
+    monkeypatch.setattr(setup_mod, "load_policy", load)
+    runs = {}
+    for streamed in (False, True):
+        out = tmp_path / f"run-{streamed}"
+        run_training(*flags(model_path, train_jsonl, out, tmp_path / f"cache-{streamed}", "--lora-r", "4",
+                            "--dtype", "bfloat16", "--gradient-checkpointing", "true", "--max-steps", "3",
+                            "--lr", "1e-2", "--stream-base", str(streamed), "--stream-reference", str(streamed),
+                            "--device", device, "--kernels", "none"))
+        values = [{k: v for k, v in r.items() if k not in {"seconds", "tokens_per_s", "mfu"}}
+                  for r in train_records(out)]
+        runs[streamed] = (values, load_tensors(out / "final" / "adapter_model.safetensors"), run_json(out))
+    assert len(runs[True][0]) == 3 and runs[True][1].keys() == runs[False][1].keys()
+    if device == "cpu":
+        assert runs[True][0] == runs[False][0]
+        assert all(torch.equal(runs[True][1][k], runs[False][1][k]) for k in runs[True][1])
+    else:  # a GPU's attention backward sums in no fixed order: two resident runs differ in the last bits too
+        for got, want in zip(runs[True][0], runs[False][0]):
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-3), (got, want)
+        assert max_abs_diff(runs[True][1], runs[False][1]) < 1e-3
+    info = runs[True][2]
+    assert info["policy"]["streamed"]["layers"] == 4 and info["reference"]["streamed"]["layers"] == 4
+    assert runs[False][2]["policy"]["streamed"] is None and runs[False][2]["reference"]["streamed"] is None
+    # 7 matrices a layer; under autograd each runs in the forward and again in the recompute
+    assert sum(grad for grad, _ in calls) == 3 * 2 * 4 * 7 and all(in_slot for _, in_slot in calls)
+    streamer = loaded[1].dpocache_streamed
+    assert streamer.waits == 1 and streamer.copies >= 3 * 2 * (4 - 2)
+
+
+@pytest.mark.parametrize("extra,message", [
+    ((), "--lora-r"),
+    (("--lora-r", "4"), "--gradient-checkpointing"),
+])
+def test_stream_base_is_refused_without_lora_or_checkpointing(cli, model_path, pref_jsonl, tmp_path, extra, message,
+                                                             monkeypatch):
+    import dpocache.config as config_mod
+
+    monkeypatch.setattr(config_mod, "_validate_streamed", lambda cfg, flag: None)  # past the device check
+    rc, out, err = cli("train", "--model", model_path, "--data", pref_jsonl, "--output-dir", tmp_path / "run",
+                       "--stream-base", "true", *extra)
+    assert rc == 2 and "--stream-base" in err and message in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
