@@ -65,6 +65,9 @@ def add_score_parser(sub) -> None:
                    help="divide the logits by this before the log-softmax: the sampling temperature of "
                    "the rollouts, as GRPO/PPO trainers do for the reference (default 1: the model's own values)")
     s.add_argument("--stats", type=Path, default=None, help="append the service's counters to this JSONL file")
+    s.add_argument("--stream-reference", action="store_true",
+                   help="keep the model's decoder layers in host memory, each copied to the GPU as it runs "
+                   "(docs/memory.md)")
 
 
 # ------------------------------------------------------------------------------- tokenizing
@@ -132,6 +135,12 @@ def check_rows(rows: list[RawRow], requests: list[dict], model: str | Path) -> N
 # -------------------------------------------------------------------------------- command
 
 
+def _device_type(device: str | None) -> str:
+    import torch
+
+    return torch.device(device).type if device else "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def cmd_score(args) -> int:
     # The model machinery (torch, transformers) is imported when the command runs, as cli.py
     # does for its other commands: building the parser stays light.
@@ -142,6 +151,9 @@ def cmd_score(args) -> int:
 
     # Before the rows are read and the model loads (torch's own error came from the model's move).
     validate_device(args.device, "--device")
+    if args.stream_reference and _device_type(args.device) != "cuda":
+        raise DataError("--stream-reference", None, f"streams weights from host memory to a GPU; this run's device is "
+                        f"{_device_type(args.device)}, where they are in host memory already")
     if not Path(args.model).is_dir():
         raise DataError(f"--model {args.model}", None, "not a model directory")
     # Its config and weights now; its tokenizer below, if the rows are text (token ids need none).
@@ -187,7 +199,8 @@ def cmd_score(args) -> int:
                                 "same rows")
         service = ReferenceService.from_pretrained(args.model, args.dtype, device, max_tokens=args.max_tokens,
                                                    cache_dir=args.cache_dir or default_cache_dir(),
-                                                   stats_file=args.stats, temperature=args.temperature)
+                                                   stats_file=args.stats, temperature=args.temperature,
+                                                   stream=args.stream_reference)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         partial = args.out.with_name(args.out.name + ".partial")
         if env is None:

@@ -241,6 +241,12 @@ def test_stream_reference_is_refused_with_one_line_where_it_cannot_run(cli, mode
     assert "--stream-reference" in line and message in line and "Traceback" not in err
 
 
+def test_score_stream_reference_is_refused_on_a_cpu_before_the_rows_are_read(cli, model_path, tmp_path):
+    rc, out, err = cli("score", "--model", model_path, "--data", tmp_path / "absent.jsonl", "--out",
+                       tmp_path / "o.jsonl", "--device", "cpu", "--stream-reference")
+    assert rc == 2 and "--stream-reference" in err and "device is cpu" in err and "Traceback" not in err
+
+
 def test_stream_reference_is_refused_by_train_before_any_model_loads(cli, model_path, pref_jsonl, tmp_path):
     rc, out, err = cli("train", "--model", model_path, "--data", pref_jsonl, "--output-dir", tmp_path / "run",
                        "--device", "cpu", "--stream-reference", "true")
