@@ -63,6 +63,15 @@ def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+def _store_frozen_(model: nn.Module, dtype: torch.dtype) -> None:
+    """A frozen reference of ours in its storage: under bf16 its fp32 weights are only ever used
+    as bf16 values (rounded where they take the fp32 GEMM), and its matrices are stored in the
+    compute dtype where no fp32 route needs them (``dpocache.models.loading``)."""
+    if dtype == torch.bfloat16:
+        bf16_matmul.round_frozen_weights_(model)
+    store_frozen_matrices_(model, dtype)
+
+
 class ReferenceModel:
     """Frozen log-prob scorer. ``logprobs`` runs under ``inference_mode`` and counts its work."""
 
@@ -145,15 +154,18 @@ class ReferenceModel:
         elif staged:
             model.to(device)
         apply_kernels(model, kernel_choice)  # before the constructor compiles the layers (--compile on)
+        streamed = None
+        if stream:
+            # Packed before the constructor, whose head probe runs a forward, and with what the
+            # constructor and the storage below give a resident model: the fp32-GEMM routing
+            # (idempotent), the rounding and the compute-dtype matrices, which then change nothing.
+            bf16_matmul.install(model)
+            _store_frozen_(model, dtype)
+            streamed = StreamedLayers(model, decoder_layers(model), device)
         reference = cls(model, dtype, "off" if stream else compile, layout=layout, attention=attention,
                         temperature=temperature, kernels=kernel_choice)
-        if dtype == torch.bfloat16:
-            # This model is ours and frozen: its fp32 weights are only ever used as bf16 values.
-            bf16_matmul.round_frozen_weights_(model)
-        # ... so store its matrices in the compute dtype where no fp32 route needs them (dpocache.models.loading).
-        store_frozen_matrices_(model, dtype)
-        if stream:  # last: the layers are packed with the values they compute with
-            reference.streamed = StreamedLayers(model, decoder_layers(model), device)
+        _store_frozen_(model, dtype)
+        reference.streamed = streamed
         return reference
 
     @classmethod

@@ -65,8 +65,9 @@ def test_streamed_reference_scores_as_the_resident_one(model_path, layout, atten
         got = streamed.score(pairs, 0, 256)
         for name in ("chosen_logps", "rejected_logps"):
             assert torch.equal(getattr(got, name), getattr(expected, name)), (layout, name)
-    # Every forward copied each layer once; between forwards the layers' values are in the host buffers.
-    assert streamed.streamed.copies == streamed.forward_passes * len(layers) + 1  # + the next forward's first
+    # Every forward copied each layer once (the head's probe at construction is one, streamed too),
+    # and the next forward's first is on its way; between forwards the values are in the host buffers.
+    assert streamed.streamed.copies == (streamed.forward_passes + 1) * len(layers) + 1
     host = streamed.streamed._host
     assert all(_inside(p, host) for layer in layers for p in layer.parameters())
     assert not any(_inside(p, host) for p in streamed.model.lm_head.parameters())
@@ -211,8 +212,18 @@ def meta_stand_ins(monkeypatch):
     monkeypatch.setattr(masking, "_ignore_causal_mask_sdpa", lambda *args, **kwargs: False)
 
 
-def test_a_streamed_layer_runs_on_the_device_and_rests_on_the_host(model_path, meta_stand_ins):
-    """fp32 (meta has no autocast): read to the host, all but the layers moved to the device."""
+def test_a_streamed_layer_runs_on_the_device_and_rests_on_the_host(model_path, meta_stand_ins, monkeypatch):
+    """fp32 (meta has no autocast): read to the host, all but the layers moved to the device;
+    the head's probe, a forward at the scorer's construction, already runs streamed (its value
+    comparison is what meta cannot do)."""
+    from dpocache.scoring import logprobs as logprobs_mod
+
+    def probe(scorer):
+        ids = torch.ones(1, 4, dtype=torch.long, device=META)
+        scorer.causal_lm(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+        return True
+
+    monkeypatch.setattr(logprobs_mod.CompletionLogProbs, "probe_fast_path", probe)
     reference = ReferenceModel.from_pretrained(model_path, "float32", "meta", layout="shared", attention="sdpa",
                                                kernels="none", stream=True)
     assert reference.device == META
