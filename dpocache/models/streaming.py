@@ -266,11 +266,16 @@ def outside_parameters(model: nn.Module, layers: Sequence[nn.Module]) -> set[int
 
 
 def streamed_parameters(model: nn.Module, layers: Sequence[nn.Module]) -> set[int]:
-    """The ids of the parameters that stream: frozen, and held by ``layers`` alone (a weight a
-    layer shares with the embeddings stays resident, and so does a trainable adapter, which
-    its optimizer updates on the device)."""
+    """The ids of the parameters that stream: frozen, and held by one of ``layers`` alone (a
+    weight a layer shares with the embeddings or with another layer stays resident, and so does
+    a trainable adapter, which its optimizer updates on the device)."""
     outside = outside_parameters(model, layers)
-    return {id(p) for layer in layers for p in layer.parameters() if not p.requires_grad and id(p) not in outside}
+    count: dict[int, int] = {}
+    for layer in layers:
+        for p in layer.parameters():
+            if not p.requires_grad and id(p) not in outside:
+                count[id(p)] = count.get(id(p), 0) + 1
+    return {param for param, n in count.items() if n == 1}
 
 
 def move_resident_(model: nn.Module, layers: Sequence[nn.Module], device: torch.device | str) -> None:

@@ -128,15 +128,16 @@ def test_each_layer_runs_from_a_slot_with_the_next_one_fetched_before_it_runs():
 
 
 def test_a_module_shared_by_the_layers_enters_none_of_them():
-    """A module in several layers (one activation instance) says nothing of which layer runs:
-    calling it leaves the running layer in its slot."""
+    """A module in several layers says nothing of which layer runs: calling it leaves the
+    running layer in its slot; its weight stays resident."""
     torch.manual_seed(0)
-    act = nn.Tanh()
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), act) for _ in range(4)]).requires_grad_(False)
+    act, shared = nn.Tanh(), nn.Linear(8, 8)  # a module, and one with a weight, in every layer
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), act, shared) for _ in range(4)]).requires_grad_(False)
     x = torch.randn(3, 8)
     with torch.no_grad():
         expected = model(x)
     streamer = StreamedLayers(model, list(model), "cpu")
+    assert id(shared.weight) not in streamed_parameters(model, list(model))  # resident: it is every layer's
     with torch.inference_mode():
         assert torch.equal(model(x), expected) and torch.equal(model(x), expected)
     assert streamer.waits == 1 and streamer.copies == 2 * 4 + 1
@@ -413,9 +414,12 @@ def test_a_lora_run_with_its_base_and_reference_streamed_trains_as_the_resident_
         streamer = getattr(policy, "dpocache_streamed", None)
         for layer in decoder_layers(policy) if streamer is not None else []:
             for module in layer.modules():
-                if isinstance(module, nn.Linear) and not module.weight.requires_grad:
+                frozen = [p for p in module.parameters(recurse=False) if not p.requires_grad]
+                if frozen:  # the base's matrices and the norms
                     module.register_forward_pre_hook(lambda m, a: calls.append(
-                        (torch.is_grad_enabled(), _inside(m.weight, streamer._slots))))
+                        (torch.is_grad_enabled(), type(m).__name__, all(_inside(p, streamer._slots) for p in
+                                                                       m.parameters(recurse=False)
+                                                                       if not p.requires_grad))))
         loaded.append(policy)
         return policy
 
@@ -442,7 +446,8 @@ def test_a_lora_run_with_its_base_and_reference_streamed_trains_as_the_resident_
     assert info["policy"]["streamed"]["layers"] == 4 and info["reference"]["streamed"]["layers"] == 4
     assert runs[False][2]["policy"]["streamed"] is None and runs[False][2]["reference"]["streamed"] is None
     # 7 matrices a layer; under autograd each runs in the forward and again in the recompute
-    assert sum(grad for grad, _ in calls) == 3 * 2 * 4 * 7 and all(in_slot for _, in_slot in calls)
+    assert sum(grad and kind == "Linear" for grad, kind, _ in calls) == 3 * 2 * 4 * 7
+    assert {kind for *_, kind, _ in calls} == {"Linear", "LlamaRMSNorm"} and all(ok for *_, ok in calls)
     streamer = loaded[1].dpocache_streamed
     assert streamer.waits == 1 and streamer.copies >= 3 * 2 * (4 - 2)
 
