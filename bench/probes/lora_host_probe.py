@@ -1,6 +1,9 @@
 """The host's cost of a LoRA layer's forward, with shapes so small that the kernels take no time:
 PEFT's forward against dpocache's fused one (``dpocache.models.lora_fused``), with and without
-the shared cast of an fp32 input (``$DPOCACHE_LORA_CAST``).
+the shared cast of an fp32 input (``$DPOCACHE_LORA_CAST``); and, checkpointed as the 8B LoRA
+row runs, with and without its frozen base streamed (``--stream-base``:
+``dpocache.models.streaming``, whose hooks and bookkeeping are host work; its copies here are
+host to host).
 
     python bench/probes/lora_host_probe.py [--layers 8] [--rounds 8] [--steps 40]
 
@@ -23,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # dpocache in a checkout not installed
 
-VARIANTS = ("peft", "fused", "fused+cast-once")
+VARIANTS = ("peft", "fused", "fused+cast-once", "checkpointed", "checkpointed+streamed")
 
 
 def build(variant: str, layers: int):
@@ -45,6 +48,14 @@ def build(variant: str, layers: int):
     keep_adapter_inputs_(model)
     if variant != "peft":
         fuse_lora_updates_(model)
+    if variant.startswith("checkpointed"):  # the fused forward with the shared cast, checkpointed
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    if variant.endswith("streamed"):
+        from dpocache.models.streaming import StreamedLayers
+        from dpocache.scoring.logprobs import decoder_layers
+
+        StreamedLayers(model, decoder_layers(model), "cpu")
     return model
 
 
@@ -79,7 +90,7 @@ def main() -> None:
     rounds = {v: [] for v in VARIANTS}
     for _ in range(args.rounds):
         for variant, model in models.items():
-            lora_fused.CAST_ONCE = variant == "fused+cast-once"
+            lora_fused.CAST_ONCE = variant not in ("peft", "fused")
             rounds[variant].append(time_steps(model, args.steps) * 1e3)
     print(json.dumps({"ms_median": {v: round(statistics.median(r), 2) for v, r in rounds.items()},
                       "ms_rounds": {v: [round(x, 2) for x in r] for v, r in rounds.items()},

@@ -22,10 +22,11 @@ passes the model's parameters are its own; the last layer fetches the first for 
 Under autograd (a LoRA policy, checkpointed) a layer keeps its slot until the next one starts,
 and the order turns at each end: the backward's recompute runs the layers last to first, and
 each needs its weights for its recompute and its backward. transformers checkpoints a layer's
-``forward`` and keeps the layer's hooks outside, so a layer is entered by the first of its
-modules to be called, not by its own hook. A slot that still holds the layer wanted (at a turn,
-or with as many slots as layers) is used again without a copy. On a CPU the "device" slots are
-host tensors and the copies synchronous: it runs the same bookkeeping, which the tests check.
+``forward`` and keeps the layer's hooks outside, so a layer is also entered by the first of its
+children, or of the modules holding its streamed weights, to be called. A slot that still
+holds the layer wanted (at a turn, or with as many slots as layers) is used again without a
+copy. On a CPU the "device" slots are host tensors and the copies synchronous: it runs the
+same bookkeeping, which the tests check.
 
 Without checkpointing autograd would keep each layer's weights for the backward, which their
 slot no longer holds (training refuses it; autograd's version check would stop the backward).
@@ -102,9 +103,10 @@ class StreamedLayers:
             layer.register_forward_hook(self._leave_hook(index), always_call=True)
             # A checkpointed layer's recompute runs its forward without the layer's own hooks
             # (transformers checkpoints ``forward`` and keeps module hooks outside): the first of
-            # its modules to be called enters it.
-            for module in layer.modules():
-                if module is not layer and id(module) not in shared:
+            # its children or of the modules holding its streamed weights to be called enters it.
+            owners = [m for p in self._packed[index] for m, _ in p.owners]
+            for key, module in {id(m): m for m in [*layer.children(), *owners]}.items():
+                if module is not layer and key not in shared:
                     module.register_forward_pre_hook(enter)
 
     # --------------------------------------------------------------------- what it holds
