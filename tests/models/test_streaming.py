@@ -1,14 +1,15 @@
-"""``--stream-reference`` (``dpocache.models.streaming``): a reference whose decoder layers stay
-in host memory computes the resident reference's values bit for bit, holds each layer on the
-device only while it runs, fetches the next layer before the current one runs, recovers from a
-forward that raised, and is refused with one line where it cannot run. The device is PyTorch's
-``meta`` device where a test must tell it from the host (the stand-ins of
-``test_reference_device.py``); a GPU test checks values and peak memory on CUDA."""
+"""``--stream-reference`` and ``--stream-base`` (``dpocache.models.streaming``): a reference whose
+decoder layers stay in host memory computes the resident reference's values bit for bit, holds
+each layer on the device only while it runs, fetches the next layer before the current one
+runs, recovers from a forward that raised; a checkpointed LoRA run with its base streamed
+trains as the resident one, each layer fetched ahead in the forward and, in reverse, in the
+backward's recompute; both are refused with one line where they cannot run. The device is
+PyTorch's ``meta`` device where a test must tell it from the host (the stand-ins of
+``test_reference_device.py``); GPU tests check values and peak memory on CUDA."""
 
 from __future__ import annotations
 
 import gc
-
 import importlib
 
 import pytest
