@@ -14,7 +14,9 @@ against its formula. The parts follow what dpocache runs:
   twice for a moment: its all-gather buffer and the parameters) and, with an untied head, one
   tile of a vocabulary table (the embeddings and the head are streamed from their shards,
   ``dpocache.distributed.vocab_stream``); with a tied head the root (embeddings, final norm, head:
-  ``dpocache.distributed.fsdp``) is gathered too.
+  ``dpocache.distributed.fsdp``) is gathered too. Streamed (``--stream-reference``,
+  ``dpocache.models.streaming``), a device holds the embeddings, the final norm, the head and
+  two layer slots; the layers are in host memory, which this plan does not count.
 - **Training** (full fine-tuning, FSDP2 over N devices, AdamW): fp32 master weights, fp32
   gradients and the two fp32 Adam moments, each sharded 1/N (16 bytes per parameter in all,
   ZeRO-3's accounting: Rajbhandari et al. 2020, section 3); gathered units in the compute dtype
@@ -127,16 +129,20 @@ def _head_chunk_bytes(shape: ModelShape, training: bool) -> float:
 
 
 def reference_memory(shape: ModelShape, devices: int = 1, tokens: int = 4096, weight_bytes: int = 2,
-                     sharded: bool = False) -> dict[str, float]:
+                     sharded: bool = False, streamed: bool = False) -> dict[str, float]:
     """Per-device bytes of the reference pass, by part.
 
     Args:
         tokens: tokens of one forward (the cache build's ``--max-tokens``).
         weight_bytes: 4 for fp32 weights (what ``cache build`` loads today), 2 for bf16.
         sharded: FSDP2 over ``devices`` (else every device holds the whole model).
+        streamed: the decoder layers in host memory, two at a time on the device.
     """
     parts: dict[str, float] = {}
-    if sharded:
+    if streamed:
+        parts["embeddings, final norm, head"] = shape.root_params * weight_bytes
+        parts["2 layer slots"] = 2 * shape.layer_params * weight_bytes
+    elif sharded:
         parts["weights (1/N shard)"] = shape.params * weight_bytes / devices
         matrices = 2 * shape.largest_matrix_params * weight_bytes  # dpocache.distributed.fsdp.matrix_units
         if shape.tied:
@@ -180,8 +186,8 @@ class PlanRow:
 
 def plan(shape: ModelShape, device_counts=(1, 8, 16), device_gib: float = 80.0, tokens: int = 4096,
          usable: float = 0.9) -> list[PlanRow]:
-    """Rows for the reference pass (fp32 unsharded, bf16 unsharded, bf16 sharded)
-    and FSDP2 training (fp32 compute, bf16 compute) on each device count. ``usable`` leaves room
+    """Rows for the reference pass (fp32 unsharded, bf16 unsharded, bf16 sharded, bf16 streamed
+    on one device) and FSDP2 training (fp32 compute, bf16 compute) on each device count. ``usable`` leaves room
     for the CUDA context, allocator fragmentation and communication buffers."""
     rows = []
     for n in device_counts:
@@ -189,11 +195,13 @@ def plan(shape: ModelShape, device_counts=(1, 8, 16), device_gib: float = 80.0, 
             "reference, fp32 weights, whole model per device": reference_memory(shape, n, tokens, 4, sharded=False),
             "reference, bf16 weights, whole model per device": reference_memory(shape, n, tokens, 2, sharded=False),
             "reference, bf16 weights, FSDP2-sharded": reference_memory(shape, n, tokens, 2, sharded=True),
+            "reference, bf16 weights, layers streamed from host": reference_memory(shape, n, tokens, 2,
+                                                                                    streamed=True),
             "training, FSDP2 (fp32 compute)": training_memory(shape, n, tokens, gather_bytes=4),
             "training, FSDP2 (bf16 compute)": training_memory(shape, n, tokens, gather_bytes=2),
         }
         for job, parts in jobs.items():
-            if "sharded" in job and n == 1:
+            if ("sharded" in job and n == 1) or ("streamed" in job and n > 1):  # streamed: one device's concern
                 continue
             total = sum(parts.values()) / GIB
             rows.append(PlanRow(shape.name, job, n, total, total <= usable * device_gib, parts))

@@ -103,3 +103,16 @@ def test_plan_table_names_what_fits(capsys):
     main(["--devices", "1", "8"])
     out = capsys.readouterr().out
     assert "Llama-3.1-8B" in out and "Llama-3.1-70B" in out and out.count("\n") > 10
+
+
+def test_a_streamed_reference_holds_the_root_and_two_layers():
+    """``--stream-reference``: the embeddings, final norm and head plus two layer slots, in bf16;
+    70B, whose bf16 weights no 80 GB device holds, fits one streamed."""
+    streamed = reference_memory(LLAMA_3_8B, weight_bytes=2, streamed=True)
+    assert streamed["embeddings, final norm, head"] == (2 * 128256 * 4096 + 4096) * 2
+    assert streamed["2 layer slots"] == 2 * LLAMA_3_8B.layer_params * 2
+    assert "weights" not in streamed
+    rows = {(r.job, r.devices): r for r in plan(LLAMA_3_70B, (1, 8))}
+    assert not rows[("reference, bf16 weights, whole model per device", 1)].fits
+    assert rows[("reference, bf16 weights, layers streamed from host", 1)].fits
+    assert ("reference, bf16 weights, layers streamed from host", 8) not in rows
