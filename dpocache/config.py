@@ -439,16 +439,20 @@ def liger_unavailable(device_type: str, installed: bool | None = None) -> str | 
     return None
 
 
+def device_type(device: str | None) -> str:
+    """The type of the device a run with ``device`` (None: the default) runs on: cuda where
+    one is available, else cpu. After ``validate_device``: ``device`` is one."""
+    import torch  # noqa: PLC0415 - see the note on torch above
+
+    return torch.device(device).type if device else "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _validate_kernels(model: ModelConfig) -> None:
     """``--kernels liger`` where Liger cannot run, refused before any model loads (``auto`` runs
     the model's own code there instead). After ``validate_device``: the device is one."""
     if model.kernels != "liger":
         return
-    import torch  # noqa: PLC0415 - see the note on torch above
-
-    device = torch.device(model.device) if model.device else torch.device("cuda" if torch.cuda.is_available()
-                                                                          else "cpu")
-    reason = liger_unavailable(device.type)
+    reason = liger_unavailable(device_type(model.device))
     if reason:
         raise liger_refused(reason)
 
@@ -477,13 +481,9 @@ def _validate_streamed(cfg: Config, flag: str) -> None:
     if cfg.distributed.fsdp:
         raise ConfigError(f"{flag}: a model sharded with {flag_name('distributed.fsdp')} is loaded a shard per GPU "
                           "and gathered a layer at a time already; pass one of them")
-    import torch  # noqa: PLC0415 - see the note on torch above
-
-    device = torch.device(cfg.model.device) if cfg.model.device else torch.device(
-        "cuda" if torch.cuda.is_available() else "cpu")
-    if device.type != "cuda":
-        raise ConfigError(f"{flag}: streams weights from host memory to a GPU; this run's device is {device.type}, "
-                          "where they are in host memory already")
+    if device_type(cfg.model.device) != "cuda":
+        raise ConfigError(f"{flag}: streams weights from host memory to a GPU; this run's device is "
+                          f"{device_type(cfg.model.device)}, where they are in host memory already")
 
 
 def liger_refused(reason: str) -> ConfigError:

@@ -135,25 +135,19 @@ def check_rows(rows: list[RawRow], requests: list[dict], model: str | Path) -> N
 # -------------------------------------------------------------------------------- command
 
 
-def _device_type(device: str | None) -> str:
-    import torch
-
-    return torch.device(device).type if device else "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def cmd_score(args) -> int:
     # The model machinery (torch, transformers) is imported when the command runs, as cli.py
     # does for its other commands: building the parser stays light.
     from dpocache.cache import default_cache_dir
-    from dpocache.config import validate_device
+    from dpocache.config import device_type, validate_device
     from dpocache.models.loading import load_tokenizer
     from dpocache.service.reference_service import ReferenceService
 
     # Before the rows are read and the model loads (torch's own error came from the model's move).
     validate_device(args.device, "--device")
-    if args.stream_reference and _device_type(args.device) != "cuda":
+    if args.stream_reference and device_type(args.device) != "cuda":
         raise DataError("--stream-reference", None, f"streams weights from host memory to a GPU; this run's device is "
-                        f"{_device_type(args.device)}, where they are in host memory already")
+                        f"{device_type(args.device)}, where they are in host memory already")
     if not Path(args.model).is_dir():
         raise DataError(f"--model {args.model}", None, "not a model directory")
     # Its config and weights now; its tokenizer below, if the rows are text (token ids need none).

@@ -157,14 +157,15 @@ class ReferenceModel:
         streamed = None
         if stream:
             # Packed before the constructor, whose head probe runs a forward, and with what the
-            # constructor and the storage below give a resident model: the fp32-GEMM routing
-            # (idempotent), the rounding and the compute-dtype matrices, which then change nothing.
+            # constructor and the storage give a resident model after it: the fp32-GEMM routing
+            # (idempotent, the constructor's own), the rounding and the compute-dtype matrices.
             bf16_matmul.install(model)
             _store_frozen_(model, dtype)
             streamed = StreamedLayers(model, decoder_layers(model), device)
         reference = cls(model, dtype, "off" if stream else compile, layout=layout, attention=attention,
                         temperature=temperature, kernels=kernel_choice)
-        _store_frozen_(model, dtype)
+        if streamed is None:
+            _store_frozen_(model, dtype)
         reference.streamed = streamed
         return reference
 

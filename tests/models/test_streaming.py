@@ -97,12 +97,17 @@ def _stack(widths=(8, 16, 8, 24, 8), seed=0) -> nn.Sequential:
     return model.requires_grad_(False)
 
 
-def test_each_layer_runs_from_a_slot_with_the_next_one_fetched_before_it_runs():
-    model = _stack()
+def _streamed(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor, StreamedLayers]:
+    """An input ``(3, 8)``, ``model``'s output on it before streaming, and the streamer of its layers."""
     x = torch.randn(3, 8)
     with torch.no_grad():
         expected = model(x)
-    streamer = StreamedLayers(model, list(model), "cpu")
+    return x, expected, StreamedLayers(model, list(model), "cpu")
+
+
+def test_each_layer_runs_from_a_slot_with_the_next_one_fetched_before_it_runs():
+    model = _stack()
+    x, expected, streamer = _streamed(model)
     seen = []
 
     def look(index):
@@ -134,10 +139,7 @@ def test_a_module_shared_by_the_layers_enters_none_of_them():
     torch.manual_seed(0)
     act, shared = nn.Tanh(), nn.Linear(8, 8)  # a module, and one with a weight, in every layer
     model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), act, shared) for _ in range(4)]).requires_grad_(False)
-    x = torch.randn(3, 8)
-    with torch.no_grad():
-        expected = model(x)
-    streamer = StreamedLayers(model, list(model), "cpu")
+    x, expected, streamer = _streamed(model)
     assert id(shared.weight) not in streamed_parameters(model, list(model))  # resident: it is every layer's
     with torch.inference_mode():
         assert torch.equal(model(x), expected) and torch.equal(model(x), expected)
@@ -146,10 +148,7 @@ def test_a_module_shared_by_the_layers_enters_none_of_them():
 
 def test_a_forward_that_raised_leaves_the_next_one_right():
     model = _stack()
-    x = torch.randn(3, 8)
-    with torch.no_grad():
-        expected = model(x)
-    streamer = StreamedLayers(model, list(model), "cpu")
+    x, expected, streamer = _streamed(model)
     fail = {"on": True}
 
     def boom(module, args):
