@@ -9,6 +9,7 @@ model, data, dtype and batch, each system's run in its own process.
     python bench/gpu_suite.py --only train-8b-lora --profile   # and its dpocache steps under torch.profiler
     python bench/gpu_suite.py --only train-8b-lora --no-trl --train-args "--compile on"   # an A/B of dpocache's
     python bench/gpu_suite.py --only ref-8b --build-args "--stream-reference true"       # its layers from the host
+    python bench/gpu_suite.py --only train-8b-lora --no-trl --train-args "--checkpoint-keep down_proj"  # kept products
 
 Rows:
 

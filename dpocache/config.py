@@ -54,6 +54,7 @@ class ModelConfig:
     compile: str = "auto"  # decoder layers compiled: auto (reference passes that repay it) | on (training too) | off
     kernels: str = "auto"  # Liger's RMSNorm, RoPE, SwiGLU: auto (on CUDA, where installed) | liger | none
     gradient_checkpointing: bool = False  # recompute activations in the backward pass (less memory, slower)
+    checkpoint_keep: str = "none"  # LoRA, checkpointed: frozen layers (down_proj,...) the recompute does not rerun
     stream_reference: bool = False  # reference pass (GPU): decoder layers stay in host memory, copied in one ahead
     stream_base: bool = False  # LoRA training (GPU): the frozen base's layers likewise (needs gradient checkpointing)
 
@@ -181,6 +182,7 @@ class Config:
         validate_device(self.model.device)
         _validate_kernels(self.model)
         _validate_streaming(self)
+        _validate_checkpoint_keep(self)
         validate_environment()
         return self
 
@@ -199,6 +201,7 @@ ALIASES = {
     "skip_invalid": "data.skip_invalid", "max_tokens": "cache.max_tokens", "shard_size": "cache.shard_size",
     "report_to": "train.report_to", "attention": "model.attention", "compile": "model.compile",
     "kernels": "model.kernels", "stream_reference": "model.stream_reference", "stream_base": "model.stream_base",
+    "checkpoint_keep": "model.checkpoint_keep",
 }
 
 # The names of TRL's DPOConfig and TrainingArguments (and its scripts' ModelConfig) that a TRL user
@@ -465,13 +468,49 @@ def _validate_streaming(cfg: Config) -> None:
             _validate_streamed(cfg, flag_name(dotted))
     if cfg.model.stream_base:
         flag = flag_name("model.stream_base")
-        adapter_dir = bool(cfg.model.path) and (Path(cfg.model.path) / "adapter_config.json").is_file()
-        if cfg.lora.r == 0 and not adapter_dir:
+        if not _trains_lora(cfg):
             raise ConfigError(f"{flag}: streams the frozen base of a LoRA policy; pass {flag_name('lora.r')} N "
                               "(full fine-tuning trains every weight, which the optimizer needs on the device)")
         if not cfg.model.gradient_checkpointing:
             raise ConfigError(f"{flag}: needs {flag_name('model.gradient_checkpointing')} true (without it autograd "
                               "keeps every layer's weights for the backward, which a streamed layer gives back)")
+
+
+def _trains_lora(cfg: Config) -> bool:
+    """A LoRA run: a fresh adapter (``--lora-r``) or a PEFT adapter directory as ``--model``."""
+    adapter_dir = bool(cfg.model.path) and (Path(cfg.model.path) / "adapter_config.json").is_file()
+    return cfg.lora.r > 0 or adapter_dir
+
+
+def checkpoint_keep_names(text: str | None) -> tuple[str, ...]:
+    """``--checkpoint-keep``'s module names, once each: ``none`` (or empty) is none; else
+    comma-separated names, each a Python identifier (``down_proj``). ``ConfigError`` otherwise."""
+    if text is None or text.strip().lower() in ("", "none"):
+        return ()
+    names = tuple(name.strip() for name in text.split(","))
+    bad = [name for name in names if not name.isidentifier()]
+    if bad:
+        raise ConfigError(f"{flag_name('model.checkpoint_keep')}: {bad[0]!r} is not a module name; give the decoder "
+                          "layers' linear layers by name, comma-separated (down_proj,o_proj), or none")
+    return tuple(dict.fromkeys(names))
+
+
+def _validate_checkpoint_keep(cfg: Config) -> None:
+    """``--checkpoint-keep`` where it cannot run, refused before any model loads
+    (``dpocache.models.checkpointing``); ``train`` matches its names against the model's config
+    before any model loads (``check_keep_names``)."""
+    if not checkpoint_keep_names(cfg.model.checkpoint_keep):
+        return
+    flag = flag_name("model.checkpoint_keep")
+    if not cfg.model.gradient_checkpointing:
+        raise ConfigError(f"{flag}: keeps products through activation checkpointing's recompute; pass "
+                          f"{flag_name('model.gradient_checkpointing')} true with it")
+    if not _trains_lora(cfg):
+        raise ConfigError(f"{flag}: keeps the products of frozen matrices (a LoRA policy's base); pass "
+                          f"{flag_name('lora.r')} N (a trained matrix needs its input for its own gradient too)")
+    if cfg.model.compile == "on":
+        raise ConfigError(f"{flag}: a compiled layer would trace the kept products as constants; use "
+                          f"{flag_name('model.compile')} auto or off with it")
 
 
 def _validate_streamed(cfg: Config, flag: str) -> None:

@@ -3,7 +3,10 @@ PEFT's forward against dpocache's fused one (``dpocache.models.lora_fused``), wi
 the shared cast of an fp32 input (``$DPOCACHE_LORA_CAST``); and, checkpointed as the 8B LoRA
 row runs, with and without its frozen base streamed (``--stream-base``:
 ``dpocache.models.streaming``, whose hooks and bookkeeping are host work; its copies here are
-host to host).
+host to host), with the down projections' products kept through the recompute
+(``--checkpoint-keep down_proj``: ``dpocache.models.checkpointing``), and with torch's own
+selective checkpointing keeping the attention kernel's output instead (a Python dispatch mode
+over every op of the checkpointed layer).
 
     python bench/probes/lora_host_probe.py [--layers 8] [--rounds 8] [--steps 40]
 
@@ -26,15 +29,28 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # dpocache in a checkout not installed
 
-VARIANTS = ("peft", "fused", "fused+cast-once", "checkpointed", "checkpointed+streamed")
+VARIANTS = ("peft", "fused", "fused+cast-once", "checkpointed", "checkpointed+streamed", "checkpointed+kept",
+            "checkpointed+torch-sac")
+
+
+def _save_attention(ctx, op, *args, **kwargs):
+    """torch's selective checkpointing policy: keep the attention kernel's output, recompute the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    keep = op.name().startswith("aten::_scaled_dot_product")
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def build(variant: str, layers: int):
     """The tiny adapted Llama of ``variant``."""
+    import functools
+
     import torch
     from peft import LoraConfig, get_peft_model
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from dpocache.models.checkpointing import enable_checkpointing
     from dpocache.models.lora_fused import fuse_lora_updates_
     from dpocache.models.policy import keep_adapter_inputs_
 
@@ -49,8 +65,12 @@ def build(variant: str, layers: int):
     if variant != "peft":
         fuse_lora_updates_(model)
     if variant.startswith("checkpointed"):  # the fused forward with the shared cast, checkpointed
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model, ("down_proj",) if variant.endswith("kept") else ())
         model.enable_input_require_grads()
+    if variant.endswith("torch-sac"):
+        context_fn = functools.partial(create_selective_checkpoint_contexts, _save_attention)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False,
+                                                                               "context_fn": context_fn})
     if variant.endswith("streamed"):
         from dpocache.models.streaming import StreamedLayers
         from dpocache.scoring.logprobs import decoder_layers

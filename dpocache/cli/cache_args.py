@@ -31,7 +31,8 @@ CACHE_ALIASES = {"layout": "cache.layout"}
 # --help shows the model, data and cache sections, plus FSDP (cache build reads it), less what
 # only training reads (the policy's attention kernel and activation checkpointing).
 HELP_FIELDS = {"build": ("distributed.fsdp",)}
-HELP_EXCLUDE = ("model.attn_implementation", "model.gradient_checkpointing", "model.stream_base")
+HELP_EXCLUDE = ("model.attn_implementation", "model.gradient_checkpointing", "model.checkpoint_keep",
+                "model.stream_base")
 USAGE = """usage: dpocache cache {command} [CONFIG.yaml] [--key value ...]
 
 {text}.

@@ -37,6 +37,7 @@ import weakref
 import torch
 from torch import nn
 
+from dpocache.models.checkpointing import KEEPS_PRODUCT
 from dpocache.scoring.layout_choice import LORA_CAST_ENV, LORA_CAST_MODES
 
 
@@ -65,8 +66,11 @@ def fused_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     lora_a, lora_b = self.lora_A[adapter], self.lora_B[adapter]
     h = lora_a(self.lora_dropout[adapter](self._cast_input_dtype(to_adapter, lora_a.weight.dtype)))  # (N, r)
     # addmm_ is in place, which autocast does not cast: B in the output's dtype, as autocast
-    # would cast it for lora_B's product (the same rounding).
-    result.addmm_(h.to(result.dtype), lora_b.weight.to(result.dtype).t(), alpha=self.scaling[adapter])
+    # would cast it for lora_B's product (the same rounding). A base that keeps its product
+    # through the recompute (dpocache.models.checkpointing) gets a new tensor instead: its product
+    # is kept as it is (one copy of it, in addmm).
+    update = torch.addmm if getattr(self.base_layer, KEEPS_PRODUCT, False) else torch.Tensor.addmm_
+    result = update(result, h.to(result.dtype), lora_b.weight.to(result.dtype).t(), alpha=self.scaling[adapter])
     return result.view(*x.shape[:-1], result.shape[-1])
 
 

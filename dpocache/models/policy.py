@@ -11,10 +11,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dpocache.cache.probes import ProbeMemo
-from dpocache.config import Config, ConfigError, LoraConfig, flag_name
+from dpocache.config import Config, ConfigError, LoraConfig, checkpoint_keep_names, flag_name
 from dpocache.distributed.fsdp import shard_policy
 from dpocache.distributed.process_group import DistEnv
 from dpocache.distributed.sharded_reference import probe_sharded, report_shards
+from dpocache.models.checkpointing import enable_checkpointing
 from dpocache.models.directories import adapter_base_dir
 from dpocache.models.kernels import KernelChoice, apply_kernels
 from dpocache.models.lora_fused import fuse_lora_updates_
@@ -87,7 +88,11 @@ def load_policy(cfg: Config, device: torch.device, kernels: KernelChoice | None 
     ``model.stream_base``: the frozen base's decoder layers stay in host memory, each copied to
     the device just ahead of its forward and, in reverse, of the backward's recompute
     (``dpocache.models.streaming``); the adapters, embeddings and head are on the device. The
-    model then has ``dpocache_streamed``, its ``StreamedLayers``."""
+    model then has ``dpocache_streamed``, its ``StreamedLayers``.
+
+    ``model.gradient_checkpointing``: each decoder layer checkpointed, and with
+    ``model.checkpoint_keep`` the named frozen matrices' products kept through the recompute
+    (``dpocache.models.checkpointing``); ``dpocache_kept_products`` names those layers."""
     path = Path(cfg.model.path)
     base = adapter_base_dir(path)  # the same base the reference of an adapter directory loads
     staged = frozen_in_compute_dtype(cfg, device, dtype)
@@ -120,8 +125,8 @@ def load_policy(cfg: Config, device: torch.device, kernels: KernelChoice | None 
     if kernels is not None:
         apply_kernels(model, kernels)
     if cfg.model.gradient_checkpointing:
-        # Non-reentrant: works with inputs that do not require grad (frozen embeddings in LoRA).
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # --checkpoint-keep: the named frozen matrices' products kept through the recompute
+        model.dpocache_kept_products = enable_checkpointing(model, checkpoint_keep_names(cfg.model.checkpoint_keep))
         if hasattr(model, "enable_input_require_grads"):
             model.enable_input_require_grads()
     if stream:
@@ -172,7 +177,7 @@ def _prepare_policy(model: nn.Module, cfg: Config) -> None:
     activation checkpointing if asked."""
     disable_dropout(model)
     if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
 
 
 def load_sharded_policy(cfg: Config, env: DistEnv, dtype: torch.dtype, probe_memo: ProbeMemo | None = None,

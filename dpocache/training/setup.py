@@ -15,7 +15,7 @@ import torch
 
 from dpocache import __version__
 from dpocache.cache.probes import ProbeMemo
-from dpocache.config import Config, ConfigError, check_batch_fits, flag_name
+from dpocache.config import Config, ConfigError, check_batch_fits, checkpoint_keep_names, flag_name
 from dpocache.data.order import steps_per_epoch
 from dpocache.data.pairs import DataError, PreferenceData, load_preference_data
 from dpocache.distributed.process_group import (
@@ -30,6 +30,7 @@ from dpocache.losses.registry import parse_loss_spec
 from dpocache.models.checkpoint import (
     latest_checkpoint,
 )
+from dpocache.models.checkpointing import check_keep_names
 from dpocache.models.hub_ids import resolve_model_path
 from dpocache.models.kernels import kernels_for
 from dpocache.models.loading import load_tokenizer
@@ -114,6 +115,8 @@ def _setup(cfg: Config, env: DistEnv) -> Run:
     out = Path(cfg.train.output_dir)
     resumed_from = check_resumable(cfg, out)
     check_lora_settings(cfg)
+    if cfg.model.gradient_checkpointing:  # --checkpoint-keep's names, against the model's config
+        check_keep_names(cfg.model.path, checkpoint_keep_names(cfg.model.checkpoint_keep))
     # Liger's kernels or the model's own: --kernels liger on a family Liger lacks, refused before any model loads
     # (the reference's own choice is made as it loads: cached_reference).
     fsdp = cfg.distributed.fsdp and env.enabled
@@ -266,6 +269,15 @@ def _streamed_json(policy) -> dict | None:
     return streamed.to_json() if streamed is not None else None
 
 
+def _kept_json(policy) -> dict | None:
+    """``--checkpoint-keep``'s linear layers: their names and how many keep their products, or None."""
+    kept = getattr(policy, "dpocache_kept_products", None)
+    if not kept:
+        return None
+    return {"names": list(dict.fromkeys(name.removesuffix(".base_layer").rsplit(".", 1)[-1] for name in kept)),
+            "linear_layers": len(kept)}
+
+
 def _run_info(run: Run, ref_info: dict, kernels: dict) -> dict:
     # Installed versions, without importing peft (4 s of imports) in a run without LoRA.
     versions = {name: importlib.metadata.version(name) for name in ("transformers", "peft")}
@@ -284,7 +296,9 @@ def _run_info(run: Run, ref_info: dict, kernels: dict) -> dict:
         "policy": {"parameters": count_params(run.policy), "trainable": count_params(run.policy, trainable_only=True),
                    "compiled_layers": run.compiled_layers, "kernels": kernels,  # kernels: dpocache.models.kernels
                    # --stream-base: its frozen layers in host memory (dpocache.models.streaming), or None
-                   "streamed": _streamed_json(run.policy)},
+                   "streamed": _streamed_json(run.policy),
+                   # --checkpoint-keep: products kept through the recompute (dpocache.models.checkpointing), or None
+                   "kept_products": _kept_json(run.policy)},
         "loss": str(run.spec), "total_steps": run.total_steps, "layout": run.layout.to_json(),
         "reference": ref_info,
     }

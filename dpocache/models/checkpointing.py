@@ -1,0 +1,208 @@
+"""Activation checkpointing of the decoder layers, and the products it keeps (``--checkpoint-keep``).
+
+``--gradient-checkpointing true`` checkpoints each decoder layer with transformers' own
+per-layer checkpoint, non-reentrant (``enable_checkpointing``): the forward keeps each layer's
+input only, and the backward runs the layer's forward again before its own backward. For a
+LoRA policy that recompute is a third pass over the frozen base: a step executes 6N FLOPs for
+the 4N it needs (a forward and the backward to the activations).
+
+``--checkpoint-keep down_proj`` (``model.checkpoint_keep``, a comma-separated list of the
+decoder layers' linear layers, by name as in ``--lora.target_modules``) keeps, in the forward,
+the product of each named layer's frozen matrix, and the recompute takes it instead of
+running the GEMM again: memory for speed, one ``(tokens, out_features)`` tensor in the compute
+dtype per named layer and decoder layer. Which to keep, by what a kept byte saves: an 8B
+Llama's ``down_proj`` is 27% of a layer's matrix FLOPs for an output 4,096 wide (8 KiB per
+token in bf16); ``gate_proj`` and ``up_proj`` are as large for outputs 14,336 wide, and
+``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj`` save as much per byte as those two
+(docs/memory.md, "Products kept through the recompute").
+
+The recompute runs the layer's modules as before, so the frozen matrix is still at hand for the
+backward, as autograd saved it (``_KeptProduct`` saves the weight and gives the input its
+gradient ``grad @ W``, as ``F.linear``'s own backward does: the same values bit for bit,
+``tests/models/test_checkpointing.py``); a streamed layer (``dpocache.models.streaming``) is
+still fetched for it. Only frozen matrices are kept (a LoRA policy's base): a trained one
+would need its input kept for its own gradient too.
+
+torch's selective checkpointing (``create_selective_checkpoint_contexts``) keeps any op's output
+by a policy, but sees every op of the checkpointed layer through a Python dispatch mode: on a
+tiny LoRA Llama on one CPU thread, where the kernels take no time, it raised the host time of a
+checkpointed forward and backward by about half (docs/memory.md), where the 8B LoRA step's host
+time is already as long as its device time. Here only the named layers do any Python work, and
+the checkpoint's own context hooks (``context_fn``) say whether a call is the forward or the
+recompute, a store per checkpointed call: a forward whose backward never runs leaves nothing
+for another's recompute to take.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from collections import deque
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpocache.config import ConfigError, flag_name
+from dpocache.models.directories import adapter_base_dir
+from dpocache.scoring.logprobs import decoder_layers
+
+# Set on an nn.Linear whose forward keeps its product (bf16_matmul leaves its forward alone).
+KEEPS_PRODUCT = "dpocache_keeps_product"
+
+
+def enable_checkpointing(model: nn.Module, keep: tuple[str, ...] = ()) -> list[str]:
+    """Checkpoint each decoder layer of ``model`` (a transformers model, or a PEFT model around
+    one), non-reentrant, keeping the products of the linear layers named in ``keep``
+    (``keep_products_``). Returns the qualified names of the linear layers that keep their
+    products. Non-reentrant: works with inputs that do not require grad (frozen embeddings in
+    LoRA)."""
+    kept = keep_products_(model, keep) if keep else []
+    kwargs = {"use_reentrant": False}
+    if kept:
+        kwargs["context_fn"] = checkpoint_phases
+    # transformers 5.x renamed it, warning at every call of the old name; 4.x has the old one only
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return kept
+
+
+def keep_products_(model: nn.Module, names: tuple[str, ...]) -> list[str]:
+    """Give every frozen linear layer named in ``names`` inside ``model``'s decoder layers the
+    kept-product forward (on the instance); a PEFT LoRA layer's is its ``base_layer``. Returns
+    their qualified names. A name that matches no linear layer of a decoder layer, or one whose
+    weight is trained, is a ``ConfigError`` that names the flag."""
+    flag = flag_name("model.checkpoint_keep")
+    layers = decoder_layers(model)
+    found = {name: [linear for layer in layers for short, linear in layer_linears(layer) if short == name]
+             for name in names}
+    _check_names(names, layers[0])
+    qualified = {id(m): name for name, m in model.named_modules()}
+    chosen = [linear for name in names for linear in found[name]]
+    trained = [linear for linear in chosen if any(p.requires_grad for p in linear.parameters())]
+    if trained:
+        raise ConfigError(f"{flag}: {qualified[id(trained[0])]} is trained; only frozen matrices (a LoRA policy's "
+                          "base) keep their products (a trained one needs its input for its own gradient too)")
+    for linear in chosen:
+        linear.forward = types.MethodType(kept_product_forward, linear)
+        setattr(linear, KEEPS_PRODUCT, True)
+    return [qualified[id(linear)] for linear in chosen]
+
+
+def check_keep_names(model_path: str | Path, names: tuple[str, ...]) -> None:
+    """``names`` against the decoder layers of the model at ``model_path`` (a PEFT adapter
+    directory's base), built on the meta device from its config: no weights are read, so a
+    wrong name costs one line before any model loads. ``ConfigError`` if one matches no linear layer."""
+    if not names:
+        return
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(adapter_base_dir(model_path) or model_path))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    _check_names(names, decoder_layers(model)[0])
+
+
+def _check_names(names: tuple[str, ...], layer: nn.Module) -> None:
+    present = dict.fromkeys(short for short, _ in layer_linears(layer))
+    missing = [name for name in names if name not in present]
+    if missing:
+        raise ConfigError(f"{flag_name('model.checkpoint_keep')}: no linear layer named {missing[0]!r} in the decoder "
+                          f"layers; they have {', '.join(present) or 'none'}")
+
+
+def layer_linears(layer: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """``(name, linear)`` for each linear layer of a decoder layer, in order: ``name`` the last
+    component of its module name, ``linear`` the ``nn.Linear`` computing its base product
+    (itself, or a PEFT layer's ``base_layer``; a PEFT layer's own parts are not listed)."""
+    found, inside = [], set()
+    for name, module in layer.named_modules():  # parents before their children
+        if id(module) in inside:
+            continue
+        base = getattr(module, "base_layer", None)
+        if isinstance(base, nn.Linear):
+            inside.update(id(m) for m in module.modules())
+            found.append((name.rsplit(".", 1)[-1], base))
+        elif type(module) is nn.Linear:
+            found.append((name.rsplit(".", 1)[-1], module))
+    return found
+
+
+class _Phase:
+    """One of a checkpointed call's two phases (``checkpoint_phases``): the forward, which keeps
+    the products, or the recompute, which takes them. Entered by torch's checkpoint around the
+    layer's forward and around its recompute; both share the call's ``store``."""
+
+    def __init__(self, store: dict, recompute: bool) -> None:
+        self.store, self.recompute = store, recompute
+        self._outer = None
+
+    def __enter__(self) -> "_Phase":
+        self._outer = getattr(_current, "phase", None)
+        _current.phase = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _current.phase = self._outer
+
+    def keep(self, module: nn.Module, product: torch.Tensor) -> None:
+        self.store.setdefault(module, deque()).append((product.detach(), product._version))
+
+    def take(self, module: nn.Module) -> torch.Tensor:
+        product, version = self.store[module].popleft()
+        if product._version != version:
+            raise RuntimeError(f"{flag_name('model.checkpoint_keep')}: a kept product was changed in place after "
+                               "the forward; the recompute would have taken the changed values")
+        return product
+
+
+# The phase of the checkpointed call running on this thread, if any. Thread-local: a GPU's backward
+# (and so the recompute) runs on autograd's device thread, and enters its phase there.
+_current = threading.local()
+
+
+def checkpoint_phases() -> tuple[_Phase, _Phase]:
+    """torch's ``context_fn`` for one checkpointed call: the forward's phase and the
+    recompute's, sharing the products kept between them."""
+    store: dict = {}
+    return _Phase(store, recompute=False), _Phase(store, recompute=True)
+
+
+def kept_product_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear.forward`` for a layer that keeps its product through the recompute:
+    ``x (..., in)`` → ``(..., out)``. Outside a checkpointed call under grad, the plain product."""
+    phase = getattr(_current, "phase", None)
+    if phase is None or not torch.is_grad_enabled():
+        return F.linear(x, self.weight, self.bias)
+    return _KeptProduct.apply(x, self.weight, self.bias, phase, self)
+
+
+class _KeptProduct(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` for a frozen ``weight`` and ``bias``: in the forward the
+    product is computed and kept; in the recompute the kept one is returned instead. Either way
+    the weight is saved and ``x`` gets ``grad @ weight``, as ``F.linear``'s backward gives it
+    (under autocast the weight as the product used it)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, phase: _Phase,
+                module: nn.Module) -> torch.Tensor:
+        if phase.recompute:
+            product = phase.take(module)
+        else:
+            product = F.linear(x, weight, bias)  # under the caller's autocast, if any
+            phase.keep(module, product)
+        ctx.save_for_backward(weight)
+        ctx.x_dtype = x.dtype
+        return product
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (weight,) = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
+        grad_x = grad.matmul(weight.to(grad.dtype))  # autocast's cast of the weight: none where stored in it
+        return grad_x.to(ctx.x_dtype), None, None, None, None

@@ -1,0 +1,249 @@
+"""Activation checkpointing and ``--checkpoint-keep`` (``dpocache.models.checkpointing``): a LoRA
+model whose named frozen matrices keep their products through the recompute computes the same
+loss and gradients as the fully checkpointed one, bit for bit, in fp32 under PEFT's forward and
+in bf16 under the fused one, and runs exactly the named products' FLOPs fewer (counted by
+torch's ``FlopCounterMode``, against the products' shapes); the kept products are released by
+the backward, and by a forward whose backward never runs; one changed in place stops the
+backward; outside a checkpointed call the layer is a plain product; ``train`` with it logs and
+saves what the fully checkpointed run does, streamed or not; bad uses are refused with one line."""
+
+from __future__ import annotations
+
+import gc
+import types
+import warnings
+import weakref
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+from train_fixtures import (  # noqa: F401 (fixtures)
+    flags,
+    load_tensors,
+    run_json,
+    run_training,
+    train_jsonl,
+    train_records,
+)
+
+from dpocache.models import checkpointing
+from dpocache.models.checkpointing import checkpoint_phases, enable_checkpointing, kept_product_forward
+from dpocache.models.tiny import save_tiny_model
+
+LAYERS, HIDDEN, INTERMEDIATE, TOKENS = 3, 64, 128, 32
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("checkpoint-keep"), "llama", num_hidden_layers=4)
+
+
+def _lora_llama(keep: tuple[str, ...], fused: bool):
+    """A tiny Llama with every linear layer adapted (non-zero B, so the adapters count), its
+    base stored in bf16 under the fused forward as ``load_policy`` stores it, checkpointed."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dpocache.models.lora_fused import fuse_lora_updates_
+    from dpocache.models.policy import keep_adapter_inputs_
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    model = get_peft_model(LlamaForCausalLM(config),
+                           LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    if fused:
+        for module in model.modules():
+            if type(module) is nn.Linear and not module.weight.requires_grad:
+                module.weight.data = module.weight.data.bfloat16()
+        keep_adapter_inputs_(model)
+        fuse_lora_updates_(model)
+    model.train()
+    kept = enable_checkpointing(model, keep)
+    model.enable_input_require_grads()
+    return model, kept
+
+
+def _step(model, fused: bool, device: str = "cpu") -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+    """A forward and backward: (loss, the adapters' gradients, the FLOPs of every ``aten.mm``)."""
+    ids = torch.randint(0, 256, (2, TOKENS // 2), generator=torch.Generator().manual_seed(0)).to(device)
+    with FlopCounterMode(display=False) as counter:
+        with torch.autocast(device, torch.bfloat16, enabled=fused):
+            loss = model(input_ids=ids).logits.float().logsumexp(-1).mean()
+        loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, counter.get_flop_counts()["Global"][torch.ops.aten.mm]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["peft-fp32", "fused-bf16"])
+@pytest.mark.parametrize("keep", [("down_proj",), ("down_proj", "q_proj", "gate_proj")])
+def test_kept_products_train_as_full_checkpointing_and_skip_exactly_their_products(fused, keep, monkeypatch):
+    monkeypatch.setenv("DPOCACHE_BF16_MATMUL", "native")  # the native bf16 kernels, as on a GPU
+    loss, grads, flops = _step(_lora_llama((), fused)[0], fused)
+    model, kept = _lora_llama(keep, fused)
+    kept_loss, kept_grads, kept_flops = _step(model, fused)
+    assert len(kept) == LAYERS * len(keep) and all(name.endswith(".base_layer") for name in kept)
+    assert torch.equal(kept_loss, loss)
+    assert kept_grads.keys() == grads.keys() and len(grads) == LAYERS * 7 * 2
+    assert all(torch.equal(kept_grads[name], grads[name]) for name in grads)
+    shapes = {"down_proj": (INTERMEDIATE, HIDDEN), "q_proj": (HIDDEN, HIDDEN), "gate_proj": (HIDDEN, INTERMEDIATE)}
+    skipped = sum(2 * TOKENS * shapes[name][0] * shapes[name][1] for name in keep) * LAYERS  # one forward's
+    assert flops - kept_flops == skipped
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kept_products_on_a_gpu_train_as_full_checkpointing():
+    """On CUDA under bf16 autocast, with the fused forward: the same loss (the forward is the
+    same), gradients within 1% (a GPU's attention backward sums in no fixed order), the named
+    products' FLOPs fewer."""
+    loss, grads, flops = _step(_lora_llama((), fused=True)[0].cuda(), True, "cuda")
+    kept_loss, kept_grads, kept_flops = _step(_lora_llama(("down_proj",), fused=True)[0].cuda(), True, "cuda")
+    assert torch.equal(kept_loss, loss)
+    for name, grad in grads.items():
+        assert (kept_grads[name] - grad).norm() <= 1e-2 * grad.norm(), name
+    assert flops - kept_flops == 2 * TOKENS * INTERMEDIATE * HIDDEN * LAYERS
+
+
+def test_kept_products_are_released_by_the_backward_and_by_a_forward_without_one(monkeypatch):
+    refs = []
+    real = checkpointing._Phase.keep
+
+    def keep(self, module, product):
+        real(self, module, product)
+        refs.append(weakref.ref(self.store[module][-1][0]))  # the tensor kept
+
+    monkeypatch.setattr(checkpointing._Phase, "keep", keep)
+    model, _ = _lora_llama(("down_proj",), fused=False)
+    ids = torch.randint(0, 256, (2, 8))
+    model(input_ids=ids).logits.sum().backward()
+    assert len(refs) == LAYERS
+    gc.collect()
+    assert all(ref() is None for ref in refs)
+    refs.clear()
+    logits = model(input_ids=ids).logits  # a forward whose backward never runs
+    assert len(refs) == LAYERS and any(ref() is not None for ref in refs)
+    del logits
+    gc.collect()
+    assert all(ref() is None for ref in refs)
+
+
+def test_outside_a_checkpointed_call_the_product_is_plain(monkeypatch):
+    model, _ = _lora_llama(("down_proj",), fused=False)
+    plain, _ = _lora_llama((), fused=False)
+    calls = []
+    monkeypatch.setattr(checkpointing._KeptProduct, "apply", lambda *a: calls.append(a))
+    ids = torch.randint(0, 256, (2, 8))
+    model.eval(), plain.eval()  # transformers checkpoints in training only
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, plain(input_ids=ids).logits)
+    model.train()
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert calls == []
+
+
+def test_a_kept_product_changed_in_place_stops_the_backward():
+    linear = nn.Linear(8, 8).requires_grad_(False)
+    linear.forward = types.MethodType(kept_product_forward, linear)
+
+    def block(x):
+        y = linear(x)
+        y.mul_(2)  # in place, after the product was kept
+        return y.sum()
+
+    x = torch.randn(4, 8, requires_grad=True)
+    loss = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False, context_fn=checkpoint_phases)
+    with pytest.raises(RuntimeError, match=r"--checkpoint-keep .*: a kept product was changed in place"):
+        loss.backward()
+
+
+def test_bf16_matmul_leaves_a_kept_layer_its_forward(monkeypatch):
+    from dpocache.scoring import bf16_matmul
+
+    model, kept = _lora_llama(("down_proj",), fused=False)
+    count = bf16_matmul.install(model, "fp32-gemm")
+    assert count == sum(type(m) is nn.Linear for m in model.modules()) - len(kept)
+    downs = [m for name, m in model.named_modules() if name.endswith("down_proj.base_layer")]
+    assert len(downs) == LAYERS and all(m.forward.__func__ is kept_product_forward for m in downs)
+
+
+def test_a_name_no_decoder_layer_has_and_a_trained_matrix_are_refused():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dpocache.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--checkpoint-keep .*: no linear layer named 'dwn_proj'.*q_proj, k_proj"):
+        _lora_llama(("dwn_proj",), fused=False)
+    full = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, vocab_size=64))
+    with pytest.raises(ConfigError, match=r"--checkpoint-keep .*: model.layers.0.mlp.down_proj is trained"):
+        enable_checkpointing(full, ("down_proj",))
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["resident", "streamed"])
+def test_train_with_kept_products_logs_and_saves_what_full_checkpointing_does(tmp_path, model_path,
+                                                                           train_jsonl,  # noqa: F811
+                                                                           monkeypatch, streamed):
+    """``train --checkpoint-keep down_proj,o_proj`` through the whole loop: a bf16 LoRA run with
+    its base stored in bf16 on native kernels, as on a GPU, logs the same values and saves the
+    same adapter as the fully checkpointed run, bit for bit; with its base streamed too
+    (``--stream-base``, the CPU standing in for the GPU); run.json names what kept its products."""
+    import dpocache.config as config_mod
+
+    monkeypatch.setenv("DPOCACHE_BF16_MATMUL", "native")
+    monkeypatch.setattr(config_mod, "_validate_streamed", lambda cfg, flag: None)  # past the device check
+    runs = {}
+    for keep in ("none", "down_proj,o_proj"):
+        out = tmp_path / f"run-{keep}"
+        run_training(*flags(model_path, train_jsonl, out, tmp_path / "cache", "--lora-r", "4",
+                            "--dtype", "bfloat16", "--gradient-checkpointing", "true", "--max-steps", "3",
+                            "--lr", "1e-2", "--checkpoint-keep", keep, "--stream-base", str(streamed),
+                            "--kernels", "none"))
+        values = [{k: v for k, v in r.items() if k not in {"seconds", "tokens_per_s", "mfu"}}
+                  for r in train_records(out)]
+        runs[keep] = (values, load_tensors(out / "final" / "adapter_model.safetensors"), run_json(out))
+    (values, adapter, info), (want_values, want_adapter, want_info) = runs["down_proj,o_proj"], runs["none"]
+    assert len(values) == 3 and values == want_values
+    assert adapter.keys() == want_adapter.keys() and all(torch.equal(adapter[k], want_adapter[k]) for k in adapter)
+    assert info["policy"]["kept_products"] == {"names": ["down_proj", "o_proj"], "linear_layers": 2 * 4}
+    assert want_info["policy"]["kept_products"] is None
+    assert (info["policy"]["streamed"] is not None) == streamed
+
+
+@pytest.mark.parametrize("extra,message", [
+    (("--lora-r", "4"), "--gradient-checkpointing"),
+    (("--gradient-checkpointing", "true"), "--lora-r"),
+    (("--lora-r", "4", "--gradient-checkpointing", "true", "--compile", "on"), "--compile"),
+])
+def test_checkpoint_keep_is_refused_before_any_model_loads(cli, model_path, pref_jsonl, tmp_path, extra, message):
+    rc, out, err = cli("train", "--model", model_path, "--data", pref_jsonl, "--output-dir", tmp_path / "run",
+                       "--checkpoint-keep", "down_proj", *extra)
+    assert rc == 2 and err.count("\n") == 1 and "--checkpoint-keep" in err and message in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_bad_name_is_refused_with_one_line(cli, model_path, pref_jsonl, tmp_path):
+    rc, out, err = cli("train", "--model", model_path, "--data", pref_jsonl, "--output-dir", tmp_path / "run",
+                       "--lora-r", "4", "--gradient-checkpointing", "true", "--checkpoint-keep", "down-proj")
+    assert rc == 2 and "--checkpoint-keep" in err and "'down-proj' is not a module name" in err
+    assert "Traceback" not in err
+    rc, out, err = cli("train", "--model", model_path, "--data", pref_jsonl, "--output-dir", tmp_path / "run2",
+                       "--device", "cpu", "--lora-r", "4", "--gradient-checkpointing", "true",
+                       "--checkpoint-keep", "dwn_proj", "--train.progress", "false")
+    assert rc == 2 and "--checkpoint-keep" in err and "no linear layer named 'dwn_proj'" in err, err
+    assert "Loading" not in err and err.count("\n") == 1, err  # before any model loads
+
+
+def test_checkpointing_is_enabled_under_its_current_name():
+    """transformers 5 renamed ``gradient_checkpointing_enable``, warning at each call of the old name."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, vocab_size=64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        assert enable_checkpointing(model) == []
+    assert model.model.layers[0].gradient_checkpointing
+
