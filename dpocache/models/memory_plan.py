@@ -24,6 +24,10 @@ against its formula. The parts follow what dpocache runs:
   layer's unsharded fp32 gradient before its reduce-scatter; activations with
   per-layer checkpointing (each layer keeps its input, one layer's internals are live at a
   time); the checkpointed head chunk's logits and their gradient.
+- **LoRA training** on one device (``lora_training_memory``; each DDP replica the same): the
+  frozen base in bf16, resident or streamed (``--stream-base``), the adapters' fp32 state, the
+  same checkpointed activations, and the products ``--checkpoint-keep`` keeps
+  (``dpocache.models.checkpointing``).
 
 Activation bytes per token of one decoder layer (bf16 autocast, SDPA so no ``T x T`` scores
 kept) are ``ACTIVATION_HIDDEN_COEF * H + ACTIVATION_INTERMEDIATE_COEF * I`` bytes. The
@@ -95,6 +99,13 @@ class ModelShape:
         h, kv = self.hidden, self.kv_heads * self.head_dim
         attention = h * self.heads * self.head_dim * 2 + h * kv * 2
         return attention + 3 * h * self.intermediate + 2 * h
+
+    @property
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """``(in_features, out_features)`` of each matrix of a decoder block, by its Llama name."""
+        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
     @property
     def largest_matrix_params(self) -> int:
@@ -174,6 +185,33 @@ def training_memory(shape: ModelShape, devices: int, tokens: int = 4096, gather_
     }
 
 
+def lora_training_memory(shape: ModelShape, tokens: int = 4096, rank: int = 16, streamed: bool = False,
+                         keep: tuple[str, ...] = ()) -> dict[str, float]:
+    """Bytes of a LoRA run on one device (each DDP replica holds the same), by part: the frozen
+    base in bf16 (a checkpoint saved in bf16, the embeddings included: ``load_policy``), or with
+    ``streamed`` (``--stream-base``) its root and two layer slots; an adapter of ``rank`` on every
+    matrix of every block (fp32 weights, gradients and AdamW moments: 16 bytes per parameter);
+    per-layer checkpointing (``--gradient-checkpointing``, which ``--stream-base`` needs): the
+    layers' fp32 inputs, one layer's activations in the recompute (the adapters' own, ``rank``
+    wide, not counted), the head chunk; and the products of the matrices named in ``keep``
+    (``--checkpoint-keep``), ``tokens`` x out_features in bf16 per block."""
+    parts: dict[str, float] = {}
+    if streamed:
+        parts["embeddings, final norm, head (bf16)"] = shape.root_params * 2.0
+        parts["2 layer slots (bf16)"] = 2 * shape.layer_params * 2.0
+    else:
+        parts["bf16 base"] = shape.params * 2.0
+    adapter_params = shape.layers * rank * sum(i + o for i, o in shape.linear_shapes.values())
+    parts["adapters (fp32, gradients, AdamW)"] = 16.0 * adapter_params
+    parts["checkpointed layer inputs"] = float(tokens * shape.hidden * RESIDUAL_BYTES * shape.layers)
+    parts["activations (one layer, recomputed)"] = tokens * activation_bytes_per_token(shape)
+    if keep:
+        outputs = sum(shape.linear_shapes[name][1] for name in keep)
+        parts[f"kept products ({', '.join(keep)})"] = float(tokens * outputs * 2 * shape.layers)
+    parts["head chunk logits + grad"] = _head_chunk_bytes(shape, training=True)
+    return parts
+
+
 @dataclass
 class PlanRow:
     model: str
@@ -187,8 +225,10 @@ class PlanRow:
 def plan(shape: ModelShape, device_counts=(1, 8, 16), device_gib: float = 80.0, tokens: int = 4096,
          usable: float = 0.9) -> list[PlanRow]:
     """Rows for the reference pass (fp32 unsharded, bf16 unsharded, bf16 sharded, bf16 streamed
-    on one device) and FSDP2 training (fp32 compute, bf16 compute) on each device count. ``usable`` leaves room
-    for the CUDA context, allocator fragmentation and communication buffers."""
+    on one device), FSDP2 training (fp32 compute, bf16 compute) on each device count, and LoRA
+    training on one device (its base resident, streamed, streamed with the down projections'
+    products kept). ``usable`` leaves room for the CUDA context, allocator fragmentation and
+    communication buffers."""
     rows = []
     for n in device_counts:
         jobs = {
@@ -199,9 +239,14 @@ def plan(shape: ModelShape, device_counts=(1, 8, 16), device_gib: float = 80.0, 
                                                                                     streamed=True),
             "training, FSDP2 (fp32 compute)": training_memory(shape, n, tokens, gather_bytes=4),
             "training, FSDP2 (bf16 compute)": training_memory(shape, n, tokens, gather_bytes=2),
+            "training, LoRA r16, bf16 base, checkpointed": lora_training_memory(shape, tokens),
+            "training, LoRA r16, bf16 base streamed from host": lora_training_memory(shape, tokens, streamed=True),
+            "training, LoRA r16, bf16 base streamed, down_proj kept": lora_training_memory(
+                shape, tokens, streamed=True, keep=("down_proj",)),
         }
         for job, parts in jobs.items():
-            if ("sharded" in job and n == 1) or ("streamed" in job and n > 1):  # streamed: one device's concern
+            one_device = "streamed" in job or "LoRA" in job  # the same on every DDP replica
+            if ("sharded" in job and n == 1) or (one_device and n > 1):
                 continue
             total = sum(parts.values()) / GIB
             rows.append(PlanRow(shape.name, job, n, total, total <= usable * device_gib, parts))

@@ -11,6 +11,7 @@ from dpocache.models.memory_plan import (
     LLAMA_3_70B,
     ModelShape,
     activation_bytes_per_token,
+    lora_training_memory,
     main,
     plan,
     reference_memory,
@@ -116,3 +117,27 @@ def test_a_streamed_reference_holds_the_root_and_two_layers():
     assert not rows[("reference, bf16 weights, whole model per device", 1)].fits
     assert rows[("reference, bf16 weights, layers streamed from host", 1)].fits
     assert ("reference, bf16 weights, layers streamed from host", 8) not in rows
+
+
+def test_a_lora_run_holds_its_bf16_base_or_two_slots_its_adapters_and_the_kept_products():
+    """LoRA on one device: the frozen base in bf16, or (``--stream-base``) its root and two layer
+    slots; the adapters' fp32 state at 16 bytes per parameter, their count that of PEFT's
+    all-linear adapter on a built model; ``--checkpoint-keep down_proj``: tokens x hidden in bf16
+    per block."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, intermediate_size=88,
+                         num_attention_heads=4, num_key_value_heads=2)
+    shape = ModelShape.from_config(config)
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, target_modules="all-linear"))
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    parts = lora_training_memory(shape, tokens=100, rank=4, keep=("down_proj",))
+    assert parts["adapters (fp32, gradients, AdamW)"] == 16 * adapters
+    assert parts["bf16 base"] == 2 * (sum(p.numel() for p in model.parameters()) - adapters)
+    assert parts["kept products (down_proj)"] == 100 * 32 * 2 * 2
+    streamed = lora_training_memory(LLAMA_3_8B, tokens=7200, streamed=True)
+    assert streamed["2 layer slots (bf16)"] == 2 * LLAMA_3_8B.layer_params * 2 and "bf16 base" not in streamed
+    rows = {(r.job, r.devices) for r in plan(LLAMA_3_8B, (1, 8))}
+    assert ("training, LoRA r16, bf16 base streamed, down_proj kept", 1) in rows
+    assert ("training, LoRA r16, bf16 base, checkpointed", 8) not in rows
