@@ -8,18 +8,23 @@ model, data, dtype and batch, each system's run in its own process.
     python bench/gpu_suite.py --dry-run --out /tmp/suite.json  # every row at tiny shapes on a CPU
     python bench/gpu_suite.py --only train-8b-lora --profile   # and its dpocache steps under torch.profiler
     python bench/gpu_suite.py --only train-8b-lora --no-trl --train-args "--compile on"   # an A/B of dpocache's
-    python bench/gpu_suite.py --only ref-8b --build-args "--stream-reference true"       # its layers from the host
-    python bench/gpu_suite.py --only train-8b-lora --no-trl --train-args "--checkpoint-keep down_proj"  # kept products
+    python bench/gpu_suite.py --only ref-8b --no-trl --build-args "--stream-reference false"  # resident weights
+    python bench/gpu_suite.py --only train-8b-lora --no-trl --train-args "--checkpoint-keep none"  # no kept products
 
 Rows:
 
 - ``ref-8b``: the reference pass of a Llama-3.1-8B-shaped model (built from a config, random
   weights initialised on the GPU and saved once in bf16 under the work directory) over
   Tulu-shaped pairs (prompts 200-1,200 tokens, completions 100-800, no pair over 2,048 tokens,
-  256 pairs): ``dpocache cache build`` against TRL's ``precompute_ref_log_probs``.
+  256 pairs): ``dpocache cache build`` against TRL's ``precompute_ref_log_probs``; on a GPU
+  dpocache's with ``--stream-reference true`` (its decoder layers in host memory: the row's
+  memory target lies below the weights).
 - ``train-8b-lora``: DPO steps with LoRA (r 16, alpha 32, every linear layer, gradient
   checkpointing) on the same model and data (the first batch x steps pairs), against TRL's
-  ``DPOTrainer`` with the same ``peft_config``.
+  ``DPOTrainer`` with the same ``peft_config``; on a GPU dpocache's with ``--stream-base true
+  --checkpoint-keep down_proj`` (its frozen base in host memory, the down projections' products
+  kept through the recompute). ``--build-args``/``--train-args "--stream-base false ..."`` turn
+  them off for an A/B (later flags win).
 - ``train-1b-full``: full-parameter DPO steps of the 1.1B Llama of ``bench_vs_trl.py --config
   1b-2048``, with the options of its H100 run (``--attention causal --compile on``), against TRL's.
 
@@ -127,19 +132,29 @@ class Shapes:
     full_steps: int
     full_warmup: int  # the compiled steps recompile for new shapes in the first few
     full_train_args: tuple[str, ...]
+    ref_build_args: tuple[str, ...]  # ref-8b's own cache build options
+    lora_train_args: tuple[str, ...]  # train-8b-lora's own train options
 
+
+# The 8B rows' memory targets (0.6x TRL's peak) lie below the bf16 weights both sides hold, so on
+# a GPU their frozen decoder layers stay in host memory (docs/memory.md), and the LoRA row keeps
+# its down projections' products through the recompute, which the memory freed pays for.
+STREAMED_REFERENCE = ("--stream-reference", "true")
+STREAMED_LORA = ("--stream-base", "true", "--checkpoint-keep", "down_proj")
 
 GPU = Shapes(device="cuda", dtype="bfloat16", llama=LLAMA_8B, llama_dir="llama-8b", model_dtype="bfloat16",
              trl_8b_dtype="bfloat16", prompt_tokens=(200, 1200), completion_tokens=(100, 800), max_length=2048,
              ref_pairs=256, batch_size=4, lora_steps=6, lora_warmup=1, full_config=CONFIGS["1b-2048"],
-             full_steps=10, full_warmup=3, full_train_args=("--attention", "causal", "--compile", "on"))
+             full_steps=10, full_warmup=3, full_train_args=("--attention", "causal", "--compile", "on"),
+             ref_build_args=STREAMED_REFERENCE, lora_train_args=STREAMED_LORA)
 DRY = Shapes(device="cpu", dtype="float32", llama=TINY_LLAMA, llama_dir="dryrun-llama", model_dtype="float32",
              trl_8b_dtype="float32", prompt_tokens=(20, 60), completion_tokens=(10, 40), max_length=128,
              ref_pairs=12, batch_size=2, lora_steps=2, lora_warmup=1,
              full_config=BenchConfig("dryrun-1b", vocab_size=1024, hidden_size=64, intermediate_size=128,
                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                      prompt_words=(20, 60), completion_words=(10, 40), pairs=4),
-             full_steps=2, full_warmup=1, full_train_args=())
+             full_steps=2, full_warmup=1, full_train_args=(),
+             ref_build_args=(), lora_train_args=("--checkpoint-keep", "down_proj"))  # streaming needs a GPU
 
 
 @dataclass
@@ -325,7 +340,7 @@ def row_ref_8b(suite: Suite) -> dict:
     base = base_spec(suite, model, data)
     trl, trl_err = run_side(suite, "ref-8b", "trl-precompute",
                             {**base, **trl_spec(suite, "ref-8b", "pre", s.trl_8b_dtype)})
-    build = {**base, "cache_dir": str(cache), "extra_args": [*suite.kernel_args, *suite.build_args]}
+    build = {**base, "cache_dir": str(cache), "extra_args": [*s.ref_build_args, *suite.kernel_args, *suite.build_args]}
     dpo, dpo_err = run_side(suite, "ref-8b", "dpo-build", build)
     if dpo is not None and suite.profile_to is not None:
         suite.profiles.append(("ref-8b", "dpo-build", build))
@@ -391,7 +406,7 @@ def row_train_8b_lora(suite: Suite) -> dict:
     stats = data_stats(model, data, s.max_length)
     trl_extra = {**trl_spec(suite, "train-8b-lora", "train", s.trl_8b_dtype), "trl_lora": LORA,
                  "trl_gradient_checkpointing": True}
-    dpo_args = [*DPO_LORA_ARGS, *suite.kernel_args, *suite.train_args]
+    dpo_args = [*DPO_LORA_ARGS, *s.lora_train_args, *suite.kernel_args, *suite.train_args]
     cache = suite.work / s.llama_dir / "dpocache-cache"  # ref-8b's: a hit after it
     prep, trl, dpo, errors = train_row(suite, "train-8b-lora", model, data, cache, s.lora_steps, s.lora_warmup,
                                        trl_extra, dpo_args)

@@ -69,6 +69,10 @@ def test_dry_run_writes_every_row_of_the_schema(tmp_path):
             assert expected == pytest.approx(tokens / timed["window_s"])
     # ref-8b's cache holds the LoRA row's pairs (its data is the start of ref-8b's): its build is a hit
     assert result["rows"][1]["raw"]["dpocache_reference_build"]["summary"]["computed"] == 0
+    # the LoRA row's own options (the dry run's: its products kept; a GPU's also streams), as run.json says
+    lora = result["rows"][1]
+    assert lora["setup"]["dpocache_args"][-2:] == ["--checkpoint-keep", "down_proj"]
+    assert lora["raw"]["dpocache"]["ran"]["kept_products"] == {"names": ["down_proj"], "linear_layers": 2}
 
 
 def _part(tmp_path: Path, name: str, rows: list[dict], device: str = "NVIDIA H100 80GB HBM3") -> Path:
