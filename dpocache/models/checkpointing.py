@@ -153,7 +153,11 @@ class _Phase:
         self.store.setdefault(module, deque()).append((product.detach(), product._version))
 
     def take(self, module: nn.Module) -> torch.Tensor:
-        product, version = self.store[module].popleft()
+        kept = self.store.get(module)
+        if not kept:  # taken by an earlier backward through the same graph (retain_graph)
+            raise RuntimeError(f"{flag_name('model.checkpoint_keep')}: a second backward through a checkpointed "
+                               "layer; its kept products were taken by the first")
+        product, version = kept.popleft()
         if product._version != version:
             raise RuntimeError(f"{flag_name('model.checkpoint_keep')}: a kept product was changed in place after "
                                "the forward; the recompute would have taken the changed values")

@@ -159,6 +159,19 @@ def test_a_kept_product_changed_in_place_stops_the_backward():
         loss.backward()
 
 
+def test_a_second_backward_through_the_same_graph_is_named():
+    linear = nn.Linear(8, 8).requires_grad_(False)
+    linear.forward = types.MethodType(kept_product_forward, linear)
+    x = torch.randn(4, 8, requires_grad=True)
+    loss = torch.utils.checkpoint.checkpoint(lambda t: linear(t).pow(2).sum(), x, use_reentrant=False,
+                                             context_fn=checkpoint_phases)
+    loss.backward(retain_graph=True)
+    first = x.grad.clone()
+    assert torch.equal(first, 2 * (linear(x) @ linear.weight).detach())  # grad @ W, from the kept product
+    with pytest.raises(RuntimeError, match="a second backward through a checkpointed layer"):
+        loss.backward()
+
+
 def test_bf16_matmul_leaves_a_kept_layer_its_forward(monkeypatch):
     from dpocache.scoring import bf16_matmul
 
