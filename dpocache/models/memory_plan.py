@@ -223,13 +223,14 @@ class PlanRow:
 
 
 def plan(shape: ModelShape, device_counts=(1, 8, 16), device_gib: float = 80.0, tokens: int = 4096,
-         usable: float = 0.9) -> list[PlanRow]:
+         usable: float = 0.9, lora_rank: int = 16, keep: tuple[str, ...] = ("down_proj",)) -> list[PlanRow]:
     """Rows for the reference pass (fp32 unsharded, bf16 unsharded, bf16 sharded, bf16 streamed
     on one device), FSDP2 training (fp32 compute, bf16 compute) on each device count, and LoRA
-    training on one device (its base resident, streamed, streamed with the down projections'
-    products kept). ``usable`` leaves room for the CUDA context, allocator fragmentation and
-    communication buffers."""
+    training of rank ``lora_rank`` on one device (its base resident, streamed, streamed with the
+    products of ``keep`` kept). ``usable`` leaves room for the CUDA context, allocator
+    fragmentation and communication buffers."""
     rows = []
+    lora = f"training, LoRA r{lora_rank}, bf16 base"
     for n in device_counts:
         jobs = {
             "reference, fp32 weights, whole model per device": reference_memory(shape, n, tokens, 4, sharded=False),
@@ -239,11 +240,12 @@ def plan(shape: ModelShape, device_counts=(1, 8, 16), device_gib: float = 80.0, 
                                                                                     streamed=True),
             "training, FSDP2 (fp32 compute)": training_memory(shape, n, tokens, gather_bytes=4),
             "training, FSDP2 (bf16 compute)": training_memory(shape, n, tokens, gather_bytes=2),
-            "training, LoRA r16, bf16 base, checkpointed": lora_training_memory(shape, tokens),
-            "training, LoRA r16, bf16 base streamed from host": lora_training_memory(shape, tokens, streamed=True),
-            "training, LoRA r16, bf16 base streamed, down_proj kept": lora_training_memory(
-                shape, tokens, streamed=True, keep=("down_proj",)),
+            f"{lora}, checkpointed": lora_training_memory(shape, tokens, lora_rank),
+            f"{lora} streamed from host": lora_training_memory(shape, tokens, lora_rank, streamed=True),
         }
+        if keep:
+            jobs[f"{lora} streamed, {','.join(keep)} kept"] = lora_training_memory(shape, tokens, lora_rank,
+                                                                                streamed=True, keep=keep)
         for job, parts in jobs.items():
             one_device = "streamed" in job or "LoRA" in job  # the same on every DDP replica
             if ("sharded" in job and n == 1) or (one_device and n > 1):
@@ -269,10 +271,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device-gib", type=float, default=80.0)
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per forward / micro-batch per device")
     parser.add_argument("--parts", action="store_true", help="also print each row's parts")
+    parser.add_argument("--lora-r", type=int, default=16, help="the LoRA rows' adapter rank (every matrix adapted)")
+    parser.add_argument("--checkpoint-keep", default="down_proj",
+                        help="matrices whose products the last LoRA row keeps (comma-separated; none: no such row)")
     args = parser.parse_args(argv)
+    keep = () if args.checkpoint_keep.strip().lower() in ("", "none") else tuple(args.checkpoint_keep.split(","))
+    unknown = sorted(set(keep) - set(LLAMA_3_8B.linear_shapes))
+    if unknown:
+        parser.error(f"--checkpoint-keep: {unknown[0]!r} is no matrix of a Llama block "
+                     f"({', '.join(LLAMA_3_8B.linear_shapes)})")
     shapes = ([ModelShape.from_config(json.loads(p.read_text()), name=p.parent.name or p.stem) for p in args.config]
               if args.config else [LLAMA_3_8B, LLAMA_3_70B])
-    rows = [row for s in shapes for row in plan(s, args.devices, args.device_gib, args.tokens)]
+    rows = [row for s in shapes for row in plan(s, args.devices, args.device_gib, args.tokens,
+                                                lora_rank=args.lora_r, keep=keep)]
     print(format_table(rows, args.device_gib))
     if args.parts:
         for r in rows:

@@ -141,3 +141,17 @@ def test_a_lora_run_holds_its_bf16_base_or_two_slots_its_adapters_and_the_kept_p
     rows = {(r.job, r.devices) for r in plan(LLAMA_3_8B, (1, 8))}
     assert ("training, LoRA r16, bf16 base streamed, down_proj kept", 1) in rows
     assert ("training, LoRA r16, bf16 base, checkpointed", 8) not in rows
+
+
+def test_the_lora_rows_take_a_rank_and_the_products_to_keep(capsys):
+    main(["--devices", "1", "--lora-r", "8", "--checkpoint-keep", "down_proj,o_proj", "--tokens", "1000"])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "Llama-3.1-8B | training, LoRA r8, bf16 base streamed, " in line)
+    assert "down_proj,o_proj kept" in row
+    parts = lora_training_memory(LLAMA_3_8B, 1000, rank=8, streamed=True, keep=("down_proj", "o_proj"))
+    assert float(row.split("|")[4]) == pytest.approx(sum(parts.values()) / (1 << 30), abs=0.05)
+    main(["--devices", "1", "--checkpoint-keep", "none"])
+    assert " kept " not in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        main(["--checkpoint-keep", "dwn_proj"])
+    assert stop.value.code == 2 and "'dwn_proj' is no matrix of a Llama block" in capsys.readouterr().err
