@@ -35,6 +35,7 @@ for another's recompute to take.
 
 from __future__ import annotations
 
+import logging
 import threading
 import types
 from collections import deque
@@ -47,6 +48,8 @@ from torch import nn
 from dpocache.config import ConfigError, flag_name
 from dpocache.models.directories import adapter_base_dir
 from dpocache.scoring.logprobs import decoder_layers
+
+log = logging.getLogger(__name__)
 
 # Set on an nn.Linear whose forward keeps its product (bf16_matmul leaves its forward alone).
 KEEPS_PRODUCT = "dpocache_keeps_product"
@@ -90,6 +93,9 @@ def keep_products_(model: nn.Module, names: tuple[str, ...]) -> list[str]:
     for linear in chosen:
         linear.forward = types.MethodType(kept_product_forward, linear)
         setattr(linear, KEEPS_PRODUCT, True)
+    width = sum(found[name][0].out_features for name in names)
+    log.info("activation checkpointing keeps the products of %s in %d decoder layers (%d values per token and layer)",
+             ", ".join(names), len(layers), width)
     return [qualified[id(linear)] for linear in chosen]
 
 
