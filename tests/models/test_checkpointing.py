@@ -3,9 +3,11 @@ model whose named frozen matrices keep their products through the recompute comp
 loss and gradients as the fully checkpointed one, bit for bit, in fp32 under PEFT's forward and
 in bf16 under the fused one, and runs exactly the named products' FLOPs fewer (counted by
 torch's ``FlopCounterMode``, against the products' shapes); the kept products are released by
-the backward, and by a forward whose backward never runs; one changed in place stops the
-backward; outside a checkpointed call the layer is a plain product; ``train`` with it logs and
-saves what the fully checkpointed run does, streamed or not; bad uses are refused with one line."""
+the backward, and by a forward whose backward never runs; one changed in place, and a second
+backward through the same graph, stop with a named error; outside a checkpointed call the layer
+is a plain product; ``train`` with it logs and saves what the fully checkpointed run does,
+streamed or not (on CUDA, GPU-marked, within a GPU's rounding); bad uses are refused with one
+line."""
 
 from __future__ import annotations
 
