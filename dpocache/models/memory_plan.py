@@ -45,6 +45,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from dpocache.config import ConfigError, checkpoint_keep_names
 from dpocache.distributed.vocab_stream import TILE_BYTES
 from dpocache.scoring.logprobs import DEFAULT_LOGITS_BUDGET
 
@@ -275,7 +276,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpoint-keep", default="down_proj",
                         help="matrices whose products the last LoRA row keeps (comma-separated; none: no such row)")
     args = parser.parse_args(argv)
-    keep = () if args.checkpoint_keep.strip().lower() in ("", "none") else tuple(args.checkpoint_keep.split(","))
+    try:
+        keep = checkpoint_keep_names(args.checkpoint_keep)
+    except ConfigError as e:
+        parser.error(str(e))
     unknown = sorted(set(keep) - set(LLAMA_3_8B.linear_shapes))
     if unknown:
         parser.error(f"--checkpoint-keep: {unknown[0]!r} is no matrix of a Llama block "

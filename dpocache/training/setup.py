@@ -269,13 +269,12 @@ def _streamed_json(policy) -> dict | None:
     return streamed.to_json() if streamed is not None else None
 
 
-def _kept_json(policy) -> dict | None:
+def _kept_json(run: Run) -> dict | None:
     """``--checkpoint-keep``'s linear layers: their names and how many keep their products, or None."""
-    kept = getattr(policy, "dpocache_kept_products", None)
+    kept = getattr(run.policy, "dpocache_kept_products", None)
     if not kept:
         return None
-    return {"names": list(dict.fromkeys(name.removesuffix(".base_layer").rsplit(".", 1)[-1] for name in kept)),
-            "linear_layers": len(kept)}
+    return {"names": list(checkpoint_keep_names(run.cfg.model.checkpoint_keep)), "linear_layers": len(kept)}
 
 
 def _run_info(run: Run, ref_info: dict, kernels: dict) -> dict:
@@ -298,7 +297,7 @@ def _run_info(run: Run, ref_info: dict, kernels: dict) -> dict:
                    # --stream-base: its frozen layers in host memory (dpocache.models.streaming), or None
                    "streamed": _streamed_json(run.policy),
                    # --checkpoint-keep: products kept through the recompute (dpocache.models.checkpointing), or None
-                   "kept_products": _kept_json(run.policy)},
+                   "kept_products": _kept_json(run)},
         "loss": str(run.spec), "total_steps": run.total_steps, "layout": run.layout.to_json(),
         "reference": ref_info,
     }
