@@ -9,7 +9,8 @@ model, data, dtype and batch, each system's run in its own process.
     python bench/gpu_suite.py --only train-8b-lora --profile   # and its dpocache steps under torch.profiler
     python bench/gpu_suite.py --only train-8b-lora --no-trl --train-args "--compile on"   # an A/B of dpocache's
     python bench/gpu_suite.py --only ref-8b --no-trl --build-args "--stream-reference false"  # resident weights
-    python bench/gpu_suite.py --only train-8b-lora --no-trl --train-args "--checkpoint-keep none"  # no kept products
+    python bench/gpu_suite.py --only train-8b-lora --no-trl --train-args "--compile off"  # its layers eager
+    python bench/gpu_suite.py --only train-8b-lora --no-trl --train-args "--compile off --checkpoint-keep down_proj"
 
 Rows:
 
@@ -22,9 +23,10 @@ Rows:
 - ``train-8b-lora``: DPO steps with LoRA (r 16, alpha 32, every linear layer, gradient
   checkpointing) on the same model and data (the first batch x steps pairs), against TRL's
   ``DPOTrainer`` with the same ``peft_config``; on a GPU dpocache's with ``--stream-base true
-  --checkpoint-keep down_proj`` (its frozen base in host memory, the down projections' products
-  kept through the recompute). ``--build-args``/``--train-args "--stream-base false ..."`` turn
-  them off for an A/B (later flags win).
+  --compile on`` (its frozen base in host memory, each layer's forward compiled inside its
+  checkpoint; the dry run keeps the down projections' products instead, ``--checkpoint-keep
+  down_proj``). ``--build-args``/``--train-args "--stream-base false ..."`` turn them off for an
+  A/B (later flags win).
 - ``train-1b-full``: full-parameter DPO steps of the 1.1B Llama of ``bench_vs_trl.py --config
   1b-2048``, with the options of its H100 run (``--attention causal --compile on``), against TRL's.
 
@@ -137,14 +139,16 @@ class Shapes:
 
 
 # The 8B rows' memory targets (0.6x TRL's peak) lie below the bf16 weights both sides hold, so on
-# a GPU their frozen decoder layers stay in host memory (docs/memory.md), and the LoRA row keeps
-# its down projections' products through the recompute, which the memory freed pays for.
+# a GPU their frozen decoder layers stay in host memory (docs/memory.md). The LoRA row compiles
+# each layer's forward inside its checkpoint: its host time was as long as its device time on an
+# H200, and compiled it took 2.5x less host time on the CPU (docs/speed.md); its first steps
+# compile, so it leaves two out of the timing.
 STREAMED_REFERENCE = ("--stream-reference", "true")
-STREAMED_LORA = ("--stream-base", "true", "--checkpoint-keep", "down_proj")
+STREAMED_LORA = ("--stream-base", "true", "--compile", "on")
 
 GPU = Shapes(device="cuda", dtype="bfloat16", llama=LLAMA_8B, llama_dir="llama-8b", model_dtype="bfloat16",
              trl_8b_dtype="bfloat16", prompt_tokens=(200, 1200), completion_tokens=(100, 800), max_length=2048,
-             ref_pairs=256, batch_size=4, lora_steps=6, lora_warmup=1, full_config=CONFIGS["1b-2048"],
+             ref_pairs=256, batch_size=4, lora_steps=7, lora_warmup=2, full_config=CONFIGS["1b-2048"],
              full_steps=10, full_warmup=3, full_train_args=("--attention", "causal", "--compile", "on"),
              ref_build_args=STREAMED_REFERENCE, lora_train_args=STREAMED_LORA)
 DRY = Shapes(device="cpu", dtype="float32", llama=TINY_LLAMA, llama_dir="dryrun-llama", model_dtype="float32",
@@ -689,9 +693,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=None,
                    help="pairs per training step and TRL's precompute batch, every row (default 4; dry run 2)")
     p.add_argument("--train-steps", type=int, default=None,
-                   help="steps of both training rows (default: 6 LoRA, 10 full; dry run 2)")
+                   help="steps of both training rows (default: 7 LoRA, 10 full; dry run 2)")
     p.add_argument("--warmup-steps", type=int, default=None,
-                   help="first steps left out of the training rows' tokens/s (default: 1 LoRA, 3 full "
+                   help="first steps left out of the training rows' tokens/s (default: 2 LoRA, 3 full "
                         "(compiled steps recompile for new shapes in the first few); dry run 1)")
     return p.parse_args(argv)
 

@@ -514,9 +514,10 @@ def _validate_checkpoint_keep(cfg: Config) -> None:
 
 
 def _validate_streamed(cfg: Config, flag: str) -> None:
-    if cfg.model.compile == "on":
-        raise ConfigError(f"{flag}: a streamed layer swaps its weights around each call, which a compiled layer "
-                          f"would trace; use {flag_name('model.compile')} auto or off with it")
+    if cfg.model.compile == "on" and flag == flag_name("model.stream_reference"):
+        # A LoRA policy's streamed layers compile inside their checkpoint (models.checkpointing)
+        raise ConfigError(f"{flag}: a streamed reference's layers swap their weights around each call, which a "
+                          f"compiled layer would trace; use {flag_name('model.compile')} auto or off with it")
     if cfg.distributed.fsdp:
         raise ConfigError(f"{flag}: a model sharded with {flag_name('distributed.fsdp')} is loaded a shard per GPU "
                           "and gathered a layer at a time already; pass one of them")

@@ -4,9 +4,13 @@ the shared cast of an fp32 input (``$DPOCACHE_LORA_CAST``); and, checkpointed as
 row runs, with and without its frozen base streamed (``--stream-base``:
 ``dpocache.models.streaming``, whose hooks and bookkeeping are host work; its copies here are
 host to host), with the down projections' products kept through the recompute
-(``--checkpoint-keep down_proj``: ``dpocache.models.checkpointing``), and with torch's own
+(``--checkpoint-keep down_proj``: ``dpocache.models.checkpointing``), with torch's own
 selective checkpointing keeping the attention kernel's output instead (a Python dispatch mode
-over every op of the checkpointed layer).
+over every op of the checkpointed layer), and compiled (``--compile on``): resident, each layer
+compiled whole with its checkpoint inside the graph (``scoring.compiling.compile_layers``), and
+streamed, each layer's forward compiled inside its checkpoint
+(``models.checkpointing.LayerCheckpoint``). The compiled variants' first steps compile; the
+warm-up takes them.
 
     python bench/probes/lora_host_probe.py [--layers 8] [--rounds 8] [--steps 40]
 
@@ -30,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # dpocache in a checkout not installed
 
 VARIANTS = ("peft", "fused", "fused+cast-once", "checkpointed", "checkpointed+streamed", "checkpointed+kept",
-            "checkpointed+torch-sac")
+            "checkpointed+torch-sac", "checkpointed+compiled", "checkpointed+streamed+compiled")
 
 
 def _save_attention(ctx, op, *args, **kwargs):
@@ -65,13 +69,18 @@ def build(variant: str, layers: int):
     if variant != "peft":
         fuse_lora_updates_(model)
     if variant.startswith("checkpointed"):  # the fused forward with the shared cast, checkpointed
-        enable_checkpointing(model, ("down_proj",) if variant.endswith("kept") else ())
+        streamed_compiled = variant == "checkpointed+streamed+compiled"  # compiled inside the checkpoint
+        enable_checkpointing(model, ("down_proj",) if variant.endswith("kept") else (), compiled=streamed_compiled)
         model.enable_input_require_grads()
+    if variant == "checkpointed+compiled":  # a resident layer compiled whole, its checkpoint inside the graph
+        from dpocache.scoring.compiling import compile_layers
+
+        compile_layers(model)
     if variant.endswith("torch-sac"):
         context_fn = functools.partial(create_selective_checkpoint_contexts, _save_attention)
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False,
                                                                                "context_fn": context_fn})
-    if variant.endswith("streamed"):
+    if "streamed" in variant:
         from dpocache.models.streaming import StreamedLayers
         from dpocache.scoring.logprobs import decoder_layers
 

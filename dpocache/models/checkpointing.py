@@ -1,10 +1,12 @@
 """Activation checkpointing of the decoder layers, and the products it keeps (``--checkpoint-keep``).
 
-``--gradient-checkpointing true`` checkpoints each decoder layer with transformers' own
-per-layer checkpoint, non-reentrant (``enable_checkpointing``): the forward keeps each layer's
-input only, and the backward runs the layer's forward again before its own backward. For a
-LoRA policy that recompute is a third pass over the frozen base: a step executes 6N FLOPs for
-the 4N it needs (a forward and the backward to the activations).
+``--gradient-checkpointing true`` checkpoints each decoder layer where transformers' per-layer
+checkpoint calls it, through a ``LayerCheckpoint`` of dpocache's (``enable_checkpointing``): the
+forward keeps each layer's input only, and the backward runs the layer's forward again before
+its own backward. For a LoRA policy that recompute is a third pass over the frozen base: a step
+executes 6N FLOPs for the 4N it needs (a forward and the backward to the activations). With a
+streamed base and ``--compile on`` the layer's forward is compiled inside its checkpoint
+(``LayerCheckpoint``).
 
 ``--checkpoint-keep down_proj`` (``model.checkpoint_keep``, a comma-separated list of the
 decoder layers' linear layers, by name as in ``--lora.target_modules``) keeps, in the forward,
@@ -35,18 +37,22 @@ for another's recompute to take.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import types
 from collections import deque
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from dpocache.config import ConfigError, flag_name
 from dpocache.models.directories import adapter_base_dir
+from dpocache.scoring.compiling import compiled_function
 from dpocache.scoring.logprobs import decoder_layers
 
 log = logging.getLogger(__name__)
@@ -55,23 +61,72 @@ log = logging.getLogger(__name__)
 KEEPS_PRODUCT = "dpocache_keeps_product"
 
 
-def enable_checkpointing(model: nn.Module, keep: tuple[str, ...] = ()) -> list[str]:
+def enable_checkpointing(model: nn.Module, keep: tuple[str, ...] = (), compiled: bool = False) -> list[str]:
     """Checkpoint each decoder layer of ``model`` (a transformers model, or a PEFT model around
-    one), non-reentrant, keeping the products of the linear layers named in ``keep``
-    (``keep_products_``). Returns the qualified names of the linear layers that keep their
-    products. Non-reentrant: works with inputs that do not require grad (frozen embeddings in
-    LoRA)."""
+    one) through a ``LayerCheckpoint`` of its own: non-reentrant, keeping the products of the
+    linear layers named in ``keep`` (``keep_products_``); or, with ``compiled``, the layer's
+    forward compiled inside the checkpoint (``LayerCheckpoint``). Returns the qualified names of
+    the linear layers that keep their products. Non-reentrant works with inputs that do not
+    require grad (frozen embeddings in LoRA); the compiled checkpoint needs the layers' input to
+    require it (``enable_input_require_grads``)."""
+    if keep and compiled:
+        raise ValueError("kept products run in eager layers only: a compiled layer would trace them as constants")
     kept = keep_products_(model, keep) if keep else []
     kwargs = {"use_reentrant": False}
-    if kept:
-        kwargs["context_fn"] = checkpoint_phases
     # transformers 5.x renamed it, warning at every call of the old name; 4.x has the old one only
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is not None:
         enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    for layer in decoder_layers(model):
+        if hasattr(layer, "_gradient_checkpointing_func"):
+            layer._gradient_checkpointing_func = LayerCheckpoint(keeps_products=bool(kept), compiled=compiled)
+        elif kept or compiled:  # a model that checkpoints its layers in its own loop
+            raise ValueError(f"{type(layer).__name__} is not checkpointed by transformers' per-layer checkpoint; "
+                             "it cannot keep products or compile inside its checkpoint")
     return kept
+
+
+class LayerCheckpoint:
+    """How one decoder layer is checkpointed: transformers calls a checkpointed layer's
+    ``_gradient_checkpointing_func`` with ``partial(forward, layer, **kwargs)`` and the layer's
+    positional inputs, outside the layer's own hooks (they do not run in the recompute).
+
+    Eager: torch's non-reentrant checkpoint, with ``checkpoint_phases`` as its ``context_fn``
+    where products are kept. ``compiled`` (``--compile on`` with ``--stream-base``): the layer's
+    forward compiled (``scoring.compiling.compiled_function``, one graph for every layer) inside
+    torch's reentrant checkpoint, which runs the forward without autograd and, in the backward,
+    the recompute and its backward as one autograd call: the non-reentrant checkpoint's hooks on
+    every saved tensor are host work per tensor, which a compiled layer's few kernels no longer
+    hide (``bench/probes/lora_host_probe.py``, docs/benchmarks/lora-host-probe-cpu-2core-20261126.md).
+    A resident layer compiles whole instead, its checkpoint inside the graph
+    (``scoring.compiling.compile_layers``), which needs its weights alive until its backward: a
+    streamed layer's slot holds another layer by then.
+
+    ``before``: called first in the forward and again in the recompute, outside any compiled
+    code (a streamed layer fetches its weights: ``dpocache.models.streaming``)."""
+
+    def __init__(self, keeps_products: bool = False, compiled: bool = False) -> None:
+        self.keeps_products, self.compiled = keeps_products, compiled
+        self.before: Callable[[], None] | None = None
+
+    def __call__(self, forward: functools.partial, *args):
+        run = forward
+        if self.compiled:
+            run = functools.partial(compiled_function(forward.func), *forward.args, **forward.keywords)
+        if self.before is not None:
+            run = functools.partial(_after, self.before, run)
+        if self.compiled:
+            return checkpoint(run, *args, use_reentrant=True)
+        if self.keeps_products:
+            return checkpoint(run, *args, use_reentrant=False, context_fn=checkpoint_phases)
+        return checkpoint(run, *args, use_reentrant=False)
+
+
+def _after(before: Callable[[], None], run: Callable, *args, **kwargs):
+    before()
+    return run(*args, **kwargs)
 
 
 def keep_products_(model: nn.Module, names: tuple[str, ...]) -> list[str]:

@@ -92,7 +92,10 @@ def load_policy(cfg: Config, device: torch.device, kernels: KernelChoice | None 
 
     ``model.gradient_checkpointing``: each decoder layer checkpointed, and with
     ``model.checkpoint_keep`` the named frozen matrices' products kept through the recompute
-    (``dpocache.models.checkpointing``); ``dpocache_kept_products`` names those layers."""
+    (``dpocache.models.checkpointing``); ``dpocache_kept_products`` names those layers. With a
+    streamed base and ``model.compile`` on, each layer's forward is compiled inside its
+    checkpoint (``LayerCheckpoint``); a resident policy's layers are compiled by ``train``'s
+    setup (``scoring.compiling.compile_layers``)."""
     path = Path(cfg.model.path)
     base = adapter_base_dir(path)  # the same base the reference of an adapter directory loads
     staged = frozen_in_compute_dtype(cfg, device, dtype)
@@ -125,8 +128,10 @@ def load_policy(cfg: Config, device: torch.device, kernels: KernelChoice | None 
     if kernels is not None:
         apply_kernels(model, kernels)
     if cfg.model.gradient_checkpointing:
-        # --checkpoint-keep: the named frozen matrices' products kept through the recompute
-        model.dpocache_kept_products = enable_checkpointing(model, checkpoint_keep_names(cfg.model.checkpoint_keep))
+        # --checkpoint-keep: the named frozen matrices' products kept through the recompute;
+        # --compile on with a streamed base: each layer's forward compiled inside its checkpoint
+        model.dpocache_kept_products = enable_checkpointing(model, checkpoint_keep_names(cfg.model.checkpoint_keep),
+                                                            compiled=stream and cfg.model.compile == "on")
         if hasattr(model, "enable_input_require_grads"):
             model.enable_input_require_grads()
     if stream:

@@ -30,16 +30,23 @@ same bookkeeping, which the tests check.
 
 Without checkpointing autograd would keep each layer's weights for the backward, which their
 slot no longer holds (training refuses it; autograd's version check would stop the backward).
-Eager only: a compiled layer would trace the hooks (``--compile on`` is refused with it).
+``--compile on`` with ``--stream-base``: each layer's forward is compiled inside its checkpoint
+(``dpocache.models.checkpointing.LayerCheckpoint``), which enters the layer before it, in the
+forward and in the recompute; the children's hooks do nothing in compiled code. A whole layer
+compiled (``scoring.compiling.compile_layers``) would trace its own hooks and keep its weights
+for its backward, so a streamed reference (``--stream-reference``) stays eager.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch import nn
+
+from dpocache.models.checkpointing import LayerCheckpoint
 
 ALIGN = 256  # bytes: each parameter starts on a boundary its dtype (and any vector load) accepts
 
@@ -102,8 +109,12 @@ class StreamedLayers:
             layer.register_forward_pre_hook(enter)
             layer.register_forward_hook(self._leave_hook(index), always_call=True)
             # A checkpointed layer's recompute runs its forward without the layer's own hooks
-            # (transformers checkpoints ``forward`` and keeps module hooks outside): the first of
-            # its children or of the modules holding its streamed weights to be called enters it.
+            # (transformers checkpoints ``forward`` and keeps module hooks outside): dpocache's
+            # checkpoint enters it first (``before``), and under any other checkpoint the first of
+            # its children or of the modules holding its streamed weights to be called does.
+            checkpointed = getattr(layer, "_gradient_checkpointing_func", None)
+            if isinstance(checkpointed, LayerCheckpoint):
+                checkpointed.before = functools.partial(enter, layer, ())
             owners = [m for p in self._packed[index] for m, _ in p.owners]
             for key, module in {id(m): m for m in [*layer.children(), *owners]}.items():
                 if module is not layer and key not in shared:
@@ -158,7 +169,9 @@ class StreamedLayers:
 
     def _enter_hook(self, index: int):
         def enter(module, args):
-            if index not in self._running:
+            # A compiled layer (inside dpocache's checkpoint, entered before it) traces its
+            # children's hooks: there this one is nothing.
+            if not torch.compiler.is_compiling() and index not in self._running:
                 self._enter(index)
         return enter
 

@@ -48,7 +48,7 @@ from dpocache.runtime.preflight import UsageError, model_context, model_vocab_si
 from dpocache.runtime.run_lock import OutputDirLock, hold_output_dir
 from dpocache.scoring.compiling import compile_layers
 from dpocache.scoring.layouts import training_layout
-from dpocache.scoring.logprobs import CompletionLogProbs, scorer_core
+from dpocache.scoring.logprobs import CompletionLogProbs, decoder_layers, scorer_core
 from dpocache.training.cached_reference import cache_dir_of, plan_audit, prepare_reference
 from dpocache.training.metrics import (
     WANDB_RUN_ID_FILE,
@@ -150,8 +150,12 @@ def _setup(cfg: Config, env: DistEnv) -> Run:
     else:
         policy = load_policy(cfg, env.device, kernels, dtype)
         scorer = wrap_for_distributed(CompletionLogProbs(policy), policy, cfg, env)
-    # After the scorer's fast-path probe (a compile for its few tokens would be wasted).
-    compiled_layers = compile_layers(policy) if compiled else 0
+    # After the scorer's fast-path probe (a compile for its few tokens would be wasted). A streamed
+    # base's layers compile their forwards inside their checkpoints instead (load_policy).
+    if compiled and cfg.model.stream_base:
+        compiled_layers = len(decoder_layers(policy))
+    else:
+        compiled_layers = compile_layers(policy) if compiled else 0
     # WPO (dpocache.losses.wpo): the policy's head also returns log sum_v p(v)^2 per scored token.
     scorer_core(scorer).sum_sq_probs = cfg.loss.use_weighting
     # scoring.layout_choice: packed where supported, else padded; the attention backend by scoring.attention

@@ -388,6 +388,75 @@ def test_training_without_checkpointing_cannot_use_a_reused_slot_silently():
         loss.backward()
 
 
+def _lora_llama(model_path, streamed: bool, compiled: bool):
+    """The tiny Llama in fp32 with a LoRA adapter on every linear layer (both matrices drawn at
+    random, so every adapter weight has a gradient), checkpointed by ``enable_checkpointing``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from dpocache.models.checkpointing import enable_checkpointing
+
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_path),
+                           LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    model.train()  # transformers checkpoints a layer in training mode only
+    enable_checkpointing(model, compiled=compiled)
+    model.enable_input_require_grads()
+    streamer = StreamedLayers(model, decoder_layers(model), "cpu") if streamed else None
+    return model, streamer
+
+
+def test_a_streamed_base_compiled_inside_its_checkpoints_trains_as_the_eager_resident_one(model_path):
+    """``--stream-base`` with ``--compile on``: each layer's forward compiled inside its
+    checkpoint (``LayerCheckpoint``), which fetches the layer's weights before it, in the forward
+    and in the backward's recompute. Over batches of three shapes: the eager resident model's
+    loss and adapter gradients (fp32, within the compiler's rounding); every recompute runs
+    from the layer's slot, the layers last to first, none waiting for its copy after the first;
+    two graphs for all four layers and all three shapes (the forward without autograd, the
+    recompute with it), not one per layer or per shape."""
+    from torch._dynamo.utils import counters
+
+    from dpocache.models.checkpointing import LayerCheckpoint
+
+    eager, _ = _lora_llama(model_path, streamed=False, compiled=False)
+    compiled, streamer = _lora_llama(model_path, streamed=True, compiled=True)
+    layers = decoder_layers(compiled)
+    entered = []  # (layer, grad enabled, its streamed matrices in a slot) after each checkpoint's entry
+    for index, layer in enumerate(layers):
+        checkpoint = layer._gradient_checkpointing_func
+        assert isinstance(checkpoint, LayerCheckpoint) and checkpoint.compiled and checkpoint.before is not None
+
+        def before(enter=checkpoint.before, index=index, layer=layer):
+            enter()
+            frozen = [p for p in layer.parameters() if not p.requires_grad and p.dim() == 2]
+            entered.append((index, torch.is_grad_enabled(), all(_inside(p, streamer._slots) for p in frozen)))
+        checkpoint.before = before
+    graphs = counters["stats"]["unique_graphs"]
+    for batch, length in ((2, 21), (3, 27), (2, 35)):
+        ids = torch.randint(3, 300, (batch, length), generator=torch.Generator().manual_seed(length))
+        results = []
+        for model in (eager, compiled):
+            model.zero_grad()
+            loss = model(input_ids=ids).logits.log_softmax(-1)[..., 5].mean()
+            loss.backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+            results.append((loss.detach(), grads))
+        (want, want_grads), (got, got_grads) = results
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (length, got, want)
+        assert got_grads.keys() == want_grads.keys() and len(got_grads) == 4 * 7 * 2
+        for name, grad in want_grads.items():
+            assert grad.abs().max() > 0, name
+            assert torch.allclose(got_grads[name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max()), name
+    n = len(layers)
+    # the forward enters each layer by its own hook first (its checkpoint finds it running); the
+    # recompute by its checkpoint, last to first, each from its slot
+    recomputes = [(index, in_slot) for index, grad, in_slot in entered if grad]
+    assert [index for index, _ in recomputes] == 3 * [*reversed(range(n))]
+    assert all(in_slot for _, in_slot in recomputes)
+    assert streamer.waits == 1
+    assert counters["stats"]["unique_graphs"] - graphs == 2
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
 def test_a_lora_run_with_its_base_and_reference_streamed_trains_as_the_resident_one(tmp_path, model_path,
@@ -451,6 +520,48 @@ def test_a_lora_run_with_its_base_and_reference_streamed_trains_as_the_resident_
     assert {kind for *_, kind, _ in calls} == {"Linear", "LlamaRMSNorm"} and all(ok for *_, ok in calls)
     streamer = loaded[1].dpocache_streamed
     assert streamer.waits == 1 and streamer.copies >= 3 * 2 * (4 - 2)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_train_stream_base_with_compile_on_trains_as_the_eager_resident_run(tmp_path, model_path,
+                                                                            train_jsonl,  # noqa: F811
+                                                                            monkeypatch, device):
+    """``train --stream-base true --compile on`` through the whole loop, its layers' forwards
+    compiled inside their checkpoints, against the eager resident run: on the CPU (standing in
+    for the GPU) in fp32, the same logged values and adapter within the compiler's rounding; on
+    a GPU in bf16 with Liger's kernels off, as the GPU suite's LoRA row runs it, the same losses
+    and gradient norms within bf16 rounding (Adam's first steps on bf16 rounding noise leave the
+    adapters themselves apart by more). run.json counts the compiled layers and what streamed."""
+    import dpocache.config as config_mod
+
+    dtype = "float32" if device == "cpu" else "bfloat16"
+    if device == "cpu":
+        monkeypatch.setattr(config_mod, "_validate_streamed", lambda cfg, flag: None)
+    runs = {}
+    for streamed in (False, True):
+        out = tmp_path / f"run-{streamed}"
+        # one cache: the second run's reference values are a hit (its reference pass is not compiled)
+        run_training(*flags(model_path, train_jsonl, out, tmp_path / "cache", "--lora-r", "4", "--dtype", dtype,
+                            "--gradient-checkpointing", "true", "--max-steps", "3", "--lr", "1e-2",
+                            "--stream-base", str(streamed), "--compile", "on" if streamed else "off",
+                            "--device", device, "--kernels", "none"))
+        runs[streamed] = (train_records(out), load_tensors(out / "final" / "adapter_model.safetensors"), run_json(out))
+    (want, want_adapter, _), (got, got_adapter, info) = runs[False], runs[True]
+    assert len(got) == len(want) == 3 and got_adapter.keys() == want_adapter.keys()
+    moved = max(float(t.abs().max()) for name, t in want_adapter.items() if "lora_B" in name)
+    assert moved > 0.01  # the adapters trained: the comparisons below say something
+    if device == "cpu":
+        for step_got, step_want in zip(got, want):
+            for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected", "rewards/margins"):
+                assert step_got[key] == pytest.approx(step_want[key], rel=1e-4, abs=1e-5), (key, step_got, step_want)
+        assert max_abs_diff(got_adapter, want_adapter) < 0.02 * moved  # Adam: a step of lr on near-zero gradients
+    else:
+        for step_got, step_want in zip(got, want):
+            assert step_got["loss"] == pytest.approx(step_want["loss"], rel=1e-2), (step_got, step_want)
+            assert step_got["grad_norm"] == pytest.approx(step_want["grad_norm"], rel=5e-2), (step_got, step_want)
+    assert info["policy"]["compiled_layers"] == 4 and info["policy"]["streamed"]["layers"] == 4
+    assert runs[False][2]["policy"]["compiled_layers"] == 0
 
 
 @pytest.mark.parametrize("extra,message", [
