@@ -57,6 +57,7 @@ class ModelConfig:
     checkpoint_keep: str = "none"  # LoRA, checkpointed: frozen linears (down_proj,..) whose products are kept
     stream_reference: bool = False  # reference pass (GPU): decoder layers stay in host memory, copied in one ahead
     stream_base: bool = False  # LoRA training (GPU): the frozen base's layers likewise (needs gradient checkpointing)
+    resident_layers: int = 0  # --stream-base: this many base layers stay on the GPU, spread out (hiding the copies)
 
 
 @dataclass
@@ -201,7 +202,7 @@ ALIASES = {
     "skip_invalid": "data.skip_invalid", "max_tokens": "cache.max_tokens", "shard_size": "cache.shard_size",
     "report_to": "train.report_to", "attention": "model.attention", "compile": "model.compile",
     "kernels": "model.kernels", "stream_reference": "model.stream_reference", "stream_base": "model.stream_base",
-    "checkpoint_keep": "model.checkpoint_keep",
+    "checkpoint_keep": "model.checkpoint_keep", "resident_layers": "model.resident_layers",
 }
 
 # The names of TRL's DPOConfig and TrainingArguments (and its scripts' ModelConfig) that a TRL user
@@ -474,6 +475,12 @@ def _validate_streaming(cfg: Config) -> None:
         if not cfg.model.gradient_checkpointing:
             raise ConfigError(f"{flag}: needs {flag_name('model.gradient_checkpointing')} true (without it autograd "
                               "keeps every layer's weights for the backward, which a streamed layer gives back)")
+    resident = flag_name("model.resident_layers")
+    if cfg.model.resident_layers < 0:
+        raise ConfigError(f"{resident}: a number of decoder layers, 0 or more; got {cfg.model.resident_layers}")
+    if cfg.model.resident_layers and not cfg.model.stream_base:
+        raise ConfigError(f"{resident}: the base layers that stay on the GPU while the others stream; pass "
+                          f"{flag_name('model.stream_base')} true with it")
 
 
 def _trains_lora(cfg: Config) -> bool:

@@ -187,10 +187,11 @@ def training_memory(shape: ModelShape, devices: int, tokens: int = 4096, gather_
 
 
 def lora_training_memory(shape: ModelShape, tokens: int = 4096, rank: int = 16, streamed: bool = False,
-                         keep: tuple[str, ...] = ()) -> dict[str, float]:
+                         keep: tuple[str, ...] = (), resident: int = 0) -> dict[str, float]:
     """Bytes of a LoRA run on one device (each DDP replica holds the same), by part: the frozen
     base in bf16 (a checkpoint saved in bf16, the embeddings included: ``load_policy``), or with
-    ``streamed`` (``--stream-base``) its root and two layer slots; an adapter of ``rank`` on every
+    ``streamed`` (``--stream-base``) its root, two layer slots and ``resident`` decoder layers
+    kept on the device (``--resident-layers``); an adapter of ``rank`` on every
     matrix of every block (fp32 weights, gradients and AdamW moments: 16 bytes per parameter);
     per-layer checkpointing (``--gradient-checkpointing``, which ``--stream-base`` needs): the
     layers' fp32 inputs, one layer's activations in the recompute (the adapters' own, ``rank``
@@ -200,6 +201,8 @@ def lora_training_memory(shape: ModelShape, tokens: int = 4096, rank: int = 16, 
     if streamed:
         parts["embeddings, final norm, head (bf16)"] = shape.root_params * 2.0
         parts["2 layer slots (bf16)"] = 2 * shape.layer_params * 2.0
+        if resident:
+            parts[f"{resident} resident layers (bf16)"] = resident * shape.layer_params * 2.0
     else:
         parts["bf16 base"] = shape.params * 2.0
     adapter_params = shape.layers * rank * sum(i + o for i, o in shape.linear_shapes.values())
@@ -224,12 +227,13 @@ class PlanRow:
 
 
 def plan(shape: ModelShape, device_counts=(1, 8, 16), device_gib: float = 80.0, tokens: int = 4096,
-         usable: float = 0.9, lora_rank: int = 16, keep: tuple[str, ...] = ("down_proj",)) -> list[PlanRow]:
-    """Rows for the reference pass (fp32 unsharded, bf16 unsharded, bf16 sharded, bf16 streamed
-    on one device), FSDP2 training (fp32 compute, bf16 compute) on each device count, and LoRA
+         usable: float = 0.9, lora_rank: int = 16, keep: tuple[str, ...] = ("down_proj",),
+         resident: int = 8) -> list[PlanRow]:
+    """Rows for the reference pass (fp32 unsharded, bf16 unsharded, bf16 sharded, bf16 streamed on
+    one device), FSDP2 training (fp32 compute, bf16 compute) on each device count, and LoRA
     training of rank ``lora_rank`` on one device (its base resident, streamed, streamed with the
-    products of ``keep`` kept). ``usable`` leaves room for the CUDA context, allocator
-    fragmentation and communication buffers."""
+    products of ``keep`` kept, streamed with ``resident`` layers on the device). ``usable`` leaves
+    room for the CUDA context, allocator fragmentation and communication buffers."""
     rows = []
     lora = f"training, LoRA r{lora_rank}, bf16 base"
     for n in device_counts:
@@ -247,6 +251,9 @@ def plan(shape: ModelShape, device_counts=(1, 8, 16), device_gib: float = 80.0, 
         if keep:
             jobs[f"{lora} streamed, {','.join(keep)} kept"] = lora_training_memory(shape, tokens, lora_rank,
                                                                                 streamed=True, keep=keep)
+        if 0 < resident < shape.layers:
+            jobs[f"{lora} streamed, {resident} layers resident"] = lora_training_memory(
+                shape, tokens, lora_rank, streamed=True, resident=resident)
         for job, parts in jobs.items():
             one_device = "streamed" in job or "LoRA" in job  # the same on every DDP replica
             if ("sharded" in job and n == 1) or (one_device and n > 1):
@@ -275,6 +282,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lora-r", type=int, default=16, help="the LoRA rows' adapter rank (every matrix adapted)")
     parser.add_argument("--checkpoint-keep", default="down_proj",
                         help="matrices whose products the last LoRA row keeps (comma-separated; none: no such row)")
+    parser.add_argument("--resident-layers", type=int, default=8,
+                        help="decoder layers a streamed LoRA row keeps on the device (0: no such row)")
     args = parser.parse_args(argv)
     try:
         keep = checkpoint_keep_names(args.checkpoint_keep)
@@ -287,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
     shapes = ([ModelShape.from_config(json.loads(p.read_text()), name=p.parent.name or p.stem) for p in args.config]
               if args.config else [LLAMA_3_8B, LLAMA_3_70B])
     rows = [row for s in shapes for row in plan(s, args.devices, args.device_gib, args.tokens,
-                                                lora_rank=args.lora_r, keep=keep)]
+                                                lora_rank=args.lora_r, keep=keep, resident=args.resident_layers)]
     print(format_table(rows, args.device_gib))
     if args.parts:
         for r in rows:

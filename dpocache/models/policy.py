@@ -19,7 +19,7 @@ from dpocache.models.checkpointing import enable_checkpointing
 from dpocache.models.directories import adapter_base_dir
 from dpocache.models.kernels import KernelChoice, apply_kernels
 from dpocache.models.lora_fused import fuse_lora_updates_
-from dpocache.models.streaming import StreamedLayers, move_resident_
+from dpocache.models.streaming import StreamedLayers, move_resident_, spread_resident
 from dpocache.models.loading import (
     disable_dropout,
     load_causal_lm,
@@ -87,8 +87,9 @@ def load_policy(cfg: Config, device: torch.device, kernels: KernelChoice | None 
 
     ``model.stream_base``: the frozen base's decoder layers stay in host memory, each copied to
     the device just ahead of its forward and, in reverse, of the backward's recompute
-    (``dpocache.models.streaming``); the adapters, embeddings and head are on the device. The
-    model then has ``dpocache_streamed``, its ``StreamedLayers``.
+    (``dpocache.models.streaming``); the adapters, embeddings and head are on the device, and so
+    are ``model.resident_layers`` of the decoder layers, spread among the streamed ones
+    (``spread_resident``). The model then has ``dpocache_streamed``, its ``StreamedLayers``.
 
     ``model.gradient_checkpointing``: each decoder layer checkpointed, and with
     ``model.checkpoint_keep`` the named frozen matrices' products kept through the recompute
@@ -136,8 +137,10 @@ def load_policy(cfg: Config, device: torch.device, kernels: KernelChoice | None 
             model.enable_input_require_grads()
     if stream:
         layers = decoder_layers(model)
-        move_resident_(model, layers, device)
-        model.dpocache_streamed = StreamedLayers(model, layers, device)
+        resident = set(spread_resident(len(layers), cfg.model.resident_layers))  # checked by train's setup
+        streamed = [layer for index, layer in enumerate(layers) if index not in resident]
+        move_resident_(model, streamed, device)
+        model.dpocache_streamed = StreamedLayers(model, streamed, device)
         return model
     return model.to(device)
 

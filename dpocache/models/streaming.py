@@ -41,12 +41,15 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import torch
 from torch import nn
 
+from dpocache.config import ConfigError, flag_name
 from dpocache.models.checkpointing import LayerCheckpoint
+from dpocache.models.directories import adapter_base_dir
 
 ALIGN = 256  # bytes: each parameter starts on a boundary its dtype (and any vector load) accepts
 
@@ -261,6 +264,31 @@ class StreamedLayers:
         self._content[slot] = index
         self._fetched[index] = slot
         self.copies += 1
+
+
+def spread_resident(layers: int, resident: int) -> list[int]:
+    """The indices of ``resident`` of ``layers`` decoder layers that stay on the device while the
+    others stream (``--resident-layers``), spread evenly and never the first: while a resident
+    layer runs, the copy of the streamed layer after it has that layer's compute to hide behind
+    too. ``ValueError`` unless 0 <= ``resident`` < ``layers``."""
+    if not 0 <= resident < layers:
+        raise ValueError(f"resident layers must be from 0 to {layers - 1} of {layers}; got {resident}")
+    return [int((k + 1) * layers / (resident + 1)) for k in range(resident)]
+
+
+def check_resident_layers(model_path: str | Path, resident: int) -> None:
+    """``--resident-layers`` against the decoder layers of the model at ``model_path`` (its
+    config's ``num_hidden_layers``; a PEFT adapter directory's base), before any model loads: at
+    least one layer must stream. ``ConfigError`` naming the flag otherwise."""
+    if not resident:
+        return
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(adapter_base_dir(model_path) or model_path))
+    layers = getattr(config, "num_hidden_layers", None)
+    if layers is not None and resident >= layers:
+        raise ConfigError(f"{flag_name('model.resident_layers')} {resident}: the model has {layers} decoder layers, "
+                          "and at least one must stream; pass fewer, or --stream-base false to keep them all")
 
 
 def _modules_in_several(layers: Sequence[nn.Module]) -> set[int]:

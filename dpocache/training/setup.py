@@ -44,6 +44,7 @@ from dpocache.models.policy import (
     wrap_for_distributed,
 )
 from dpocache.models.reference import dtype_name, resolve_dtype
+from dpocache.models.streaming import check_resident_layers
 from dpocache.runtime.preflight import UsageError, model_context, model_vocab_size
 from dpocache.runtime.run_lock import OutputDirLock, hold_output_dir
 from dpocache.scoring.compiling import compile_layers
@@ -117,6 +118,8 @@ def _setup(cfg: Config, env: DistEnv) -> Run:
     check_lora_settings(cfg)
     if cfg.model.gradient_checkpointing:  # --checkpoint-keep's names, against the model's config
         check_keep_names(cfg.model.path, checkpoint_keep_names(cfg.model.checkpoint_keep))
+    if cfg.model.stream_base:  # --resident-layers against the model's layers
+        check_resident_layers(cfg.model.path, cfg.model.resident_layers)
     # Liger's kernels or the model's own: --kernels liger on a family Liger lacks, refused before any model loads
     # (the reference's own choice is made as it loads: cached_reference).
     fsdp = cfg.distributed.fsdp and env.enabled
@@ -269,8 +272,11 @@ def _load_data(cfg: Config, source: str, tokenizer, env: DistEnv) -> PreferenceD
 
 
 def _streamed_json(policy) -> dict | None:
+    """What streamed (``StreamedLayers.to_json``) and how many decoder layers stayed on the device."""
     streamed = getattr(policy, "dpocache_streamed", None)
-    return streamed.to_json() if streamed is not None else None
+    if streamed is None:
+        return None
+    return {**streamed.to_json(), "resident_layers": len(decoder_layers(policy)) - len(streamed.layers)}
 
 
 def _kept_json(run: Run) -> dict | None:

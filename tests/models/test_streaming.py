@@ -27,7 +27,7 @@ from train_fixtures import (  # noqa: F401 (fixtures)
 
 from dpocache.data.pairs import TokenizedPair
 from dpocache.models.reference import ReferenceModel
-from dpocache.models.streaming import ALIGN, StreamedLayers, move_resident_, streamed_parameters
+from dpocache.models.streaming import ALIGN, StreamedLayers, move_resident_, spread_resident, streamed_parameters
 from dpocache.models.tiny import save_tiny_model
 from dpocache.scoring.logprobs import decoder_layers
 
@@ -259,6 +259,22 @@ def test_score_stream_reference_is_refused_on_a_cpu_before_the_rows_are_read(cli
     assert rc == 2 and "--stream-reference" in err and "device is cpu" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("extra,message", [
+    (("--resident-layers", "2"), "pass --stream-base (model.stream_base) true"),
+    (("--stream-base", "true", "--resident-layers", "-1"), "0 or more"),
+    (("--stream-base", "true", "--resident-layers", "4"), "the model has 4 decoder layers"),
+])
+def test_resident_layers_are_refused_with_one_line_before_any_model_loads(cli, model_path, pref_jsonl, tmp_path,
+                                                                          extra, message, monkeypatch):
+    import dpocache.config as config_mod
+
+    monkeypatch.setattr(config_mod, "_validate_streamed", lambda cfg, flag: None)  # past the device check
+    rc, out, err = cli("train", "--model", model_path, "--data", pref_jsonl, "--output-dir", tmp_path / "run",
+                       "--lora-r", "4", "--gradient-checkpointing", "true", *extra)
+    assert rc == 2 and "--resident-layers" in err and message in err and "Traceback" not in err
+    assert not (tmp_path / "run" / "run.json").exists()
+
+
 def test_stream_reference_is_refused_by_train_before_any_model_loads(cli, model_path, pref_jsonl, tmp_path):
     rc, out, err = cli("train", "--model", model_path, "--data", pref_jsonl, "--output-dir", tmp_path / "run",
                        "--device", "cpu", "--stream-reference", "true")
@@ -373,6 +389,43 @@ def test_checkpointed_training_through_streamed_layers_equals_the_resident_run()
     # ahead of each layer the next; at the turn the one before, which the recompute needs next
     assert [fetched for _, _, fetched, _ in forward] == [[i + 1] for i in range(n - 1)] + [[n - 2]]
     assert [fetched for _, _, fetched, _ in backward] == [[n - 2]] + [[i - 1] for i in range(n - 2, 0, -1)] + [[1]]
+
+
+def test_resident_layers_are_spread_out_and_never_the_first():
+    assert spread_resident(32, 8) == [3, 7, 10, 14, 17, 21, 24, 28]
+    assert spread_resident(6, 2) == [2, 4] and spread_resident(4, 3) == [1, 2, 3] and spread_resident(5, 0) == []
+    for bad in (-1, 6):
+        with pytest.raises(ValueError, match="resident layers"):
+            spread_resident(6, bad)
+
+
+def test_streamed_layers_between_resident_ones_fetch_the_next_streamed_one_ahead():
+    """``--resident-layers``: the layers ``spread_resident`` names stay where they are and only
+    the others stream, checkpointed: the same losses and adapters bit for bit as the resident
+    run; a streamed layer fetches the next streamed one (past a resident layer, whose compute the
+    copy then hides behind too) and, in the recompute, the one before; no wait after the first."""
+    import copy
+
+    resident = _Checkpointed(layers=6)
+    mixed = copy.deepcopy(resident)
+    kept = spread_resident(6, 2)
+    streamed = [layer for index, layer in enumerate(mixed.layers) if index not in kept]
+    streamer = StreamedLayers(mixed, streamed, "cpu")
+    assert kept == [2, 4] and len(streamer.layers) == 4
+    assert not any(_inside(mixed.layers[i].base.weight, streamer._host) for i in kept)
+    fetched = []
+    for index, layer in enumerate(mixed.layers):
+        layer.base.register_forward_pre_hook(lambda m, a, i=index: fetched.append((i, sorted(streamer._fetched))))
+    expected = _train(resident, evaluate=False)
+    got = _train(mixed, evaluate=False)
+    assert got[0] == expected[0]
+    assert all(torch.equal(a, b) for a, b in zip(got[1], expected[1]))
+    assert streamer.waits == 1
+    # indices among the streamed layers (0, 1, 3, 5 of the model): the forward, then the recompute
+    step = fetched[:12]
+    assert [i for i, _ in step] == [*range(6), *reversed(range(6))]
+    assert [f for i, f in step[:6] if i not in kept] == [[1], [2], [3], [2]]
+    assert [f for i, f in step[6:] if i not in kept] == [[2], [1], [0], [1]]
 
 
 def test_training_without_checkpointing_cannot_use_a_reused_slot_silently():
@@ -527,12 +580,13 @@ def test_a_lora_run_with_its_base_and_reference_streamed_trains_as_the_resident_
 def test_train_stream_base_with_compile_on_trains_as_the_eager_resident_run(tmp_path, model_path,
                                                                             train_jsonl,  # noqa: F811
                                                                             monkeypatch, device):
-    """``train --stream-base true --compile on`` through the whole loop, its layers' forwards
-    compiled inside their checkpoints, against the eager resident run: on the CPU (standing in
-    for the GPU) in fp32, the same logged values and adapter within the compiler's rounding; on
-    a GPU in bf16 with Liger's kernels off, as the GPU suite's LoRA row runs it, the same losses
-    and gradient norms within bf16 rounding (Adam's first steps on bf16 rounding noise leave the
-    adapters themselves apart by more). run.json counts the compiled layers and what streamed."""
+    """``train --stream-base true --compile on --resident-layers 1`` through the whole loop, its
+    layers' forwards compiled inside their checkpoints (three streamed, one on the device),
+    against the eager resident run: on the CPU (standing in for the GPU) in fp32, the same logged
+    values and adapter within the compiler's rounding; on a GPU in bf16 with Liger's kernels off,
+    as the GPU suite's LoRA row runs it, the same losses and gradient norms within bf16 rounding
+    (Adam's first steps on bf16 rounding noise leave the adapters themselves apart by more).
+    run.json counts the compiled, streamed and resident layers."""
     import dpocache.config as config_mod
 
     dtype = "float32" if device == "cpu" else "bfloat16"
@@ -545,7 +599,7 @@ def test_train_stream_base_with_compile_on_trains_as_the_eager_resident_run(tmp_
         run_training(*flags(model_path, train_jsonl, out, tmp_path / "cache", "--lora-r", "4", "--dtype", dtype,
                             "--gradient-checkpointing", "true", "--max-steps", "3", "--lr", "1e-2",
                             "--stream-base", str(streamed), "--compile", "on" if streamed else "off",
-                            "--device", device, "--kernels", "none"))
+                            "--resident-layers", "1" if streamed else "0", "--device", device, "--kernels", "none"))
         runs[streamed] = (train_records(out), load_tensors(out / "final" / "adapter_model.safetensors"), run_json(out))
     (want, want_adapter, _), (got, got_adapter, info) = runs[False], runs[True]
     assert len(got) == len(want) == 3 and got_adapter.keys() == want_adapter.keys()
@@ -560,7 +614,8 @@ def test_train_stream_base_with_compile_on_trains_as_the_eager_resident_run(tmp_
         for step_got, step_want in zip(got, want):
             assert step_got["loss"] == pytest.approx(step_want["loss"], rel=1e-2), (step_got, step_want)
             assert step_got["grad_norm"] == pytest.approx(step_want["grad_norm"], rel=5e-2), (step_got, step_want)
-    assert info["policy"]["compiled_layers"] == 4 and info["policy"]["streamed"]["layers"] == 4
+    assert info["policy"]["compiled_layers"] == 4
+    assert info["policy"]["streamed"]["layers"] == 3 and info["policy"]["streamed"]["resident_layers"] == 1
     assert runs[False][2]["policy"]["compiled_layers"] == 0
 
 
