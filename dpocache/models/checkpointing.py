@@ -99,7 +99,7 @@ class LayerCheckpoint:
     torch's reentrant checkpoint, which runs the forward without autograd and, in the backward,
     the recompute and its backward as one autograd call: the non-reentrant checkpoint's hooks on
     every saved tensor are host work per tensor, which a compiled layer's few kernels no longer
-    hide (``bench/probes/lora_host_probe.py``, docs/benchmarks/lora-host-probe-cpu-2core-20261126.md).
+    hide (docs/benchmarks/lora-host-probe-compiled-cpu-2core-20261126.md).
     A resident layer compiles whole instead, its checkpoint inside the graph
     (``scoring.compiling.compile_layers``), which needs its weights alive until its backward: a
     streamed layer's slot holds another layer by then.
