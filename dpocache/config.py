@@ -515,9 +515,11 @@ def _validate_checkpoint_keep(cfg: Config) -> None:
     if not _trains_lora(cfg):
         raise ConfigError(f"{flag}: keeps the products of frozen matrices (a LoRA policy's base); pass "
                           f"{flag_name('lora.r')} N (a trained matrix needs its input for its own gradient too)")
-    if cfg.model.compile == "on":
-        raise ConfigError(f"{flag}: a compiled layer would trace the kept products as constants; use "
-                          f"{flag_name('model.compile')} auto or off with it")
+    if cfg.model.compile == "on" and not cfg.model.stream_base:
+        # a streamed base's layers compile inside their checkpoints, which keep products (models.checkpointing)
+        raise ConfigError(f"{flag}: a resident layer compiles whole, its checkpoint inside the graph, where no "
+                          f"product can be kept; use {flag_name('model.compile')} auto or off with it (or "
+                          f"{flag_name('model.stream_base')} true)")
 
 
 def _validate_streamed(cfg: Config, flag: str) -> None:

@@ -9,8 +9,9 @@ selective checkpointing keeping the attention kernel's output instead (a Python 
 over every op of the checkpointed layer), and compiled (``--compile on``): resident, each layer
 compiled whole with its checkpoint inside the graph (``scoring.compiling.compile_layers``), and
 streamed, each layer's forward compiled inside its checkpoint
-(``models.checkpointing.LayerCheckpoint``). The compiled variants' first steps compile; the
-warm-up takes them.
+(``models.checkpointing.LayerCheckpoint``), also with the down projections' products kept (an
+opaque operation in the graph). The compiled variants' first steps compile; the warm-up takes
+them.
 
     python bench/probes/lora_host_probe.py [--layers 8] [--rounds 8] [--steps 40]
 
@@ -34,7 +35,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # dpocache in a checkout not installed
 
 VARIANTS = ("peft", "fused", "fused+cast-once", "checkpointed", "checkpointed+streamed", "checkpointed+kept",
-            "checkpointed+torch-sac", "checkpointed+compiled", "checkpointed+streamed+compiled")
+            "checkpointed+torch-sac", "checkpointed+compiled", "checkpointed+streamed+compiled",
+            "checkpointed+streamed+compiled+kept")
 
 
 def _save_attention(ctx, op, *args, **kwargs):
@@ -69,7 +71,7 @@ def build(variant: str, layers: int):
     if variant != "peft":
         fuse_lora_updates_(model)
     if variant.startswith("checkpointed"):  # the fused forward with the shared cast, checkpointed
-        streamed_compiled = variant == "checkpointed+streamed+compiled"  # compiled inside the checkpoint
+        streamed_compiled = variant.startswith("checkpointed+streamed+compiled")  # compiled inside the checkpoint
         enable_checkpointing(model, ("down_proj",) if variant.endswith("kept") else (), compiled=streamed_compiled)
         model.enable_input_require_grads()
     if variant == "checkpointed+compiled":  # a resident layer compiled whole, its checkpoint inside the graph

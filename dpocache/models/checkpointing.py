@@ -33,6 +33,13 @@ time is already as long as its device time. Here only the named layers do any Py
 the checkpoint's own context hooks (``context_fn``) say whether a call is the forward or the
 recompute, a store per checkpointed call: a forward whose backward never runs leaves nothing
 for another's recompute to take.
+
+A layer compiled inside its checkpoint (``LayerCheckpoint``, a streamed base under ``--compile
+on``) keeps its products through one operation the compiler leaves opaque
+(``dpocache::kept_linear``, ``compiled_kept_product_forward``): the call's phase is its grad
+mode there (the reentrant checkpoint's forward runs without autograd), and the operation reads
+it when it runs, not when it is traced, so one graph serves the forward and another the
+recompute, every layer alike.
 """
 
 from __future__ import annotations
@@ -63,15 +70,13 @@ KEEPS_PRODUCT = "dpocache_keeps_product"
 
 def enable_checkpointing(model: nn.Module, keep: tuple[str, ...] = (), compiled: bool = False) -> list[str]:
     """Checkpoint each decoder layer of ``model`` (a transformers model, or a PEFT model around
-    one) through a ``LayerCheckpoint`` of its own: non-reentrant, keeping the products of the
-    linear layers named in ``keep`` (``keep_products_``); or, with ``compiled``, the layer's
-    forward compiled inside the checkpoint (``LayerCheckpoint``). Returns the qualified names of
-    the linear layers that keep their products. Non-reentrant works with inputs that do not
-    require grad (frozen embeddings in LoRA); the compiled checkpoint needs the layers' input to
-    require it (``enable_input_require_grads``)."""
-    if keep and compiled:
-        raise ValueError("kept products run in eager layers only: a compiled layer would trace them as constants")
-    kept = keep_products_(model, keep) if keep else []
+    one) through a ``LayerCheckpoint`` of its own: non-reentrant, or, with ``compiled``, the
+    layer's forward compiled inside the checkpoint (``LayerCheckpoint``); either way keeping the
+    products of the linear layers named in ``keep`` (``keep_products_``). Returns the qualified
+    names of the linear layers that keep their products. Non-reentrant works with inputs that do
+    not require grad (frozen embeddings in LoRA); the compiled checkpoint needs the layers' input
+    to require it (``enable_input_require_grads``)."""
+    kept = keep_products_(model, keep, compiled=compiled) if keep else []
     kwargs = {"use_reentrant": False}
     # transformers 5.x renamed it, warning at every call of the old name; 4.x has the old one only
     enable = getattr(model, "activation_checkpointing_enable", None)
@@ -97,12 +102,13 @@ class LayerCheckpoint:
     where products are kept. ``compiled`` (``--compile on`` with ``--stream-base``): the layer's
     forward compiled (``scoring.compiling.compiled_function``, one graph for every layer) inside
     torch's reentrant checkpoint, which runs the forward without autograd and, in the backward,
-    the recompute and its backward as one autograd call: the non-reentrant checkpoint's hooks on
-    every saved tensor are host work per tensor, which a compiled layer's few kernels no longer
-    hide (docs/benchmarks/lora-host-probe-compiled-cpu-2core-20261126.md).
-    A resident layer compiles whole instead, its checkpoint inside the graph
-    (``scoring.compiling.compile_layers``), which needs its weights alive until its backward: a
-    streamed layer's slot holds another layer by then.
+    the recompute and its backward as one autograd call (the phase of a call that keeps products
+    is its grad mode): the non-reentrant checkpoint's hooks on every saved tensor are host work
+    per tensor, which a compiled layer's few kernels no longer hide
+    (docs/benchmarks/lora-host-probe-compiled-cpu-2core-20261126.md). A resident layer compiles
+    whole instead, its checkpoint inside the graph (``scoring.compiling.compile_layers``), which
+    needs its weights alive until its backward: a streamed layer's slot holds another layer by
+    then.
 
     ``before``: called first in the forward and again in the recompute, outside any compiled
     code (a streamed layer fetches its weights: ``dpocache.models.streaming``)."""
@@ -115,6 +121,8 @@ class LayerCheckpoint:
         run = forward
         if self.compiled:
             run = functools.partial(compiled_function(forward.func), *forward.args, **forward.keywords)
+            if self.keeps_products:  # the reentrant forward runs without autograd, its recompute with it
+                run = functools.partial(_in_phase_by_grad_mode, {}, run)
         if self.before is not None:
             run = functools.partial(_after, self.before, run)
         if self.compiled:
@@ -129,11 +137,19 @@ def _after(before: Callable[[], None], run: Callable, *args, **kwargs):
     return run(*args, **kwargs)
 
 
-def keep_products_(model: nn.Module, names: tuple[str, ...]) -> list[str]:
+def _in_phase_by_grad_mode(store: dict, run: Callable, *args, **kwargs):
+    """``run`` in the forward's phase of one checkpointed call (without autograd: the reentrant
+    checkpoint's forward) or in its recompute's (with it), sharing ``store``."""
+    with _Phase(store, recompute=torch.is_grad_enabled()):
+        return run(*args, **kwargs)
+
+
+def keep_products_(model: nn.Module, names: tuple[str, ...], compiled: bool = False) -> list[str]:
     """Give every frozen linear layer named in ``names`` inside ``model``'s decoder layers the
-    kept-product forward (on the instance); a PEFT LoRA layer's is its ``base_layer``. Returns
-    their qualified names. A name that matches no linear layer of a decoder layer, or one whose
-    weight is trained, is a ``ConfigError`` that names the flag."""
+    kept-product forward (on the instance; ``compiled``: the one a compiled layer traces); a
+    PEFT LoRA layer's is its ``base_layer``. Returns their qualified names. A name that matches
+    no linear layer of a decoder layer, or one whose weight is trained, is a ``ConfigError``
+    that names the flag."""
     flag = flag_name("model.checkpoint_keep")
     layers = decoder_layers(model)
     found = {name: [linear for layer in layers for short, linear in layer_linears(layer) if short == name]
@@ -146,7 +162,7 @@ def keep_products_(model: nn.Module, names: tuple[str, ...]) -> list[str]:
         raise ConfigError(f"{flag}: {qualified[id(trained[0])]} is trained; only frozen matrices (a LoRA policy's "
                           "base) keep their products (a trained one needs its input for its own gradient too)")
     for linear in chosen:
-        linear.forward = types.MethodType(kept_product_forward, linear)
+        linear.forward = types.MethodType(compiled_kept_product_forward if compiled else kept_product_forward, linear)
         setattr(linear, KEEPS_PRODUCT, True)
     width = sum(found[name][0].out_features for name in names)
     log.info("activation checkpointing keeps the products of %s in %d decoder layers (%d values per token and layer)",
@@ -271,3 +287,51 @@ class _KeptProduct(torch.autograd.Function):
             return None, None, None, None, None
         grad_x = grad.matmul(weight.to(grad.dtype))  # autocast's cast of the weight: none where stored in it
         return grad_x.to(ctx.x_dtype), None, None, None, None
+
+
+def compiled_kept_product_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear.forward`` for a layer that keeps its product, as a compiled layer traces it:
+    one opaque operation (``dpocache::kept_linear``) that decides when it runs whether to
+    compute and keep the product (the forward), return the kept one (the recompute) or only
+    compute it (no checkpointed call), by the phase the eager ``LayerCheckpoint`` set around the
+    compiled call. Autocast is applied here, where it is traced: the operation sees its dtypes."""
+    weight, bias = self.weight, self.bias
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    return torch.ops.dpocache.kept_linear(x, weight, bias)
+
+
+@torch.library.custom_op("dpocache::kept_linear", mutates_args=())
+def _kept_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, kept in the forward's phase of a checkpointed call and
+    taken in its recompute's. The forward keeps a copy: a compiled graph may write over its own
+    output in place once its last reader ran (inductor reuses buffers)."""
+    phase = getattr(_current, "phase", None)
+    if phase is not None and phase.recompute:
+        return phase.take(_kept_linear)
+    product = F.linear(x, weight, bias)
+    if phase is not None:
+        phase.keep(_kept_linear, product.clone())
+    return product
+
+
+@_kept_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _kept_linear_context(ctx, inputs, output) -> None:
+    x, weight, _ = inputs
+    ctx.save_for_backward(weight)
+    ctx.x_dtype = x.dtype
+
+
+def _kept_linear_backward(ctx, grad: torch.Tensor):
+    (weight,) = ctx.saved_tensors
+    return grad.matmul(weight.to(grad.dtype)).to(ctx.x_dtype), None, None
+
+
+_kept_linear.register_autograd(_kept_linear_backward, setup_context=_kept_linear_context)

@@ -228,11 +228,11 @@ class PlanRow:
 
 def plan(shape: ModelShape, device_counts=(1, 8, 16), device_gib: float = 80.0, tokens: int = 4096,
          usable: float = 0.9, lora_rank: int = 16, keep: tuple[str, ...] = ("down_proj",),
-         resident: int = 8) -> list[PlanRow]:
+         resident: int = 6) -> list[PlanRow]:
     """Rows for the reference pass (fp32 unsharded, bf16 unsharded, bf16 sharded, bf16 streamed on
     one device), FSDP2 training (fp32 compute, bf16 compute) on each device count, and LoRA
     training of rank ``lora_rank`` on one device (its base resident, streamed, streamed with the
-    products of ``keep`` kept, streamed with ``resident`` layers on the device). ``usable`` leaves
+    products of ``keep`` kept, and that with ``resident`` layers on the device). ``usable`` leaves
     room for the CUDA context, allocator fragmentation and communication buffers."""
     rows = []
     lora = f"training, LoRA r{lora_rank}, bf16 base"
@@ -252,8 +252,9 @@ def plan(shape: ModelShape, device_counts=(1, 8, 16), device_gib: float = 80.0, 
             jobs[f"{lora} streamed, {','.join(keep)} kept"] = lora_training_memory(shape, tokens, lora_rank,
                                                                                 streamed=True, keep=keep)
         if 0 < resident < shape.layers:
-            jobs[f"{lora} streamed, {resident} layers resident"] = lora_training_memory(
-                shape, tokens, lora_rank, streamed=True, resident=resident)
+            kept = f", {','.join(keep)} kept" if keep else ""
+            jobs[f"{lora} streamed, {resident} layers resident{kept}"] = lora_training_memory(
+                shape, tokens, lora_rank, streamed=True, keep=keep, resident=resident)
         for job, parts in jobs.items():
             one_device = "streamed" in job or "LoRA" in job  # the same on every DDP replica
             if ("sharded" in job and n == 1) or (one_device and n > 1):
@@ -282,8 +283,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lora-r", type=int, default=16, help="the LoRA rows' adapter rank (every matrix adapted)")
     parser.add_argument("--checkpoint-keep", default="down_proj",
                         help="matrices whose products the last LoRA row keeps (comma-separated; none: no such row)")
-    parser.add_argument("--resident-layers", type=int, default=8,
-                        help="decoder layers a streamed LoRA row keeps on the device (0: no such row)")
+    parser.add_argument("--resident-layers", type=int, default=6,
+                        help="decoder layers the last streamed LoRA row keeps on the device (0: no such row)")
     args = parser.parse_args(argv)
     try:
         keep = checkpoint_keep_names(args.checkpoint_keep)

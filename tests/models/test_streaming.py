@@ -441,9 +441,10 @@ def test_training_without_checkpointing_cannot_use_a_reused_slot_silently():
         loss.backward()
 
 
-def _lora_llama(model_path, streamed: bool, compiled: bool):
+def _lora_llama(model_path, streamed: bool, compiled: bool, keep: tuple[str, ...] = ()):
     """The tiny Llama in fp32 with a LoRA adapter on every linear layer (both matrices drawn at
-    random, so every adapter weight has a gradient), checkpointed by ``enable_checkpointing``."""
+    random, so every adapter weight has a gradient), checkpointed by ``enable_checkpointing``
+    (keeping the products of ``keep``)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -453,26 +454,34 @@ def _lora_llama(model_path, streamed: bool, compiled: bool):
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_path),
                            LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
     model.train()  # transformers checkpoints a layer in training mode only
-    enable_checkpointing(model, compiled=compiled)
+    enable_checkpointing(model, keep, compiled=compiled)
     model.enable_input_require_grads()
     streamer = StreamedLayers(model, decoder_layers(model), "cpu") if streamed else None
     return model, streamer
 
 
-def test_a_streamed_base_compiled_inside_its_checkpoints_trains_as_the_eager_resident_one(model_path):
+@pytest.mark.parametrize("keep", [(), ("down_proj",)])
+def test_a_streamed_base_compiled_inside_its_checkpoints_trains_as_the_eager_resident_one(model_path, keep,
+                                                                                          monkeypatch):
     """``--stream-base`` with ``--compile on``: each layer's forward compiled inside its
     checkpoint (``LayerCheckpoint``), which fetches the layer's weights before it, in the forward
     and in the backward's recompute. Over batches of three shapes: the eager resident model's
     loss and adapter gradients (fp32, within the compiler's rounding); every recompute runs
     from the layer's slot, the layers last to first, none waiting for its copy after the first;
     two graphs for all four layers and all three shapes (the forward without autograd, the
-    recompute with it), not one per layer or per shape."""
+    recompute with it), not one per layer or per shape, and no graph break. With
+    ``--checkpoint-keep down_proj`` each recompute takes the product its forward kept (one
+    opaque operation in the graph, ``dpocache::kept_linear``) instead of running that matrix."""
     from torch._dynamo.utils import counters
 
+    from dpocache.models import checkpointing
     from dpocache.models.checkpointing import LayerCheckpoint
 
+    taken = []
+    real_take = checkpointing._Phase.take
+    monkeypatch.setattr(checkpointing._Phase, "take", lambda phase, key: taken.append(key) or real_take(phase, key))
     eager, _ = _lora_llama(model_path, streamed=False, compiled=False)
-    compiled, streamer = _lora_llama(model_path, streamed=True, compiled=True)
+    compiled, streamer = _lora_llama(model_path, streamed=True, compiled=True, keep=keep)
     layers = decoder_layers(compiled)
     entered = []  # (layer, grad enabled, its streamed matrices in a slot) after each checkpoint's entry
     for index, layer in enumerate(layers):
@@ -484,7 +493,7 @@ def test_a_streamed_base_compiled_inside_its_checkpoints_trains_as_the_eager_res
             frozen = [p for p in layer.parameters() if not p.requires_grad and p.dim() == 2]
             entered.append((index, torch.is_grad_enabled(), all(_inside(p, streamer._slots) for p in frozen)))
         checkpoint.before = before
-    graphs = counters["stats"]["unique_graphs"]
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
     for batch, length in ((2, 21), (3, 27), (2, 35)):
         ids = torch.randint(3, 300, (batch, length), generator=torch.Generator().manual_seed(length))
         results = []
@@ -507,7 +516,8 @@ def test_a_streamed_base_compiled_inside_its_checkpoints_trains_as_the_eager_res
     assert [index for index, _ in recomputes] == 3 * [*reversed(range(n))]
     assert all(in_slot for _, in_slot in recomputes)
     assert streamer.waits == 1
-    assert counters["stats"]["unique_graphs"] - graphs == 2
+    assert counters["stats"]["unique_graphs"] - graphs == 2 and sum(counters["graph_break"].values()) == breaks
+    assert len(taken) == (3 * n if keep else 0)  # one down projection a layer, in each of three backwards
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
@@ -580,8 +590,9 @@ def test_a_lora_run_with_its_base_and_reference_streamed_trains_as_the_resident_
 def test_train_stream_base_with_compile_on_trains_as_the_eager_resident_run(tmp_path, model_path,
                                                                             train_jsonl,  # noqa: F811
                                                                             monkeypatch, device):
-    """``train --stream-base true --compile on --resident-layers 1`` through the whole loop, its
-    layers' forwards compiled inside their checkpoints (three streamed, one on the device),
+    """``train --stream-base true --compile on --resident-layers 1 --checkpoint-keep down_proj``
+    through the whole loop, its layers' forwards compiled inside their checkpoints (three
+    streamed, one on the device) with the down projections' products kept,
     against the eager resident run: on the CPU (standing in for the GPU) in fp32, the same logged
     values and adapter within the compiler's rounding; on a GPU in bf16 with Liger's kernels off,
     as the GPU suite's LoRA row runs it, the same losses and gradient norms within bf16 rounding
@@ -599,7 +610,9 @@ def test_train_stream_base_with_compile_on_trains_as_the_eager_resident_run(tmp_
         run_training(*flags(model_path, train_jsonl, out, tmp_path / "cache", "--lora-r", "4", "--dtype", dtype,
                             "--gradient-checkpointing", "true", "--max-steps", "3", "--lr", "1e-2",
                             "--stream-base", str(streamed), "--compile", "on" if streamed else "off",
-                            "--resident-layers", "1" if streamed else "0", "--device", device, "--kernels", "none"))
+                            "--resident-layers", "1" if streamed else "0",
+                            "--checkpoint-keep", "down_proj" if streamed else "none",
+                            "--device", device, "--kernels", "none"))
         runs[streamed] = (train_records(out), load_tensors(out / "final" / "adapter_model.safetensors"), run_json(out))
     (want, want_adapter, _), (got, got_adapter, info) = runs[False], runs[True]
     assert len(got) == len(want) == 3 and got_adapter.keys() == want_adapter.keys()
@@ -616,6 +629,7 @@ def test_train_stream_base_with_compile_on_trains_as_the_eager_resident_run(tmp_
             assert step_got["grad_norm"] == pytest.approx(step_want["grad_norm"], rel=5e-2), (step_got, step_want)
     assert info["policy"]["compiled_layers"] == 4
     assert info["policy"]["streamed"]["layers"] == 3 and info["policy"]["streamed"]["resident_layers"] == 1
+    assert info["policy"]["kept_products"] == {"names": ["down_proj"], "linear_layers": 4}
     assert runs[False][2]["policy"]["compiled_layers"] == 0
 
 
