@@ -202,3 +202,28 @@ def test_build_args_reach_the_ref_8b_build_and_keep_parts_apart(tmp_path, monkey
     (tmp_path / "streamed.json").write_text(json.dumps(part))
     with pytest.raises(ValueError, match="build_args"):
         gpu_suite.merge_parts([committed, tmp_path / "streamed.json"])
+
+
+@pytest.mark.parametrize("ab", ["", "--compile off", "--checkpoint-keep none", "--resident-layers 0",
+                                "--stream-base false --resident-layers 0 --checkpoint-keep none"])
+def test_the_gpu_lora_rows_options_and_their_ab_flags_pass_the_configuration_checks(monkeypatch, ab):
+    """The LoRA row's dpocache options on a GPU (streamed, resident layers, kept products,
+    compiled), alone and with each A/B of the next GPU session's plan
+    (docs/benchmarks/gpu-suite-h200-20261126-0556.md), pass every check ``train`` makes of its
+    configuration before a model loads, on a machine that has CUDA (stood in here): a GPU call
+    is not spent on a combination refused with one line."""
+    import shlex
+
+    import torch
+
+    from dpocache.config import build_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    args = [*gpu_suite.DPO_LORA_ARGS, *gpu_suite.GPU.lora_train_args, *shlex.split(ab)]
+    cfg = build_config(None, ["--model", "m", "--data", "d.jsonl", "--device", "cuda", "--dtype", "bfloat16", *args])
+    cfg.validate(required=("model.path", "data.train"))
+    streamed = "--stream-base false" not in ab
+    assert cfg.model.stream_base is streamed and cfg.model.gradient_checkpointing and cfg.lora.r == 16
+    assert cfg.model.resident_layers == (6 if streamed and "--resident-layers 0" not in ab else 0)
+    assert cfg.model.compile == ("off" if "--compile off" in ab else "on")
