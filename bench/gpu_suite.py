@@ -10,7 +10,7 @@ model, data, dtype and batch, each system's run in its own process.
     python bench/gpu_suite.py --only train-8b-lora --no-trl --train-args "--compile off"  # an A/B: eager layers
     python bench/gpu_suite.py --only ref-8b --no-trl --build-args "--stream-reference false"  # resident weights
     python bench/gpu_suite.py --only train-8b-lora --no-trl --train-args "--resident-layers 0"  # all 32 streamed
-    python bench/gpu_suite.py --only train-8b-lora --no-trl --train-args "--compile off --checkpoint-keep down_proj"
+    python bench/gpu_suite.py --only train-8b-lora --no-trl --train-args "--checkpoint-keep none"  # none kept
 
 Rows:
 
