@@ -464,6 +464,11 @@ def _validate_kernels(model: ModelConfig) -> None:
 def _validate_streaming(cfg: Config) -> None:
     """``--stream-reference`` and ``--stream-base`` where they cannot run, refused before any
     model loads (``dpocache.models.streaming``). After ``validate_device``: the device is one."""
+    if cfg.model.stream_reference and cfg.model.compile == "on":
+        # A LoRA policy's streamed layers compile inside their checkpoints (models.checkpointing)
+        raise ConfigError(f"{flag_name('model.stream_reference')}: a streamed reference's layers swap their weights "
+                          "around each call, which a compiled layer would trace; use "
+                          f"{flag_name('model.compile')} auto or off with it")
     for dotted in ("model.stream_reference", "model.stream_base"):
         if _get(cfg, dotted):
             _validate_streamed(cfg, flag_name(dotted))
@@ -523,10 +528,6 @@ def _validate_checkpoint_keep(cfg: Config) -> None:
 
 
 def _validate_streamed(cfg: Config, flag: str) -> None:
-    if cfg.model.compile == "on" and flag == flag_name("model.stream_reference"):
-        # A LoRA policy's streamed layers compile inside their checkpoint (models.checkpointing)
-        raise ConfigError(f"{flag}: a streamed reference's layers swap their weights around each call, which a "
-                          f"compiled layer would trace; use {flag_name('model.compile')} auto or off with it")
     if cfg.distributed.fsdp:
         raise ConfigError(f"{flag}: a model sharded with {flag_name('distributed.fsdp')} is loaded a shard per GPU "
                           "and gathered a layer at a time already; pass one of them")
