@@ -9,6 +9,7 @@ PyTorch's ``meta`` device where a test must tell it from the host (the stand-ins
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib
 
@@ -460,9 +461,27 @@ def _lora_llama(model_path, streamed: bool, compiled: bool, keep: tuple[str, ...
     return model, streamer
 
 
-@pytest.mark.parametrize("keep", [(), ("down_proj",)])
+def _checkpoint_the_call(monkeypatch, layer_class) -> None:
+    """``layer_class`` checkpointed as transformers 4.56 to 5.17 do it: its checkpoint is handed
+    ``partial(nn.Module.__call__ bound to the layer, **kwargs)``, the layer's hooks inside it (5.24
+    hands over ``partial(forward, layer, **kwargs)``, its hooks outside)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    def __call__(self, *args, **kwargs):
+        if self.gradient_checkpointing and self.training:
+            return self._gradient_checkpointing_func(
+                functools.partial(super(GradientCheckpointingLayer, self).__call__, **kwargs), *args)
+        return super(GradientCheckpointingLayer, self).__call__(*args, **kwargs)
+
+    # the layer's own forward, under the wrapper transformers 5.24 puts around it
+    monkeypatch.setattr(layer_class, "forward", getattr(layer_class.forward, "__wrapped__", layer_class.forward))
+    monkeypatch.setattr(layer_class, "__call__", __call__)
+
+
+@pytest.mark.parametrize("keep,handed_over", [((), "forward"), (("down_proj",), "forward"),
+                                              (("down_proj",), "__call__")])
 def test_a_streamed_base_compiled_inside_its_checkpoints_trains_as_the_eager_resident_one(model_path, keep,
-                                                                                          monkeypatch):
+                                                                                          handed_over, monkeypatch):
     """``--stream-base`` with ``--compile on``: each layer's forward compiled inside its
     checkpoint (``LayerCheckpoint``), which fetches the layer's weights before it, in the forward
     and in the backward's recompute. Over batches of three shapes: the eager resident model's
@@ -471,12 +490,19 @@ def test_a_streamed_base_compiled_inside_its_checkpoints_trains_as_the_eager_res
     two graphs for all four layers and all three shapes (the forward without autograd, the
     recompute with it), not one per layer or per shape, and no graph break. With
     ``--checkpoint-keep down_proj`` each recompute takes the product its forward kept (one
-    opaque operation in the graph, ``dpocache::kept_linear``) instead of running that matrix."""
+    opaque operation in the graph, ``dpocache::kept_linear``) instead of running that matrix.
+    ``__call__``: the same where transformers (before 5.24) checkpoints the layer's call, hooks
+    and all (on transformers 5.17 each layer compiled its own call and the streaming hook that
+    gives the slot back, one graph break a layer)."""
     from torch._dynamo.utils import counters
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     from dpocache.models import checkpointing
     from dpocache.models.checkpointing import LayerCheckpoint
 
+    if handed_over == "__call__":
+        _checkpoint_the_call(monkeypatch, LlamaDecoderLayer)
+    torch._dynamo.reset()  # the graphs this test counts, whichever test compiled the layer's forward before
     taken = []
     real_take = checkpointing._Phase.take
     monkeypatch.setattr(checkpointing._Phase, "take", lambda phase, key: taken.append(key) or real_take(phase, key))
@@ -528,7 +554,8 @@ def test_a_lora_run_with_its_base_and_reference_streamed_trains_as_the_resident_
     """``train --stream-base --stream-reference`` through the whole loop, the CPU standing in for
     the GPU (the check that refuses a CPU is what is stood in for): a bf16 LoRA run with its
     base stored in bf16 and checkpointed by transformers, as on a GPU, logs the same values and
-    saves the same adapter as the resident run, bit for bit; every frozen matrix runs from a
+    saves the same adapter as the resident run, bit for bit (on a GPU in bf16: the same losses
+    and gradient norms within its rounding); every frozen matrix runs from a
     slot, in the forward and in the backward's recompute (which transformers runs without the
     layer's own hooks); run.json says what streamed; no layer of the policy waited for its copy
     after the first."""
@@ -571,10 +598,12 @@ def test_a_lora_run_with_its_base_and_reference_streamed_trains_as_the_resident_
     if device == "cpu":
         assert runs[True][0] == runs[False][0]
         assert all(torch.equal(runs[True][1][k], runs[False][1][k]) for k in runs[True][1])
-    else:  # a GPU's attention backward sums in no fixed order: two resident runs differ in the last bits too
+    else:  # a GPU's attention backward sums in no fixed order: two resident runs differ in the last bits too,
+        # and Adam's first steps move a weight by about lr whatever its gradient's size, so the adapters
+        # differ by up to a step where a gradient near zero changed sign (0.024 at lr 1e-2 on an H200)
         for got, want in zip(runs[True][0], runs[False][0]):
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-3), (got, want)
-        assert max_abs_diff(runs[True][1], runs[False][1]) < 1e-3
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=5e-2), (got, want)
     info = runs[True][2]
     assert info["policy"]["streamed"]["layers"] == 4 and info["reference"]["streamed"]["layers"] == 4
     assert runs[False][2]["policy"]["streamed"] is None and runs[False][2]["reference"]["streamed"] is None
