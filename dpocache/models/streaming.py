@@ -22,8 +22,9 @@ passes the model's parameters are its own; the last layer fetches the first for 
 Under autograd (a LoRA policy, checkpointed) a layer keeps its slot until the next one starts,
 and the order turns at each end: the backward's recompute runs the layers last to first, and
 each needs its weights for its recompute and its backward. transformers checkpoints a layer's
-``forward`` and keeps the layer's hooks outside, so a layer is also entered by the first of its
-children, or of the modules holding its streamed weights, to be called. A slot that still
+``forward`` and keeps the layer's hooks outside, so a layer is also entered by dpocache's
+checkpoint (``LayerCheckpoint``, the one training installs) or, under any other, by the first of
+its children, or of the modules holding its streamed weights, to be called. A slot that still
 holds the layer wanted (at a turn, or with as many slots as layers) is used again without a
 copy. On a CPU the "device" slots are host tensors and the copies synchronous: it runs the
 same bookkeeping, which the tests check.
@@ -32,7 +33,7 @@ Without checkpointing autograd would keep each layer's weights for the backward,
 slot no longer holds (training refuses it; autograd's version check would stop the backward).
 ``--compile on`` with ``--stream-base``: each layer's forward is compiled inside its checkpoint
 (``dpocache.models.checkpointing.LayerCheckpoint``), which enters the layer before it, in the
-forward and in the recompute; the children's hooks do nothing in compiled code. A whole layer
+forward and in the recompute. A whole layer
 compiled (``scoring.compiling.compile_layers``) would trace its own hooks and keep its weights
 for its backward, so a streamed reference (``--stream-reference``) stays eager.
 """
@@ -117,7 +118,10 @@ class StreamedLayers:
             # its children or of the modules holding its streamed weights to be called does.
             checkpointed = getattr(layer, "_gradient_checkpointing_func", None)
             if isinstance(checkpointed, LayerCheckpoint):
+                # the children's hooks would be host work for nothing, and in a compiled layer
+                # guards that tell a streamed layer from a resident one: a second graph each
                 checkpointed.before = functools.partial(enter, layer, ())
+                continue
             owners = [m for p in self._packed[index] for m, _ in p.owners]
             for key, module in {id(m): m for m in [*layer.children(), *owners]}.items():
                 if module is not layer and key not in shared:
@@ -172,9 +176,7 @@ class StreamedLayers:
 
     def _enter_hook(self, index: int):
         def enter(module, args):
-            # A compiled layer (inside dpocache's checkpoint, entered before it) traces its
-            # children's hooks: there this one is nothing.
-            if not torch.compiler.is_compiling() and index not in self._running:
+            if index not in self._running:
                 self._enter(index)
         return enter
 

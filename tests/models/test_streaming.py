@@ -626,14 +626,19 @@ def test_train_stream_base_with_compile_on_trains_as_the_eager_resident_run(tmp_
     values and adapter within the compiler's rounding; on a GPU in bf16 with Liger's kernels off,
     as the GPU suite's LoRA row runs it, the same losses and gradient norms within bf16 rounding
     (Adam's first steps on bf16 rounding noise leave the adapters themselves apart by more).
-    run.json counts the compiled, streamed and resident layers."""
+    Two graphs for all the layers, resident and streamed; run.json counts the compiled, streamed
+    and resident layers."""
     import dpocache.config as config_mod
+
+    from torch._dynamo.utils import counters
 
     dtype = "float32" if device == "cpu" else "bfloat16"
     if device == "cpu":
         monkeypatch.setattr(config_mod, "_validate_streamed", lambda cfg, flag: None)
     runs = {}
+    torch._dynamo.reset()  # the graphs this test counts, whichever test compiled the layer's forward before
     for streamed in (False, True):
+        graphs = counters["stats"]["unique_graphs"]
         out = tmp_path / f"run-{streamed}"
         # one cache: the second run's reference values are a hit (its reference pass is not compiled)
         run_training(*flags(model_path, train_jsonl, out, tmp_path / "cache", "--lora-r", "4", "--dtype", dtype,
@@ -643,6 +648,8 @@ def test_train_stream_base_with_compile_on_trains_as_the_eager_resident_run(tmp_
                             "--checkpoint-keep", "down_proj" if streamed else "none",
                             "--device", device, "--kernels", "none"))
         runs[streamed] = (train_records(out), load_tensors(out / "final" / "adapter_model.safetensors"), run_json(out))
+    # the forward without autograd and the recompute with it, for the resident and the streamed layers alike
+    assert counters["stats"]["unique_graphs"] - graphs == 2
     (want, want_adapter, _), (got, got_adapter, info) = runs[False], runs[True]
     assert len(got) == len(want) == 3 and got_adapter.keys() == want_adapter.keys()
     moved = max(float(t.abs().max()) for name, t in want_adapter.items() if "lora_B" in name)
