@@ -364,16 +364,16 @@ def _write_profile(spec: dict, profiler, steps: int) -> dict:
 
 
 def _what_ran(run_json: Path) -> dict | None:
-    """What the run's ``run.json`` says ran: the policy's layout, compiled layers, kernels,
-    prefetch, streamed base and kept products (a report names them beside its figures); None
-    before the run wrote it."""
+    """What the run's ``run.json`` says ran: the policy's layout, compiled layers (and the graphs
+    and graph breaks compiling them took), kernels, prefetch, streamed base and kept products (a
+    report names them beside its figures); None before the run wrote it."""
     if not run_json.is_file():
         return None
     info = json.loads(run_json.read_text())
     policy = info.get("policy", {})
     return {"layout": info.get("layout"), "dtype": info.get("dtype"),
             **{k: policy.get(k) for k in ("compiled_layers", "kernels", "prefetch", "trainable", "parameters",
-                                          "streamed", "kept_products")}}
+                                          "streamed", "kept_products", "compiler")}}
 
 
 def dpo_train(spec: dict) -> None:

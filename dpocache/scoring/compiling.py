@@ -90,6 +90,14 @@ def compiled_function(function: Callable) -> Callable:
 _COMPILED: dict[Callable, Callable] = {}
 
 
+def compiler_counts() -> dict[str, int]:
+    """What torch's compiler has done in this process so far: the graphs it compiled and the
+    graph breaks it met. A run records its own (run.json's ``policy.compiler``), where a graph
+    per layer or per batch shape, or a break inside a layer, would only have slowed it."""
+    counters = torch._dynamo.utils.counters  # torch imports its compiler on first use
+    return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
+
+
 def flex_on_cpu(model: nn.Module) -> bool:
     """Whether ``model`` runs FlexAttention on the CPU, where torch 2.13's inductor cannot build
     the flex kernel with a symbolic key length (``scoring.attention.compile_settings``): a compiled

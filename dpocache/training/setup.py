@@ -47,7 +47,7 @@ from dpocache.models.reference import dtype_name, resolve_dtype
 from dpocache.models.streaming import check_resident_layers
 from dpocache.runtime.preflight import UsageError, model_context, model_vocab_size
 from dpocache.runtime.run_lock import OutputDirLock, hold_output_dir
-from dpocache.scoring.compiling import compile_layers
+from dpocache.scoring.compiling import compile_layers, compiler_counts
 from dpocache.scoring.layouts import training_layout
 from dpocache.scoring.logprobs import CompletionLogProbs, decoder_layers, scorer_core
 from dpocache.training.cached_reference import cache_dir_of, plan_audit, prepare_reference
@@ -155,6 +155,7 @@ def _setup(cfg: Config, env: DistEnv) -> Run:
         scorer = wrap_for_distributed(CompletionLogProbs(policy), policy, cfg, env)
     # After the scorer's fast-path probe (a compile for its few tokens would be wasted). A streamed
     # base's layers compile their forwards inside their checkpoints instead (load_policy).
+    compiler_at_start = compiler_counts() if compiled else None
     if compiled and cfg.model.stream_base:
         compiled_layers = len(decoder_layers(policy))
     else:
@@ -172,7 +173,7 @@ def _setup(cfg: Config, env: DistEnv) -> Run:
                            config=cfg.to_dict(), resume=cfg.train.resume)
     run = Run(cfg, env, out, dtype, tokenizer, train_data, eval_data, ref_train, ref_eval, spec, policy, scorer,
               optimizer, scheduler, total, epoch_steps, writer, layout, compiled_layers,
-              scaler=build_grad_scaler(dtype, env.device, fsdp))
+              compiler_at_start, scaler=build_grad_scaler(dtype, env.device, fsdp))
     run.info = _run_info(run, ref_info, kernels.to_json())
     run.inputs = {"train_pairs": len(train_data), "train_digest": data_digest(train_data),
                   "reference_namespace": ref_info.get("namespace")}

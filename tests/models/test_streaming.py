@@ -626,8 +626,8 @@ def test_train_stream_base_with_compile_on_trains_as_the_eager_resident_run(tmp_
     values and adapter within the compiler's rounding; on a GPU in bf16 with Liger's kernels off,
     as the GPU suite's LoRA row runs it, the same losses and gradient norms within bf16 rounding
     (Adam's first steps on bf16 rounding noise leave the adapters themselves apart by more).
-    Two graphs for all the layers, resident and streamed; run.json counts the compiled, streamed
-    and resident layers."""
+    Two graphs for all the layers, resident and streamed, and no graph break, which run.json
+    records with the compiled, streamed and resident layers."""
     import dpocache.config as config_mod
 
     from torch._dynamo.utils import counters
@@ -664,6 +664,8 @@ def test_train_stream_base_with_compile_on_trains_as_the_eager_resident_run(tmp_
             assert step_got["loss"] == pytest.approx(step_want["loss"], rel=1e-2), (step_got, step_want)
             assert step_got["grad_norm"] == pytest.approx(step_want["grad_norm"], rel=5e-2), (step_got, step_want)
     assert info["policy"]["compiled_layers"] == 4
+    assert info["policy"]["compiler"] == {"graphs": 2, "graph_breaks": 0}
+    assert "compiler" not in runs[False][2]["policy"]
     assert info["policy"]["streamed"]["layers"] == 3 and info["policy"]["streamed"]["resident_layers"] == 1
     assert info["policy"]["kept_products"] == {"names": ["down_proj"], "linear_layers": 4}
     assert runs[False][2]["policy"]["compiled_layers"] == 0

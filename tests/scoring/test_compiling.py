@@ -101,7 +101,8 @@ def test_build_summary_names_compiled_layers_and_bad_value_is_status_2(tmp_path,
 @pytest.mark.slow
 def test_training_with_compiled_layers_follows_the_eager_run(tmp_path, base_model, train_jsonl):
     """Three fp32 steps with the policy's layers compiled (forward and backward through inductor)
-    against the same run eager: the same losses and gradient norms, up to fp32 rounding."""
+    against the same run eager: the same losses and gradient norms, up to fp32 rounding; run.json
+    records the one graph compiled."""
     from transformers import AutoConfig
 
     torch._dynamo.reset()
@@ -111,7 +112,10 @@ def test_training_with_compiled_layers_follows_the_eager_run(tmp_path, base_mode
         out = tmp_path / mode
         run_training(*flags(base_model, train_jsonl, out, tmp_path / "cache", "--max-steps", "3", "--compile", mode))
         runs[mode] = train_records(out)
-        assert run_json(out)["policy"]["compiled_layers"] == (0 if mode == "off" else layers)
+        policy = run_json(out)["policy"]
+        assert policy["compiled_layers"] == (0 if mode == "off" else layers)
+        # one dynamic graph for every layer and batch shape, and no break (None: nothing compiled)
+        assert policy.get("compiler") == (None if mode == "off" else {"graphs": 1, "graph_breaks": 0})
     assert len(runs["on"]) == len(runs["off"]) == 3
     for eager, compiled in zip(runs["off"], runs["on"]):
         assert compiled["loss"] == pytest.approx(eager["loss"], abs=1e-5)
