@@ -205,13 +205,14 @@ def test_build_args_reach_the_ref_8b_build_and_keep_parts_apart(tmp_path, monkey
 
 
 @pytest.mark.parametrize("ab", ["", "--compile off", "--checkpoint-keep none", "--resident-layers 0",
-                                "--stream-base false --resident-layers 0 --checkpoint-keep none"])
+                                "--stream-base false --resident-layers 0 --checkpoint-keep none",
+                                "--resident-layers 0 --checkpoint-keep down_proj,o_proj,q_proj"])
 def test_the_gpu_lora_rows_options_and_their_ab_flags_pass_the_configuration_checks(monkeypatch, ab):
     """The LoRA row's dpocache options on a GPU (streamed, resident layers, kept products,
-    compiled), alone and with each A/B of the next GPU session's plan
-    (docs/benchmarks/gpu-suite-h200-20261126-0556.md), pass every check ``train`` makes of its
-    configuration before a model loads, on a machine that has CUDA (stood in here): a GPU call
-    is not spent on a combination refused with one line."""
+    compiled), alone and with each A/B of the GPU sessions' plans
+    (docs/benchmarks/gpu-suite-h200-20261126-0556.md, gpu-suite-h200-20261126-1325.md), pass
+    every check ``train`` makes of its configuration before a model loads, on a machine that has
+    CUDA (stood in here): a GPU call is not spent on a combination refused with one line."""
     import shlex
 
     import torch
