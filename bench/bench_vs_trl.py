@@ -34,10 +34,12 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -56,8 +58,10 @@ from common import (  # noqa: E402
 WORKERS = BENCH_DIR / "workers.py"
 
 
-def run_worker(mode: str, spec: dict, scratch: Path, log: Path) -> dict:
-    """Run one worker process; returns its result plus ``peak_rss_bytes`` and ``wall_s``."""
+def run_worker(mode: str, spec: dict, scratch: Path, log: Path, timeout_s: float | None = None) -> dict:
+    """Run one worker process; returns its result plus ``peak_rss_bytes`` and ``wall_s``.
+    ``timeout_s``: past it the worker is killed (the compiler's worker processes end with their
+    parent) and RuntimeError says so, as for a worker that failed."""
     spec = dict(spec)
     spec_path = scratch / f"{mode}-spec.json"
     spec["out"] = str(scratch / f"{mode}-result.json")
@@ -72,9 +76,17 @@ def run_worker(mode: str, spec: dict, scratch: Path, log: Path) -> dict:
         f.flush()
         proc = subprocess.Popen([sys.executable, str(WORKERS), mode, str(spec_path)],
                                 stdout=f, stderr=subprocess.STDOUT, env=env)
+        # in the suite's process group still: a timeout around the suite ends its workers too
+        timer = threading.Timer(timeout_s, proc.kill) if timeout_s else None
+        if timer is not None:
+            timer.start()
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
+        if timer is not None:
+            timer.cancel()
     wall = time.perf_counter() - t0
+    if timeout_s and wall >= timeout_s and proc.returncode == -signal.SIGKILL:
+        raise RuntimeError(f"{mode} ran past its {timeout_s:.0f} s and was killed; see {log}")
     if proc.returncode != 0:
         raise RuntimeError(f"{mode} failed with exit code {proc.returncode}; see {log}")
     result = json.loads(Path(spec["out"]).read_text())

@@ -7,6 +7,7 @@ model, data, dtype and batch, each system's run in its own process.
     python bench/gpu_suite.py --merge A.json B.json --out bench/results/gpu-suite-h100-<date>.json
     python bench/gpu_suite.py --dry-run --out /tmp/suite.json  # every row at tiny shapes on a CPU
     python bench/gpu_suite.py --only train-8b-lora --profile   # and its dpocache steps under torch.profiler
+    python bench/gpu_suite.py --worker-timeout 240             # a side past 240 s killed, the next row runs
     python bench/gpu_suite.py --only train-8b-lora --no-trl --train-args "--compile off"  # an A/B: eager layers
     python bench/gpu_suite.py --only ref-8b --no-trl --build-args "--stream-reference false"  # resident weights
     python bench/gpu_suite.py --only train-8b-lora --no-trl --train-args "--resident-layers 0"  # all 32 streamed
@@ -183,6 +184,7 @@ class Suite:
     train_args: tuple[str, ...] = ()  # --train-args: more dpocache train options in both training rows
     build_args: tuple[str, ...] = ()  # --build-args: more dpocache cache build options in ref-8b
     no_trl: bool = False  # --no-trl: dpocache's side only
+    worker_timeout: float | None = None  # --worker-timeout: each side's process killed past it
 
 
 # ------------------------------------------------------------------------------ inputs
@@ -298,7 +300,7 @@ def run_side(suite: Suite, row: str, mode: str, spec: dict) -> tuple[dict | None
     if suite.no_trl and mode.startswith("trl-"):
         return None, None
     try:
-        return run_worker(mode, spec, _row_scratch(suite, row), suite.log), None
+        return run_worker(mode, spec, _row_scratch(suite, row), suite.log, suite.worker_timeout), None
     except RuntimeError as e:
         return None, f"{mode}: {e}: {last_log_line(suite.log)}"
 
@@ -692,6 +694,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="more dpocache cache build options, one string, in ref-8b (an A/B: '--stream-reference true')")
     p.add_argument("--no-trl", action="store_true",
                    help="dpocache's side only (a comparison of dpocache's options on one machine; no ratio to TRL)")
+    p.add_argument("--worker-timeout", type=float, default=None, metavar="S",
+                   help="kill a side's process past S seconds: the row records why, the next one runs")
     p.add_argument("--dry-run", action="store_true", help="every row at tiny shapes on the CPU, in fp32")
     p.add_argument("--work", default=None, help="where inputs are built and reused (default: bench/work/)")
     p.add_argument("--ref-pairs", type=int, default=None, help="ref-8b's pairs (default 256; dry run 12)")
@@ -753,7 +757,7 @@ def main(argv: list[str] | None = None) -> int:
                   [] if args.kernels == "auto" else ["--kernels", args.kernels], env["peak_flops"],
                   profile_to=out.parent / f"{out.stem}-profiles" if args.profile else None,
                   train_args=tuple(shlex.split(args.train_args)), build_args=tuple(shlex.split(args.build_args)),
-                  no_trl=args.no_trl)
+                  no_trl=args.no_trl, worker_timeout=args.worker_timeout)
     names = {str(suite.scratch): "<scratch>", str(work): "<work>"}
     result = {**env, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "dry_run": args.dry_run, "kernels": args.kernels,
               "train_args": list(suite.train_args), "build_args": list(suite.build_args), "no_trl": args.no_trl,

@@ -228,3 +228,27 @@ def test_the_gpu_lora_rows_options_and_their_ab_flags_pass_the_configuration_che
     assert cfg.model.stream_base is streamed and cfg.model.gradient_checkpointing and cfg.lora.r == 16
     assert cfg.model.resident_layers == (6 if streamed and "--resident-layers 0" not in ab else 0)
     assert cfg.model.compile == ("off" if "--compile off" in ab else "on")
+
+
+def test_a_worker_past_its_timeout_is_killed_and_its_side_fails_without_ending_the_row(tmp_path, monkeypatch):
+    """``--worker-timeout``: a side whose process runs past it is killed, and ``run_side`` returns
+    why (the row goes on, its other side kept), well before the worker would have ended."""
+    import time
+
+    import bench_vs_trl
+
+    sleeper = tmp_path / "workers.py"
+    sleeper.write_text("import time\ntime.sleep(60)\n")
+    monkeypatch.setattr(bench_vs_trl, "WORKERS", sleeper)
+    suite = gpu_suite.Suite(gpu_suite.shapes_of(gpu_suite.parse_args(["--dry-run"])), tmp_path, tmp_path,
+                            tmp_path / "suite.log", [], None, worker_timeout=1.0)
+    t0 = time.perf_counter()
+    result, why = gpu_suite.run_side(suite, "train-8b-lora", "dpo-train", {})
+    assert result is None and "dpo-train ran past its 1 s and was killed" in why
+    assert time.perf_counter() - t0 < 30
+    # without a timeout the same call waits for its worker (here one that ends at once)
+    sleeper.write_text("import json, sys\nspec = json.load(open(sys.argv[2]))\n"
+                       "json.dump({'ok': 1}, open(spec['out'], 'w'))\n")
+    suite.worker_timeout = None
+    result, why = gpu_suite.run_side(suite, "train-8b-lora", "dpo-train", {})
+    assert why is None and result["ok"] == 1
