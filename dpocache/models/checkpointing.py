@@ -113,12 +113,12 @@ class LayerCheckpoint:
     ``before``: called first in the forward and again in the recompute, outside any compiled
     code (a streamed layer fetches its weights: ``dpocache.models.streaming``).
 
-    transformers 4.56 to 5.17 hand over ``partial(layer.__call__, **kwargs)`` instead, the
-    layer's hooks inside the checkpoint. Compiled, this class runs those hooks outside it, as
-    5.24 does: traced inside, the hook that gives a streamed slot back breaks the graph, the
-    reentrant forward runs them without autograd (the streamed order takes it for an evaluation),
-    and the compiled call of each layer is a function of its own (on an H200 with 5.17 the
-    compiles of 26 layers did not end in 90 s)."""
+    Earlier transformers (5.17, for one) hand over ``partial(layer.__call__, **kwargs)`` instead,
+    the layer's hooks inside the checkpoint. Compiled, this class runs those hooks outside it, as
+    5.24 does: traced inside, the hook that gives a streamed slot back breaks the graph and is
+    compiled again for every layer, and the reentrant forward runs them without autograd, where
+    the streamed order takes the pass for an evaluation
+    (docs/benchmarks/gpu-suite-h200-20261126-1325.md)."""
 
     def __init__(self, keeps_products: bool = False, compiled: bool = False) -> None:
         self.keeps_products, self.compiled = keeps_products, compiled
@@ -126,7 +126,7 @@ class LayerCheckpoint:
 
     def __call__(self, forward: functools.partial, *args):
         layer = getattr(forward.func, "__self__", None)
-        if self.compiled and isinstance(layer, nn.Module):  # transformers before 5.24: the layer's call
+        if self.compiled and isinstance(layer, nn.Module):  # an earlier transformers: the layer's call
             return _call_with_forward(layer, functools.partial(self._class_forward, layer), *args, **forward.keywords)
         return self._checkpoint(forward, *args)
 

@@ -462,7 +462,7 @@ def _lora_llama(model_path, streamed: bool, compiled: bool, keep: tuple[str, ...
 
 
 def _checkpoint_the_call(monkeypatch, layer_class) -> None:
-    """``layer_class`` checkpointed as transformers 4.56 to 5.17 do it: its checkpoint is handed
+    """``layer_class`` checkpointed as earlier transformers (5.17, for one) do it: its checkpoint is handed
     ``partial(nn.Module.__call__ bound to the layer, **kwargs)``, the layer's hooks inside it (5.24
     hands over ``partial(forward, layer, **kwargs)``, its hooks outside)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
@@ -491,9 +491,9 @@ def test_a_streamed_base_compiled_inside_its_checkpoints_trains_as_the_eager_res
     recompute with it), not one per layer or per shape, and no graph break. With
     ``--checkpoint-keep down_proj`` each recompute takes the product its forward kept (one
     opaque operation in the graph, ``dpocache::kept_linear``) instead of running that matrix.
-    ``__call__``: the same where transformers (before 5.24) checkpoints the layer's call, hooks
-    and all (on transformers 5.17 each layer compiled its own call and the streaming hook that
-    gives the slot back, one graph break a layer)."""
+    ``__call__``: the same where transformers (5.17, for one) checkpoints the layer's call, hooks
+    and all (there, before dpocache ran the hooks outside, dynamo compiled the streaming hooks
+    again and again and each backward's turn waited for a copy)."""
     from torch._dynamo.utils import counters
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
