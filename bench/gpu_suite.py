@@ -630,6 +630,12 @@ def summary_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def rows_to_run(only: list[str] | None) -> list[str]:
+    """``--only``'s rows in its order (a row that cannot fail first, one that may run long last),
+    each once; every row without it."""
+    return list(dict.fromkeys(only)) if only else list(ROWS)
+
+
 def default_out(slug: str, only: list[str] | None, dry_run: bool) -> Path:
     """``bench/results/gpu-suite-<device>-<date>[-<rows>].json``; a dry run's in the temp directory."""
     name = f"gpu-suite-{slug}-{time.strftime('%Y%m%d')}" + (f"-{'-'.join(only)}" if only else "") + ".json"
@@ -678,7 +684,8 @@ def merge_parts(paths: list[Path]) -> dict:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line (the module docstring's first paragraph is its description)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", nargs="+", choices=ROWS, metavar="ROW", help=f"these rows only: {', '.join(ROWS)}")
+    p.add_argument("--only", nargs="+", choices=ROWS, metavar="ROW",
+                   help=f"these rows only, in this order: {', '.join(ROWS)}")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="one result of the rows of several parts (needs --out)")
     p.add_argument("--out", default=None, help="the result file (default: bench/results/gpu-suite-<device>-<date>"
                                                "[-<rows>].json; a dry run's in the temp directory)")
@@ -743,7 +750,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge:
         return merge_main(args)
     shapes = shapes_of(args)
-    rows = [r for r in ROWS if r in (args.only or ROWS)]
+    rows = rows_to_run(args.only)
     if _version("trl") is None:
         print("TRL is not installed: bench/gpu_suite.sh download (where PyPI is reachable), then "
               "bench/gpu_suite.sh install", file=sys.stderr)

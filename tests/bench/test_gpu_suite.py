@@ -252,3 +252,9 @@ def test_a_worker_past_its_timeout_is_killed_and_its_side_fails_without_ending_t
     suite.worker_timeout = None
     result, why = gpu_suite.run_side(suite, "train-8b-lora", "dpo-train", {})
     assert why is None and result["ok"] == 1
+
+
+def test_only_runs_its_rows_in_its_own_order_each_once():
+    assert gpu_suite.rows_to_run(None) == list(gpu_suite.ROWS)
+    assert gpu_suite.rows_to_run(["train-1b-full", "train-8b-lora", "train-1b-full"]) == ["train-1b-full",
+                                                                                          "train-8b-lora"]
