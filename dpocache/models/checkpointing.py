@@ -150,12 +150,17 @@ class LayerCheckpoint:
 
 
 def _call_with_forward(layer: nn.Module, forward: Callable, *args, **kwargs):
-    """``layer`` called with ``forward`` in place of its own: its hooks run as torch runs them."""
+    """``layer`` called with ``forward`` in place of its own: its hooks run as torch runs them.
+    A forward set on the layer itself (accelerate's hooks set one) is put back after."""
+    own = layer.__dict__.get("forward")
     layer.forward = forward
     try:
         return nn.Module._call_impl(layer, *args, **kwargs)
     finally:
-        del layer.forward
+        if own is None:
+            del layer.forward
+        else:
+            layer.forward = own
 
 
 def _after(before: Callable[[], None], run: Callable, *args, **kwargs):

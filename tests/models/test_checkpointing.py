@@ -274,3 +274,20 @@ def test_checkpointing_is_enabled_under_its_current_name():
         assert enable_checkpointing(model) == []
     assert model.model.layers[0].gradient_checkpointing
 
+
+
+def test_a_layer_called_with_another_forward_runs_its_hooks_and_keeps_its_own():
+    """How the compiled checkpoint calls a layer that an earlier transformers hands over as its
+    call: the layer's hooks around the forward given, and afterwards the layer's own forward
+    again, a forward set on the layer itself (accelerate's) included."""
+    from dpocache.models.checkpointing import _call_with_forward
+
+    layer, seen = nn.Linear(2, 2), []
+    layer.register_forward_pre_hook(lambda module, args: seen.append("pre"))
+    layer.register_forward_hook(lambda module, args, out: seen.append("post"))
+    given = lambda x: seen.append("forward") or x + 1  # noqa: E731
+    assert torch.equal(_call_with_forward(layer, given, torch.zeros(2)), torch.ones(2))
+    assert seen == ["pre", "forward", "post"] and "forward" not in layer.__dict__
+    layer.forward = lambda x: torch.full_like(x, 7.0)  # as accelerate's hooks set one
+    _call_with_forward(layer, given, torch.zeros(2))
+    assert torch.equal(layer(torch.zeros(2)), torch.full((2,), 7.0))
