@@ -16,7 +16,8 @@ against its formula. The parts follow what dpocache runs:
   ``dpocache.distributed.vocab_stream``); with a tied head the root (embeddings, final norm, head:
   ``dpocache.distributed.fsdp``) is gathered too. Streamed (``--stream-reference``,
   ``dpocache.models.streaming``), a device holds the embeddings, the final norm, the head and
-  two layer slots; the layers are in host memory, which this plan does not count.
+  two layer slots; the layers are in the host's page-locked memory, counted apart
+  (``page_locked_bytes``).
 - **Training** (full fine-tuning, FSDP2 over N devices, AdamW): fp32 master weights, fp32
   gradients and the two fp32 Adam moments, each sharded 1/N (16 bytes per parameter in all,
   ZeRO-3's accounting: Rajbhandari et al. 2020, section 3); gathered units in the compute dtype
@@ -216,6 +217,14 @@ def lora_training_memory(shape: ModelShape, tokens: int = 4096, rank: int = 16, 
     return parts
 
 
+def page_locked_bytes(shape: ModelShape, streamed_layers: int) -> int:
+    """The host's page-locked bytes of ``streamed_layers`` decoder layers in bf16, one buffer each
+    (``StreamedLayers``), each rounded up to a power of two by torch's page-locked allocator
+    (its ``CachingHostAllocator`` rounds every allocation so): 0.5 GiB for an 8B layer's 0.41."""
+    layer = 2 * shape.layer_params
+    return streamed_layers * (1 << (layer - 1).bit_length())
+
+
 @dataclass
 class PlanRow:
     model: str
@@ -224,6 +233,7 @@ class PlanRow:
     per_device_gib: float
     fits: bool
     parts: dict[str, float]
+    host_gib: float | None = None  # a streamed row's page-locked host memory (page_locked_bytes)
 
 
 def plan(shape: ModelShape, device_counts=(1, 8, 16), device_gib: float = 80.0, tokens: int = 4096,
@@ -260,14 +270,19 @@ def plan(shape: ModelShape, device_counts=(1, 8, 16), device_gib: float = 80.0, 
             if ("sharded" in job and n == 1) or (one_device and n > 1):
                 continue
             total = sum(parts.values()) / GIB
-            rows.append(PlanRow(shape.name, job, n, total, total <= usable * device_gib, parts))
+            streamed = shape.layers - (resident if "layers resident" in job else 0) if "streamed" in job else 0
+            host = page_locked_bytes(shape, streamed) / GIB if streamed else None
+            rows.append(PlanRow(shape.name, job, n, total, total <= usable * device_gib, parts, host))
     return rows
 
 
 def format_table(rows: list[PlanRow], device_gib: float) -> str:
-    lines = [f"| model | job | devices | GiB per device | fits in {device_gib:g} GiB |", "|---|---|---|---|---|"]
+    lines = [f"| model | job | devices | GiB per device | fits in {device_gib:g} GiB | host page-locked GiB |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r.model} | {r.job} | {r.devices} | {r.per_device_gib:.1f} | {'yes' if r.fits else 'no'} |")
+        host = "-" if r.host_gib is None else f"{r.host_gib:.1f}"
+        lines.append(f"| {r.model} | {r.job} | {r.devices} | {r.per_device_gib:.1f} | {'yes' if r.fits else 'no'} "
+                     f"| {host} |")
     return "\n".join(lines)
 
 
