@@ -48,6 +48,8 @@ from pathlib import Path
 
 from dpocache.config import ConfigError, checkpoint_keep_names
 from dpocache.distributed.vocab_stream import TILE_BYTES
+from dpocache.models.streaming import ALIGN
+from dpocache.models.streaming import page_locked_bytes as streaming_page_locked_bytes
 from dpocache.scoring.logprobs import DEFAULT_LOGITS_BUDGET
 
 GIB = 1 << 30
@@ -218,11 +220,11 @@ def lora_training_memory(shape: ModelShape, tokens: int = 4096, rank: int = 16, 
 
 
 def page_locked_bytes(shape: ModelShape, streamed_layers: int) -> int:
-    """The host's page-locked bytes of ``streamed_layers`` decoder layers in bf16, one buffer each
-    (``StreamedLayers``), each rounded up to a power of two by torch's page-locked allocator
-    (its ``CachingHostAllocator`` rounds every allocation so): 0.5 GiB for an 8B layer's 0.41."""
-    layer = 2 * shape.layer_params
-    return streamed_layers * (1 << (layer - 1).bit_length())
+    """The host's page-locked bytes of ``streamed_layers`` decoder layers in bf16, as
+    ``StreamedLayers`` allocates them: several layers to an allocation, each allocation rounded
+    up to a power of two by torch's page-locked allocator (``streaming.page_locked_chunks``)."""
+    layer = -(-2 * shape.layer_params // ALIGN) * ALIGN
+    return streaming_page_locked_bytes([layer] * streamed_layers)
 
 
 @dataclass

@@ -53,6 +53,47 @@ from dpocache.models.checkpointing import LayerCheckpoint
 from dpocache.models.directories import adapter_base_dir
 
 ALIGN = 256  # bytes: each parameter starts on a boundary its dtype (and any vector load) accepts
+# The most layers one page-locked allocation holds. torch's page-locked allocator rounds every
+# allocation up to a power of two, so a layer's buffer of its own takes up to twice its size (0.5
+# GiB for an 8B layer's 0.41), where an allocation holding several wastes its tail only; at most
+# this many, because packing fills an allocation before the layers' own storage is let go.
+CHUNK_LAYERS = 16
+
+
+def page_locked_chunks(sizes: Sequence[int]) -> list[int]:
+    """How many consecutive layer buffers of ``sizes`` bytes each page-locked allocation holds:
+    the split into runs of at most ``CHUNK_LAYERS`` whose allocations, each rounded up to a power
+    of two, take the least memory (the cheapest path over the split points), fewer allocations
+    where two splits take the same."""
+    n = len(sizes)
+    cost, take = [0] * (n + 1), [0] * (n + 1)  # from buffer i on: the least bytes, the first run's length
+    for first in range(n - 1, -1, -1):
+        run = 0
+        for count in range(1, min(CHUNK_LAYERS, n - first) + 1):
+            run += sizes[first + count - 1]
+            total = _rounded(run) + cost[first + count]
+            if count == 1 or total <= cost[first]:
+                cost[first], take[first] = total, count
+    counts, first = [], 0
+    while first < n:
+        counts.append(take[first])
+        first += take[first]
+    return counts
+
+
+def page_locked_bytes(sizes: Sequence[int]) -> int:
+    """What torch's page-locked allocator takes for layer buffers of ``sizes`` bytes (each a
+    multiple of ``ALIGN``) as ``page_locked_chunks`` packs them."""
+    total, first = 0, 0
+    for count in page_locked_chunks(sizes):
+        total += _rounded(sum(sizes[first:first + count]))
+        first += count
+    return total
+
+
+def _rounded(size: int) -> int:
+    """``size`` bytes as torch's page-locked allocator allocates them: the next power of two."""
+    return 1 << (size - 1).bit_length() if size > 0 else 0
 
 
 @dataclass
@@ -91,7 +132,7 @@ class StreamedLayers:
         self._cuda = self.device.type == "cuda"
         streamed = streamed_parameters(model, self.layers)
         self._packed = [self._pack(layer, streamed) for layer in self.layers]
-        self._host = [self._host_buffer(packed) for packed in self._packed]
+        self._host = self._host_buffers(self._packed)
         width = max((buffer.numel() for buffer in self._host), default=0)
         self._slots = [torch.empty(width, dtype=torch.uint8, device=self.device) for _ in range(slots)]
         # [layer][slot]: the parameters a layer's modules hold while it runs from that slot
@@ -162,15 +203,25 @@ class StreamedLayers:
                 offset += -(-nbytes // ALIGN) * ALIGN
         return list(packed.values())
 
-    def _host_buffer(self, packed: list[_Packed]) -> torch.Tensor:
-        """The layer's values in one buffer, page-locked where a GPU copies from it; each
-        parameter's own storage is released as it moves in (the host never holds both whole)."""
-        size = packed[-1].offset + packed[-1].nbytes if packed else 0
-        buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self._cuda)
-        for p in packed:
-            p.view(buffer).copy_(p.param.data)
-            p.param.data = p.view(buffer)
-        return buffer
+    def _host_buffers(self, packed: list[list[_Packed]]) -> list[torch.Tensor]:
+        """Each layer's values in one buffer, page-locked where a GPU copies from it, several
+        layers' buffers to an allocation (``page_locked_chunks``); each parameter's own storage
+        is let go as it moves in (the host never holds both whole)."""
+        sizes = [layer[-1].offset + layer[-1].nbytes if layer else 0 for layer in packed]
+        aligned = [-(-size // ALIGN) * ALIGN for size in sizes]
+        buffers, first = [], 0
+        for count in page_locked_chunks(aligned):
+            chunk = torch.empty(sum(aligned[first:first + count]), dtype=torch.uint8, pin_memory=self._cuda)
+            offset = 0
+            for index in range(first, first + count):
+                buffer = chunk[offset:offset + sizes[index]]
+                for p in packed[index]:
+                    p.view(buffer).copy_(p.param.data)
+                    p.param.data = p.view(buffer)
+                buffers.append(buffer)
+                offset += aligned[index]
+            first += count
+        return buffers
 
     # --------------------------------------------------------------------- the hooks
 
