@@ -206,7 +206,7 @@ class StreamedLayers:
     def _host_buffers(self, packed: list[list[_Packed]]) -> list[torch.Tensor]:
         """Each layer's values in one buffer, page-locked where a GPU copies from it, several
         layers' buffers to an allocation (``page_locked_chunks``); each parameter's own storage
-        is let go as it moves in (the host never holds both whole)."""
+        is let go as it moves in (the host holds both for one allocation's layers at most)."""
         sizes = [layer[-1].offset + layer[-1].nbytes if layer else 0 for layer in packed]
         aligned = [-(-size // ALIGN) * ALIGN for size in sizes]
         buffers, first = [], 0
