@@ -179,8 +179,13 @@ class StreamedLayers:
         return sum(slot.numel() for slot in self._slots)
 
     def to_json(self) -> dict:
+        """What run.json and the build summary record: the layers' bytes on the host, the
+        allocations holding them and, on a GPU, the page-locked memory those take (rounded)."""
+        page_locked = sum(_rounded(size) for size in self._allocations) if self._cuda else None
         return {"layers": len(self.layers), "slots": len(self._slots),
-                "host_gib": round(self.host_bytes / 2**30, 3), "device_gib": round(self.slot_bytes / 2**30, 3)}
+                "host_gib": round(self.host_bytes / 2**30, 3), "host_allocations": len(self._allocations),
+                "page_locked_gib": None if page_locked is None else round(page_locked / 2**30, 3),
+                "device_gib": round(self.slot_bytes / 2**30, 3)}
 
     # --------------------------------------------------------------------- packing
 
@@ -210,8 +215,10 @@ class StreamedLayers:
         sizes = [layer[-1].offset + layer[-1].nbytes if layer else 0 for layer in packed]
         aligned = [-(-size // ALIGN) * ALIGN for size in sizes]
         buffers, first = [], 0
+        self._allocations = []  # each allocation's bytes
         for count in page_locked_chunks(aligned):
-            chunk = torch.empty(sum(aligned[first:first + count]), dtype=torch.uint8, pin_memory=self._cuda)
+            self._allocations.append(sum(aligned[first:first + count]))
+            chunk = torch.empty(self._allocations[-1], dtype=torch.uint8, pin_memory=self._cuda)
             offset = 0
             for index in range(first, first + count):
                 buffer = chunk[offset:offset + sizes[index]]

@@ -319,6 +319,8 @@ def test_streamed_reference_on_a_gpu_matches_and_holds_two_layers(tmp_path):
             # page-locked, several layers to an allocation (a copy from pageable memory would not overlap)
             host = reference.streamed._host
             assert all(b.is_pinned() for b in host) and len({b.untyped_storage().data_ptr() for b in host}) < 12
+            sizes = [-(-b.numel() // ALIGN) * ALIGN for b in host]
+            assert reference.streamed.to_json()["page_locked_gib"] == round(page_locked_bytes(sizes) / 2**30, 3)
         del reference
     for name in ("chosen_logps", "rejected_logps"):
         assert torch.equal(getattr(values[True], name), getattr(values[False], name))
@@ -753,3 +755,5 @@ def test_a_streamed_models_layers_share_few_host_allocations_each_at_an_aligned_
     sizes = [-(-b.numel() // ALIGN) * ALIGN for b in host]
     assert len(allocations) == len(page_locked_chunks(sizes)) < len(host)
     assert all((b.data_ptr() - b.untyped_storage().data_ptr()) % ALIGN == 0 for b in host)
+    info = streamed.streamed.to_json()
+    assert info["host_allocations"] == len(allocations) and info["page_locked_gib"] is None  # not page-locked here
