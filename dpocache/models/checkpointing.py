@@ -316,8 +316,13 @@ class _KeptProduct(torch.autograd.Function):
         (weight,) = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None
-        grad_x = grad.matmul(weight.to(grad.dtype))  # autocast's cast of the weight: none where stored in it
-        return grad_x.to(ctx.x_dtype), None, None, None, None
+        return _input_grad(grad, weight, ctx.x_dtype), None, None, None, None
+
+
+def _input_grad(grad: torch.Tensor, weight: torch.Tensor, x_dtype: torch.dtype) -> torch.Tensor:
+    """``x``'s gradient of ``F.linear(x, weight)``: ``grad (..., out) @ weight (out, in)``, in
+    ``x``'s dtype (autocast's cast of the weight: none where it is stored in the grad's dtype)."""
+    return grad.matmul(weight.to(grad.dtype)).to(x_dtype)
 
 
 def compiled_kept_product_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -362,7 +367,7 @@ def _kept_linear_context(ctx, inputs, output) -> None:
 
 def _kept_linear_backward(ctx, grad: torch.Tensor):
     (weight,) = ctx.saved_tensors
-    return grad.matmul(weight.to(grad.dtype)).to(ctx.x_dtype), None, None
+    return _input_grad(grad, weight, ctx.x_dtype), None, None
 
 
 _kept_linear.register_autograd(_kept_linear_backward, setup_context=_kept_linear_context)

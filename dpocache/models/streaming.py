@@ -50,7 +50,7 @@ from torch import nn
 
 from dpocache.config import ConfigError, flag_name
 from dpocache.models.checkpointing import LayerCheckpoint
-from dpocache.models.directories import adapter_base_dir
+from dpocache.runtime.preflight import model_layers
 
 ALIGN = 256  # bytes: each parameter starts on a boundary its dtype (and any vector load) accepts
 # The most layers one page-locked allocation holds. torch's page-locked allocator rounds every
@@ -181,9 +181,10 @@ class StreamedLayers:
     def to_json(self) -> dict:
         """What run.json and the build summary record: the layers' bytes on the host, the
         allocations holding them and, on a GPU, the page-locked memory those take (rounded)."""
-        page_locked = sum(_rounded(size) for size in self._allocations) if self._cuda else None
+        allocations = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in self._host}
+        page_locked = sum(_rounded(size) for size in allocations.values()) if self._cuda else None
         return {"layers": len(self.layers), "slots": len(self._slots),
-                "host_gib": round(self.host_bytes / 2**30, 3), "host_allocations": len(self._allocations),
+                "host_gib": round(self.host_bytes / 2**30, 3), "host_allocations": len(allocations),
                 "page_locked_gib": None if page_locked is None else round(page_locked / 2**30, 3),
                 "device_gib": round(self.slot_bytes / 2**30, 3)}
 
@@ -215,10 +216,8 @@ class StreamedLayers:
         sizes = [layer[-1].offset + layer[-1].nbytes if layer else 0 for layer in packed]
         aligned = [-(-size // ALIGN) * ALIGN for size in sizes]
         buffers, first = [], 0
-        self._allocations = []  # each allocation's bytes
         for count in page_locked_chunks(aligned):
-            self._allocations.append(sum(aligned[first:first + count]))
-            chunk = torch.empty(self._allocations[-1], dtype=torch.uint8, pin_memory=self._cuda)
+            chunk = torch.empty(sum(aligned[first:first + count]), dtype=torch.uint8, pin_memory=self._cuda)
             offset = 0
             for index in range(first, first + count):
                 buffer = chunk[offset:offset + sizes[index]]
@@ -340,12 +339,7 @@ def check_resident_layers(model_path: str | Path, resident: int) -> None:
     """``--resident-layers`` against the decoder layers of the model at ``model_path`` (its
     config's ``num_hidden_layers``; a PEFT adapter directory's base), before any model loads: at
     least one layer must stream. ``ConfigError`` naming the flag otherwise."""
-    if not resident:
-        return
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(str(adapter_base_dir(model_path) or model_path))
-    layers = getattr(config, "num_hidden_layers", None)
+    layers = model_layers(model_path) if resident else None
     if layers is not None and resident >= layers:
         raise ConfigError(f"{flag_name('model.resident_layers')} {resident}: the model has {layers} decoder layers, "
                           "and at least one must stream; pass fewer, or --stream-base false to keep them all")

@@ -317,6 +317,11 @@ def model_context(path: str | Path) -> int | None:
     return _config_int(path, "max_position_embeddings")
 
 
+def model_layers(path: str | Path) -> int | None:
+    """The model's decoder layers (``num_hidden_layers`` in config.json), if it says."""
+    return _config_int(path, "num_hidden_layers")
+
+
 def model_vocab_size(path: str | Path) -> int | None:
     """The rows of the model's input embedding (``vocab_size`` in config.json), if it says."""
     return _config_int(path, "vocab_size")

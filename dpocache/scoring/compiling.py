@@ -31,6 +31,7 @@ not measured side by side (docs/benchmarks/vs-trl-h100-20261123.md).
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Callable
 
@@ -75,19 +76,14 @@ def compile_layers(model: nn.Module) -> int:
     return len(layers)
 
 
+@functools.cache
 def compiled_function(function: Callable) -> Callable:
     """``function`` (a decoder layer class's ``forward``) compiled with dynamic shapes, once per
     process: every layer of the class, and every model of it, runs the one compiled function,
     the layer passed as its first argument (dynamo reads each layer's parameters as inputs of
     the graph, so the layers share its code, as with ``compile_layers``). For a layer compiled
     inside its checkpoint (``models.checkpointing.LayerCheckpoint``)."""
-    compiled = _COMPILED.get(function)
-    if compiled is None:
-        compiled = _COMPILED[function] = torch.compile(function, dynamic=True)
-    return compiled
-
-
-_COMPILED: dict[Callable, Callable] = {}
+    return torch.compile(function, dynamic=True)
 
 
 def compiler_counts() -> dict[str, int]:
