@@ -32,6 +32,7 @@ not measured side by side (docs/benchmarks/vs-trl-h100-20261123.md).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -86,12 +87,56 @@ def compiled_function(function: Callable) -> Callable:
     return torch.compile(function, dynamic=True)
 
 
-def compiler_counts() -> dict[str, int]:
-    """What torch's compiler has done in this process so far: the graphs it compiled and the
-    graph breaks it met. A run records its own (run.json's ``policy.compiler``), where a graph
-    per layer or per batch shape, or a break inside a layer, would only have slowed it."""
-    counters = torch._dynamo.utils.counters  # torch imports its compiler on first use
-    return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
+# The most recompile and graph-break reasons run.json keeps: the first ones say why, the rest repeat.
+COMPILER_REASONS = 8
+
+
+@dataclass(frozen=True)
+class CompilerMark:
+    """Where torch's compiler stood at one moment of this process: the graphs it had compiled,
+    the graph breaks it had met (per reason) and the guard failures (recompiles) it had recorded
+    per compiled function. ``compiler_since`` tells a run its own share."""
+
+    graphs: int
+    graph_breaks: dict[str, int]
+    guard_failures: dict[object, int]  # code object -> recompiles recorded so far
+
+
+def compiler_mark() -> CompilerMark:
+    utils = torch._dynamo.utils  # torch imports its compiler on first use
+    return CompilerMark(utils.counters["stats"]["unique_graphs"], dict(utils.counters["graph_break"]),
+                        {code: len(reasons) for code, reasons in utils.guard_failures.items()})
+
+
+def compiler_since(mark: CompilerMark) -> dict:
+    """What torch's compiler did after ``mark`` (run.json's ``policy.compiler``): the graphs it
+    compiled, the graph breaks it met, and why it recompiled and broke (up to
+    ``COMPILER_REASONS`` distinct reasons each, a recompile's as ``function (file:line): guard
+    that failed``). A graph per
+    layer or per batch shape, or a break inside a layer, only slows a run; its reasons say
+    which guard to look at (on a GPU, where the compile differs from the CPU's)."""
+    now = compiler_mark()
+    breaks = {reason: count - mark.graph_breaks.get(reason, 0) for reason, count in now.graph_breaks.items()}
+    # each recompile records the guard that failed for each graph the function had (dict: once each)
+    recompiles = dict.fromkeys(f"{_code_name(code)}: {_first_line(reason)}"
+                               for code, reasons in list(torch._dynamo.utils.guard_failures.items())
+                               for reason in reasons[mark.guard_failures.get(code, 0):])
+    return {"graphs": now.graphs - mark.graphs, "graph_breaks": sum(breaks.values()),
+            "recompile_reasons": list(recompiles)[:COMPILER_REASONS],
+            "graph_break_reasons": [_first_line(r) for r, count in breaks.items() if count > 0][:COMPILER_REASONS]}
+
+
+def _code_name(code) -> str:
+    name = getattr(code, "co_name", str(code))
+    file = getattr(code, "co_filename", None)
+    return f"{name} ({Path(file).name}:{code.co_firstlineno})" if file else name
+
+
+def _first_line(reason) -> str:
+    """A guard failure's or graph break's reason, its first line without dynamo's frame id."""
+    line = str(reason).strip().splitlines()[0] if str(reason).strip() else ""
+    head, sep, rest = line.partition(": ")
+    return rest.strip() if sep and head.replace("/", "").isdigit() else line.strip()
 
 
 def flex_on_cpu(model: nn.Module) -> bool:

@@ -22,7 +22,7 @@ from dpocache.models.checkpoint import (
     writing,
 )
 from dpocache.models.hub import push_folder
-from dpocache.scoring.compiling import compiler_counts
+from dpocache.scoring.compiling import compiler_since
 from dpocache.training.state import Run, global_batch, is_sharded, write_run_json
 
 
@@ -69,7 +69,7 @@ def save_final(run: Run) -> Path:
 def finish(run: Run, final_eval: dict, final_dir: Path) -> dict:
     run.info["final"] = {"step": run.step, "eval": final_eval, "output": str(final_dir)}
     if run.compiler_at_start is not None:  # what compiling the policy's layers took, this run's share
-        run.info["policy"]["compiler"] = {k: v - run.compiler_at_start[k] for k, v in compiler_counts().items()}
+        run.info["policy"]["compiler"] = compiler_since(run.compiler_at_start)
     write_run_json(run)
     if run.cfg.train.push_to_hub and run.env.is_main:
         push_folder(final_dir, run.cfg.train.push_to_hub)

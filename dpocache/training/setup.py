@@ -47,7 +47,7 @@ from dpocache.models.reference import dtype_name, resolve_dtype
 from dpocache.models.streaming import check_resident_layers
 from dpocache.runtime.preflight import UsageError, model_context, model_vocab_size
 from dpocache.runtime.run_lock import OutputDirLock, hold_output_dir
-from dpocache.scoring.compiling import compile_layers, compiler_counts
+from dpocache.scoring.compiling import compile_layers, compiler_mark
 from dpocache.scoring.layouts import training_layout
 from dpocache.scoring.logprobs import CompletionLogProbs, decoder_layers, scorer_core
 from dpocache.training.cached_reference import cache_dir_of, plan_audit, prepare_reference
@@ -155,7 +155,7 @@ def _setup(cfg: Config, env: DistEnv) -> Run:
         scorer = wrap_for_distributed(CompletionLogProbs(policy), policy, cfg, env)
     # After the scorer's fast-path probe (a compile for its few tokens would be wasted). A streamed
     # base's layers compile their forwards inside their checkpoints instead (load_policy).
-    compiler_at_start = compiler_counts() if compiled else None
+    compiler_at_start = compiler_mark() if compiled else None
     if compiled and cfg.model.stream_base:
         compiled_layers = len(decoder_layers(policy))
     else:

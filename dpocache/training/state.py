@@ -18,6 +18,7 @@ from dpocache.distributed.process_group import (
 from dpocache.models.checkpoint import (
     latest_checkpoint,
 )
+from dpocache.scoring.compiling import CompilerMark
 from dpocache.scoring.layout_choice import LayoutChoice
 from dpocache.training.divergence import ProgressMonitor
 from dpocache.training.metrics import (
@@ -50,7 +51,7 @@ class Run:
     writer: MetricsWriter
     layout: LayoutChoice  # the layout the scorer runs (dpocache.scoring.layout_choice)
     compiled_layers: int = 0  # the policy's decoder layers compiled (--compile on; dpocache.scoring.compiling)
-    compiler_at_start: dict | None = None  # compiler_counts before the policy compiled (None: not compiled)
+    compiler_at_start: CompilerMark | None = None  # the compiler before the policy compiled (None: not compiled)
     scaler: torch.amp.GradScaler | None = None  # float16 only: the loss scaler (policy.build_grad_scaler)
     info: dict = field(default_factory=dict)  # what run.json records
     inputs: dict = field(default_factory=dict)  # what checkpoints record of the data and reference (ResumedFrom)

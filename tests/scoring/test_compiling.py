@@ -12,7 +12,7 @@ from train_fixtures import base_model, flags, one_thread, run_json, run_training
 from dpocache.cache.build import score_batch
 from dpocache.cli.entry import main
 from dpocache.models.reference import ReferenceModel
-from dpocache.scoring.compiling import AUTO_MIN_WORK, compile_layers, should_compile
+from dpocache.scoring.compiling import compiler_mark, compiler_since, AUTO_MIN_WORK, compile_layers, should_compile
 from dpocache.scoring.layouts import budget_batches
 from dpocache.scoring.logprobs import decoder_layers
 
@@ -115,8 +115,47 @@ def test_training_with_compiled_layers_follows_the_eager_run(tmp_path, base_mode
         policy = run_json(out)["policy"]
         assert policy["compiled_layers"] == (0 if mode == "off" else layers)
         # one dynamic graph for every layer and batch shape, and no break (None: nothing compiled)
-        assert policy.get("compiler") == (None if mode == "off" else {"graphs": 1, "graph_breaks": 0})
+        if mode == "off":
+            assert "compiler" not in policy
+        else:
+            assert policy["compiler"] == {"graphs": 1, "graph_breaks": 0, "recompile_reasons": [],
+                                          "graph_break_reasons": []}
     assert len(runs["on"]) == len(runs["off"]) == 3
     for eager, compiled in zip(runs["off"], runs["on"]):
         assert compiled["loss"] == pytest.approx(eager["loss"], abs=1e-5)
         assert compiled["grad_norm"] == pytest.approx(eager["grad_norm"], rel=1e-4)
+
+
+def test_compiler_since_counts_this_runs_graphs_and_says_why_it_recompiled():
+    """``compiler_since`` tells apart what the compiler did after a mark: a function compiled
+    before it is not counted; one compiled after it, then called with autograd off and with a
+    tensor of another dtype, counts three graphs, and its two recompiles name the guards that
+    failed (grad mode, dtype); a graph break names its reason."""
+    def scale(x):
+        return x * 2
+
+    def broken(x):
+        torch._dynamo.graph_break()
+        return x + 1
+
+    before = torch.compile(scale, backend="eager")
+    before(torch.ones(3))
+    mark = compiler_mark()
+    before(torch.ones(3))  # compiled before the mark: nothing new
+    assert compiler_since(mark) == {"graphs": 0, "graph_breaks": 0, "recompile_reasons": [], "graph_break_reasons": []}
+
+    def scale_again(x):
+        return x * 3
+
+    after = torch.compile(scale_again, backend="eager")
+    after(torch.ones(3))
+    with torch.no_grad():
+        after(torch.ones(3))
+    after(torch.ones(3, dtype=torch.float64))
+    torch.compile(broken, backend="eager")(torch.ones(3))
+    got = compiler_since(mark)
+    assert got["graphs"] >= 4 and got["graph_breaks"] >= 1, got
+    reasons = [r for r in got["recompile_reasons"] if r.startswith("scale_again (test_compiling.py:")]
+    assert len(reasons) == 2 and "grad_mode" in reasons[0] and "dtype mismatch" in reasons[1], got
+    assert not any(r.startswith("scale (") for r in got["recompile_reasons"]), got
+    assert got["graph_break_reasons"] and all(got["graph_break_reasons"]), got
