@@ -7,8 +7,10 @@
 #   bench/gpu_suite.sh run [ARGS]   # install, then python bench/gpu_suite.py ARGS
 #   bench/gpu_suite.sh session OUT [ARGS]  # a lent GPU's one call: install, the suite (at most $SUITE_S s, 420), then
 #                                   # the GPU tests (at most $TESTS_S s, 150; 0: none; $GPU_TESTS: which, in order,
-#                                   # default all, each named as it ends); the result, its log, the tests' output
-#                                   # (and --profile's tables) into OUT
+#                                   # default all, each named as it ends, -k allowed); the result, its log, the
+#                                   # tests' output (and --profile's tables) into OUT, the machine's paths in its
+#                                   # text files written as <repo>, <out>, <venv>, <tmp> (results are committed)
+#   bench/gpu_suite.sh scrub OUT    # that last step alone, on OUT's .txt and .log files
 #
 # The wheels: TRL 1.16.0 and, of what it imports, what such a machine lacks (datasets, and
 # datasets' dill and multiprocess, at this venv's versions), plus liger-kernel 0.8.5 for
@@ -57,6 +59,21 @@ session() {
             >"$out/gpu-tests.txt" 2>&1 || true
         tail -15 "$out/gpu-tests.txt"
     fi
+    scrub "$out"
+}
+
+# The machine's own paths out of the text files a session leaves in OUT, and torch's empty
+# DEBUG trace lines (TORCH_LOGS) out of the tests' output: they are committed with the results.
+scrub() {
+    local out venv
+    out=$(cd "$1" && pwd)  # absolute: a relative name would match inside words
+    venv=$("$PY" -c "import sys; print(sys.prefix)")
+    for f in "$out"/*.txt "$out"/*.log; do
+        [ -f "$f" ] || continue
+        grep -v "DEBUG    torch.__trace" "$f" | sed -e "s#$venv#<venv>#g" -e "s#$out#<out>#g" -e "s#$PWD#<repo>#g" \
+            -e "s#/tmp/pytest-of-[^/ ]*/pytest-[0-9]*#<tmp>#g" >"$f.scrubbed" || true
+        mv "$f.scrubbed" "$f"
+    done
 }
 
 case "${1:-}" in
@@ -64,5 +81,7 @@ case "${1:-}" in
     install) install ;;
     run) shift; install; PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PY" bench/gpu_suite.py "$@" ;;
     session) shift; session "${1:?usage: bench/gpu_suite.sh session OUT [gpu_suite.py options]}" "${@:2}" ;;
-    *) echo "usage: bench/gpu_suite.sh download | install | run [gpu_suite.py options] | session OUT [options]" >&2; exit 2 ;;
+    scrub) shift; scrub "${1:?usage: bench/gpu_suite.sh scrub OUT}" ;;
+    *) echo "usage: bench/gpu_suite.sh download | install | run [gpu_suite.py options] | session OUT [options]" \
+        "| scrub OUT" >&2; exit 2 ;;
 esac

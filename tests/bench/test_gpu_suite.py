@@ -258,3 +258,29 @@ def test_only_runs_its_rows_in_its_own_order_each_once():
     assert gpu_suite.rows_to_run(None) == list(gpu_suite.ROWS)
     assert gpu_suite.rows_to_run(["train-1b-full", "train-8b-lora", "train-1b-full"]) == ["train-1b-full",
                                                                                           "train-8b-lora"]
+
+
+def test_session_files_lose_the_machines_paths(tmp_path):
+    """``bench/gpu_suite.sh scrub OUT`` (the session's last step) writes the repository, OUT,
+    the Python prefix and pytest's temporary folders as placeholders in OUT's text files and
+    drops torch's empty DEBUG trace lines; the rest of each line, and JSON files, stay as they
+    were."""
+    repo = BENCH.parent
+    out = tmp_path / "out"
+    out.mkdir()
+    lines = [f"log {repo}/bench/work/gpu-suite-1.log; result {out}/gpu-suite.json",
+             "DEBUG    torch.__trace:utils.py:2126 ",
+             f"platform linux -- Python 3 -- {sys.prefix}/bin/python3",
+             "tmp_path = PosixPath('/tmp/pytest-of-someone/pytest-12/test_x0')",
+             "1 failed, 2 passed in 67.88s"]
+    (out / "gpu-tests.txt").write_text("\n".join(lines) + "\n")
+    (out / "gpu-suite.json").write_text(json.dumps({"log": str(out)}))
+    done = subprocess.run(["bash", str(BENCH / "gpu_suite.sh"), "scrub", str(out)], capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})
+    assert done.returncode == 0, done.stderr
+    assert (out / "gpu-tests.txt").read_text().splitlines() == [
+        "log <repo>/bench/work/gpu-suite-1.log; result <out>/gpu-suite.json",
+        "platform linux -- Python 3 -- <venv>/bin/python3",
+        "tmp_path = PosixPath('<tmp>/test_x0')",
+        "1 failed, 2 passed in 67.88s"]
+    assert json.loads((out / "gpu-suite.json").read_text()) == {"log": str(out)}
