@@ -603,6 +603,12 @@ def describe_row(row: dict) -> str:
              f"  MFU        dpocache {_fmt(row['mfu'], '%')}{target('mfu', '%')}  TRL {_fmt(row.get('trl_mfu'), '%')}",
              f"  peak GiB   dpocache {_fmt(row['peak_mem_gib'], 'g')}  TRL {_fmt(row['trl_peak_mem_gib'], 'g')}  "
              f"{_fmt(row['mem_vs_trl'], 'x')}{target('mem_vs_trl', 'x')}"]
+    dpo = (row.get("raw") or {}).get("dpocache") or {}
+    copies = dpo.get("streamed_window")
+    if copies and copies.get("stall_s") is not None:  # a streamed base on a GPU: do its copies hide?
+        lines.append(f"  copies     {copies['copies']} layers, {copies['copied_gib']:.1f} GiB in "
+                     f"{copies['copy_s']:.2f} s; the compute waited {copies['stall_s']:.2f} s of the window's "
+                     f"{dpo['window_s']:.2f} s")
     if row.get("error"):
         lines.append(f"  error: {row['error']}")
     return "\n".join(lines)

@@ -311,13 +311,20 @@ def _dpo_train(spec: dict, stop_at_first_step: bool) -> dict:
         step_tokens.append(sum(run.train_data.pairs[i].unique_tokens for micro in range(run.cfg.train.grad_accum)
                                for i in prefetch.step_indices(run, run.step, micro)))
         marks.setdefault("reference", {k: run.info.get("reference", {}).get(k) for k in ("computed", "reused")})
-        if profiler is not None and len(step_tokens) - 1 == spec.get("timed_from", 0):
-            profiler.__enter__()
+        streamed = getattr(run.policy, "dpocache_streamed", None)
+        if len(step_tokens) - 1 == spec.get("timed_from", 0):
+            if streamed is not None:
+                marks["transfers_before"] = streamed.transfers.to_json()  # waits for the device, as the clock does
+            if profiler is not None:
+                profiler.__enter__()
         clock.begin()
         original_step(run, window)
         clock.end()
-        if profiler is not None and len(clock.steps) == clock.total:  # the steps only, not the log after them
-            profiler.__exit__(None, None, None)
+        if len(clock.steps) == clock.total:
+            if profiler is not None:  # the steps only, not the log after them
+                profiler.__exit__(None, None, None)
+            if "transfers_before" in marks:
+                marks["streamed_window"] = transfers_between(marks["transfers_before"], streamed.transfers.to_json())
 
     train_mod.train_step, setup_mod.load_policy = timed_step, timed_load
     from common import timed_train_args
@@ -332,12 +339,25 @@ def _dpo_train(spec: dict, stop_at_first_step: bool) -> dict:
     first = marks["first_step_at"]
     profiled = _write_profile(spec, profiler, len(clock.steps) - spec.get("timed_from", 0))
     return {"side": "dpocache", "model_load_s": marks["load_s"], **clock.record(), **profiled,
-            "step_tokens": step_tokens,
+            "step_tokens": step_tokens, "streamed_window": marks.get("streamed_window"),
             "reference_pairs": marks.get("reference"), "ran": _what_ran(Path(spec["workdir"]) / "run.json"),
             "imports_s": imports_done - spec["spawned_at"],
             "startup_beyond_load_and_imports_s": first - imports_done - marks["load_s"],
             "startup_s": first - spec["spawned_at"],
             "startup_beyond_load_s": first - spec["spawned_at"] - marks["load_s"]}
+
+
+def transfers_between(before: dict, after: dict) -> dict:
+    """A streamed base's copies in the timed window (``StreamedLayers.transfers`` read at its two
+    ends): how many, their bytes and time, and how long the compute stood waiting for them (None
+    on a CPU): beside ``window_s``, whether the copies hide behind the steps' compute."""
+    def diff(key: str, digits: int):
+        return None if after[key] is None else round(after[key] - before[key], digits)
+
+    copied_gib, copy_s = diff("copied_gib", 3), diff("copy_s", 6)
+    return {"copies": after["copies"] - before["copies"], "waits": after["waits"] - before["waits"],
+            "copied_gib": copied_gib, "copy_s": copy_s, "stall_s": diff("stall_s", 6),
+            "copy_gib_per_s": round(copied_gib / copy_s, 2) if copy_s else None}
 
 
 def _profiler(spec: dict):

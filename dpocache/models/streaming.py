@@ -41,7 +41,8 @@ for its backward, so a streamed reference (``--stream-reference``) stays eager.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -114,6 +115,57 @@ class _Packed:
             module._parameters[name] = param
 
 
+@dataclass
+class Transfers:
+    """What a ``StreamedLayers`` copied and how long it took: the copies' own time (on a GPU from
+    timing events around each copy on the copy stream, on a CPU the host's clock), and on a GPU
+    how long the compute stream stood waiting for a copy (``stall_s``: from the moment it
+    reached a layer to the end of that layer's copy, where the copy ended later). Where the
+    stall is near zero the copies hide behind the compute; where ``copy_s`` nears a run's
+    time the link sets it. Event pairs are read once both have run (``read``)."""
+
+    cuda: bool
+    copies: int = 0  # layers copied to the device
+    waits: int = 0  # layers not fetched ahead of their call (on a GPU the compute waits for their copy)
+    copied_bytes: int = 0
+    copy_s: float = 0.0
+    stall_s: float = 0.0
+    _pending: list = field(default_factory=list)  # (kind, start event, end event), not read yet
+
+    # The most event pairs kept unread: past it the pairs that have run are read, so a long
+    # run's list stays short (the host runs at most a step or so ahead of the device).
+    PENDING = 512
+
+    def timed(self, kind: str, start, end) -> None:
+        self._pending.append((kind, start, end))
+        if len(self._pending) > self.PENDING:
+            self.read(wait=False)
+
+    def read(self, wait: bool = True) -> None:
+        """Add the pairs whose events have run (all of them with ``wait``, which waits for the device)."""
+        left = []
+        for kind, start, end in self._pending:
+            if wait:
+                end.synchronize()
+                start.synchronize()
+            elif not (start.query() and end.query()):
+                left.append((kind, start, end))
+                continue
+            seconds = max(start.elapsed_time(end), 0.0) / 1000  # a copy done before the compute came: no stall
+            if kind == "copy":
+                self.copy_s += seconds
+            else:
+                self.stall_s += seconds
+        self._pending = left
+
+    def to_json(self) -> dict:
+        self.read()
+        return {"copies": self.copies, "waits": self.waits, "copied_gib": round(self.copied_bytes / 2**30, 3),
+                "copy_s": round(self.copy_s, 6),
+                "copy_gib_per_s": round(self.copied_bytes / 2**30 / self.copy_s, 2) if self.copy_s > 0 else None,
+                "stall_s": round(self.stall_s, 6) if self.cuda else None}
+
+
 class StreamedLayers:
     """The frozen parameters ``layers`` alone hold (``streamed_parameters``) in host memory,
     each layer copied into one of ``slots`` device buffers just ahead of its forward (module
@@ -145,8 +197,7 @@ class StreamedLayers:
         self._running: dict[int, int] = {}  # layer -> slot it runs from (under autograd: ran last)
         self._last: int | None = None  # the layer that started last under autograd
         self._direction = 1  # +1: forward order; -1: the backward's recompute, last layer first
-        self.copies = 0  # layers copied to the device so far
-        self.waits = 0  # layers not fetched ahead of their call (on a GPU the compute waits for their copy)
+        self.transfers = Transfers(self._cuda)
         self._content: list[int | None] = [None] * slots  # the layer whose values each slot holds
         shared = _modules_in_several(self.layers)
         for index, layer in enumerate(self.layers):
@@ -171,6 +222,14 @@ class StreamedLayers:
     # --------------------------------------------------------------------- what it holds
 
     @property
+    def copies(self) -> int:
+        return self.transfers.copies
+
+    @property
+    def waits(self) -> int:
+        return self.transfers.waits
+
+    @property
     def host_bytes(self) -> int:
         return sum(buffer.numel() for buffer in self._host)
 
@@ -180,13 +239,14 @@ class StreamedLayers:
 
     def to_json(self) -> dict:
         """What run.json and the build summary record: the layers' bytes on the host, the
-        allocations holding them and, on a GPU, the page-locked memory those take (rounded)."""
+        allocations holding them and, on a GPU, the page-locked memory those take (rounded); the
+        copies so far (``Transfers``: reading their times waits for the device)."""
         allocations = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in self._host}
         page_locked = sum(_rounded(size) for size in allocations.values()) if self._cuda else None
         return {"layers": len(self.layers), "slots": len(self._slots),
                 "host_gib": round(self.host_bytes / 2**30, 3), "host_allocations": len(allocations),
                 "page_locked_gib": None if page_locked is None else round(page_locked / 2**30, 3),
-                "device_gib": round(self.slot_bytes / 2**30, 3)}
+                "device_gib": round(self.slot_bytes / 2**30, 3), "transfers": self.transfers.to_json()}
 
     # --------------------------------------------------------------------- packing
 
@@ -258,10 +318,13 @@ class StreamedLayers:
         """Point layer ``index``'s modules at its slot, once its copy is done."""
         if index not in self._fetched:  # not fetched ahead: the first layer of a pass, or one out of order
             self._fetch(index)
-            self.waits += 1
+            self.transfers.waits += 1
         slot = self._fetched.pop(index)
         if self._copied[slot] is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._copied[slot])
+            compute = torch.cuda.current_stream(self.device)
+            reached = _timing_event(compute)
+            compute.wait_event(self._copied[slot])
+            self.transfers.timed("stall", reached, self._copied[slot])
         for p, param in zip(self._packed[index], self._slot_params[index][slot]):
             p.hold(param)
         self._running[index] = slot
@@ -312,17 +375,28 @@ class StreamedLayers:
             with torch.cuda.stream(self._copy_stream):
                 if self._freed[slot] is not None:
                     self._copy_stream.wait_event(self._freed[slot])
+                started = _timing_event(self._copy_stream)
                 target.copy_(host, non_blocking=True)
                 # The slot is freed on the compute stream; this copy may still be writing to it then.
                 target.record_stream(self._copy_stream)
-                copied = torch.cuda.Event()
-                copied.record(self._copy_stream)
+                copied = _timing_event(self._copy_stream)
             self._copied[slot] = copied
+            self.transfers.timed("copy", started, copied)
         else:
+            started = time.perf_counter()
             target.copy_(host)
+            self.transfers.copy_s += time.perf_counter() - started
         self._content[slot] = index
         self._fetched[index] = slot
-        self.copies += 1
+        self.transfers.copies += 1
+        self.transfers.copied_bytes += host.numel()
+
+
+def _timing_event(stream) -> torch.cuda.Event:
+    """An event recorded on ``stream`` now, with timing (``Transfers``)."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(stream)
+    return event
 
 
 def spread_resident(layers: int, resident: int) -> list[int]:

@@ -70,6 +70,9 @@ def finish(run: Run, final_eval: dict, final_dir: Path) -> dict:
     run.info["final"] = {"step": run.step, "eval": final_eval, "output": str(final_dir)}
     if run.compiler_at_start is not None:  # what compiling the policy's layers took, this run's share
         run.info["policy"]["compiler"] = compiler_since(run.compiler_at_start)
+    streamed = getattr(run.policy, "dpocache_streamed", None)
+    if streamed is not None:  # the run's copies, their time and the compute's waits for them
+        run.info["policy"]["streamed"]["transfers"] = streamed.transfers.to_json()
     write_run_json(run)
     if run.cfg.train.push_to_hub and run.env.is_main:
         push_folder(final_dir, run.cfg.train.push_to_hub)

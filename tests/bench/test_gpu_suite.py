@@ -73,6 +73,7 @@ def test_dry_run_writes_every_row_of_the_schema(tmp_path):
     lora = result["rows"][1]
     assert lora["setup"]["dpocache_args"][-2:] == ["--checkpoint-keep", "down_proj"]
     assert lora["raw"]["dpocache"]["ran"]["kept_products"] == {"names": ["down_proj"], "linear_layers": 2}
+    assert lora["raw"]["dpocache"]["streamed_window"] is None  # its base streams on a GPU only
 
 
 def _part(tmp_path: Path, name: str, rows: list[dict], device: str = "NVIDIA H100 80GB HBM3") -> Path:
@@ -284,3 +285,31 @@ def test_session_files_lose_the_machines_paths(tmp_path):
         "tmp_path = PosixPath('<tmp>/test_x0')",
         "1 failed, 2 passed in 67.88s"]
     assert json.loads((out / "gpu-suite.json").read_text()) == {"log": str(out)}
+
+
+def test_the_window_s_copies_are_the_difference_of_its_two_ends():
+    """``workers.transfers_between``: a streamed base's copies in the timed window, from
+    ``StreamedLayers.transfers`` read at its start and its end; the rate from the window's own
+    bytes and time; no compute waits where none were timed (a CPU)."""
+    import workers
+
+    before = {"copies": 10, "waits": 1, "copied_gib": 4.0, "copy_s": 0.1, "stall_s": 0.02, "copy_gib_per_s": 40.0}
+    after = {"copies": 62, "waits": 1, "copied_gib": 25.0, "copy_s": 0.5, "stall_s": 0.12, "copy_gib_per_s": 50.0}
+    assert workers.transfers_between(before, after) == {"copies": 52, "waits": 0, "copied_gib": 21.0, "copy_s": 0.4,
+                                                        "stall_s": 0.1, "copy_gib_per_s": 52.5}
+    on_cpu = workers.transfers_between({**before, "stall_s": None}, {**after, "stall_s": None})
+    assert on_cpu["stall_s"] is None and on_cpu["copies"] == 52
+
+
+def test_a_streamed_rows_description_says_whether_its_copies_hid():
+    """A row whose dpocache side streamed its base on a GPU says, under its figures, its copies
+    in the timed window and how long the compute waited for them; a row without says nothing."""
+    row = {"name": "train-8b-lora", "tokens_per_s": 9000.0, "trl_tokens_per_s": 2700.0, "vs_trl": 3.3, "mfu": 0.3,
+           "peak_mem_gib": 12.8, "trl_peak_mem_gib": 24.7, "mem_vs_trl": 0.52, "met": {}, "wall_s": 190,
+           "raw": {"dpocache": {"window_s": 3.72, "streamed_window": {
+               "copies": 260, "waits": 0, "copied_gib": 105.6, "copy_s": 1.95, "stall_s": 0.41,
+               "copy_gib_per_s": 54.2}}}}
+    text = gpu_suite.describe_row(row)
+    assert "copies     260 layers, 105.6 GiB in 1.95 s; the compute waited 0.41 s of the window's 3.72 s" in text
+    row["raw"]["dpocache"]["streamed_window"] = None
+    assert "copies" not in gpu_suite.describe_row(row)

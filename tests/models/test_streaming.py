@@ -10,6 +10,7 @@ PyTorch's ``meta`` device where a test must tell it from the host (the stand-ins
 from __future__ import annotations
 
 import functools
+import json
 import gc
 import importlib
 
@@ -136,6 +137,11 @@ def test_each_layer_runs_from_a_slot_with_the_next_one_fetched_before_it_runs():
     # While layer i runs, layer i + 1 (the next forward's first, after the last) is already on its way.
     assert all(list(fetched) == [(i + 1) % n] for i, _, fetched in seen)
     assert streamer.copies == 2 * n + 1  # the first layer of a third forward is fetched too
+    sizes = [b.numel() for b in streamer._host]
+    transfers = streamer.to_json()["transfers"]
+    assert transfers["copies"] == 2 * n + 1 and transfers["waits"] == streamer.waits == 1
+    assert transfers["copied_gib"] == round((2 * sum(sizes) + sizes[0]) / 2**30, 3)
+    assert transfers["copy_s"] > 0 and transfers["stall_s"] is None  # the host's clock; no streams on a CPU
     used = {s.data_ptr() for s in streamer._slots}
     assert len(used) == 2 and streamer._slots[0].numel() == max(b.numel() for b in streamer._host)
     for packed in streamer._packed:
@@ -262,6 +268,25 @@ def test_stream_reference_is_refused_with_one_line_where_it_cannot_run(cli, mode
     assert "--stream-reference" in line and message in line and "Traceback" not in err
 
 
+def test_a_streamed_cache_build_says_what_it_copied(cli, model_path, pref_jsonl, tmp_path, monkeypatch):
+    """``cache build --stream-reference true`` (on the CPU past the device check, standing in for
+    a GPU) prints its layers' copies and records them in its JSON summary: every layer at least
+    once a forward pass, and their time (their bytes, exactly, in the streamer's own test); the
+    compute's waits for them exist on a GPU only."""
+    import dpocache.config as config_mod
+
+    monkeypatch.setattr(config_mod, "_validate_streamed", lambda cfg, flag: None)
+    rc, out, err = cli("cache", "build", "--model", model_path, "--data", pref_jsonl, "--cache-dir", tmp_path,
+                       "--stream-reference", "true", "--json")
+    assert rc == 0, err
+    summary = json.loads(out.strip().splitlines()[-1])
+    streamed, transfers = summary["streamed"], summary["streamed"]["transfers"]
+    assert transfers["copies"] >= summary["forward_passes"] * streamed["layers"]
+    assert transfers["copy_s"] > 0 and transfers["stall_s"] is None
+    line = next(x for x in out.splitlines() if x.startswith("copied "))
+    assert line.startswith(f"copied {transfers['copies']} layers, ") and "GiB/s" in line and "waited" not in line
+
+
 def test_score_stream_reference_is_refused_on_a_cpu_before_the_rows_are_read(cli, model_path, tmp_path):
     rc, out, err = cli("score", "--model", model_path, "--data", tmp_path / "absent.jsonl", "--out",
                        tmp_path / "o.jsonl", "--device", "cpu", "--stream-reference")
@@ -321,6 +346,9 @@ def test_streamed_reference_on_a_gpu_matches_and_holds_two_layers(tmp_path):
             assert all(b.is_pinned() for b in host) and len({b.untyped_storage().data_ptr() for b in host}) < 12
             sizes = [-(-b.numel() // ALIGN) * ALIGN for b in host]
             assert reference.streamed.to_json()["page_locked_gib"] == round(page_locked_bytes(sizes) / 2**30, 3)
+            # timed on the device: a page-locked copy runs at gigabytes a second; the compute's waits measured
+            transfers = reference.streamed.to_json()["transfers"]
+            assert transfers["copy_gib_per_s"] > 1 and transfers["stall_s"] is not None and transfers["stall_s"] >= 0
         del reference
     for name in ("chosen_logps", "rejected_logps"):
         assert torch.equal(getattr(values[True], name), getattr(values[False], name))
@@ -621,6 +649,11 @@ def test_a_lora_run_with_its_base_and_reference_streamed_trains_as_the_resident_
     info = runs[True][2]
     assert info["policy"]["streamed"]["layers"] == 4 and info["reference"]["streamed"]["layers"] == 4
     assert runs[False][2]["policy"]["streamed"] is None and runs[False][2]["reference"]["streamed"] is None
+    # the run's copies, recorded at its end: at least every layer once a step, a GPU's waits for them timed
+    transfers = info["policy"]["streamed"]["transfers"]
+    assert transfers["copies"] >= 3 * 4 and transfers["copy_s"] > 0 and transfers["copy_gib_per_s"] > 0
+    assert (transfers["stall_s"] is None) == (device == "cpu") and (transfers["stall_s"] or 0) >= 0
+    assert info["reference"]["streamed"]["transfers"]["copies"] >= 4
     # 7 matrices a layer; under autograd each runs in the forward and again in the recompute
     assert sum(grad and kind == "Linear" for grad, kind, _ in calls) == 3 * 2 * 4 * 7
     assert {kind for *_, kind, _ in calls} == {"Linear", "LlamaRMSNorm"} and all(ok for *_, ok in calls)
