@@ -112,9 +112,9 @@ def compiler_since(mark: CompilerMark) -> dict:
     """What torch's compiler did after ``mark`` (run.json's ``policy.compiler``): the graphs it
     compiled, the graph breaks it met, and why it recompiled and broke (up to
     ``COMPILER_REASONS`` distinct reasons each, a recompile's as ``function (file:line): guard
-    that failed``). A graph per
-    layer or per batch shape, or a break inside a layer, only slows a run; its reasons say
-    which guard to look at (on a GPU, where the compile differs from the CPU's)."""
+    that failed``). A graph per layer or per batch shape, or a break inside a layer, only slows
+    a run; its reasons say which guard to look at (on a GPU, where the compile differs from the
+    CPU's)."""
     now = compiler_mark()
     breaks = {reason: count - mark.graph_breaks.get(reason, 0) for reason, count in now.graph_breaks.items()}
     # each recompile records the guard that failed for each graph the function had (dict: once each)
