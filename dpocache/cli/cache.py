@@ -125,14 +125,19 @@ def _print_build_summary(args, s, store: CacheStore, dtype: torch.dtype, data: P
     if s.streamed:
         print(f"streamed: {s.streamed['layers']} decoder layers from host memory ({s.streamed['host_gib']:.2f} GiB "
               f"page-locked) through {s.streamed['slots']} slots on the device ({s.streamed['device_gib']:.2f} GiB)")
-        t = s.streamed["transfers"]
-        rate = f" at {t['copy_gib_per_s']:.1f} GiB/s" if t["copy_gib_per_s"] else ""
-        stall = f"; the compute waited {t['stall_s']:.2f} s for them" if t["stall_s"] is not None else ""
-        print(f"copied {t['copies']} layers, {t['copied_gib']:.2f} GiB{rate}{stall}")
+        print(describe_transfers(s.streamed["transfers"]))
     if args.json:
         out = s.to_json()
         out.update(skipped=len(data.skipped), truncated=data.truncated, identical=data.identical)
         print(json.dumps(out))
+
+
+def describe_transfers(t: dict) -> str:
+    """``copied 832 layers, 338.00 GiB at 52.1 GiB/s; the compute waited 0.21 s for them``: a
+    streamed model's copies (``StreamedLayers.transfers``), the wait on a GPU only."""
+    rate = f" at {t['copy_gib_per_s']:.1f} GiB/s" if t["copy_gib_per_s"] else ""
+    stall = f"; the compute waited {t['stall_s']:.2f} s for them" if t["stall_s"] is not None else ""
+    return f"copied {t['copies']} layers, {t['copied_gib']:.2f} GiB{rate}{stall}"
 
 
 def cmd_info(args) -> int:

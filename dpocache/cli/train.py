@@ -101,6 +101,12 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     if info.get("resumed_from"):
         print(f"resumed from {info['resumed_from']['checkpoint']} (step {info['resumed_from']['step']})")
     print(f"done: {final['step']} steps; model in {final['output']}")
+    streamed = info.get("policy", {}).get("streamed")
+    if streamed and "transfers" in streamed:
+        from dpocache.cli.cache import describe_transfers
+
+        print(f"streamed base: {streamed['layers']} layers from host memory, {streamed['resident_layers']} on the "
+              f"device; {describe_transfers(streamed['transfers'])}")
     if final["eval"]:
         print(describe_eval(first_eval(cfg.train.output_dir), final["eval"]))
     return 0

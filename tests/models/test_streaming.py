@@ -309,6 +309,24 @@ def test_resident_layers_are_refused_with_one_line_before_any_model_loads(cli, m
     assert not (tmp_path / "run" / "run.json").exists()
 
 
+def test_a_streamed_base_run_says_what_it_copied(cli, model_path, pref_jsonl, tmp_path, monkeypatch):
+    """``train --stream-base true`` ends with a line on its base's copies (on the CPU past the
+    device check, standing in for a GPU): its streamed and resident layers, the copies as
+    run.json records them at the run's end."""
+    import dpocache.config as config_mod
+
+    monkeypatch.setattr(config_mod, "_validate_streamed", lambda cfg, flag: None)
+    rc, out, err = cli("train", "--model", model_path, "--data", pref_jsonl, "--output-dir", tmp_path / "run",
+                       "--lora-r", "4", "--gradient-checkpointing", "true", "--stream-base", "true",
+                       "--resident-layers", "1", "--max-steps", "2", "--device", "cpu")
+    assert rc == 0, err
+    transfers = json.loads((tmp_path / "run" / "run.json").read_text())["policy"]["streamed"]["transfers"]
+    assert transfers["copies"] >= 2 * 3  # each of the three streamed layers at least once a step
+    line = next(x for x in out.splitlines() if x.startswith("streamed base:"))
+    assert line.startswith(f"streamed base: 3 layers from host memory, 1 on the device; copied "
+                           f"{transfers['copies']} layers, ") and "waited" not in line
+
+
 def test_stream_reference_is_refused_by_train_before_any_model_loads(cli, model_path, pref_jsonl, tmp_path):
     rc, out, err = cli("train", "--model", model_path, "--data", pref_jsonl, "--output-dir", tmp_path / "run",
                        "--device", "cpu", "--stream-reference", "true")
