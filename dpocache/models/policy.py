@@ -319,6 +319,14 @@ def wrap_for_distributed(scorer: nn.Module, policy: nn.Module, cfg: Config, env:
     if cfg.distributed.fsdp:
         return shard_policy(scorer, policy, env)
     device_ids = [env.device.index] if env.device.type == "cuda" else None
+    streamed = getattr(policy, "dpocache_streamed", None)
+    if streamed is not None:
+        # A streamed base's frozen weights rest in host memory between their layers' calls and are
+        # the same on every rank (each reads them from the checkpoint): DDP neither broadcasts nor
+        # checks them. Left in, DDP refuses a module whose parameters are on two device types.
+        own = {id(p) for p in streamed.parameters()}
+        DDP._set_params_and_buffers_to_ignore_for_model(scorer, [n for n, p in scorer.named_parameters()
+                                                                 if id(p) in own])
     # The only buffers are constants (rotary frequencies): no need to broadcast them before
     # every forward, and without that collective an eval forward needs no other rank.
     no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters

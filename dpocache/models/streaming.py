@@ -229,6 +229,11 @@ class StreamedLayers:
     def waits(self) -> int:
         return self.transfers.waits
 
+    def parameters(self) -> list[nn.Parameter]:
+        """The layers' own streamed parameters, their values in host memory: what their modules
+        hold between the layers' calls."""
+        return [p.param for packed in self._packed for p in packed]
+
     @property
     def host_bytes(self) -> int:
         return sum(buffer.numel() for buffer in self._host)

@@ -360,6 +360,36 @@ def test_lora_with_ddp_matches_one_process_in_the_padded_layout(assets, ddp_run)
         "requested": "padded", "used": "padded", "attention": "sdpa", "reason": None}
 
 
+# The streamed base on the CPU, past the device check (a CPU stands in for the GPUs).
+STREAMED_ON_CPU = r"""
+import sys
+import dpocache.config
+from dpocache.cli.entry import main
+
+dpocache.config._validate_streamed = lambda cfg, flag: None
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+def test_lora_with_ddp_and_a_streamed_base_matches_one_process(assets, tmp_path):
+    """``--stream-base`` under DDP (2 ranks x 4 pairs, its streamed weights left out of DDP:
+    dpocache.models.policy.wrap_for_distributed): the same losses as one resident process on
+    the 8 pairs, every rank streaming its base's layers."""
+    lora = ("--lora-r", "4", "--max-steps", "2", "--save-steps", "0", "--gradient-checkpointing", "true")
+    multi, single = tmp_path / "streamed-ddp", tmp_path / "resident-single"
+    driver = tmp_path / "driver.py"
+    driver.write_text(STREAMED_ON_CPU)
+    torchrun("train", *train_args(assets, multi, 4, None, *lora, "--stream-base", "true", "--resident-layers", "1"),
+             script=driver)
+    train_in_process(train_args(assets, single, 8, None, *lora))
+    got, want = losses(multi), losses(single)
+    assert sorted(got) == [1, 2]
+    for step in (1, 2):
+        assert_close_records(got[step], want[step])
+    streamed = json.loads((multi / "run.json").read_text())["policy"]["streamed"]
+    assert streamed["layers"] + streamed["resident_layers"] == 2 and streamed["transfers"]["copies"] > 0
+
+
 @pytest.fixture(scope="module")
 def mixed(assets, make_rows) -> dict:
     """Pairs of 21 to 71 tokens (at --max-length 64): in micro-batches of 4, packed into rows of
