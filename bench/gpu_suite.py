@@ -93,6 +93,7 @@ from common import (  # noqa: E402
     measure_peak,
     nominal_bf16_peak,
     read_results,
+    timed_train_args,
 )
 
 ROOT = BENCH_DIR.parent
@@ -410,6 +411,38 @@ REFERENCE_VALUES = {
 }
 
 
+def lora_dpo_args(suite: Suite) -> list[str]:
+    """train-8b-lora's ``dpocache train`` options: the row's own, then ``--kernels`` and ``--train-args``."""
+    return [*DPO_LORA_ARGS, *suite.shapes.lora_train_args, *suite.kernel_args, *suite.train_args]
+
+
+def full_dpo_args(suite: Suite) -> list[str]:
+    """train-1b-full's ``dpocache train`` options: the row's own, then ``--kernels`` and ``--train-args``."""
+    return [*suite.shapes.full_train_args, *suite.kernel_args, *suite.train_args]
+
+
+DPO_TRAIN_ARGS = {"train-8b-lora": lora_dpo_args, "train-1b-full": full_dpo_args}
+
+
+def refused_train_args(suite: Suite, rows: list[str]) -> str | None:
+    """Why ``dpocache train`` would refuse a training row's options (``--train-args`` beside the
+    row's own), checked as ``train`` checks them before any model loads; None where every row's
+    pass. The suite stops on it at once: a refused flag otherwise costs a GPU call the row's
+    model build and its worker's start (45 s on an H200)."""
+    from dpocache.config import ConfigError, build_config
+
+    for row in rows:
+        if row not in DPO_TRAIN_ARGS:
+            continue
+        options = [*timed_train_args("<model>", "<data>", suite.shapes.dtype, suite.shapes.device, "<cache>",
+                                     "<out>", suite.shapes.batch_size, 1), *DPO_TRAIN_ARGS[row](suite)]
+        try:
+            build_config(None, options).validate(required=("model.path", "data.train"))
+        except ConfigError as err:
+            return f"{row}: {err}"
+    return None
+
+
 def row_train_8b_lora(suite: Suite) -> dict:
     """LoRA DPO steps on the 8B model, gradient checkpointing on both sides."""
     s = suite.shapes
@@ -417,7 +450,7 @@ def row_train_8b_lora(suite: Suite) -> dict:
     stats = data_stats(model, data, s.max_length)
     trl_extra = {**trl_spec(suite, "train-8b-lora", "train", s.trl_8b_dtype), "trl_lora": LORA,
                  "trl_gradient_checkpointing": True}
-    dpo_args = [*DPO_LORA_ARGS, *s.lora_train_args, *suite.kernel_args, *suite.train_args]
+    dpo_args = lora_dpo_args(suite)
     cache = suite.work / s.llama_dir / "dpocache-cache"  # ref-8b's: a hit after it
     prep, trl, dpo, errors = train_row(suite, "train-8b-lora", model, data, cache, s.lora_steps, s.lora_warmup,
                                        trl_extra, dpo_args)
@@ -439,7 +472,7 @@ def row_train_1b_full(suite: Suite) -> dict:
     model, data = inputs / "model", inputs / "data.jsonl"
     stats = data_stats(model, data, 2048)
     trl_extra = trl_spec(suite, "train-1b-full", "train", "float32")
-    dpo_args = [*s.full_train_args, *suite.kernel_args, *suite.train_args]
+    dpo_args = full_dpo_args(suite)
     prep, trl, dpo, errors = train_row(suite, "train-1b-full", model, data, inputs / "dpocache-cache", s.full_steps,
                                        s.full_warmup, trl_extra, dpo_args)
     dims = model_dims(info["config"], info["parameters"])
@@ -771,6 +804,11 @@ def main(argv: list[str] | None = None) -> int:
                   profile_to=out.parent / f"{out.stem}-profiles" if args.profile else None,
                   train_args=tuple(shlex.split(args.train_args)), build_args=tuple(shlex.split(args.build_args)),
                   no_trl=args.no_trl, worker_timeout=args.worker_timeout)
+    refused = refused_train_args(suite, rows)
+    if refused:
+        shutil.rmtree(suite.scratch, ignore_errors=True)
+        print(f"gpu_suite: {refused}", file=sys.stderr)
+        return 2
     names = {str(suite.scratch): "<scratch>", str(work): "<work>"}
     result = {**env, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "dry_run": args.dry_run, "kernels": args.kernels,
               "train_args": list(suite.train_args), "build_args": list(suite.build_args), "no_trl": args.no_trl,

@@ -313,3 +313,19 @@ def test_a_streamed_rows_description_says_whether_its_copies_hid():
     assert "copies     260 layers, 105.6 GiB in 1.95 s; the compute waited 0.41 s of the window's 3.72 s" in text
     row["raw"]["dpocache"]["streamed_window"] = None
     assert "copies" not in gpu_suite.describe_row(row)
+
+
+def test_options_dpocache_would_refuse_stop_the_suite_before_any_row(tmp_path, capsys):
+    """``--train-args`` that ``dpocache train`` refuses with the row's own options (here
+    ``--resident-layers`` without a streamed base) stop the suite with one line naming the row
+    and the flag, exit 2, before any model is built or result written."""
+    out = tmp_path / "x.json"
+    rc = gpu_suite.main(["--dry-run", "--only", "train-1b-full", "--train-args", "--resident-layers 2",
+                         "--work", str(tmp_path / "work"), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "train-1b-full" in err and "--resident-layers" in err and "--stream-base" in err
+    assert not out.exists() and not list((tmp_path / "work").glob("gpu-suite-*"))
+    # the same row and suite with options it takes pass the check
+    suite = gpu_suite.Suite(gpu_suite.shapes_of(gpu_suite.parse_args(["--dry-run"])), tmp_path, tmp_path,
+                            tmp_path / "log", [], None)
+    assert gpu_suite.refused_train_args(suite, list(gpu_suite.ROWS)) is None
