@@ -27,7 +27,8 @@ checkpoint (``LayerCheckpoint``, the one training installs) or, under any other,
 its children, or of the modules holding its streamed weights, to be called. A slot that still
 holds the layer wanted (at a turn, or with as many slots as layers) is used again without a
 copy. On a CPU the "device" slots are host tensors and the copies synchronous: it runs the
-same bookkeeping, which the tests check.
+same bookkeeping, which the tests check. Each copy is timed, and on a GPU so is each wait of
+the compute for one (``Transfers``): the record says whether the copies hid.
 
 Without checkpointing autograd would keep each layer's weights for the backward, which their
 slot no longer holds (training refuses it; autograd's version check would stop the backward).
