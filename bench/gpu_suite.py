@@ -637,6 +637,11 @@ def describe_row(row: dict) -> str:
              f"  peak GiB   dpocache {_fmt(row['peak_mem_gib'], 'g')}  TRL {_fmt(row['trl_peak_mem_gib'], 'g')}  "
              f"{_fmt(row['mem_vs_trl'], 'x')}{target('mem_vs_trl', 'x')}"]
     dpo = (row.get("raw") or {}).get("dpocache") or {}
+    compiler = (dpo.get("ran") or {}).get("compiler")
+    if compiler:  # a compiled policy: its graphs, and the guards that made it compile more
+        reasons = "; ".join(compiler.get("recompile_reasons", [])[:3])
+        lines.append(f"  compiler   {compiler['graphs']} graphs, {compiler['graph_breaks']} graph breaks"
+                     + (f"; recompiled for: {reasons}" if reasons else ""))
     copies = dpo.get("streamed_window")
     if copies and copies.get("stall_s") is not None:  # a streamed base on a GPU: do its copies hide?
         lines.append(f"  copies     {copies['copies']} layers, {copies['copied_gib']:.1f} GiB in "

@@ -303,7 +303,8 @@ def test_the_window_s_copies_are_the_difference_of_its_two_ends():
 
 def test_a_streamed_rows_description_says_whether_its_copies_hid():
     """A row whose dpocache side streamed its base on a GPU says, under its figures, its copies
-    in the timed window and how long the compute waited for them; a row without says nothing."""
+    in the timed window and how long the compute waited for them (a row without says nothing),
+    and a compiled one its graphs and why it recompiled."""
     row = {"name": "train-8b-lora", "tokens_per_s": 9000.0, "trl_tokens_per_s": 2700.0, "vs_trl": 3.3, "mfu": 0.3,
            "peak_mem_gib": 12.8, "trl_peak_mem_gib": 24.7, "mem_vs_trl": 0.52, "met": {}, "wall_s": 190,
            "raw": {"dpocache": {"window_s": 3.72, "streamed_window": {
@@ -313,6 +314,12 @@ def test_a_streamed_rows_description_says_whether_its_copies_hid():
     assert "copies     260 layers, 105.6 GiB in 1.95 s; the compute waited 0.41 s of the window's 3.72 s" in text
     row["raw"]["dpocache"]["streamed_window"] = None
     assert "copies" not in gpu_suite.describe_row(row)
+    # a compiled policy's graphs, and the guards that made it compile more
+    reasons = ["forward (x.py:1): GLOBAL_STATE changed: grad_mode", "forward (x.py:1): size mismatch"]
+    row["raw"]["dpocache"]["ran"] = {"compiler": {"graphs": 3, "graph_breaks": 0, "graph_break_reasons": [],
+                                                  "recompile_reasons": reasons}}
+    assert ("  compiler   3 graphs, 0 graph breaks; recompiled for: forward (x.py:1): GLOBAL_STATE changed: "
+            "grad_mode; forward (x.py:1): size mismatch") in gpu_suite.describe_row(row)
 
 
 def test_options_dpocache_would_refuse_stop_the_suite_before_any_row(tmp_path, capsys):
