@@ -643,7 +643,7 @@ def describe_row(row: dict) -> str:
         lines.append(f"  compiler   {compiler['graphs']} graphs, {compiler['graph_breaks']} graph breaks"
                      + (f"; recompiled for: {reasons}" if reasons else ""))
     copies = dpo.get("streamed_window")
-    if copies and copies.get("stall_s") is not None:  # a streamed base on a GPU: do its copies hide?
+    if copies and copies.get("stall_s") is not None and dpo.get("window_s"):  # a streamed base on a GPU: hidden?
         lines.append(f"  copies     {copies['copies']} layers, {copies['copied_gib']:.1f} GiB in "
                      f"{copies['copy_s']:.2f} s; the compute waited {copies['stall_s']:.2f} s of the window's "
                      f"{dpo['window_s']:.2f} s")

@@ -64,16 +64,26 @@ session() {
 
 # The machine's own paths out of the text files a session leaves in OUT, and torch's empty
 # DEBUG trace lines (TORCH_LOGS) out of the tests' output: they are committed with the results.
+# Plain string replacement (no regular expression built from a path), the longest path first (a
+# venv inside the repository keeps its own name), the Python prefix only where it is a venv.
 scrub() {
-    local out venv
-    out=$(cd "$1" && pwd)  # absolute: a relative name would match inside words
-    venv=$("$PY" -c "import sys; print(sys.prefix)")
-    for f in "$out"/*.txt "$out"/*.log; do
-        [ -f "$f" ] || continue
-        grep -v "DEBUG    torch.__trace" "$f" | sed -e "s#$venv#<venv>#g" -e "s#$out#<out>#g" -e "s#$PWD#<repo>#g" \
-            -e "s#/tmp/pytest-of-[^/ ]*/pytest-[0-9]*#<tmp>#g" >"$f.scrubbed" || true
-        mv "$f.scrubbed" "$f"
-    done
+    "$PY" - "$1" "$PWD" <<'EOF'
+import re
+import sys
+from pathlib import Path
+
+out, repo = Path(sys.argv[1]).resolve(), sys.argv[2]
+names = {str(out): "<out>", repo: "<repo>"}
+if sys.prefix != sys.base_prefix:
+    names[sys.prefix] = "<venv>"
+pytest_tmp = re.compile(r"/tmp/pytest-of-[^/\s]*/pytest-\d+")
+for path in sorted([*out.glob("*.txt"), *out.glob("*.log")]):
+    lines = path.read_text(errors="surrogateescape").splitlines(keepends=True)
+    text = "".join(line for line in lines if "DEBUG    torch.__trace" not in line)
+    for name in sorted(names, key=len, reverse=True):
+        text = text.replace(name, names[name])
+    path.write_text(pytest_tmp.sub("<tmp>", text), errors="surrogateescape")
+EOF
 }
 
 case "${1:-}" in

@@ -193,6 +193,9 @@ class StreamedLayers:
                               for slot in self._slots] for packed in self._packed]
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._copied: list[torch.cuda.Event | None] = [None] * slots  # the slot's last copy, done
+        # the same moment as a timing event: the waits keep events without timing, which CUDA
+        # serves fastest, and the record of the copies (Transfers) reads these
+        self._copy_ended: list[torch.cuda.Event | None] = [None] * slots
         self._freed: list[torch.cuda.Event | None] = [None] * slots  # the compute on the slot's last layer, done
         self._fetched: dict[int, int] = {}  # layer -> slot holding it (copy issued, layer not run yet)
         self._running: dict[int, int] = {}  # layer -> slot it runs from (under autograd: ran last)
@@ -330,7 +333,7 @@ class StreamedLayers:
             compute = torch.cuda.current_stream(self.device)
             reached = _timing_event(compute)
             compute.wait_event(self._copied[slot])
-            self.transfers.timed("stall", reached, self._copied[slot])
+            self.transfers.timed("stall", reached, self._copy_ended[slot])
         for p, param in zip(self._packed[index], self._slot_params[index][slot]):
             p.hold(param)
         self._running[index] = slot
@@ -385,9 +388,11 @@ class StreamedLayers:
                 target.copy_(host, non_blocking=True)
                 # The slot is freed on the compute stream; this copy may still be writing to it then.
                 target.record_stream(self._copy_stream)
-                copied = _timing_event(self._copy_stream)
-            self._copied[slot] = copied
-            self.transfers.timed("copy", started, copied)
+                copied = torch.cuda.Event()
+                copied.record(self._copy_stream)
+                ended = _timing_event(self._copy_stream)
+            self._copied[slot], self._copy_ended[slot] = copied, ended
+            self.transfers.timed("copy", started, ended)
         else:
             started = time.perf_counter()
             target.copy_(host)
