@@ -193,3 +193,19 @@ def reference_kernels_asked(monkeypatch) -> list[str]:
 
     monkeypatch.setattr(ReferenceModel, "from_pretrained", classmethod(spied))
     return asked
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """A gloo process group of one process (FSDP2 needs a group, even of one; DDP wraps in one)."""
+    import torch.distributed as dist
+
+    from dpocache.distributed.process_group import DistEnv
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield DistEnv(rank=0, world_size=1, device=torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()

@@ -88,22 +88,6 @@ def test_the_namespace_does_not_depend_on_the_storage(saved, tmp_path, monkeypat
     assert CacheStore(tmp_path, ns).namespace.dtype == "bfloat16"
 
 
-@pytest.fixture
-def world_of_one(tmp_path):
-    """A gloo process group of one process (FSDP2 needs a group, even of one)."""
-    import torch.distributed as dist
-
-    from dpocache.distributed.process_group import DistEnv
-
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        yield DistEnv(rank=0, world_size=1, device=torch.device("cpu"))
-    finally:
-        dist.destroy_process_group()
-
-
 def test_meta_loaded_policy_has_fp32_masters_bf16_gathers_and_per_layer_checkpointing(saved, world_of_one,
                                                                                         monkeypatch):
     """``train --fsdp``'s policy (dpocache.models.policy.load_sharded_policy): created on the meta

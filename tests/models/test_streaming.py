@@ -521,7 +521,7 @@ def _lora_llama(model_path, streamed: bool, compiled: bool, keep: tuple[str, ...
     return model, streamer
 
 
-def test_ddp_leaves_a_streamed_bases_weights_to_the_streaming(model_path, tmp_path):
+def test_ddp_leaves_a_streamed_bases_weights_to_the_streaming(model_path, world_of_one):
     """Under torchrun a streamed base's policy is wrapped in DDP without its streamed weights:
     they rest in host memory between their layers' calls while the rest of the policy is on the
     GPU, and DDP refuses a module whose parameters are on two device types (and would broadcast
@@ -529,44 +529,38 @@ def test_ddp_leaves_a_streamed_bases_weights_to_the_streaming(model_path, tmp_pa
     parameter and every other one, and a step through it gives the adapters the resident
     model's gradients. A gloo world of one stands in for the ranks (the wrapper wraps from two
     on; on the CPU the device types agree, so the refusal itself needs GPUs)."""
-    import torch.distributed as dist
+    from dataclasses import replace
+
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from dpocache.config import Config
-    from dpocache.distributed.process_group import DistEnv
     from dpocache.models.policy import wrap_for_distributed
     from dpocache.scoring.logprobs import CompletionLogProbs
 
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
     model, streamer = _lora_llama(model_path, streamed=True, compiled=False)
     model.dpocache_streamed = streamer
     scorer = CompletionLogProbs(model, probe=False)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        wrapped = wrap_for_distributed(scorer, model, Config(), DistEnv(rank=0, world_size=2))
-        assert isinstance(wrapped, DDP)
-        streamed = {id(p) for p in streamer.parameters()}
-        names = {n for n, p in scorer.named_parameters() if id(p) in streamed}
-        assert len(names) == len(streamed) > 0 and wrapped.parameters_to_ignore == names
-        kept = {id(p) for p in wrapped._module_parameters}
-        assert not kept & streamed
-        assert kept == {id(p) for p in scorer.parameters()} - streamed  # adapters, embeddings, head, final norm
-        assert {id(p) for p in scorer.parameters() if p.requires_grad} <= kept
-        # a step through DDP and the streamed layers gives the adapters the resident model's gradients
-        resident, _ = _lora_llama(model_path, streamed=False, compiled=False)
-        torch.manual_seed(1)
-        ids = torch.randint(0, model.config.vocab_size, (2, 12))
-        mask, completion = torch.ones_like(ids), torch.zeros_like(ids)
-        completion[:, 6:] = 1
-        wrapped(ids, mask, completion).sum().backward()
-        CompletionLogProbs(resident, probe=False)(ids, mask, completion).sum().backward()
-        got = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
-        want = {n: p.grad for n, p in resident.named_parameters() if p.requires_grad}
-        assert got.keys() == want.keys() and all(g is not None for g in got.values())
-        assert all(torch.allclose(got[n], want[n], atol=1e-6) for n in got)
-    finally:
-        dist.destroy_process_group()
+    wrapped = wrap_for_distributed(scorer, model, Config(), replace(world_of_one, world_size=2))
+    assert isinstance(wrapped, DDP)
+    streamed = {id(p) for p in streamer.parameters()}
+    names = {n for n, p in scorer.named_parameters() if id(p) in streamed}
+    assert len(names) == len(streamed) > 0 and wrapped.parameters_to_ignore == names
+    kept = {id(p) for p in wrapped._module_parameters}
+    assert not kept & streamed
+    assert kept == {id(p) for p in scorer.parameters()} - streamed  # adapters, embeddings, head, final norm
+    assert {id(p) for p in scorer.parameters() if p.requires_grad} <= kept
+    # a step through DDP and the streamed layers gives the adapters the resident model's gradients
+    resident, _ = _lora_llama(model_path, streamed=False, compiled=False)
+    torch.manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    mask, completion = torch.ones_like(ids), torch.zeros_like(ids)
+    completion[:, 6:] = 1
+    wrapped(ids, mask, completion).sum().backward()
+    CompletionLogProbs(resident, probe=False)(ids, mask, completion).sum().backward()
+    got = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    want = {n: p.grad for n, p in resident.named_parameters() if p.requires_grad}
+    assert got.keys() == want.keys() and all(g is not None for g in got.values())
+    assert all(torch.allclose(got[n], want[n], atol=1e-6) for n in got)
 
 
 def _checkpoint_the_call(monkeypatch, layer_class) -> None:
