@@ -12,6 +12,7 @@ model, data, dtype and batch, each system's run in its own process.
     python bench/gpu_suite.py --only ref-8b --no-trl --build-args "--stream-reference false"  # resident weights
     python bench/gpu_suite.py --only train-8b-lora --no-trl --train-args "--resident-layers 0"  # all 32 streamed
     python bench/gpu_suite.py --only train-8b-lora --no-trl --train-args "--checkpoint-keep none"  # none kept
+    python bench/gpu_suite.py --only train-8b-lora --variants "--resident-layers 9" "--compile off"  # one build
 
 Rows:
 
@@ -28,7 +29,8 @@ Rows:
   but for 6 layers spread among the others, the down projections' products kept through the
   recompute, each layer's forward compiled inside its checkpoint; the dry run keeps the products
   only). ``--build-args``/``--train-args "--stream-base false ..."`` turn them off for an A/B
-  (later flags win).
+  (later flags win); ``--variants`` runs dpocache's side once more per set of options after
+  every row, on the inputs already built, each against the row's own TRL run.
 - ``train-1b-full``: full-parameter DPO steps of the 1.1B Llama of ``bench_vs_trl.py --config
   1b-2048``, with the options of its H100 run (``--attention causal --compile on``), against TRL's.
 
@@ -186,6 +188,9 @@ class Suite:
     build_args: tuple[str, ...] = ()  # --build-args: more dpocache cache build options in ref-8b
     no_trl: bool = False  # --no-trl: dpocache's side only
     worker_timeout: float | None = None  # --worker-timeout: each side's process killed past it
+    variants: tuple[tuple[str, ...], ...] = ()  # --variants: each more train options, dpocache's side again
+    # the variants' runs, after every row is measured and written: (row, spec, warm-up steps, options)
+    variant_runs: list = field(default_factory=list)
 
 
 # ------------------------------------------------------------------------------ inputs
@@ -383,7 +388,48 @@ def train_row(suite: Suite, row: str, model: Path, data: Path, cache: Path, step
         suite, row, "dpo-train", dpo_spec)
     if dpo is not None and suite.profile_to is not None:
         suite.profiles.append((row, "dpo-train", {**dpo_spec, "steps": warmup + 2}))
+    if not prep_err:
+        suite.variant_runs.extend((row, dpo_spec, warmup, options) for options in suite.variants)
     return prep, trl, dpo, [prep_err, trl_err, dpo_err]
+
+
+def variant_run(suite: Suite, row: dict, spec: dict, warmup: int, options: tuple[str, ...]) -> dict:
+    """``--variants``: a training row's dpocache side once more with ``options`` after the row's
+    own (a fresh output directory; the reference values its cache holds), read against the
+    row's TRL run and targets: its tokens/s, MFU, peak memory and their ratios, and its raw
+    figures."""
+    index = len(row.get("variants", []))
+    result, err = run_side(suite, row["name"], "dpo-train",
+                           {**spec, "extra_args": [*spec["extra_args"], *options],
+                            "workdir": str(_row_scratch(suite, row["name"]) / f"dpo-variant-{index}")})
+    tps = steady_tokens_per_s(result, warmup)
+    mem = peak_mem_gib(result, suite.shapes.device)
+    variant = {"name": row["name"], "train_args": list(options), "tokens_per_s": tps,
+               "mfu": _ratio(tps and tps * row["flops_per_token"], suite.peak),
+               "vs_trl": _ratio(tps, row.get("trl_tokens_per_s")), "peak_mem_gib": mem,
+               "mem_vs_trl": _ratio(mem, row.get("trl_peak_mem_gib")), "raw": result}
+    variant["met"] = targets_met(variant)
+    if err:
+        variant["error"] = err
+    return variant
+
+
+def describe_variant(variant: dict) -> str:
+    """A variant's figures on one line: its options, tokens/s, MFU and peak memory, each ratio
+    to TRL where the row ran TRL, each target's verdict."""
+    def verdict(key: str) -> str:
+        return {True: " ok", False: " MISS", None: ""}[variant["met"].get(key)]
+
+    options = " ".join(variant["train_args"])
+    if variant.get("error"):
+        return f"  variant    {options}: error: {variant['error']}"
+    ratios = {"vs_trl": "", "mem_vs_trl": ""}
+    for key in ratios:
+        if variant.get(key) is not None:
+            ratios[key] = f" ({_fmt(variant[key], 'x')} TRL{verdict(key)})"
+    return (f"  variant    {options}: {_fmt(variant['tokens_per_s'], 'n')} tokens/s{ratios['vs_trl']}, "
+            f"MFU {_fmt(variant['mfu'], '%')}{verdict('mfu')}, peak {_fmt(variant['peak_mem_gib'], 'g')} GiB"
+            f"{ratios['mem_vs_trl']}")
 
 
 def profile_run(suite: Suite, row: str, mode: str, spec: dict) -> dict:
@@ -427,19 +473,21 @@ DPO_TRAIN_ARGS = {"train-8b-lora": lora_dpo_args, "train-1b-full": full_dpo_args
 def refused_train_args(suite: Suite, rows: list[str]) -> str | None:
     """Why ``dpocache train`` would refuse a training row's options (``--train-args`` beside the
     row's own), checked as ``train`` checks them before any model loads; None where every row's
-    pass. The suite stops on it at once: a refused flag otherwise costs a GPU call the row's
-    model build and its worker's start (45 s on an H200)."""
+    pass, each ``--variants`` entry after them as well. The suite stops on it at once: a refused
+    flag otherwise costs a GPU call the row's model build and its worker's start (45 s on an
+    H200)."""
     from dpocache.config import ConfigError, build_config
 
     for row in rows:
         if row not in DPO_TRAIN_ARGS:
             continue
-        options = [*timed_train_args("<model>", "<data>", suite.shapes.dtype, suite.shapes.device, "<cache>",
-                                     "<out>", suite.shapes.batch_size, 1), *DPO_TRAIN_ARGS[row](suite)]
-        try:
-            build_config(None, options).validate(required=("model.path", "data.train"))
-        except ConfigError as err:
-            return f"{row}: {err}"
+        for variant in [(), *suite.variants]:
+            options = [*timed_train_args("<model>", "<data>", suite.shapes.dtype, suite.shapes.device, "<cache>",
+                                         "<out>", suite.shapes.batch_size, 1), *DPO_TRAIN_ARGS[row](suite), *variant]
+            try:
+                build_config(None, options).validate(required=("model.path", "data.train"))
+            except ConfigError as err:
+                return f"{row}{' with --variants ' + shlex.quote(' '.join(variant)) if variant else ''}: {err}"
     return None
 
 
@@ -647,6 +695,10 @@ def describe_row(row: dict) -> str:
         lines.append(f"  copies     {copies['copies']} layers, {copies['copied_gib']:.1f} GiB in "
                      f"{copies['copy_s']:.2f} s; the compute waited {copies['stall_s']:.2f} s of the window's "
                      f"{dpo['window_s']:.2f} s")
+        if copies.get("idle_entries") is not None:
+            lines.append(f"  host       the device had run dry at {copies['idle_entries']} of {copies['entries']} "
+                         "streamed layer starts (there the host set the pace)")
+    lines.extend(describe_variant(v) for v in row.get("variants", []))
     if row.get("error"):
         lines.append(f"  error: {row['error']}")
     return "\n".join(lines)
@@ -743,6 +795,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="more dpocache train options, one string, in both training rows (an A/B: '--compile on')")
     p.add_argument("--build-args", default="", metavar="OPTIONS",
                    help="more dpocache cache build options, one string, in ref-8b (an A/B: '--stream-reference true')")
+    p.add_argument("--variants", nargs="+", default=[], metavar="OPTIONS",
+                   help="after every row, each training row's dpocache side once more per OPTIONS (one string "
+                        "each, after --train-args), on the inputs built and against the row's TRL run: A/Bs "
+                        "without building the model again")
     p.add_argument("--no-trl", action="store_true",
                    help="dpocache's side only (a comparison of dpocache's options on one machine; no ratio to TRL)")
     p.add_argument("--worker-timeout", type=float, default=None, metavar="S",
@@ -808,7 +864,8 @@ def main(argv: list[str] | None = None) -> int:
                   [] if args.kernels == "auto" else ["--kernels", args.kernels], env["peak_flops"],
                   profile_to=out.parent / f"{out.stem}-profiles" if args.profile else None,
                   train_args=tuple(shlex.split(args.train_args)), build_args=tuple(shlex.split(args.build_args)),
-                  no_trl=args.no_trl, worker_timeout=args.worker_timeout)
+                  no_trl=args.no_trl, worker_timeout=args.worker_timeout,
+                  variants=tuple(tuple(shlex.split(v)) for v in args.variants))
     refused = refused_train_args(suite, rows)
     if refused:
         shutil.rmtree(suite.scratch, ignore_errors=True)
@@ -834,6 +891,13 @@ def main(argv: list[str] | None = None) -> int:
             write_result(out, result, names)  # every finished row on disk at once
             print(describe_row(row) if "tokens_per_s" in row else f"{name}: error: {row['error']}", flush=True)
             shutil.rmtree(suite.scratch / name, ignore_errors=True)  # a 1.1B run's checkpoint: 4 GiB
+        for name, spec, warmup, options in suite.variant_runs:
+            print(f"{name}: dpocache with {' '.join(options)} ...", flush=True)
+            row = next(r for r in result["rows"] if r["name"] == name)
+            row.setdefault("variants", []).append(variant := variant_run(suite, row, spec, warmup, options))
+            write_result(out, result, names)
+            print(describe_variant(variant), flush=True)
+            shutil.rmtree(suite.scratch / name, ignore_errors=True)
         for name, mode, spec in suite.profiles:
             print(f"{name}: profiling dpocache's side ...", flush=True)
             row = next(r for r in result["rows"] if r["name"] == name)

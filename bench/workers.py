@@ -349,15 +349,17 @@ def _dpo_train(spec: dict, stop_at_first_step: bool) -> dict:
 
 def transfers_between(before: dict, after: dict) -> dict:
     """A streamed base's copies in the timed window (``StreamedLayers.transfers`` read at its two
-    ends): how many, their bytes and time, and how long the compute stood waiting for them (None
-    on a CPU): beside ``window_s``, whether the copies hide behind the steps' compute."""
+    ends): how many, their bytes and time, how long the compute stood waiting for them, and at
+    how many layer starts the device had run dry (None on a CPU): beside ``window_s``, whether
+    the copies hide behind the steps' compute, and whether the host sets the pace."""
     def diff(key: str, digits: int):
         return None if after[key] is None else round(after[key] - before[key], digits)
 
     copied_gib, copy_s = diff("copied_gib", 3), diff("copy_s", 6)
     return {"copies": after["copies"] - before["copies"], "waits": after["waits"] - before["waits"],
             "copied_gib": copied_gib, "copy_s": copy_s, "stall_s": diff("stall_s", 6),
-            "copy_gib_per_s": round(copied_gib / copy_s, 2) if copy_s else None}
+            "copy_gib_per_s": round(copied_gib / copy_s, 2) if copy_s else None,
+            "entries": after["entries"] - before["entries"], "idle_entries": diff("idle_entries", 0)}
 
 
 def _profiler(spec: dict):

@@ -133,11 +133,14 @@ def _print_build_summary(args, s, store: CacheStore, dtype: torch.dtype, data: P
 
 
 def describe_transfers(t: dict) -> str:
-    """``copied 832 layers, 338.00 GiB at 52.1 GiB/s; the compute waited 0.21 s for them``: a
-    streamed model's copies (``StreamedLayers.transfers``), the wait on a GPU only."""
+    """``copied 832 layers, 338.00 GiB at 52.1 GiB/s; the compute waited 0.21 s for them; the
+    device had run dry at 12 of 832 layer starts``: a streamed model's copies
+    (``StreamedLayers.transfers``), the wait and the idle starts on a GPU only."""
     rate = f" at {t['copy_gib_per_s']:.1f} GiB/s" if t["copy_gib_per_s"] else ""
     stall = f"; the compute waited {t['stall_s']:.2f} s for them" if t["stall_s"] is not None else ""
-    return f"copied {t['copies']} layers, {t['copied_gib']:.2f} GiB{rate}{stall}"
+    idle = (f"; the device had run dry at {t['idle_entries']} of {t['entries']} layer starts"
+            if t.get("idle_entries") is not None else "")
+    return f"copied {t['copies']} layers, {t['copied_gib']:.2f} GiB{rate}{stall}{idle}"
 
 
 def cmd_info(args) -> int:

@@ -28,7 +28,9 @@ its children, or of the modules holding its streamed weights, to be called. A sl
 holds the layer wanted (at a turn, or with as many slots as layers) is used again without a
 copy. On a CPU the "device" slots are host tensors and the copies synchronous: it runs the
 same bookkeeping, which the tests check. Each copy is timed, and on a GPU so is each wait of
-the compute for one (``Transfers``): the record says whether the copies hid.
+the compute for one, and each layer's start says whether the device had run out of work
+before the host reached it (``Transfers``): the record says whether the copies hid, and
+whether the host or the device set the pace.
 
 Without checkpointing autograd would keep each layer's weights for the backward, which their
 slot no longer holds (training refuses it; autograd's version check would stop the backward).
@@ -123,12 +125,19 @@ class Transfers:
     how long the compute stream stood waiting for a copy (``stall_s``: from the moment it
     reached a layer to the end of that layer's copy, where the copy ended later). Where the
     stall is near zero the copies hide behind the compute; where ``copy_s`` nears a run's
-    time the link sets it. Event pairs are read once both have run (``read``)."""
+    time the link sets it. Event pairs are read once both have run (``read``).
+
+    On a GPU ``idle_entries`` counts the layer starts (of ``entries``) at which the compute
+    stream had finished everything queued on it: the device stood idle until the host queued
+    more, so there the host, not the kernels or the copies, set the pace. Where it is near
+    ``entries`` the step is bound by its host work (Python, dispatch, hooks)."""
 
     cuda: bool
     copies: int = 0  # layers copied to the device
     waits: int = 0  # layers not fetched ahead of their call (on a GPU the compute waits for their copy)
     copied_bytes: int = 0
+    entries: int = 0  # layers started from a slot
+    idle_entries: int = 0  # of them, on a GPU: the compute stream had nothing left to run
     copy_s: float = 0.0
     stall_s: float = 0.0
     _pending: list = field(default_factory=list)  # (kind, start event, end event), not read yet
@@ -164,7 +173,8 @@ class Transfers:
         return {"copies": self.copies, "waits": self.waits, "copied_gib": round(self.copied_bytes / 2**30, 3),
                 "copy_s": round(self.copy_s, 6),
                 "copy_gib_per_s": round(self.copied_bytes / 2**30 / self.copy_s, 2) if self.copy_s > 0 else None,
-                "stall_s": round(self.stall_s, 6) if self.cuda else None}
+                "stall_s": round(self.stall_s, 6) if self.cuda else None, "entries": self.entries,
+                "idle_entries": self.idle_entries if self.cuda else None}
 
 
 class StreamedLayers:
@@ -329,8 +339,12 @@ class StreamedLayers:
             self._fetch(index)
             self.transfers.waits += 1
         slot = self._fetched.pop(index)
-        if self._copied[slot] is not None:
+        self.transfers.entries += 1
+        if self._cuda:
             compute = torch.cuda.current_stream(self.device)
+            # done with all it was given (a query, no wait): the device waited for the host here
+            self.transfers.idle_entries += compute.query()
+        if self._copied[slot] is not None:
             reached = _timing_event(compute)
             compute.wait_event(self._copied[slot])
             self.transfers.timed("stall", reached, self._copy_ended[slot])

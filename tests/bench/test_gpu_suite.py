@@ -32,7 +32,8 @@ def _finite_positive(x) -> bool:
 def test_dry_run_writes_every_row_of_the_schema(tmp_path):
     out = tmp_path / "x.json"
     proc = subprocess.run([sys.executable, str(BENCH / "gpu_suite.py"), "--dry-run", "--out", str(out),
-                           "--work", str(tmp_path / "work"), "--profile"], capture_output=True, text=True, timeout=600)
+                           "--work", str(tmp_path / "work"), "--profile", "--variants", "--checkpoint-keep none"],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert set(HEADER) <= set(result)
@@ -73,6 +74,21 @@ def test_dry_run_writes_every_row_of_the_schema(tmp_path):
     lora = result["rows"][1]
     assert lora["setup"]["dpocache_args"][-2:] == ["--checkpoint-keep", "down_proj"]
     assert lora["raw"]["dpocache"]["ran"]["kept_products"] == {"names": ["down_proj"], "linear_layers": 2}
+    # --variants: each training row's dpocache side once more with the options after its own, read
+    # against the row's TRL run; here the LoRA row without its kept products
+    for row in result["rows"][1:]:
+        (variant,) = row["variants"]
+        assert variant["train_args"] == ["--checkpoint-keep", "none"] and "error" not in variant
+        for key in ("tokens_per_s", "vs_trl", "mfu", "peak_mem_gib", "mem_vs_trl"):
+            assert _finite_positive(variant[key]), (row["name"], key, variant[key])
+        assert variant["vs_trl"] == pytest.approx(variant["tokens_per_s"] / row["trl_tokens_per_s"])
+        assert variant["mfu"] / row["mfu"] == pytest.approx(variant["tokens_per_s"] / row["tokens_per_s"])
+        ran, timed = variant["raw"]["ran"], variant["raw"]
+        assert ran.get("kept_products") is None, ran  # the variant's options took effect
+        assert variant["tokens_per_s"] == pytest.approx(sum(timed["step_tokens"][warmup:]) / timed["window_s"])
+        assert set(variant["met"]) == set(gpu_suite.TARGETS[row["name"]])
+    assert "variant    --checkpoint-keep none: " in proc.stdout
+    assert "variants" not in result["rows"][0]  # the reference pass has none
     assert lora["raw"]["dpocache"]["streamed_window"] is None  # its base streams on a GPU only
 
 
@@ -293,12 +309,16 @@ def test_the_window_s_copies_are_the_difference_of_its_two_ends():
     bytes and time; no compute waits where none were timed (a CPU)."""
     import workers
 
-    before = {"copies": 10, "waits": 1, "copied_gib": 4.0, "copy_s": 0.1, "stall_s": 0.02, "copy_gib_per_s": 40.0}
-    after = {"copies": 62, "waits": 1, "copied_gib": 25.0, "copy_s": 0.5, "stall_s": 0.12, "copy_gib_per_s": 50.0}
+    before = {"copies": 10, "waits": 1, "copied_gib": 4.0, "copy_s": 0.1, "stall_s": 0.02, "copy_gib_per_s": 40.0,
+              "entries": 12, "idle_entries": 3}
+    after = {"copies": 62, "waits": 1, "copied_gib": 25.0, "copy_s": 0.5, "stall_s": 0.12, "copy_gib_per_s": 50.0,
+             "entries": 64, "idle_entries": 40}
     assert workers.transfers_between(before, after) == {"copies": 52, "waits": 0, "copied_gib": 21.0, "copy_s": 0.4,
-                                                        "stall_s": 0.1, "copy_gib_per_s": 52.5}
-    on_cpu = workers.transfers_between({**before, "stall_s": None}, {**after, "stall_s": None})
-    assert on_cpu["stall_s"] is None and on_cpu["copies"] == 52
+                                                        "stall_s": 0.1, "copy_gib_per_s": 52.5, "entries": 52,
+                                                        "idle_entries": 37}
+    on_cpu = workers.transfers_between({**before, "stall_s": None, "idle_entries": None},
+                                       {**after, "stall_s": None, "idle_entries": None})
+    assert on_cpu["stall_s"] is None and on_cpu["idle_entries"] is None and on_cpu["copies"] == 52
 
 
 def test_a_streamed_rows_description_says_whether_its_copies_hid():
@@ -309,9 +329,10 @@ def test_a_streamed_rows_description_says_whether_its_copies_hid():
            "peak_mem_gib": 12.8, "trl_peak_mem_gib": 24.7, "mem_vs_trl": 0.52, "met": {}, "wall_s": 190,
            "raw": {"dpocache": {"window_s": 3.72, "streamed_window": {
                "copies": 260, "waits": 0, "copied_gib": 105.6, "copy_s": 1.95, "stall_s": 0.41,
-               "copy_gib_per_s": 54.2}}}}
+               "copy_gib_per_s": 54.2, "entries": 260, "idle_entries": 31}}}}
     text = gpu_suite.describe_row(row)
     assert "copies     260 layers, 105.6 GiB in 1.95 s; the compute waited 0.41 s of the window's 3.72 s" in text
+    assert "host       the device had run dry at 31 of 260 streamed layer starts" in text
     row["raw"]["dpocache"]["window_s"] = None  # steps timed each alone: no window to set the waits beside
     assert "copies" not in gpu_suite.describe_row(row)
     row["raw"]["dpocache"]["streamed_window"] = None
@@ -338,3 +359,7 @@ def test_options_dpocache_would_refuse_stop_the_suite_before_any_row(tmp_path, c
     suite = gpu_suite.Suite(gpu_suite.shapes_of(gpu_suite.parse_args(["--dry-run"])), tmp_path, tmp_path,
                             tmp_path / "log", [], None)
     assert gpu_suite.refused_train_args(suite, list(gpu_suite.ROWS)) is None
+    # a variant is checked as the row's own options are: the first refused names it
+    suite.variants = (("--checkpoint-keep", "none"), ("--resident-layers", "2"))
+    refused = gpu_suite.refused_train_args(suite, ["train-8b-lora"])
+    assert refused.startswith("train-8b-lora with --variants '--resident-layers 2': --resident-layers")

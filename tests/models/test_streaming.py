@@ -142,6 +142,7 @@ def test_each_layer_runs_from_a_slot_with_the_next_one_fetched_before_it_runs():
     assert transfers["copies"] == 2 * n + 1 and transfers["waits"] == streamer.waits == 1
     assert transfers["copied_gib"] == round((2 * sum(sizes) + sizes[0]) / 2**30, 3)
     assert transfers["copy_s"] > 0 and transfers["stall_s"] is None  # the host's clock; no streams on a CPU
+    assert transfers["entries"] == 2 * n and transfers["idle_entries"] is None  # each layer's start; no device
     used = {s.data_ptr() for s in streamer._slots}
     assert len(used) == 2 and streamer._slots[0].numel() == max(b.numel() for b in streamer._host)
     for packed in streamer._packed:
@@ -284,7 +285,8 @@ def test_a_streamed_cache_build_says_what_it_copied(cli, model_path, pref_jsonl,
     assert transfers["copies"] >= summary["forward_passes"] * streamed["layers"]
     assert transfers["copy_s"] > 0 and transfers["stall_s"] is None
     line = next(x for x in out.splitlines() if x.startswith("copied "))
-    assert line.startswith(f"copied {transfers['copies']} layers, ") and "GiB/s" in line and "waited" not in line
+    assert line.startswith(f"copied {transfers['copies']} layers, ") and "GiB/s" in line
+    assert "waited" not in line and "run dry" not in line  # on a GPU only
 
 
 def test_score_stream_reference_is_refused_on_a_cpu_before_the_rows_are_read(cli, model_path, tmp_path):
@@ -324,7 +326,7 @@ def test_a_streamed_base_run_says_what_it_copied(cli, model_path, pref_jsonl, tm
     assert transfers["copies"] >= 2 * 3  # each of the three streamed layers at least once a step
     line = next(x for x in out.splitlines() if x.startswith("streamed base:"))
     assert line.startswith(f"streamed base: 3 layers from host memory, 1 on the device; copied "
-                           f"{transfers['copies']} layers, ") and "waited" not in line
+                           f"{transfers['copies']} layers, ") and "waited" not in line and "run dry" not in line
 
 
 def test_stream_reference_is_refused_by_train_before_any_model_loads(cli, model_path, pref_jsonl, tmp_path):
@@ -367,6 +369,7 @@ def test_streamed_reference_on_a_gpu_matches_and_holds_two_layers(tmp_path):
             # timed on the device: a page-locked copy runs at gigabytes a second; the compute's waits measured
             transfers = reference.streamed.to_json()["transfers"]
             assert transfers["copy_gib_per_s"] > 1 and transfers["stall_s"] is not None and transfers["stall_s"] >= 0
+            assert 0 <= transfers["idle_entries"] <= transfers["entries"] == reference.forward_passes * 12
         del reference
     for name in ("chosen_logps", "rejected_logps"):
         assert torch.equal(getattr(values[True], name), getattr(values[False], name))
@@ -419,6 +422,25 @@ def _train(model: nn.Module, steps: int = 3, evaluate: bool = True) -> tuple[lis
             with torch.no_grad():  # an evaluation between steps
                 model(x)
     return losses, [p.detach().clone() for p in model.parameters() if p.requires_grad]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_layer_start_counts_as_idle_exactly_where_the_device_had_run_dry():
+    """``Transfers.idle_entries`` on a GPU: a host that waits for the device before each layer
+    (a synchronize in a hook ahead of the streamer's) finds it idle at every start; a device
+    given a long kernel before each layer (``torch.cuda._sleep``) is busy at every start."""
+    for host_waits in (True, False):
+        model = _stack(widths=(256,) * 5).cuda()
+        for layer in model:
+            layer.register_forward_pre_hook(
+                (lambda m, a: torch.cuda.synchronize()) if host_waits else (lambda m, a: torch.cuda._sleep(10**7)))
+        streamer = StreamedLayers(model, list(model), "cuda")  # its hooks run after the ones above
+        with torch.inference_mode():
+            model(torch.randn(3, 256, device="cuda"))
+        transfers = streamer.to_json()["transfers"]
+        assert transfers["entries"] == 4
+        assert transfers["idle_entries"] == (4 if host_waits else 0), host_waits
 
 
 def test_checkpointed_training_through_streamed_layers_equals_the_resident_run():
