@@ -58,6 +58,7 @@ class ModelConfig:
     stream_reference: bool = False  # reference pass (GPU): decoder layers stay in host memory, copied in one ahead
     stream_base: bool = False  # LoRA training (GPU): the frozen base's layers likewise (needs gradient checkpointing)
     resident_layers: int = 0  # --stream-base: this many base layers stay on the GPU, spread out (hiding the copies)
+    turn_layers: int = 0  # --stream-base: this many more streamed layers wait on the GPU from a backward to a forward
 
 
 @dataclass
@@ -203,6 +204,7 @@ ALIASES = {
     "report_to": "train.report_to", "attention": "model.attention", "compile": "model.compile",
     "kernels": "model.kernels", "stream_reference": "model.stream_reference", "stream_base": "model.stream_base",
     "checkpoint_keep": "model.checkpoint_keep", "resident_layers": "model.resident_layers",
+    "turn_layers": "model.turn_layers",
 }
 
 # The names of TRL's DPOConfig and TrainingArguments (and its scripts' ModelConfig) that a TRL user
@@ -486,6 +488,12 @@ def _validate_streaming(cfg: Config) -> None:
     if cfg.model.resident_layers and not cfg.model.stream_base:
         raise ConfigError(f"{resident}: the base layers that stay on the GPU while the others stream; pass "
                           f"{flag_name('model.stream_base')} true with it")
+    turn = flag_name("model.turn_layers")
+    if cfg.model.turn_layers < 0:
+        raise ConfigError(f"{turn}: a number of streamed layers, 0 or more; got {cfg.model.turn_layers}")
+    if cfg.model.turn_layers and not cfg.model.stream_base:
+        raise ConfigError(f"{turn}: streamed base layers that wait on the GPU from a backward to the next forward; "
+                          f"pass {flag_name('model.stream_base')} true with it")
 
 
 def _trains_lora(cfg: Config) -> bool:

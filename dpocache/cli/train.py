@@ -105,8 +105,10 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     if streamed and "transfers" in streamed:
         from dpocache.cli.cache import describe_transfers
 
+        turn = (f", {streamed['turn_layers']} more from each backward to the next forward"
+                if streamed.get("turn_layers") else "")
         print(f"streamed base: {streamed['layers']} layers from host memory, {streamed['resident_layers']} on the "
-              f"device; {describe_transfers(streamed['transfers'])}")
+              f"device{turn}; {describe_transfers(streamed['transfers'])}")
     if final["eval"]:
         print(describe_eval(first_eval(cfg.train.output_dir), final["eval"]))
     return 0

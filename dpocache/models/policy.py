@@ -89,7 +89,8 @@ def load_policy(cfg: Config, device: torch.device, kernels: KernelChoice | None 
     the device just ahead of its forward and, in reverse, of the backward's recompute
     (``dpocache.models.streaming``); the adapters, embeddings and head are on the device, and so
     are ``model.resident_layers`` of the decoder layers, spread among the streamed ones
-    (``spread_resident``). The model then has ``dpocache_streamed``, its ``StreamedLayers``.
+    (``spread_resident``), and ``model.turn_layers`` more streamed layers wait there from each
+    backward to the next forward. The model then has ``dpocache_streamed``, its ``StreamedLayers``.
 
     ``model.gradient_checkpointing``: each decoder layer checkpointed, and with
     ``model.checkpoint_keep`` the named frozen matrices' products kept through the recompute
@@ -140,7 +141,7 @@ def load_policy(cfg: Config, device: torch.device, kernels: KernelChoice | None 
         resident = set(spread_resident(len(layers), cfg.model.resident_layers))  # checked by train's setup
         streamed = [layer for index, layer in enumerate(layers) if index not in resident]
         move_resident_(model, streamed, device)
-        model.dpocache_streamed = StreamedLayers(model, streamed, device)
+        model.dpocache_streamed = StreamedLayers(model, streamed, device, turn_layers=cfg.model.turn_layers)
         return model
     return model.to(device)
 

@@ -26,7 +26,21 @@ each needs its weights for its recompute and its backward. transformers checkpoi
 checkpoint (``LayerCheckpoint``, the one training installs) or, under any other, by the first of
 its children, or of the modules holding its streamed weights, to be called. A slot that still
 holds the layer wanted (at a turn, or with as many slots as layers) is used again without a
-copy. On a CPU the "device" slots are host tensors and the copies synchronous: it runs the
+copy.
+
+At the bottom turn the two slots already hold the first two layers, which the next forward runs
+first. ``turn_layers`` N keeps N more there: in the backward each of the streamed layers 2 to
+N+1 keeps its slot when it is done (a new slot takes its place among the two), so the forward
+starts with N+2 layers on the device and copies N fewer a step. Their memory is taken where a
+step's memory is lowest: at the end of the backward the checkpointed inputs and kept products
+of every layer above are freed, and in the forward each gives its slot up as it runs, the
+freed slot taking the next copy ahead (the copy stream works from the forward's first layer on,
+ahead of compute that needs no copy) until the forward passes the kept layers, when the slots
+are given back down to two, before the activations have grown: the step's peak, at its top
+turn, holds two slots as before. Copies and the compute on kept layers overlap; a forward
+whose compute is shorter than its copies (a small token budget) gains most.
+
+On a CPU the "device" slots are host tensors and the copies synchronous: it runs the
 same bookkeeping, which the tests check. Each copy is timed, and on a GPU so is each wait of
 the compute for one, and each layer's start says whether the device had run out of work
 before the host reached it (``Transfers``): the record says whether the copies hid, and
@@ -118,6 +132,20 @@ class _Packed:
             module._parameters[name] = param
 
 
+@dataclass(eq=False)
+class _Slot:
+    """A device buffer a layer's frozen values are copied into, and what it holds."""
+
+    buffer: torch.Tensor
+    content: int | None = None  # the layer whose values it holds
+    copied: torch.cuda.Event | None = None  # its last copy, done (untimed: what the compute waits on)
+    # the same moment as a timing event: the waits keep events without timing, which CUDA serves
+    # fastest, and the record of the copies (Transfers) reads these
+    copy_ended: torch.cuda.Event | None = None
+    freed: torch.cuda.Event | None = None  # the compute on what it held (or on its memory before it), done
+    params: dict[int, list[nn.Parameter]] = field(default_factory=dict)  # layer -> its parameters viewing it
+
+
 @dataclass
 class Transfers:
     """What a ``StreamedLayers`` copied and how long it took: the copies' own time (on a GPU from
@@ -138,6 +166,7 @@ class Transfers:
     copied_bytes: int = 0
     entries: int = 0  # layers started from a slot
     idle_entries: int = 0  # of them, on a GPU: the compute stream had nothing left to run
+    turn_kept: int = 0  # of them, layers that stayed on the device through a bottom turn (no copy)
     copy_s: float = 0.0
     stall_s: float = 0.0
     _pending: list = field(default_factory=list)  # (kind, start event, end event), not read yet
@@ -174,7 +203,7 @@ class Transfers:
                 "copy_s": round(self.copy_s, 6),
                 "copy_gib_per_s": round(self.copied_bytes / 2**30 / self.copy_s, 2) if self.copy_s > 0 else None,
                 "stall_s": round(self.stall_s, 6) if self.cuda else None, "entries": self.entries,
-                "idle_entries": self.idle_entries if self.cuda else None}
+                "idle_entries": self.idle_entries if self.cuda else None, "turn_kept": self.turn_kept}
 
 
 class StreamedLayers:
@@ -185,34 +214,35 @@ class StreamedLayers:
 
     While a layer runs its modules hold parameters that view its slot, and otherwise their own,
     whose values are in the host buffer; under autograd a layer keeps its slot until the next
-    one starts (module docstring)."""
+    one starts, and layers 2 to ``turn_layers`` + 1 keep theirs from the backward to the next
+    forward (module docstring)."""
 
-    def __init__(self, model: nn.Module, layers: Sequence[nn.Module], device: torch.device | str, slots: int = 2):
+    def __init__(self, model: nn.Module, layers: Sequence[nn.Module], device: torch.device | str, slots: int = 2,
+                 turn_layers: int = 0):
         if slots < 2:
             raise ValueError(f"slots must be at least 2 (one running, one being filled); got {slots}")
+        most = max(len(layers) - 2, 0)
+        if not 0 <= turn_layers <= most:
+            raise ValueError(f"turn layers must be from 0 to {most} (the layers past the first two) of "
+                             f"{len(layers)}; got {turn_layers}")
         self.device = torch.device(device)
         self.layers = list(layers)
         self._cuda = self.device.type == "cuda"
         streamed = streamed_parameters(model, self.layers)
         self._packed = [self._pack(layer, streamed) for layer in self.layers]
         self._host = self._host_buffers(self._packed)
-        width = max((buffer.numel() for buffer in self._host), default=0)
-        self._slots = [torch.empty(width, dtype=torch.uint8, device=self.device) for _ in range(slots)]
-        # [layer][slot]: the parameters a layer's modules hold while it runs from that slot
-        self._slot_params = [[[nn.Parameter(p.view(slot), requires_grad=False) for p in packed]
-                              for slot in self._slots] for packed in self._packed]
+        self._width = max((buffer.numel() for buffer in self._host), default=0)
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
-        self._copied: list[torch.cuda.Event | None] = [None] * slots  # the slot's last copy, done
-        # the same moment as a timing event: the waits keep events without timing, which CUDA
-        # serves fastest, and the record of the copies (Transfers) reads these
-        self._copy_ended: list[torch.cuda.Event | None] = [None] * slots
-        self._freed: list[torch.cuda.Event | None] = [None] * slots  # the compute on the slot's last layer, done
-        self._fetched: dict[int, int] = {}  # layer -> slot holding it (copy issued, layer not run yet)
-        self._running: dict[int, int] = {}  # layer -> slot it runs from (under autograd: ran last)
+        self._base = slots
+        self._pool = [self._new_slot() for _ in range(slots)]  # the slots layers are fetched into
+        self._turn = range(2, 2 + turn_layers)  # the layers kept on the device through the bottom turn
+        self._kept: dict[int, _Slot] = {}  # layer -> its slot, kept from the backward for the next forward
+        self._spare = 0  # slots past the base the forward fills ahead: kept layers' slots, given up as they ran
+        self._fetched: dict[int, _Slot] = {}  # layer -> the slot holding it (copy issued, layer not run yet)
+        self._running: dict[int, _Slot] = {}  # layer -> the slot it runs from (under autograd: ran last)
         self._last: int | None = None  # the layer that started last under autograd
         self._direction = 1  # +1: forward order; -1: the backward's recompute, last layer first
         self.transfers = Transfers(self._cuda)
-        self._content: list[int | None] = [None] * slots  # the layer whose values each slot holds
         shared = _modules_in_several(self.layers)
         for index, layer in enumerate(self.layers):
             enter = self._enter_hook(index)
@@ -243,6 +273,11 @@ class StreamedLayers:
     def waits(self) -> int:
         return self.transfers.waits
 
+    @property
+    def _slots(self) -> list[torch.Tensor]:
+        """Every device buffer a layer's values are in now: the slots and the kept layers'."""
+        return [slot.buffer for slot in [*self._pool, *self._kept.values()]]
+
     def parameters(self) -> list[nn.Parameter]:
         """The layers' own streamed parameters, their values in host memory: what their modules
         hold between the layers' calls."""
@@ -254,18 +289,21 @@ class StreamedLayers:
 
     @property
     def slot_bytes(self) -> int:
-        return sum(slot.numel() for slot in self._slots)
+        """The device memory the slots take through a step's peak (the kept layers' is taken below it)."""
+        return self._base * self._width
 
     def to_json(self) -> dict:
         """What run.json and the build summary record: the layers' bytes on the host, the
         allocations holding them and, on a GPU, the page-locked memory those take (rounded); the
-        copies so far (``Transfers``: reading their times waits for the device)."""
+        slots' device memory and the layers kept through the bottom turn; the copies so far
+        (``Transfers``: reading their times waits for the device)."""
         allocations = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in self._host}
         page_locked = sum(_rounded(size) for size in allocations.values()) if self._cuda else None
-        return {"layers": len(self.layers), "slots": len(self._slots),
+        return {"layers": len(self.layers), "slots": self._base,
                 "host_gib": round(self.host_bytes / 2**30, 3), "host_allocations": len(allocations),
                 "page_locked_gib": None if page_locked is None else round(page_locked / 2**30, 3),
-                "device_gib": round(self.slot_bytes / 2**30, 3), "transfers": self.transfers.to_json()}
+                "device_gib": round(self.slot_bytes / 2**30, 3), "turn_layers": len(self._turn),
+                "turn_gib": round(len(self._turn) * self._width / 2**30, 3), "transfers": self.transfers.to_json()}
 
     # --------------------------------------------------------------------- packing
 
@@ -308,6 +346,22 @@ class StreamedLayers:
             first += count
         return buffers
 
+    def _new_slot(self) -> _Slot:
+        """A device buffer for one layer. On a GPU from the compute stream's memory, so a slot
+        given up returns to the activations; a copy into it waits for the compute that used
+        that memory before (``freed``)."""
+        slot = _Slot(torch.empty(self._width, dtype=torch.uint8, device=self.device))
+        if self._cuda:
+            slot.freed = torch.cuda.Event()
+            slot.freed.record(torch.cuda.current_stream(self.device))
+        return slot
+
+    def _params(self, index: int, slot: _Slot) -> list[nn.Parameter]:
+        """The parameters layer ``index``'s modules hold while it runs from ``slot``."""
+        if index not in slot.params:
+            slot.params[index] = [nn.Parameter(p.view(slot.buffer), requires_grad=False) for p in self._packed[index]]
+        return slot.params[index]
+
     # --------------------------------------------------------------------- the hooks
 
     def _enter_hook(self, index: int):
@@ -319,99 +373,139 @@ class StreamedLayers:
     def _leave_hook(self, index: int):
         def leave(module, args, output):
             if not torch.is_grad_enabled():  # under autograd the layer's backward may still need its slot
-                self._release(index)
+                self._release(index, False)
         return leave
 
     def _enter(self, index: int) -> None:
         """Layer ``index`` starts: the layer still holding its slot gives it back (the one before
         under autograd, or one whose forward raised), ``index`` takes its own, and the layer
         that runs after it is fetched."""
+        autograd = torch.is_grad_enabled()
+        if autograd:
+            self._turn_at(index)
+        if index not in self._kept and index not in self._turn:  # past the kept layers: back down to the base
+            self._spare = 0
+        n = len(self.layers)
+        # at an end under autograd the layer before runs next again: its slot is kept whatever the count
+        again = index - self._direction if autograd and not 0 <= index + self._direction < n else None
         for other in list(self._running):
-            self._release(other)
+            self._release(other, autograd, again)
         self._hold(index)
-        following = self._following(index, torch.is_grad_enabled())
+        following = self._following(index, autograd)
         if following is not None and following not in self._fetched and following not in self._running:
-            self._fetch(following)
+            if following not in self._kept:
+                self._fetch(following)
 
     def _hold(self, index: int) -> None:
-        """Point layer ``index``'s modules at its slot, once its copy is done."""
-        if index not in self._fetched:  # not fetched ahead: the first layer of a pass, or one out of order
-            self._fetch(index)
-            self.transfers.waits += 1
-        slot = self._fetched.pop(index)
+        """Point layer ``index``'s modules at its slot, once its copy is done: the slot it kept
+        through the bottom turn (which then joins the slots, for the next copy ahead), or the
+        one its copy went to."""
+        slot = self._kept.pop(index, None)
+        if slot is not None:
+            self._pool.append(slot)
+            self._spare += 1
+            self.transfers.turn_kept += 1
+        else:
+            if index not in self._fetched:  # not fetched ahead: the first layer of a pass, or one out of order
+                self._fetch(index)
+                self.transfers.waits += 1
+            slot = self._fetched.pop(index)
         self.transfers.entries += 1
         if self._cuda:
             compute = torch.cuda.current_stream(self.device)
             # done with all it was given (a query, no wait): the device waited for the host here
             self.transfers.idle_entries += compute.query()
-        if self._copied[slot] is not None:
-            reached = _timing_event(compute)
-            compute.wait_event(self._copied[slot])
-            self.transfers.timed("stall", reached, self._copy_ended[slot])
-        for p, param in zip(self._packed[index], self._slot_params[index][slot]):
+            if slot.copied is not None:
+                reached = _timing_event(compute)
+                compute.wait_event(slot.copied)
+                self.transfers.timed("stall", reached, slot.copy_ended)
+                slot.copied = None  # waited for: a kept layer run again needs no wait
+        for p, param in zip(self._packed[index], self._params(index, slot)):
             p.hold(param)
         self._running[index] = slot
 
-    def _following(self, index: int, autograd: bool) -> int | None:
-        """The layer to fetch while ``index`` runs. Without autograd the next, the first after the
-        last. Under autograd the order turns at each end (forward 0..L-1, the backward's
-        recompute L-1..0, the next forward 0..L-1): the next in the current direction, and at an
-        end the one before (the end layer itself runs again next, from the slot it holds)."""
-        n = len(self.layers)
-        if not autograd:  # an evaluation between training steps leaves the autograd order as it was
-            return (index + 1) % n if n > 1 else None
+    def _turn_at(self, index: int) -> None:
+        """Under autograd: the order turns at each end (forward 0..L-1, the backward's
+        recompute L-1..0, the next forward 0..L-1); ``index`` starting says which way it runs."""
         last, self._last = self._last, index
         if last is not None and index != last:
             self._direction = 1 if index > last else -1
+
+    def _following(self, index: int, autograd: bool) -> int | None:
+        """The layer to fetch while ``index`` runs. Without autograd the next, the first after the
+        last. Under autograd the next in the current direction, and at an end the one before
+        (the end layer itself runs again next, from the slot it holds); in a forward past the
+        layers kept through the bottom turn and those fetched into their slots, the first
+        that needs a copy."""
+        n = len(self.layers)
+        if not autograd:  # an evaluation between training steps leaves the autograd order as it was
+            return (index + 1) % n if n > 1 else None
         following = index + self._direction
         if not 0 <= following < n:
             following = index - self._direction
+        if self._direction > 0 and (self._kept or self._spare):
+            while following < n and (following in self._kept or following in self._fetched):
+                following += 1
+            if following >= n or not self._free():
+                return None
         return following if 0 <= following < n and following != index else None
 
-    def _release(self, index: int) -> None:
+    def _release(self, index: int, autograd: bool, again: int | None = None) -> None:
+        """Layer ``index`` is done with its slot: in the backward one of the layers kept through
+        the bottom turn keeps it (a new slot takes its place); a slot past the base and the kept
+        layers' spares is given up, but for layer ``again``'s (a turn runs it next); any other
+        waits for the next copy."""
         slot = self._running.pop(index, None)
         if slot is None:
             return
         if self._cuda:
-            freed = torch.cuda.Event()
-            freed.record(torch.cuda.current_stream(self.device))
-            self._freed[slot] = freed
+            slot.freed = torch.cuda.Event()
+            slot.freed.record(torch.cuda.current_stream(self.device))
         for p in self._packed[index]:
             p.hold(p.param)
+        if autograd and self._direction < 0 and index in self._turn:
+            self._pool.remove(slot)
+            self._kept[index] = slot
+            self._pool.append(self._new_slot())
+        elif len(self._pool) > self._base + self._spare and index != again:
+            self._pool.remove(slot)  # its memory back to the activations
+
+    def _free(self) -> list[_Slot]:
+        """The slots no running or fetched layer holds."""
+        busy = {id(slot) for slot in [*self._running.values(), *self._fetched.values()]}
+        return [slot for slot in self._pool if id(slot) not in busy]
 
     def _fetch(self, index: int) -> None:
         """Issue layer ``index``'s copy into a slot no running or fetched layer holds; none where
         such a slot holds its values still (a layer given back and fetched again at a turn)."""
-        busy = set(self._running.values()) | set(self._fetched.values())
-        free = [s for s in range(len(self._slots)) if s not in busy]
+        free = self._free()
         if not free:  # every slot holds a fetched layer that has not run (an interrupted pass)
             self._fetched.clear()
-            free = [s for s in range(len(self._slots)) if s not in set(self._running.values())]
-        kept = [s for s in free if self._content[s] == index]
+            free = self._free()
+        kept = [slot for slot in free if slot.content == index]
         if kept:
             self._fetched[index] = kept[0]
             return
-        slot = min(free, key=lambda s: self._content[s] is not None)  # an empty slot first
+        slot = min(free, key=lambda s: s.content is not None)  # an empty slot first
         host = self._host[index]
-        target = self._slots[slot][:host.numel()]
+        target = slot.buffer[:host.numel()]
         if self._cuda:
             with torch.cuda.stream(self._copy_stream):
-                if self._freed[slot] is not None:
-                    self._copy_stream.wait_event(self._freed[slot])
+                if slot.freed is not None:
+                    self._copy_stream.wait_event(slot.freed)
                 started = _timing_event(self._copy_stream)
                 target.copy_(host, non_blocking=True)
                 # The slot is freed on the compute stream; this copy may still be writing to it then.
                 target.record_stream(self._copy_stream)
-                copied = torch.cuda.Event()
-                copied.record(self._copy_stream)
-                ended = _timing_event(self._copy_stream)
-            self._copied[slot], self._copy_ended[slot] = copied, ended
-            self.transfers.timed("copy", started, ended)
+                slot.copied = torch.cuda.Event()
+                slot.copied.record(self._copy_stream)
+                slot.copy_ended = _timing_event(self._copy_stream)
+            self.transfers.timed("copy", started, slot.copy_ended)
         else:
             started = time.perf_counter()
             target.copy_(host)
             self.transfers.copy_s += time.perf_counter() - started
-        self._content[slot] = index
+        slot.content = index
         self._fetched[index] = slot
         self.transfers.copies += 1
         self.transfers.copied_bytes += host.numel()
@@ -434,14 +528,20 @@ def spread_resident(layers: int, resident: int) -> list[int]:
     return [int((k + 1) * layers / (resident + 1)) for k in range(resident)]
 
 
-def check_resident_layers(model_path: str | Path, resident: int) -> None:
-    """``--resident-layers`` against the decoder layers of the model at ``model_path`` (its
-    config's ``num_hidden_layers``; a PEFT adapter directory's base), before any model loads: at
-    least one layer must stream. ``ConfigError`` naming the flag otherwise."""
-    layers = model_layers(model_path) if resident else None
-    if layers is not None and resident >= layers:
+def check_streamed_layers(model_path: str | Path, resident: int, turn: int = 0) -> None:
+    """``--resident-layers`` and ``--turn-layers`` against the decoder layers of the model at
+    ``model_path`` (its config's ``num_hidden_layers``; a PEFT adapter directory's base), before
+    any model loads: at least one layer must stream, and the layers kept through the bottom turn
+    are streamed layers past the first two. ``ConfigError`` naming the flag otherwise."""
+    layers = model_layers(model_path) if resident or turn else None
+    if layers is None:
+        return
+    if resident >= layers:
         raise ConfigError(f"{flag_name('model.resident_layers')} {resident}: the model has {layers} decoder layers, "
                           "and at least one must stream; pass fewer, or --stream-base false to keep them all")
+    if turn > layers - resident - 2:
+        raise ConfigError(f"{flag_name('model.turn_layers')} {turn}: of the {layers - resident} streamed layers the "
+                          f"first two wait through the turn already, so at most {max(layers - resident - 2, 0)} more")
 
 
 def _modules_in_several(layers: Sequence[nn.Module]) -> set[int]:

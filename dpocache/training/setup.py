@@ -44,7 +44,7 @@ from dpocache.models.policy import (
     wrap_for_distributed,
 )
 from dpocache.models.reference import dtype_name, resolve_dtype
-from dpocache.models.streaming import check_resident_layers
+from dpocache.models.streaming import check_streamed_layers
 from dpocache.runtime.preflight import UsageError, model_context, model_vocab_size
 from dpocache.runtime.run_lock import OutputDirLock, hold_output_dir
 from dpocache.scoring.compiling import compile_layers, compiler_mark
@@ -115,8 +115,8 @@ def _setup(cfg: Config, env: DistEnv) -> Run:
     check_lora_settings(cfg)
     if cfg.model.gradient_checkpointing:  # --checkpoint-keep's names, against the model's config
         check_keep_names(cfg.model.path, checkpoint_keep_names(cfg.model.checkpoint_keep))
-    if cfg.model.stream_base:  # --resident-layers against the model's layers
-        check_resident_layers(cfg.model.path, cfg.model.resident_layers)
+    if cfg.model.stream_base:  # --resident-layers and --turn-layers against the model's layers
+        check_streamed_layers(cfg.model.path, cfg.model.resident_layers, cfg.model.turn_layers)
     # Liger's kernels or the model's own: --kernels liger on a family Liger lacks, refused before any model loads
     # (the reference's own choice is made as it loads: cached_reference).
     fsdp = cfg.distributed.fsdp and env.enabled

@@ -299,33 +299,44 @@ def test_score_stream_reference_is_refused_on_a_cpu_before_the_rows_are_read(cli
     (("--resident-layers", "2"), "pass --stream-base (model.stream_base) true"),
     (("--stream-base", "true", "--resident-layers", "-1"), "0 or more"),
     (("--stream-base", "true", "--resident-layers", "4"), "the model has 4 decoder layers"),
+    (("--turn-layers", "1"), "pass --stream-base (model.stream_base) true"),
+    (("--stream-base", "true", "--turn-layers", "-1"), "0 or more"),
+    # 3 of the 4 layers stream: the first two wait through the turn already, one more can
+    (("--stream-base", "true", "--resident-layers", "1", "--turn-layers", "2"), "so at most 1 more"),
 ])
-def test_resident_layers_are_refused_with_one_line_before_any_model_loads(cli, model_path, pref_jsonl, tmp_path,
-                                                                          extra, message, monkeypatch):
+def test_resident_and_turn_layers_are_refused_with_one_line_before_any_model_loads(cli, model_path, pref_jsonl,
+                                                                                   tmp_path, extra, message,
+                                                                                   monkeypatch):
     import dpocache.config as config_mod
 
     monkeypatch.setattr(config_mod, "_validate_streamed", lambda cfg, flag: None)  # past the device check
     rc, out, err = cli("train", "--model", model_path, "--data", pref_jsonl, "--output-dir", tmp_path / "run",
                        "--lora-r", "4", "--gradient-checkpointing", "true", *extra)
-    assert rc == 2 and "--resident-layers" in err and message in err and "Traceback" not in err
+    flag = "--turn-layers" if "--turn-layers" in extra else "--resident-layers"
+    assert rc == 2 and err.count(flag) >= 1 and message in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "run" / "run.json").exists()
 
 
 def test_a_streamed_base_run_says_what_it_copied(cli, model_path, pref_jsonl, tmp_path, monkeypatch):
     """``train --stream-base true`` ends with a line on its base's copies (on the CPU past the
-    device check, standing in for a GPU): its streamed and resident layers, the copies as
-    run.json records them at the run's end."""
+    device check, standing in for a GPU): its streamed and resident layers and the one more kept
+    through each bottom turn (``--turn-layers 1``), the copies as run.json records them at the
+    run's end: the second step started with that layer, uncopied."""
     import dpocache.config as config_mod
 
     monkeypatch.setattr(config_mod, "_validate_streamed", lambda cfg, flag: None)
     rc, out, err = cli("train", "--model", model_path, "--data", pref_jsonl, "--output-dir", tmp_path / "run",
                        "--lora-r", "4", "--gradient-checkpointing", "true", "--stream-base", "true",
-                       "--resident-layers", "1", "--max-steps", "2", "--device", "cpu")
+                       "--resident-layers", "1", "--turn-layers", "1", "--max-steps", "2", "--device", "cpu")
     assert rc == 0, err
-    transfers = json.loads((tmp_path / "run" / "run.json").read_text())["policy"]["streamed"]["transfers"]
-    assert transfers["copies"] >= 2 * 3  # each of the three streamed layers at least once a step
+    streamed = json.loads((tmp_path / "run" / "run.json").read_text())["policy"]["streamed"]
+    transfers = streamed["transfers"]
+    assert transfers["copies"] >= 2 * 3 - 1  # each of the three streamed layers a step, but the one kept
+    assert streamed["turn_layers"] == 1 and transfers["turn_kept"] == 1
     line = next(x for x in out.splitlines() if x.startswith("streamed base:"))
-    assert line.startswith(f"streamed base: 3 layers from host memory, 1 on the device; copied "
+    assert line.startswith(f"streamed base: 3 layers from host memory, 1 on the device, 1 more from each backward "
+                           f"to the next forward; copied "
                            f"{transfers['copies']} layers, ") and "waited" not in line and "run dry" not in line
 
 
@@ -472,6 +483,43 @@ def test_checkpointed_training_through_streamed_layers_equals_the_resident_run()
     # ahead of each layer the next; at the turn the one before, which the recompute needs next
     assert [fetched for _, _, fetched, _ in forward] == [[i + 1] for i in range(n - 1)] + [[n - 2]]
     assert [fetched for _, _, fetched, _ in backward] == [[n - 2]] + [[i - 1] for i in range(n - 2, 0, -1)] + [[1]]
+
+
+def test_layers_kept_through_the_bottom_turn_start_the_next_forward_without_a_copy():
+    """``turn_layers`` N: the streamed layers 2 to N+1 keep their slots from the backward to the
+    next forward, which copies N fewer layers a step (``turn_kept``), fetching ahead past them
+    into the slots they give up as they run and giving slots back down to two before the top
+    turn; the same losses and adapters bit for bit as the resident run and as two slots alone;
+    no wait after the first layer of the first step."""
+    import copy
+
+    resident = _Checkpointed(layers=10)
+    plain, turned = copy.deepcopy(resident), copy.deepcopy(resident)
+    two = StreamedLayers(plain, list(plain.layers), "cpu")
+    streamer = StreamedLayers(turned, list(turned.layers), "cpu", turn_layers=3)
+    seen = []
+    for i, layer in enumerate(turned.layers):
+        layer.base.register_forward_pre_hook(lambda m, a, i=i: seen.append(
+            (i, sorted(streamer._fetched), len(streamer._slots), _inside(m.weight, streamer._slots))))
+    expected = _train(resident, evaluate=False)
+    for model in (plain, turned):
+        got = _train(model, evaluate=False)
+        assert got[0] == expected[0]
+        assert all(torch.equal(a, b) for a, b in zip(got[1], expected[1]))
+    assert streamer.waits == two.waits == 1 and all(on_slot for *_, on_slot in seen)
+    assert two.copies - streamer.copies == 3 * 2 == streamer.transfers.turn_kept  # steps 2 and 3
+    forward, backward = seen[20:30], seen[30:40]  # the second step's
+    assert [i for i, *_ in forward] == list(range(10)) and [i for i, *_ in backward] == list(range(9, -1, -1))
+    # layer 0 still runs from the backward, 1 is in the other slot, 2-4 were kept: the copies
+    # ahead start at once, into the slots they give up, then back to the next one ahead
+    assert [f for _, f, _, _ in forward] == [[1], [5], [5, 6], [5, 6, 7], [5, 6, 7, 8], [6, 7, 8], [7, 8], [8], [9],
+                                             [8]]
+    assert [live for _, _, live, _ in forward] == [5, 5, 5, 5, 5, 4, 3, 2, 2, 2]
+    # the top turn holds the two slots alone; the kept layers take theirs from the backward's end
+    assert [live for _, _, live, _ in backward] == [2, 2, 2, 2, 2, 2, 3, 4, 5, 5]
+    assert streamer.to_json()["turn_layers"] == 3 and streamer.to_json()["slots"] == 2
+    with pytest.raises(ValueError, match="turn layers must be from 0 to 8"):
+        StreamedLayers(copy.deepcopy(resident), list(resident.layers), "cpu", turn_layers=9)
 
 
 def test_resident_layers_are_spread_out_and_never_the_first():
@@ -681,8 +729,9 @@ def test_a_lora_run_with_its_base_and_reference_streamed_trains_as_the_resident_
     saves the same adapter as the resident run, bit for bit (on a GPU in bf16: the same losses
     and gradient norms within its rounding); every frozen matrix runs from a
     slot, in the forward and in the backward's recompute (which transformers runs without the
-    layer's own hooks); run.json says what streamed; no layer of the policy waited for its copy
-    after the first."""
+    layer's own hooks), the third layer kept on the device from each backward to the next
+    forward (``--turn-layers 1``); run.json says what streamed; no layer of the policy waited for
+    its copy after the first."""
     import dpocache.config as config_mod
 
     setup_mod = importlib.import_module("dpocache.training.setup")
@@ -713,6 +762,7 @@ def test_a_lora_run_with_its_base_and_reference_streamed_trains_as_the_resident_
         run_training(*flags(model_path, train_jsonl, out, tmp_path / f"cache-{streamed}", "--lora-r", "4",
                             "--dtype", "bfloat16", "--gradient-checkpointing", "true", "--max-steps", "3",
                             "--lr", "1e-2", "--stream-base", str(streamed), "--stream-reference", str(streamed),
+                            *(("--turn-layers", "1") if streamed else ()),
                             # a GPU runs Liger's kernels where installed, as the GPU suite does
                             "--device", device, "--kernels", "none" if device == "cpu" else "auto"))
         values = [{k: v for k, v in r.items() if k not in {"seconds", "tokens_per_s", "mfu"}}
@@ -733,14 +783,15 @@ def test_a_lora_run_with_its_base_and_reference_streamed_trains_as_the_resident_
     assert runs[False][2]["policy"]["streamed"] is None and runs[False][2]["reference"]["streamed"] is None
     # the run's copies, recorded at its end: at least every layer once a step, a GPU's waits for them timed
     transfers = info["policy"]["streamed"]["transfers"]
-    assert transfers["copies"] >= 3 * 4 and transfers["copy_s"] > 0 and transfers["copy_gib_per_s"] > 0
+    assert transfers["copies"] >= 3 * 3 and transfers["copy_s"] > 0 and transfers["copy_gib_per_s"] > 0
+    assert info["policy"]["streamed"]["turn_layers"] == 1 and transfers["turn_kept"] == 2  # steps 2 and 3
     assert (transfers["stall_s"] is None) == (device == "cpu") and (transfers["stall_s"] or 0) >= 0
     assert info["reference"]["streamed"]["transfers"]["copies"] >= 4
     # 7 matrices a layer; under autograd each runs in the forward and again in the recompute
     assert sum(grad and kind == "Linear" for grad, kind, _ in calls) == 3 * 2 * 4 * 7
     assert {kind for *_, kind, _ in calls} == {"Linear", "LlamaRMSNorm"} and all(ok for *_, ok in calls)
     streamer = loaded[1].dpocache_streamed
-    assert streamer.waits == 1 and streamer.copies >= 3 * 2 * (4 - 2)
+    assert streamer.waits == 1 and streamer.copies >= 3 * 2 * (4 - 2 - 1)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
@@ -748,9 +799,10 @@ def test_a_lora_run_with_its_base_and_reference_streamed_trains_as_the_resident_
 def test_train_stream_base_with_compile_on_trains_as_the_eager_resident_run(tmp_path, model_path,
                                                                             train_jsonl,  # noqa: F811
                                                                             monkeypatch, device):
-    """``train --stream-base true --compile on --resident-layers 1 --checkpoint-keep down_proj``
-    through the whole loop, its layers' forwards compiled inside their checkpoints (three
-    streamed, one on the device) with the down projections' products kept,
+    """``train --stream-base true --compile on --resident-layers 1 --turn-layers 1
+    --checkpoint-keep down_proj`` through the whole loop, its layers' forwards compiled inside
+    their checkpoints (three streamed, one of them kept through each bottom turn in a slot of
+    its own, one on the device) with the down projections' products kept,
     against the eager resident run: on the CPU (standing in for the GPU) in fp32, the same logged
     values and adapter within the compiler's rounding; on a GPU in bf16 with Liger's kernels off,
     as the GPU suite's LoRA row runs it, the same losses and gradient norms within bf16 rounding
@@ -774,6 +826,7 @@ def test_train_stream_base_with_compile_on_trains_as_the_eager_resident_run(tmp_
                             "--gradient-checkpointing", "true", "--max-steps", "3", "--lr", "1e-2",
                             "--stream-base", str(streamed), "--compile", "on" if streamed else "off",
                             "--resident-layers", "1" if streamed else "0",
+                            *(("--turn-layers", "1") if streamed else ()),
                             "--checkpoint-keep", "down_proj" if streamed else "none",
                             "--device", device, "--kernels", "none"))
         runs[streamed] = (train_records(out), load_tensors(out / "final" / "adapter_model.safetensors"), run_json(out))
@@ -800,6 +853,7 @@ def test_train_stream_base_with_compile_on_trains_as_the_eager_resident_run(tmp_
     assert info["policy"]["compiled_layers"] == 4
     assert "compiler" not in runs[False][2]["policy"]
     assert info["policy"]["streamed"]["layers"] == 3 and info["policy"]["streamed"]["resident_layers"] == 1
+    assert info["policy"]["streamed"]["transfers"]["turn_kept"] == 2  # steps 2 and 3 started with it
     assert info["policy"]["kept_products"] == {"names": ["down_proj"], "linear_layers": 4}
     assert runs[False][2]["policy"]["compiled_layers"] == 0
 
