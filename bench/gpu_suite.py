@@ -692,7 +692,8 @@ def describe_row(row: dict) -> str:
                      + (f"; recompiled for: {reasons}" if reasons else ""))
     copies = dpo.get("streamed_window")
     if copies and copies.get("stall_s") is not None and dpo.get("window_s"):  # a streamed base on a GPU: hidden?
-        lines.append(f"  copies     {copies['copies']} layers, {copies['copied_gib']:.1f} GiB in "
+        kept = f" ({copies['turn_kept']} started without one, kept through a turn)" if copies.get("turn_kept") else ""
+        lines.append(f"  copies     {copies['copies']} layers{kept}, {copies['copied_gib']:.1f} GiB in "
                      f"{copies['copy_s']:.2f} s; the compute waited {copies['stall_s']:.2f} s of the window's "
                      f"{dpo['window_s']:.2f} s")
         if copies.get("idle_entries") is not None:

@@ -359,7 +359,8 @@ def transfers_between(before: dict, after: dict) -> dict:
     return {"copies": after["copies"] - before["copies"], "waits": after["waits"] - before["waits"],
             "copied_gib": copied_gib, "copy_s": copy_s, "stall_s": diff("stall_s", 6),
             "copy_gib_per_s": round(copied_gib / copy_s, 2) if copy_s else None,
-            "entries": after["entries"] - before["entries"], "idle_entries": diff("idle_entries", 0)}
+            "entries": after["entries"] - before["entries"], "idle_entries": diff("idle_entries", 0),
+            "turn_kept": after.get("turn_kept", 0) - before.get("turn_kept", 0)}
 
 
 def _profiler(spec: dict):

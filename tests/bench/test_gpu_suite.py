@@ -310,12 +310,12 @@ def test_the_window_s_copies_are_the_difference_of_its_two_ends():
     import workers
 
     before = {"copies": 10, "waits": 1, "copied_gib": 4.0, "copy_s": 0.1, "stall_s": 0.02, "copy_gib_per_s": 40.0,
-              "entries": 12, "idle_entries": 3}
+              "entries": 12, "idle_entries": 3, "turn_kept": 8}
     after = {"copies": 62, "waits": 1, "copied_gib": 25.0, "copy_s": 0.5, "stall_s": 0.12, "copy_gib_per_s": 50.0,
-             "entries": 64, "idle_entries": 40}
+             "entries": 64, "idle_entries": 40, "turn_kept": 48}
     assert workers.transfers_between(before, after) == {"copies": 52, "waits": 0, "copied_gib": 21.0, "copy_s": 0.4,
                                                         "stall_s": 0.1, "copy_gib_per_s": 52.5, "entries": 52,
-                                                        "idle_entries": 37}
+                                                        "idle_entries": 37, "turn_kept": 40}
     on_cpu = workers.transfers_between({**before, "stall_s": None, "idle_entries": None},
                                        {**after, "stall_s": None, "idle_entries": None})
     assert on_cpu["stall_s"] is None and on_cpu["idle_entries"] is None and on_cpu["copies"] == 52
@@ -333,6 +333,9 @@ def test_a_streamed_rows_description_says_whether_its_copies_hid():
     text = gpu_suite.describe_row(row)
     assert "copies     260 layers, 105.6 GiB in 1.95 s; the compute waited 0.41 s of the window's 3.72 s" in text
     assert "host       the device had run dry at 31 of 260 streamed layer starts" in text
+    row["raw"]["dpocache"]["streamed_window"]["turn_kept"] = 40  # --turn-layers: layers a forward started uncopied
+    text = gpu_suite.describe_row(row)
+    assert "copies     260 layers (40 started without one, kept through a turn), 105.6 GiB" in text
     row["raw"]["dpocache"]["window_s"] = None  # steps timed each alone: no window to set the waits beside
     assert "copies" not in gpu_suite.describe_row(row)
     row["raw"]["dpocache"]["streamed_window"] = None
