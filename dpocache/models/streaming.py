@@ -221,10 +221,10 @@ class StreamedLayers:
                  turn_layers: int = 0):
         if slots < 2:
             raise ValueError(f"slots must be at least 2 (one running, one being filled); got {slots}")
-        most = max(len(layers) - 2, 0)
+        most = most_turn_layers(len(layers))
         if not 0 <= turn_layers <= most:
-            raise ValueError(f"turn layers must be from 0 to {most} (the layers past the first two) of "
-                             f"{len(layers)}; got {turn_layers}")
+            raise ValueError(f"turn layers must be from 0 to {most} for {len(layers)} streamed layers (the forward "
+                             f"gives their slots back before its top turn); got {turn_layers}")
         self.device = torch.device(device)
         self.layers = list(layers)
         self._cuda = self.device.type == "cuda"
@@ -400,8 +400,11 @@ class StreamedLayers:
         """Point layer ``index``'s modules at its slot, once its copy is done: the slot it kept
         through the bottom turn (which then joins the slots, for the next copy ahead), or the
         one its copy went to."""
-        slot = self._kept.pop(index, None)
-        if slot is not None:
+        slot = self._kept.get(index)
+        if slot is not None and not torch.is_grad_enabled():
+            pass  # an evaluation between steps runs it where it waits, and leaves it for the next forward
+        elif slot is not None:
+            del self._kept[index]
             self._pool.append(slot)
             self._spare += 1
             self.transfers.turn_kept += 1
@@ -419,7 +422,6 @@ class StreamedLayers:
                 reached = _timing_event(compute)
                 compute.wait_event(slot.copied)
                 self.transfers.timed("stall", reached, slot.copy_ended)
-                slot.copied = None  # waited for: a kept layer run again needs no wait
         for p, param in zip(self._packed[index], self._params(index, slot)):
             p.hold(param)
         self._running[index] = slot
@@ -463,10 +465,13 @@ class StreamedLayers:
             slot.freed.record(torch.cuda.current_stream(self.device))
         for p in self._packed[index]:
             p.hold(p.param)
+        if self._kept.get(index) is slot:  # an evaluation ran it where it waits for the next forward
+            return
         if autograd and self._direction < 0 and index in self._turn:
             self._pool.remove(slot)
             self._kept[index] = slot
-            self._pool.append(self._new_slot())
+            if len(self._pool) < self._base:  # a new slot takes its place among the base ones
+                self._pool.append(self._new_slot())
         elif len(self._pool) > self._base + self._spare and index != again:
             self._pool.remove(slot)  # its memory back to the activations
 
@@ -518,6 +523,14 @@ def _timing_event(stream) -> torch.cuda.Event:
     return event
 
 
+def most_turn_layers(streamed: int) -> int:
+    """The most ``turn_layers`` for ``streamed`` layers: the forward fetches one copy ahead per
+    kept layer it runs, and gives those slots back one a layer after the kept ones, so with
+    2N + 3 streamed layers or more it is back to two slots before its top turn (the step's
+    peak)."""
+    return max((streamed - 3) // 2, 0)
+
+
 def spread_resident(layers: int, resident: int) -> list[int]:
     """The indices of ``resident`` of ``layers`` decoder layers that stay on the device while the
     others stream (``--resident-layers``), spread evenly and never the first: while a resident
@@ -532,16 +545,18 @@ def check_streamed_layers(model_path: str | Path, resident: int, turn: int = 0) 
     """``--resident-layers`` and ``--turn-layers`` against the decoder layers of the model at
     ``model_path`` (its config's ``num_hidden_layers``; a PEFT adapter directory's base), before
     any model loads: at least one layer must stream, and the layers kept through the bottom turn
-    are streamed layers past the first two. ``ConfigError`` naming the flag otherwise."""
+    must be few enough for the forward to give their slots back before its top turn
+    (``most_turn_layers``). ``ConfigError`` naming the flag otherwise."""
     layers = model_layers(model_path) if resident or turn else None
     if layers is None:
         return
     if resident >= layers:
         raise ConfigError(f"{flag_name('model.resident_layers')} {resident}: the model has {layers} decoder layers, "
                           "and at least one must stream; pass fewer, or --stream-base false to keep them all")
-    if turn > layers - resident - 2:
-        raise ConfigError(f"{flag_name('model.turn_layers')} {turn}: of the {layers - resident} streamed layers the "
-                          f"first two wait through the turn already, so at most {max(layers - resident - 2, 0)} more")
+    most = most_turn_layers(layers - resident)
+    if turn > most:
+        raise ConfigError(f"{flag_name('model.turn_layers')} {turn}: at most {most} for {layers - resident} streamed "
+                          "layers (the forward gives their slots back before its top turn, the step's peak)")
 
 
 def _modules_in_several(layers: Sequence[nn.Module]) -> set[int]:

@@ -50,6 +50,13 @@ def model_path(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("streamed-reference"), "llama", num_hidden_layers=4)
 
 
+@pytest.fixture(scope="module")
+def deep_model_path(tmp_path_factory):
+    """A tiny Llama of 6 layers: enough streamed layers to keep one through each bottom turn
+    (``--turn-layers``: at most (streamed - 3) // 2)."""
+    return save_tiny_model(tmp_path_factory.mktemp("streamed-deep"), "llama", num_hidden_layers=6)
+
+
 def _pairs(n: int = 6) -> list[TokenizedPair]:
     g = torch.Generator().manual_seed(0)
     ids = lambda k: tuple(torch.randint(3, 300, (k,), generator=g).tolist())  # noqa: E731
@@ -301,8 +308,8 @@ def test_score_stream_reference_is_refused_on_a_cpu_before_the_rows_are_read(cli
     (("--stream-base", "true", "--resident-layers", "4"), "the model has 4 decoder layers"),
     (("--turn-layers", "1"), "pass --stream-base (model.stream_base) true"),
     (("--stream-base", "true", "--turn-layers", "-1"), "0 or more"),
-    # 3 of the 4 layers stream: the first two wait through the turn already, one more can
-    (("--stream-base", "true", "--resident-layers", "1", "--turn-layers", "2"), "so at most 1 more"),
+    # 3 of the 4 layers stream: too few for the forward to give a kept layer's slot back before its top
+    (("--stream-base", "true", "--resident-layers", "1", "--turn-layers", "1"), "at most 0 for 3 streamed layers"),
 ])
 def test_resident_and_turn_layers_are_refused_with_one_line_before_any_model_loads(cli, model_path, pref_jsonl,
                                                                                    tmp_path, extra, message,
@@ -318,7 +325,7 @@ def test_resident_and_turn_layers_are_refused_with_one_line_before_any_model_loa
     assert not (tmp_path / "run" / "run.json").exists()
 
 
-def test_a_streamed_base_run_says_what_it_copied(cli, model_path, pref_jsonl, tmp_path, monkeypatch):
+def test_a_streamed_base_run_says_what_it_copied(cli, deep_model_path, pref_jsonl, tmp_path, monkeypatch):
     """``train --stream-base true`` ends with a line on its base's copies (on the CPU past the
     device check, standing in for a GPU): its streamed and resident layers and the one more kept
     through each bottom turn (``--turn-layers 1``), the copies as run.json records them at the
@@ -326,16 +333,16 @@ def test_a_streamed_base_run_says_what_it_copied(cli, model_path, pref_jsonl, tm
     import dpocache.config as config_mod
 
     monkeypatch.setattr(config_mod, "_validate_streamed", lambda cfg, flag: None)
-    rc, out, err = cli("train", "--model", model_path, "--data", pref_jsonl, "--output-dir", tmp_path / "run",
+    rc, out, err = cli("train", "--model", deep_model_path, "--data", pref_jsonl, "--output-dir", tmp_path / "run",
                        "--lora-r", "4", "--gradient-checkpointing", "true", "--stream-base", "true",
                        "--resident-layers", "1", "--turn-layers", "1", "--max-steps", "2", "--device", "cpu")
     assert rc == 0, err
     streamed = json.loads((tmp_path / "run" / "run.json").read_text())["policy"]["streamed"]
     transfers = streamed["transfers"]
-    assert transfers["copies"] >= 2 * 3 - 1  # each of the three streamed layers a step, but the one kept
+    assert transfers["copies"] >= 2 * 5 - 1  # each of the five streamed layers a step, but the one kept
     assert streamed["turn_layers"] == 1 and transfers["turn_kept"] == 1
     line = next(x for x in out.splitlines() if x.startswith("streamed base:"))
-    assert line.startswith(f"streamed base: 3 layers from host memory, 1 on the device, 1 more from each backward "
+    assert line.startswith(f"streamed base: 5 layers from host memory, 1 on the device, 1 more from each backward "
                            f"to the next forward; copied "
                            f"{transfers['copies']} layers, ") and "waited" not in line and "run dry" not in line
 
@@ -518,8 +525,33 @@ def test_layers_kept_through_the_bottom_turn_start_the_next_forward_without_a_co
     # the top turn holds the two slots alone; the kept layers take theirs from the backward's end
     assert [live for _, _, live, _ in backward] == [2, 2, 2, 2, 2, 2, 3, 4, 5, 5]
     assert streamer.to_json()["turn_layers"] == 3 and streamer.to_json()["slots"] == 2
-    with pytest.raises(ValueError, match="turn layers must be from 0 to 8"):
-        StreamedLayers(copy.deepcopy(resident), list(resident.layers), "cpu", turn_layers=9)
+    # an evaluation between steps runs the kept layers where they wait and leaves them for the next forward
+    plain, turned = copy.deepcopy(resident), copy.deepcopy(resident)
+    two = StreamedLayers(plain, list(plain.layers), "cpu")
+    streamer = StreamedLayers(turned, list(turned.layers), "cpu", turn_layers=3)
+    expected = _train(resident)
+    for model in (plain, turned):
+        got = _train(model)
+        assert got[0] == expected[0] and all(torch.equal(a, b) for a, b in zip(got[1], expected[1]))
+    assert streamer.transfers.turn_kept == 3 * 2  # the training forwards of steps 2 and 3
+    assert two.copies - streamer.copies == 3 * 2 + 3 * 3  # and each evaluation, after each step's backward
+    assert streamer.waits == two.waits == 1
+    with pytest.raises(ValueError, match="turn layers must be from 0 to 3 for 10 streamed layers"):
+        StreamedLayers(copy.deepcopy(resident), list(resident.layers), "cpu", turn_layers=4)
+
+
+def test_the_layers_kept_through_a_turn_are_few_enough_to_give_back_before_the_top(model_path):
+    """``most_turn_layers``: (streamed - 3) // 2, so the forward is back to two slots before its
+    top turn; ``check_streamed_layers`` passes any model with no layer kept, one streamed layer
+    included (the DDP test's two-layer model with one resident)."""
+    from dpocache.config import ConfigError
+    from dpocache.models.streaming import check_streamed_layers, most_turn_layers
+
+    assert [most_turn_layers(n) for n in (1, 2, 3, 4, 5, 6, 26)] == [0, 0, 0, 0, 1, 1, 11]
+    check_streamed_layers(model_path, 3, 0)
+    check_streamed_layers(model_path, 0, 0)
+    with pytest.raises(ConfigError, match="at most 0 for 4 streamed layers"):
+        check_streamed_layers(model_path, 0, 1)
 
 
 def test_resident_layers_are_spread_out_and_never_the_first():
@@ -720,7 +752,7 @@ def test_a_streamed_base_compiled_inside_its_checkpoints_trains_as_the_eager_res
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
-def test_a_lora_run_with_its_base_and_reference_streamed_trains_as_the_resident_one(tmp_path, model_path,
+def test_a_lora_run_with_its_base_and_reference_streamed_trains_as_the_resident_one(tmp_path, deep_model_path,
                                                                                    train_jsonl,  # noqa: F811
                                                                                    monkeypatch, device):
     """``train --stream-base --stream-reference`` through the whole loop, the CPU standing in for
@@ -759,7 +791,7 @@ def test_a_lora_run_with_its_base_and_reference_streamed_trains_as_the_resident_
     runs = {}
     for streamed in (False, True):
         out = tmp_path / f"run-{streamed}"
-        run_training(*flags(model_path, train_jsonl, out, tmp_path / f"cache-{streamed}", "--lora-r", "4",
+        run_training(*flags(deep_model_path, train_jsonl, out, tmp_path / f"cache-{streamed}", "--lora-r", "4",
                             "--dtype", "bfloat16", "--gradient-checkpointing", "true", "--max-steps", "3",
                             "--lr", "1e-2", "--stream-base", str(streamed), "--stream-reference", str(streamed),
                             *(("--turn-layers", "1") if streamed else ()),
@@ -779,29 +811,29 @@ def test_a_lora_run_with_its_base_and_reference_streamed_trains_as_the_resident_
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-3), (got, want)
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=5e-2), (got, want)
     info = runs[True][2]
-    assert info["policy"]["streamed"]["layers"] == 4 and info["reference"]["streamed"]["layers"] == 4
+    assert info["policy"]["streamed"]["layers"] == 6 and info["reference"]["streamed"]["layers"] == 6
     assert runs[False][2]["policy"]["streamed"] is None and runs[False][2]["reference"]["streamed"] is None
     # the run's copies, recorded at its end: at least every layer once a step, a GPU's waits for them timed
     transfers = info["policy"]["streamed"]["transfers"]
-    assert transfers["copies"] >= 3 * 3 and transfers["copy_s"] > 0 and transfers["copy_gib_per_s"] > 0
+    assert transfers["copies"] >= 3 * 5 and transfers["copy_s"] > 0 and transfers["copy_gib_per_s"] > 0
     assert info["policy"]["streamed"]["turn_layers"] == 1 and transfers["turn_kept"] == 2  # steps 2 and 3
     assert (transfers["stall_s"] is None) == (device == "cpu") and (transfers["stall_s"] or 0) >= 0
-    assert info["reference"]["streamed"]["transfers"]["copies"] >= 4
+    assert info["reference"]["streamed"]["transfers"]["copies"] >= 6
     # 7 matrices a layer; under autograd each runs in the forward and again in the recompute
-    assert sum(grad and kind == "Linear" for grad, kind, _ in calls) == 3 * 2 * 4 * 7
+    assert sum(grad and kind == "Linear" for grad, kind, _ in calls) == 3 * 2 * 6 * 7
     assert {kind for *_, kind, _ in calls} == {"Linear", "LlamaRMSNorm"} and all(ok for *_, ok in calls)
     streamer = loaded[1].dpocache_streamed
-    assert streamer.waits == 1 and streamer.copies >= 3 * 2 * (4 - 2 - 1)
+    assert streamer.waits == 1 and streamer.copies >= 3 * 2 * (6 - 2 - 1)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
-def test_train_stream_base_with_compile_on_trains_as_the_eager_resident_run(tmp_path, model_path,
+def test_train_stream_base_with_compile_on_trains_as_the_eager_resident_run(tmp_path, deep_model_path,
                                                                             train_jsonl,  # noqa: F811
                                                                             monkeypatch, device):
     """``train --stream-base true --compile on --resident-layers 1 --turn-layers 1
     --checkpoint-keep down_proj`` through the whole loop, its layers' forwards compiled inside
-    their checkpoints (three streamed, one of them kept through each bottom turn in a slot of
+    their checkpoints (five streamed, one of them kept through each bottom turn in a slot of
     its own, one on the device) with the down projections' products kept,
     against the eager resident run: on the CPU (standing in for the GPU) in fp32, the same logged
     values and adapter within the compiler's rounding; on a GPU in bf16 with Liger's kernels off,
@@ -822,7 +854,7 @@ def test_train_stream_base_with_compile_on_trains_as_the_eager_resident_run(tmp_
         graphs = counters["stats"]["unique_graphs"]
         out = tmp_path / f"run-{streamed}"
         # one cache: the second run's reference values are a hit (its reference pass is not compiled)
-        run_training(*flags(model_path, train_jsonl, out, tmp_path / "cache", "--lora-r", "4", "--dtype", dtype,
+        run_training(*flags(deep_model_path, train_jsonl, out, tmp_path / "cache", "--lora-r", "4", "--dtype", dtype,
                             "--gradient-checkpointing", "true", "--max-steps", "3", "--lr", "1e-2",
                             "--stream-base", str(streamed), "--compile", "on" if streamed else "off",
                             "--resident-layers", "1" if streamed else "0",
@@ -850,11 +882,11 @@ def test_train_stream_base_with_compile_on_trains_as_the_eager_resident_run(tmp_
         for step_got, step_want in zip(got, want):
             assert step_got["loss"] == pytest.approx(step_want["loss"], rel=1e-2), (step_got, step_want)
             assert step_got["grad_norm"] == pytest.approx(step_want["grad_norm"], rel=5e-2), (step_got, step_want)
-    assert info["policy"]["compiled_layers"] == 4
+    assert info["policy"]["compiled_layers"] == 6
     assert "compiler" not in runs[False][2]["policy"]
-    assert info["policy"]["streamed"]["layers"] == 3 and info["policy"]["streamed"]["resident_layers"] == 1
+    assert info["policy"]["streamed"]["layers"] == 5 and info["policy"]["streamed"]["resident_layers"] == 1
     assert info["policy"]["streamed"]["transfers"]["turn_kept"] == 2  # steps 2 and 3 started with it
-    assert info["policy"]["kept_products"] == {"names": ["down_proj"], "linear_layers": 4}
+    assert info["policy"]["kept_products"] == {"names": ["down_proj"], "linear_layers": 6}
     assert runs[False][2]["policy"]["compiled_layers"] == 0
 
 
