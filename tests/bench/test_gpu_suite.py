@@ -348,6 +348,28 @@ def test_a_streamed_rows_description_says_whether_its_copies_hid():
             "grad_mode; forward (x.py:1): size mismatch") in gpu_suite.describe_row(row)
 
 
+def test_a_variants_line_gives_its_options_figures_and_verdicts():
+    """``describe_variant``: its options, tokens/s, MFU and peak, each ratio to TRL and target's
+    verdict where the row ran TRL (none with ``--no-trl``), or its error; the row's description
+    lists its variants under its figures."""
+    variant = {"name": "train-8b-lora", "train_args": ["--turn-layers", "8"], "tokens_per_s": 10500.0,
+               "mfu": 0.36, "vs_trl": 3.8, "peak_mem_gib": 13.1, "mem_vs_trl": 0.53,
+               "met": {"mfu": True, "mem_vs_trl": True}}
+    assert gpu_suite.describe_variant(variant) == (
+        "  variant    --turn-layers 8: 10,500 tokens/s (3.80x TRL), MFU 36.0% ok, peak 13.1 GiB (0.53x TRL ok)")
+    alone = {**variant, "vs_trl": None, "mem_vs_trl": None, "mfu": 0.3, "met": {"mfu": False, "mem_vs_trl": None}}
+    assert gpu_suite.describe_variant(alone) == ("  variant    --turn-layers 8: 10,500 tokens/s, MFU 30.0% MISS, "
+                                                 "peak 13.1 GiB")
+    failed = {**variant, "error": "dpo-train: torch.OutOfMemoryError: CUDA out of memory"}
+    assert gpu_suite.describe_variant(failed) == (
+        "  variant    --turn-layers 8: error: dpo-train: torch.OutOfMemoryError: CUDA out of memory")
+    row = {"name": "train-8b-lora", "tokens_per_s": 9000.0, "trl_tokens_per_s": 2700.0, "vs_trl": 3.3, "mfu": 0.3,
+           "peak_mem_gib": 12.8, "trl_peak_mem_gib": 24.7, "mem_vs_trl": 0.52, "met": {}, "wall_s": 190,
+           "variants": [variant, failed]}
+    lines = gpu_suite.describe_row(row).splitlines()
+    assert lines[-2:] == [gpu_suite.describe_variant(variant), gpu_suite.describe_variant(failed)]
+
+
 def test_options_dpocache_would_refuse_stop_the_suite_before_any_row(tmp_path, capsys):
     """``--train-args`` that ``dpocache train`` refuses with the row's own options (here
     ``--resident-layers`` without a streamed base) stop the suite with one line naming the row
