@@ -398,10 +398,9 @@ def variant_run(suite: Suite, row: dict, spec: dict, warmup: int, options: tuple
     own (a fresh output directory; the reference values its cache holds), read against the
     row's TRL run and targets: its tokens/s, MFU, peak memory and their ratios, and its raw
     figures."""
-    index = len(row.get("variants", []))
+    workdir = str(Path(tempfile.mkdtemp(prefix="dpo-variant-", dir=_row_scratch(suite, row["name"]))) / "run")
     result, err = run_side(suite, row["name"], "dpo-train",
-                           {**spec, "extra_args": [*spec["extra_args"], *options],
-                            "workdir": str(_row_scratch(suite, row["name"]) / f"dpo-variant-{index}")})
+                           {**spec, "extra_args": [*spec["extra_args"], *options], "workdir": workdir})
     tps = steady_tokens_per_s(result, warmup)
     mem = peak_mem_gib(result, suite.shapes.device)
     variant = {"name": row["name"], "train_args": list(options), "tokens_per_s": tps,

@@ -32,8 +32,7 @@ def _finite_positive(x) -> bool:
 def test_dry_run_writes_every_row_of_the_schema(tmp_path):
     out = tmp_path / "x.json"
     proc = subprocess.run([sys.executable, str(BENCH / "gpu_suite.py"), "--dry-run", "--out", str(out),
-                           "--work", str(tmp_path / "work"), "--profile", "--variants", "--checkpoint-keep none"],
-                          capture_output=True, text=True, timeout=600)
+                           "--work", str(tmp_path / "work"), "--profile"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert set(HEADER) <= set(result)
@@ -74,21 +73,6 @@ def test_dry_run_writes_every_row_of_the_schema(tmp_path):
     lora = result["rows"][1]
     assert lora["setup"]["dpocache_args"][-2:] == ["--checkpoint-keep", "down_proj"]
     assert lora["raw"]["dpocache"]["ran"]["kept_products"] == {"names": ["down_proj"], "linear_layers": 2}
-    # --variants: each training row's dpocache side once more with the options after its own, read
-    # against the row's TRL run; here the LoRA row without its kept products
-    for row in result["rows"][1:]:
-        (variant,) = row["variants"]
-        assert variant["train_args"] == ["--checkpoint-keep", "none"] and "error" not in variant
-        for key in ("tokens_per_s", "vs_trl", "mfu", "peak_mem_gib", "mem_vs_trl"):
-            assert _finite_positive(variant[key]), (row["name"], key, variant[key])
-        assert variant["vs_trl"] == pytest.approx(variant["tokens_per_s"] / row["trl_tokens_per_s"])
-        assert variant["mfu"] / row["mfu"] == pytest.approx(variant["tokens_per_s"] / row["tokens_per_s"])
-        ran, timed = variant["raw"]["ran"], variant["raw"]
-        assert ran.get("kept_products") is None, ran  # the variant's options took effect
-        assert variant["tokens_per_s"] == pytest.approx(sum(timed["step_tokens"][warmup:]) / timed["window_s"])
-        assert set(variant["met"]) == set(gpu_suite.TARGETS[row["name"]])
-    assert "variant    --checkpoint-keep none: " in proc.stdout
-    assert "variants" not in result["rows"][0]  # the reference pass has none
     assert lora["raw"]["dpocache"]["streamed_window"] is None  # its base streams on a GPU only
 
 
@@ -346,6 +330,59 @@ def test_a_streamed_rows_description_says_whether_its_copies_hid():
                                                   "recompile_reasons": reasons}}
     assert ("  compiler   3 graphs, 0 graph breaks; recompiled for: forward (x.py:1): GLOBAL_STATE changed: "
             "grad_mode; forward (x.py:1): size mismatch") in gpu_suite.describe_row(row)
+
+
+def test_variants_run_dpocaches_side_again_with_their_options_against_the_rows_trl_run(tmp_path, monkeypatch):
+    """``--variants``: a training row queues dpocache's side once per set of options (none where
+    its reference values failed to build), and ``variant_run`` runs it with the options after
+    the row's own, in an output directory of its own, its figures read against the row's TRL
+    run and targets (the workers stubbed: the dry run runs the real ones, whose options take
+    effect as ``dpocache_args`` do)."""
+    specs = []
+
+    def worker(mode, spec, scratch, log, timeout):
+        specs.append((mode, spec))
+        if mode == "dpo-build":
+            return {"summary": {}}
+        tokens = 1000 if "--turn-layers" in spec.get("extra_args", []) else 800
+        return {"step_s": [1.0, 0.5, 0.5], "step_tokens": [tokens] * 3, "timed_from": 1, "window_s": 1.0,
+                "peak_rss_bytes": 2**30 * (3 if mode == "trl-train" else 2)}
+
+    monkeypatch.setattr(gpu_suite, "run_worker", worker)
+    (tmp_path / "log").write_text("=== dpo-build\nRuntimeError: exit 1\n")  # what run_side reads of a failure
+    shapes = gpu_suite.shapes_of(gpu_suite.parse_args(["--dry-run"]))
+    suite = gpu_suite.Suite(shapes, tmp_path, tmp_path, tmp_path / "log", [], 1e12,
+                            variants=(("--turn-layers", "8"), ("--compile", "off")))
+    own = ["--checkpoint-keep", "down_proj"]
+    prep, trl, dpo, errors = gpu_suite.train_row(suite, "train-8b-lora", tmp_path / "m", tmp_path / "d.jsonl",
+                                                 tmp_path / "cache", 3, 1, {}, own)
+    assert [options for *_, options in suite.variant_runs] == list(suite.variants) and not any(errors)
+    row = gpu_suite.finish_row(suite, "train-8b-lora", dpo, trl, gpu_suite.steady_tokens_per_s(dpo, 1),
+                               gpu_suite.steady_tokens_per_s(trl, 1), 1e8, errors, {}, {})
+    before = len(specs)
+    variants = [gpu_suite.variant_run(suite, row, spec, warmup, options)
+                for name, spec, warmup, options in suite.variant_runs]
+    ran = specs[before:]
+    assert [mode for mode, _ in ran] == ["dpo-train", "dpo-train"]
+    assert [spec["extra_args"] for _, spec in ran] == [own + ["--turn-layers", "8"], own + ["--compile", "off"]]
+    assert len({spec["workdir"] for _, spec in ran} | {specs[before - 1][1]["workdir"]}) == 3  # each its own
+    turned = variants[0]
+    assert turned["train_args"] == ["--turn-layers", "8"] and turned["tokens_per_s"] == 2000.0
+    assert turned["vs_trl"] == pytest.approx(2000 / 1600) and turned["mfu"] == pytest.approx(2000 * 1e8 / 1e12)
+    assert turned["peak_mem_gib"] == 2.0 and turned["mem_vs_trl"] == pytest.approx(2 / 3)
+    assert turned["met"] == {"mfu": False, "mem_vs_trl": False} and "error" not in turned
+    assert variants[1]["tokens_per_s"] == 1600.0
+    # a row whose reference values failed to build queues none
+    def build_fails(mode, *args):
+        if mode == "dpo-build":
+            raise RuntimeError("exit 1")
+        return worker(mode, *args)
+
+    monkeypatch.setattr(gpu_suite, "run_worker", build_fails)
+    suite.variant_runs.clear()
+    *_, errors = gpu_suite.train_row(suite, "train-8b-lora", tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "cache",
+                                     3, 1, {}, own)
+    assert errors[0] and suite.variant_runs == []
 
 
 def test_a_variants_line_gives_its_options_figures_and_verdicts():
