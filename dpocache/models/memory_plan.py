@@ -48,7 +48,7 @@ from pathlib import Path
 
 from dpocache.config import ConfigError, checkpoint_keep_names
 from dpocache.distributed.vocab_stream import TILE_BYTES
-from dpocache.models.streaming import ALIGN
+from dpocache.models.streaming import ALIGN, most_turn_layers
 from dpocache.models.streaming import page_locked_bytes as streaming_page_locked_bytes
 from dpocache.scoring.logprobs import DEFAULT_LOGITS_BUDGET
 
@@ -219,6 +219,37 @@ def lora_training_memory(shape: ModelShape, tokens: int = 4096, rank: int = 16, 
     return parts
 
 
+def lora_bottom_turn_memory(shape: ModelShape, tokens: int = 4096, rank: int = 16, keep: tuple[str, ...] = (),
+                            resident: int = 0, turn: int = 0) -> dict[str, float]:
+    """Bytes of a streamed LoRA run at its bottom turn (the end of a backward, the start of the
+    next forward), by part, with ``turn`` layers kept there (``--turn-layers``): what
+    ``lora_training_memory`` holds throughout (the root, two slots, the resident layers, the
+    adapters' state), the kept layers' slots, and the first layer's checkpointed input, kept
+    products and activations; every layer above has given its own back, and the head's chunk
+    is done."""
+    parts = {name: value for name, value in lora_training_memory(shape, tokens, rank, streamed=True, keep=keep,
+                                                                 resident=resident).items()
+             if name.startswith(("embeddings", "2 layer slots", f"{resident} resident", "adapters"))}
+    if turn:
+        parts[f"{turn} layers kept through the turn (bf16)"] = turn * shape.layer_params * 2.0
+    parts["the first layer's checkpointed input"] = float(tokens * shape.hidden * RESIDUAL_BYTES)
+    parts["activations (one layer, recomputed)"] = tokens * activation_bytes_per_token(shape)
+    if keep:
+        parts["the first layer's kept products"] = float(tokens * sum(shape.linear_shapes[n][1] for n in keep) * 2)
+    return parts
+
+
+def turn_layers_below_peak(shape: ModelShape, tokens: int = 4096, rank: int = 16, keep: tuple[str, ...] = (),
+                           resident: int = 0) -> int:
+    """The most ``--turn-layers`` whose bottom turn (``lora_bottom_turn_memory``) stays at or
+    below the step's peak (``lora_training_memory``, streamed), within the bound the streaming
+    sets (``streaming.most_turn_layers``)."""
+    peak = sum(lora_training_memory(shape, tokens, rank, streamed=True, keep=keep, resident=resident).values())
+    bottom = sum(lora_bottom_turn_memory(shape, tokens, rank, keep, resident).values())
+    room = int((peak - bottom) // (shape.layer_params * 2.0))
+    return max(min(room, most_turn_layers(shape.layers - resident)), 0)
+
+
 def page_locked_bytes(shape: ModelShape, streamed_layers: int) -> int:
     """The host's page-locked bytes of ``streamed_layers`` decoder layers in bf16, as
     ``StreamedLayers`` allocates them: several layers to an allocation, each allocation rounded
@@ -302,6 +333,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="matrices whose products the last LoRA row keeps (comma-separated; none: no such row)")
     parser.add_argument("--resident-layers", type=int, default=6,
                         help="decoder layers the last streamed LoRA row keeps on the device (0: no such row)")
+    parser.add_argument("--turn-layers", type=int, default=None,
+                        help="the last streamed LoRA row's bottom turn with this many layers kept (default: the "
+                             "most that stay below its peak)")
     args = parser.parse_args(argv)
     try:
         keep = checkpoint_keep_names(args.checkpoint_keep)
@@ -316,6 +350,17 @@ def main(argv: list[str] | None = None) -> None:
     rows = [row for s in shapes for row in plan(s, args.devices, args.device_gib, args.tokens,
                                                 lora_rank=args.lora_r, keep=keep, resident=args.resident_layers)]
     print(format_table(rows, args.device_gib))
+    for s in shapes:  # --turn-layers: the layers kept through the bottom turn, against the step's peak
+        if not 0 < args.resident_layers < s.layers:
+            continue
+        most = turn_layers_below_peak(s, args.tokens, args.lora_r, keep, args.resident_layers)
+        turn = most if args.turn_layers is None else args.turn_layers
+        bottom = sum(lora_bottom_turn_memory(s, args.tokens, args.lora_r, keep, args.resident_layers, turn).values())
+        peak = sum(lora_training_memory(s, args.tokens, args.lora_r, streamed=True, keep=keep,
+                                        resident=args.resident_layers).values())
+        print(f"\n{s.name}, LoRA streamed, {args.resident_layers} resident: --turn-layers {turn} takes "
+              f"{bottom / GIB:.1f} GiB at the bottom turn against the step's {peak / GIB:.1f} GiB peak; "
+              f"at most {most} stay below it")
     if args.parts:
         for r in rows:
             print(f"\n{r.model}, {r.job}, {r.devices} devices:")

@@ -10,13 +10,16 @@ from dpocache.models.memory_plan import (
     LLAMA_3_8B,
     LLAMA_3_70B,
     ModelShape,
+    RESIDUAL_BYTES,
     activation_bytes_per_token,
+    lora_bottom_turn_memory,
     lora_training_memory,
     main,
     page_locked_bytes,
     plan,
     reference_memory,
     training_memory,
+    turn_layers_below_peak,
 )
 
 
@@ -156,6 +159,35 @@ def test_the_lora_rows_take_a_rank_and_the_products_to_keep(capsys):
     with pytest.raises(SystemExit) as stop:
         main(["--checkpoint-keep", "dwn_proj"])
     assert stop.value.code == 2 and "'dwn_proj' is no matrix of a Llama block" in capsys.readouterr().err
+
+
+def test_the_bottom_turn_holds_the_kept_layers_where_the_activations_above_are_gone(capsys):
+    """``--turn-layers``: at the bottom turn a streamed LoRA run holds what it holds throughout,
+    the kept layers and the first layer's checkpointed input, products and activations only;
+    the most kept layers below the step's peak are bounded by the memory freed above and by the
+    streaming's own bound (``most_turn_layers``); the command prints both."""
+    keep, layer = ("down_proj",), LLAMA_3_8B.layer_params * 2.0
+    peak = lora_training_memory(LLAMA_3_8B, 7200, streamed=True, keep=keep, resident=6)
+    bottom = lora_bottom_turn_memory(LLAMA_3_8B, 7200, keep=keep, resident=6)
+    kept8 = lora_bottom_turn_memory(LLAMA_3_8B, 7200, keep=keep, resident=6, turn=8)
+    assert sum(kept8.values()) - sum(bottom.values()) == 8 * layer
+    assert peak["checkpointed layer inputs"] == 32 * bottom["the first layer's checkpointed input"]
+    assert bottom["the first layer's checkpointed input"] == 7200 * 4096 * RESIDUAL_BYTES
+    assert peak["kept products (down_proj)"] == 32 * bottom["the first layer's kept products"]
+    assert {name: peak[name] for name in bottom if name in peak} == {
+        name: bottom[name] for name in bottom if name in peak}  # the parts held throughout: the same
+    # at 7,200 tokens the activations above leave room for more than the streaming's bound (11 of 26)
+    assert (sum(peak.values()) - sum(bottom.values())) // layer > 11
+    assert turn_layers_below_peak(LLAMA_3_8B, 7200, keep=keep, resident=6) == 11
+    # at 512 tokens they leave room for fewer
+    room = (sum(lora_training_memory(LLAMA_3_8B, 512, streamed=True, keep=keep, resident=6).values())
+            - sum(lora_bottom_turn_memory(LLAMA_3_8B, 512, keep=keep, resident=6).values())) // layer
+    assert turn_layers_below_peak(LLAMA_3_8B, 512, keep=keep, resident=6) == room < 11
+    main(["--devices", "1", "--tokens", "7200", "--turn-layers", "8"])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("Llama-3.1-8B, LoRA streamed"))
+    gib = lambda parts: f"{sum(parts.values()) / 2**30:.1f}"  # noqa: E731
+    assert line == (f"Llama-3.1-8B, LoRA streamed, 6 resident: --turn-layers 8 takes {gib(kept8)} GiB at the bottom "
+                    f"turn against the step's {gib(peak)} GiB peak; at most 11 stay below it")
 
 
 def test_a_streamed_rows_host_memory_is_its_layers_allocations_rounded_up_to_powers_of_two(capsys):
