@@ -863,13 +863,6 @@ def test_train_stream_base_with_compile_on_trains_as_the_eager_resident_run(tmp_
                             "--device", device, "--kernels", "none"))
         runs[streamed] = (train_records(out), load_tensors(out / "final" / "adapter_model.safetensors"), run_json(out))
     (want, want_adapter, _), (got, got_adapter, info) = runs[False], runs[True]
-    # the forward without autograd and the recompute with it, for the resident and the streamed
-    # layers alike; run.json's record says why where it compiled more (the guards that failed)
-    compiler = info["policy"]["compiler"]
-    assert counters["stats"]["unique_graphs"] - graphs == 2, compiler
-    assert compiler["graphs"] == 2 and compiler["graph_breaks"] == 0, compiler
-    assert len(compiler["recompile_reasons"]) == 1 and "grad_mode" in compiler["recompile_reasons"][0], compiler
-    assert compiler["graph_break_reasons"] == []
     assert len(got) == len(want) == 3 and got_adapter.keys() == want_adapter.keys()
     moved = max(float(t.abs().max()) for name, t in want_adapter.items() if "lora_B" in name)
     assert moved > 0.01  # the adapters trained: the comparisons below say something
@@ -888,6 +881,14 @@ def test_train_stream_base_with_compile_on_trains_as_the_eager_resident_run(tmp_
     assert info["policy"]["streamed"]["transfers"]["turn_kept"] == 2  # steps 2 and 3 started with it
     assert info["policy"]["kept_products"] == {"names": ["down_proj"], "linear_layers": 6}
     assert runs[False][2]["policy"]["compiled_layers"] == 0
+    # the forward without autograd and the recompute with it, for the resident and the streamed
+    # layers alike; run.json's record says why where it compiled more (the guards that failed).
+    # Last, so that a GPU that compiles more still checks the values above.
+    compiler = info["policy"]["compiler"]
+    assert counters["stats"]["unique_graphs"] - graphs == 2, compiler
+    assert compiler["graphs"] == 2 and compiler["graph_breaks"] == 0, compiler
+    assert len(compiler["recompile_reasons"]) == 1 and "grad_mode" in compiler["recompile_reasons"][0], compiler
+    assert compiler["graph_break_reasons"] == []
 
 
 @pytest.mark.parametrize("extra,message", [
