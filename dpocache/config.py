@@ -463,6 +463,14 @@ def _validate_kernels(model: ModelConfig) -> None:
         raise liger_refused(reason)
 
 
+# The layer counts --stream-base takes: what each counts, and what it is.
+STREAMED_LAYER_COUNTS = {
+    "model.resident_layers": ("decoder layers", "the base layers that stay on the GPU while the others stream"),
+    "model.turn_layers": ("streamed layers", "streamed base layers that wait on the GPU from a backward to the next "
+                                             "forward"),
+}
+
+
 def _validate_streaming(cfg: Config) -> None:
     """``--stream-reference`` and ``--stream-base`` where they cannot run, refused before any
     model loads (``dpocache.models.streaming``). After ``validate_device``: the device is one."""
@@ -482,18 +490,13 @@ def _validate_streaming(cfg: Config) -> None:
         if not cfg.model.gradient_checkpointing:
             raise ConfigError(f"{flag}: needs {flag_name('model.gradient_checkpointing')} true (without it autograd "
                               "keeps every layer's weights for the backward, which a streamed layer gives back)")
-    resident = flag_name("model.resident_layers")
-    if cfg.model.resident_layers < 0:
-        raise ConfigError(f"{resident}: a number of decoder layers, 0 or more; got {cfg.model.resident_layers}")
-    if cfg.model.resident_layers and not cfg.model.stream_base:
-        raise ConfigError(f"{resident}: the base layers that stay on the GPU while the others stream; pass "
-                          f"{flag_name('model.stream_base')} true with it")
-    turn = flag_name("model.turn_layers")
-    if cfg.model.turn_layers < 0:
-        raise ConfigError(f"{turn}: a number of streamed layers, 0 or more; got {cfg.model.turn_layers}")
-    if cfg.model.turn_layers and not cfg.model.stream_base:
-        raise ConfigError(f"{turn}: streamed base layers that wait on the GPU from a backward to the next forward; "
-                          f"pass {flag_name('model.stream_base')} true with it")
+    for dotted, (counted, what) in STREAMED_LAYER_COUNTS.items():
+        flag, value = flag_name(dotted), _get(cfg, dotted)
+        if value < 0:
+            raise ConfigError(f"{flag}: a number of {counted}, 0 or more; got {value}")
+        if value and not cfg.model.stream_base:
+            raise ConfigError(f"{flag}: {what}; pass {flag_name('model.stream_base')} true with it")
+
 
 
 def _trains_lora(cfg: Config) -> bool:

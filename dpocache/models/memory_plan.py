@@ -200,6 +200,19 @@ def lora_training_memory(shape: ModelShape, tokens: int = 4096, rank: int = 16, 
     layers' fp32 inputs, one layer's activations in the recompute (the adapters' own, ``rank``
     wide, not counted), the head chunk; and the products of the matrices named in ``keep``
     (``--checkpoint-keep``), ``tokens`` x out_features in bf16 per block."""
+    parts = _lora_held_memory(shape, rank, streamed, resident)
+    parts["checkpointed layer inputs"] = float(tokens * shape.hidden * RESIDUAL_BYTES * shape.layers)
+    parts["activations (one layer, recomputed)"] = tokens * activation_bytes_per_token(shape)
+    if keep:
+        outputs = sum(shape.linear_shapes[name][1] for name in keep)
+        parts[f"kept products ({', '.join(keep)})"] = float(tokens * outputs * 2 * shape.layers)
+    parts["head chunk logits + grad"] = _head_chunk_bytes(shape, training=True)
+    return parts
+
+
+def _lora_held_memory(shape: ModelShape, rank: int, streamed: bool, resident: int) -> dict[str, float]:
+    """What a LoRA run holds through its whole step: the frozen base (or, streamed, its root,
+    two layer slots and the resident layers) and the adapters' fp32 state."""
     parts: dict[str, float] = {}
     if streamed:
         parts["embeddings, final norm, head (bf16)"] = shape.root_params * 2.0
@@ -210,12 +223,6 @@ def lora_training_memory(shape: ModelShape, tokens: int = 4096, rank: int = 16, 
         parts["bf16 base"] = shape.params * 2.0
     adapter_params = shape.layers * rank * sum(i + o for i, o in shape.linear_shapes.values())
     parts["adapters (fp32, gradients, AdamW)"] = 16.0 * adapter_params
-    parts["checkpointed layer inputs"] = float(tokens * shape.hidden * RESIDUAL_BYTES * shape.layers)
-    parts["activations (one layer, recomputed)"] = tokens * activation_bytes_per_token(shape)
-    if keep:
-        outputs = sum(shape.linear_shapes[name][1] for name in keep)
-        parts[f"kept products ({', '.join(keep)})"] = float(tokens * outputs * 2 * shape.layers)
-    parts["head chunk logits + grad"] = _head_chunk_bytes(shape, training=True)
     return parts
 
 
@@ -227,9 +234,7 @@ def lora_bottom_turn_memory(shape: ModelShape, tokens: int = 4096, rank: int = 1
     adapters' state), the kept layers' slots, and the first layer's checkpointed input, kept
     products and activations; every layer above has given its own back, and the head's chunk
     is done."""
-    parts = {name: value for name, value in lora_training_memory(shape, tokens, rank, streamed=True, keep=keep,
-                                                                 resident=resident).items()
-             if name.startswith(("embeddings", "2 layer slots", f"{resident} resident", "adapters"))}
+    parts = _lora_held_memory(shape, rank, streamed=True, resident=resident)
     if turn:
         parts[f"{turn} layers kept through the turn (bf16)"] = turn * shape.layer_params * 2.0
     parts["the first layer's checkpointed input"] = float(tokens * shape.hidden * RESIDUAL_BYTES)

@@ -392,27 +392,24 @@ class StreamedLayers:
             self._release(other, autograd, again)
         self._hold(index)
         following = self._following(index, autograd)
-        if following is not None and following not in self._fetched and following not in self._running:
-            if following not in self._kept:
-                self._fetch(following)
+        if following is not None and not any(following in held for held in (self._fetched, self._running, self._kept)):
+            self._fetch(following)
 
     def _hold(self, index: int) -> None:
         """Point layer ``index``'s modules at its slot, once its copy is done: the slot it kept
         through the bottom turn (which then joins the slots, for the next copy ahead), or the
         one its copy went to."""
         slot = self._kept.get(index)
-        if slot is not None and not torch.is_grad_enabled():
-            pass  # an evaluation between steps runs it where it waits, and leaves it for the next forward
-        elif slot is not None:
-            del self._kept[index]
-            self._pool.append(slot)
-            self._spare += 1
-            self.transfers.turn_kept += 1
-        else:
+        if slot is None:
             if index not in self._fetched:  # not fetched ahead: the first layer of a pass, or one out of order
                 self._fetch(index)
                 self.transfers.waits += 1
             slot = self._fetched.pop(index)
+        elif torch.is_grad_enabled():  # the forward after the turn (an evaluation leaves it where it waits)
+            del self._kept[index]
+            self._pool.append(slot)
+            self._spare += 1
+            self.transfers.turn_kept += 1
         self.transfers.entries += 1
         if self._cuda:
             compute = torch.cuda.current_stream(self.device)
