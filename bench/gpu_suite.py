@@ -11,8 +11,8 @@ model, data, dtype and batch, each system's run in its own process.
     python bench/gpu_suite.py --only train-8b-lora --no-trl --train-args "--compile off"  # an A/B: eager layers
     python bench/gpu_suite.py --only ref-8b --no-trl --build-args "--stream-reference false"  # resident weights
     python bench/gpu_suite.py --only train-8b-lora --no-trl --train-args "--resident-layers 0"  # all 32 streamed
-    python bench/gpu_suite.py --only train-8b-lora --no-trl --train-args "--checkpoint-keep none"  # none kept
-    python bench/gpu_suite.py --only train-8b-lora --variants "--resident-layers 9" "--compile off"  # one build
+    python bench/gpu_suite.py --only train-8b-lora --no-trl --train-args "--skip-unread-products false"  # recomputed
+    python bench/gpu_suite.py --only train-8b-lora --variants "--turn-layers 8" "--compile off"  # one build
 
 Rows:
 
@@ -25,10 +25,10 @@ Rows:
 - ``train-8b-lora``: DPO steps with LoRA (r 16, alpha 32, every linear layer, gradient
   checkpointing) on the same model and data (the first batch x steps pairs), against TRL's
   ``DPOTrainer`` with the same ``peft_config``; on a GPU dpocache's with ``--stream-base true
-  --resident-layers 6 --checkpoint-keep down_proj --compile on`` (its frozen base in host memory
-  but for 6 layers spread among the others, the down projections' products kept through the
-  recompute, each layer's forward compiled inside its checkpoint; the dry run keeps the products
-  only). ``--build-args``/``--train-args "--stream-base false ..."`` turn them off for an A/B
+  --resident-layers 10 --compile on`` (its frozen base in host memory but for 10 layers spread
+  among the others, each layer's forward compiled inside its checkpoint, whose recompute skips
+  the down projections' products, as every checkpointed LoRA run does; the dry run neither
+  streams nor compiles). ``--build-args``/``--train-args "--stream-base false ..."`` turn them off for an A/B
   (later flags win); ``--variants`` runs dpocache's side once more per set of options after
   every row, on the inputs already built, each against the row's own TRL run.
 - ``train-1b-full``: full-parameter DPO steps of the 1.1B Llama of ``bench_vs_trl.py --config
@@ -144,16 +144,16 @@ class Shapes:
 
 
 # The 8B rows' memory targets (0.6x TRL's peak) lie below the bf16 weights both sides hold, so on
-# a GPU their frozen decoder layers stay in host memory (docs/memory.md). The LoRA row keeps 6 of
-# its 32 on the device, spread out, so its forward's copies hide behind more compute, and its
-# down projections' products through the recompute, a quarter of the recompute's matrix work
-# (13.1 GiB planned against a 14.8 GiB target); it compiles each layer's forward inside its
+# a GPU their frozen decoder layers stay in host memory (docs/memory.md). The LoRA row keeps 10 of
+# its 32 on the device, spread out, so its forward's copies hide behind more compute: the memory
+# its recompute no longer spends on the down projections' products, a quarter of the recompute's
+# matrix work, which it skips (13.0 GiB planned against a 14.8 GiB target, where 6 resident with
+# those products kept planned 13.1 and measured 12.8); it compiles each layer's forward inside its
 # checkpoint: its host time was as long as its device time on an H200, and compiled it took
 # 2.4-2.5x less host time on the CPU (docs/speed.md); its first steps compile, so it leaves two
 # out of the timing.
 STREAMED_REFERENCE = ("--stream-reference", "true")
-STREAMED_LORA = ("--stream-base", "true", "--resident-layers", "6", "--checkpoint-keep", "down_proj",
-                 "--compile", "on")
+STREAMED_LORA = ("--stream-base", "true", "--resident-layers", "10", "--compile", "on")
 
 GPU = Shapes(device="cuda", dtype="bfloat16", llama=LLAMA_8B, llama_dir="llama-8b", model_dtype="bfloat16",
              trl_8b_dtype="bfloat16", prompt_tokens=(200, 1200), completion_tokens=(100, 800), max_length=2048,
@@ -167,7 +167,7 @@ DRY = Shapes(device="cpu", dtype="float32", llama=TINY_LLAMA, llama_dir="dryrun-
                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                      prompt_words=(20, 60), completion_words=(10, 40), pairs=4),
              full_steps=2, full_warmup=1, full_train_args=(),
-             ref_build_args=(), lora_train_args=("--checkpoint-keep", "down_proj"))  # streaming needs a GPU
+             ref_build_args=(), lora_train_args=())  # streaming needs a GPU
 
 
 @dataclass

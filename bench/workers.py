@@ -396,7 +396,7 @@ def _what_ran(run_json: Path) -> dict | None:
     policy = info.get("policy", {})
     return {"layout": info.get("layout"), "dtype": info.get("dtype"),
             **{k: policy.get(k) for k in ("compiled_layers", "kernels", "prefetch", "trainable", "parameters",
-                                          "streamed", "kept_products", "compiler")}}
+                                          "streamed", "kept_products", "skipped_products", "compiler")}}
 
 
 def dpo_train(spec: dict) -> None:

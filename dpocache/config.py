@@ -55,6 +55,7 @@ class ModelConfig:
     kernels: str = "auto"  # Liger's RMSNorm, RoPE, SwiGLU: auto (on CUDA, where installed) | liger | none
     gradient_checkpointing: bool = False  # recompute activations in the backward pass (less memory, slower)
     checkpoint_keep: str = "none"  # LoRA, checkpointed: frozen linears (down_proj,..) whose products are kept
+    skip_unread_products: bool = True  # checkpointed: the recompute skips products no backward reads (down_proj)
     stream_reference: bool = False  # reference pass (GPU): decoder layers stay in host memory, copied in one ahead
     stream_base: bool = False  # LoRA training (GPU): the frozen base's layers likewise (needs gradient checkpointing)
     resident_layers: int = 0  # --stream-base: this many base layers stay on the GPU, spread out (hiding the copies)
@@ -204,7 +205,7 @@ ALIASES = {
     "report_to": "train.report_to", "attention": "model.attention", "compile": "model.compile",
     "kernels": "model.kernels", "stream_reference": "model.stream_reference", "stream_base": "model.stream_base",
     "checkpoint_keep": "model.checkpoint_keep", "resident_layers": "model.resident_layers",
-    "turn_layers": "model.turn_layers",
+    "turn_layers": "model.turn_layers", "skip_unread_products": "model.skip_unread_products",
 }
 
 # The names of TRL's DPOConfig and TrainingArguments (and its scripts' ModelConfig) that a TRL user

@@ -32,7 +32,7 @@ CACHE_ALIASES = {"layout": "cache.layout"}
 # only training reads (the policy's attention kernel and activation checkpointing).
 HELP_FIELDS = {"build": ("distributed.fsdp",)}
 HELP_EXCLUDE = ("model.attn_implementation", "model.gradient_checkpointing", "model.checkpoint_keep",
-                "model.stream_base", "model.resident_layers", "model.turn_layers")
+                "model.stream_base", "model.resident_layers", "model.turn_layers", "model.skip_unread_products")
 USAGE = """usage: dpocache cache {command} [CONFIG.yaml] [--key value ...]
 
 {text}.

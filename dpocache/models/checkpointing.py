@@ -25,6 +25,20 @@ gradient ``grad @ W``, as ``F.linear``'s own backward does: the same values bit 
 still fetched for it. Only frozen matrices are kept (a LoRA policy's base): a trained one
 would need its input kept for its own gradient too.
 
+A frozen product the recompute never reads is not computed at all (``--skip-unread-products``,
+``model.skip_unread_products``, on by default): the recompute exists to rebuild the tensors the
+layer's backward saved, and its output is never read (the non-reentrant checkpoint drops it; the
+reentrant one backpropagates through it, reading its shape only). In the families of
+``UNREAD_PRODUCTS`` the MLP's output projection (``down_proj``) goes straight into the residual
+sum the layer returns, so no saved tensor depends on its product: the recompute returns zeros of
+its shape instead, and the input still gets ``grad @ W``. On an 8B Llama that is the same 27% of
+a layer's matrix FLOPs ``--checkpoint-keep down_proj`` saves, without its 8 KiB per token and
+layer; the tests check the gradients bit for bit against full recomputation in each family, and
+that zeros in place of any other product change them. Training every weight needs none of it:
+there the down projection saves its input last, and torch's checkpoint stops the recompute once
+the last saved tensor is back (its early stop), before that product runs; under LoRA the
+adapter's products save tensors after it.
+
 torch's selective checkpointing (``create_selective_checkpoint_contexts``) keeps any op's output
 by a policy, but sees every op of the checkpointed layer through a Python dispatch mode: on a
 tiny LoRA Llama on one CPU thread, where the kernels take no time, it raised the host time of a
@@ -50,7 +64,7 @@ import threading
 import types
 from collections import deque
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -64,19 +78,48 @@ from dpocache.scoring.logprobs import decoder_layers
 
 log = logging.getLogger(__name__)
 
-# Set on an nn.Linear whose forward keeps its product (bf16_matmul leaves its forward alone).
+# Set on an nn.Linear whose forward keeps its product (lora_fused adds the update out of place).
 KEEPS_PRODUCT = "dpocache_keeps_product"
+# Set on an nn.Linear given a forward of this module's (bf16_matmul leaves it alone).
+OWN_FORWARD = "dpocache_checkpoint_forward"
+
+# The linear layers whose product no saved tensor of a checkpointed layer depends on, by decoder
+# layer class (the code that runs): the output projection added straight into the residual sum
+# the layer returns. Families whose layers normalise that product first (Gemma 2 and 3, OLMo 2:
+# ``post_feedforward_layernorm``) read it in their backward and are not here; neither is a
+# family no test builds (tests/models/test_checkpointing.py checks each one listed).
+UNREAD_PRODUCTS: dict[str, tuple[str, ...]] = {
+    "LlamaDecoderLayer": ("down_proj",), "MistralDecoderLayer": ("down_proj",),
+    "Qwen2DecoderLayer": ("down_proj",), "Qwen3DecoderLayer": ("down_proj",), "GemmaDecoderLayer": ("down_proj",),
+}
 
 
-def enable_checkpointing(model: nn.Module, keep: tuple[str, ...] = (), compiled: bool = False) -> list[str]:
+class CheckpointedProducts(NamedTuple):
+    """What ``enable_checkpointing`` did to the linear layers' products, by qualified name:
+    kept through the recompute (``--checkpoint-keep``), or not computed in it (unread)."""
+
+    kept: list[str]
+    skipped: list[str]
+
+
+def enable_checkpointing(model: nn.Module, keep: tuple[str, ...] = (), compiled: bool = False,
+                         skip_unread: bool = False) -> CheckpointedProducts:
     """Checkpoint each decoder layer of ``model`` (a transformers model, or a PEFT model around
     one) through a ``LayerCheckpoint`` of its own: non-reentrant, or, with ``compiled``, the
     layer's forward compiled inside the checkpoint (``LayerCheckpoint``); either way keeping the
-    products of the linear layers named in ``keep`` (``keep_products_``). Returns the qualified
-    names of the linear layers that keep their products. Non-reentrant works with inputs that do
-    not require grad (frozen embeddings in LoRA); the compiled checkpoint needs the layers' input
-    to require it (``enable_input_require_grads``)."""
+    products of the linear layers named in ``keep`` (``keep_products_``) and, with
+    ``skip_unread``, not computing in the recompute those no saved tensor reads
+    (``skip_unread_products_``; a name in ``keep`` among them is skipped, not kept). Returns
+    the qualified names of both. Non-reentrant works with inputs that do not require grad (frozen
+    embeddings in LoRA); the compiled checkpoint needs the layers' input to require it
+    (``enable_input_require_grads``)."""
+    unread = unread_products(model) if skip_unread else ()
+    if set(keep) & set(unread):
+        log.info("activation checkpointing: %s is never read by the backward; its product is skipped in the "
+                 "recompute, not kept", ", ".join(n for n in keep if n in unread))
+    keep = tuple(name for name in keep if name not in unread)
     kept = keep_products_(model, keep, compiled=compiled) if keep else []
+    skipped = skip_unread_products_(model, unread, compiled=compiled) if unread else []
     kwargs = {"use_reentrant": False}
     # transformers 5.x renamed it, warning at every call of the old name; 4.x has the old one only
     enable = getattr(model, "activation_checkpointing_enable", None)
@@ -86,11 +129,11 @@ def enable_checkpointing(model: nn.Module, keep: tuple[str, ...] = (), compiled:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     for layer in decoder_layers(model):
         if hasattr(layer, "_gradient_checkpointing_func"):
-            layer._gradient_checkpointing_func = LayerCheckpoint(keeps_products=bool(kept), compiled=compiled)
-        elif kept or compiled:  # a model that checkpoints its layers in its own loop
+            layer._gradient_checkpointing_func = LayerCheckpoint(phased=bool(kept or skipped), compiled=compiled)
+        elif kept or skipped or compiled:  # a model that checkpoints its layers in its own loop
             raise ValueError(f"{type(layer).__name__} is not checkpointed by transformers' per-layer checkpoint; "
-                             "it cannot keep products or compile inside its checkpoint")
-    return kept
+                             "it cannot keep or skip products or compile inside its checkpoint")
+    return CheckpointedProducts(kept, skipped)
 
 
 class LayerCheckpoint:
@@ -99,12 +142,13 @@ class LayerCheckpoint:
     positional inputs, outside the layer's own hooks (they do not run in the recompute).
 
     Eager: torch's non-reentrant checkpoint, with ``checkpoint_phases`` as its ``context_fn``
-    where products are kept. ``compiled`` (``--compile on`` with ``--stream-base``): the layer's
-    forward compiled (``scoring.compiling.compiled_function``, one graph for every layer) inside
-    torch's reentrant checkpoint, which runs the forward without autograd and, in the backward,
-    the recompute and its backward as one autograd call (the phase of a call that keeps products
-    is its grad mode): the non-reentrant checkpoint's hooks on every saved tensor are host work
-    per tensor, which a compiled layer's few kernels no longer hide
+    where products are kept or skipped (``phased``). ``compiled`` (``--compile on`` with
+    ``--stream-base``): the layer's forward compiled (``scoring.compiling.compiled_function``,
+    one graph for every layer) inside torch's reentrant checkpoint, which runs the forward
+    without autograd and, in the backward, the recompute and its backward as one autograd call
+    (the phase of a call that keeps or skips products is its grad mode): the non-reentrant
+    checkpoint's hooks on every saved tensor are host work per tensor, which a compiled layer's
+    few kernels no longer hide
     (docs/benchmarks/lora-host-probe-compiled-cpu-2core-20261126.md). A resident layer compiles
     whole instead, its checkpoint inside the graph (``scoring.compiling.compile_layers``), which
     needs its weights alive until its backward: a streamed layer's slot holds another layer by
@@ -120,8 +164,8 @@ class LayerCheckpoint:
     the streamed order takes the pass for an evaluation
     (docs/benchmarks/gpu-suite-h200-20261126-1325.md)."""
 
-    def __init__(self, keeps_products: bool = False, compiled: bool = False) -> None:
-        self.keeps_products, self.compiled = keeps_products, compiled
+    def __init__(self, phased: bool = False, compiled: bool = False) -> None:
+        self.phased, self.compiled = phased, compiled
         self.before: Callable[[], None] | None = None
 
     def __call__(self, forward: functools.partial, *args):
@@ -138,13 +182,13 @@ class LayerCheckpoint:
         run = forward
         if self.compiled:
             run = functools.partial(compiled_function(forward.func), *forward.args, **forward.keywords)
-            if self.keeps_products:  # the reentrant forward runs without autograd, its recompute with it
+            if self.phased:  # the reentrant forward runs without autograd, its recompute with it
                 run = functools.partial(_in_phase_by_grad_mode, {}, run)
         if self.before is not None:
             run = functools.partial(_after, self.before, run)
         if self.compiled:
             return checkpoint(run, *args, use_reentrant=True)
-        if self.keeps_products:
+        if self.phased:
             return checkpoint(run, *args, use_reentrant=False, context_fn=checkpoint_phases)
         return checkpoint(run, *args, use_reentrant=False)
 
@@ -195,9 +239,40 @@ def keep_products_(model: nn.Module, names: tuple[str, ...], compiled: bool = Fa
     for linear in chosen:
         linear.forward = types.MethodType(compiled_kept_product_forward if compiled else kept_product_forward, linear)
         setattr(linear, KEEPS_PRODUCT, True)
+        setattr(linear, OWN_FORWARD, True)
     width = sum(found[name][0].out_features for name in names)
     log.info("activation checkpointing keeps the products of %s in %d decoder layers (%d values per token and layer)",
              ", ".join(names), len(layers), width)
+    return [qualified[id(linear)] for linear in chosen]
+
+
+def unread_products(model: nn.Module) -> tuple[str, ...]:
+    """The names of the linear layers whose products no saved tensor of ``model``'s checkpointed
+    decoder layers reads (``UNREAD_PRODUCTS``, by the first layer's class; none for a family not
+    listed)."""
+    layers = decoder_layers(model)
+    return UNREAD_PRODUCTS.get(type(layers[0]).__name__, ()) if layers else ()
+
+
+def skip_unread_products_(model: nn.Module, names: tuple[str, ...], compiled: bool = False) -> list[str]:
+    """Give every frozen linear layer named in ``names`` inside ``model``'s decoder layers the
+    forward that skips its product in the recompute (``unread_product_forward``; ``compiled``:
+    the one a compiled layer traces); a PEFT LoRA layer's is its ``base_layer``. Returns their
+    qualified names. ``names`` must come from ``unread_products``: any other product is read by
+    the backward, which zeros in its place would change. A trained matrix is left alone: its
+    product saves its input for its own gradient, and torch's non-reentrant checkpoint stops the
+    recompute once the last saved tensor is back (its early stop), before that product runs."""
+    qualified = {id(m): name for name, m in model.named_modules()}
+    chosen = [linear for layer in decoder_layers(model) for short, linear in layer_linears(layer)
+              if short in names and not any(p.requires_grad for p in linear.parameters())]
+    if not chosen:
+        return []
+    for linear in chosen:
+        linear.forward = types.MethodType(compiled_unread_product_forward if compiled else unread_product_forward,
+                                          linear)
+        setattr(linear, OWN_FORWARD, True)
+    log.info("activation checkpointing: the recompute skips the products of %s in %d decoder layers (the backward "
+             "never reads them)", ", ".join(names), len(decoder_layers(model)))
     return [qualified[id(linear)] for linear in chosen]
 
 
@@ -295,18 +370,22 @@ def kept_product_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 class _KeptProduct(torch.autograd.Function):
     """``F.linear(x, weight, bias)`` for a frozen ``weight`` and ``bias``: in the forward the
-    product is computed and kept; in the recompute the kept one is returned instead. Either way
-    the weight is saved and ``x`` gets ``grad @ weight``, as ``F.linear``'s backward gives it
-    (under autocast the weight as the product used it)."""
+    product is computed and kept for ``module``; in the recompute the kept one is returned
+    instead, or, with no ``module`` (a product the backward never reads), nothing is kept and
+    the recompute returns zeros of its shape and dtype. Either way the weight is saved and ``x``
+    gets ``grad @ weight``, as ``F.linear``'s backward gives it (under autocast the weight as
+    the product used it)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, phase: _Phase,
-                module: nn.Module) -> torch.Tensor:
+                module: nn.Module | None) -> torch.Tensor:
         if phase.recompute:
-            product = phase.take(module)
+            product = phase.take(module) if module is not None else x.new_zeros(
+                (*x.shape[:-1], weight.shape[0]), dtype=_product_dtype(x))
         else:
             product = F.linear(x, weight, bias)  # under the caller's autocast, if any
-            phase.keep(module, product)
+            if module is not None:
+                phase.keep(module, product)
         ctx.save_for_backward(weight)
         ctx.x_dtype = x.dtype
         return product
@@ -319,10 +398,38 @@ class _KeptProduct(torch.autograd.Function):
         return _input_grad(grad, weight, ctx.x_dtype), None, None, None, None
 
 
+def _product_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of ``F.linear``'s product of ``x`` and a weight of its dtype: autocast's where it
+    is on for ``x``'s device."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
 def _input_grad(grad: torch.Tensor, weight: torch.Tensor, x_dtype: torch.dtype) -> torch.Tensor:
     """``x``'s gradient of ``F.linear(x, weight)``: ``grad (..., out) @ weight (out, in)``, in
     ``x``'s dtype (autocast's cast of the weight: none where it is stored in the grad's dtype)."""
     return grad.matmul(weight.to(grad.dtype)).to(x_dtype)
+
+
+def unread_product_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear.forward`` for a frozen layer whose product the backward never reads:
+    ``x (..., in)`` → ``(..., out)``, zeros of that shape in a checkpointed call's recompute
+    (``_KeptProduct`` keeping nothing). Outside a checkpointed call under grad, the plain product."""
+    phase = getattr(_current, "phase", None)
+    if phase is None or not torch.is_grad_enabled():
+        return F.linear(x, self.weight, self.bias)
+    return _KeptProduct.apply(x, self.weight, self.bias, phase, None)
+
+
+def _autocast_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """``x``, ``weight`` and ``bias`` cast to the autocast dtype where autocast is on for their
+    device, as it would cast them for ``F.linear``; as they are otherwise."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    return x, weight, bias
 
 
 def compiled_kept_product_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -331,13 +438,15 @@ def compiled_kept_product_forward(self: nn.Linear, x: torch.Tensor) -> torch.Ten
     compute and keep the product (the forward), return the kept one (the recompute) or only
     compute it (no checkpointed call), by the phase the eager ``LayerCheckpoint`` set around the
     compiled call. Autocast is applied here, where it is traced: the operation sees its dtypes."""
-    weight, bias = self.weight, self.bias
-    device = x.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        x, weight = x.to(dtype), weight.to(dtype)
-        bias = None if bias is None else bias.to(dtype)
-    return torch.ops.dpocache.kept_linear(x, weight, bias)
+    return torch.ops.dpocache.kept_linear(*_autocast_inputs(x, self.weight, self.bias))
+
+
+def compiled_unread_product_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear.forward`` for a frozen layer whose product the backward never reads, as a
+    compiled layer traces it: one opaque operation (``dpocache::unread_linear``) that returns
+    zeros in a checkpointed call's recompute, by the phase set when it runs, and the product
+    otherwise."""
+    return torch.ops.dpocache.unread_linear(*_autocast_inputs(x, self.weight, self.bias))
 
 
 @torch.library.custom_op("dpocache::kept_linear", mutates_args=())
@@ -371,3 +480,22 @@ def _kept_linear_backward(ctx, grad: torch.Tensor):
 
 
 _kept_linear.register_autograd(_kept_linear_backward, setup_context=_kept_linear_context)
+
+
+@torch.library.custom_op("dpocache::unread_linear", mutates_args=())
+def _unread_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, zeros of its shape in a checkpointed call's recompute (the
+    backward never reads it)."""
+    phase = getattr(_current, "phase", None)
+    if phase is not None and phase.recompute:
+        return x.new_zeros((*x.shape[:-1], weight.shape[0]))
+    return F.linear(x, weight, bias)
+
+
+@_unread_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+# A frozen weight's product: the same backward as a kept one (the input's gradient only).
+_unread_linear.register_autograd(_kept_linear_backward, setup_context=_kept_linear_context)

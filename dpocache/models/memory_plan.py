@@ -28,7 +28,8 @@ against its formula. The parts follow what dpocache runs:
 - **LoRA training** on one device (``lora_training_memory``; each DDP replica the same): the
   frozen base in bf16, resident or streamed (``--stream-base``), the adapters' fp32 state, the
   same checkpointed activations, and the products ``--checkpoint-keep`` keeps
-  (``dpocache.models.checkpointing``).
+  (``dpocache.models.checkpointing``; not the down projections', which the recompute skips
+  instead, keeping nothing, unless ``--skip-unread-products false``).
 
 Activation bytes per token of one decoder layer (bf16 autocast, SDPA so no ``T x T`` scores
 kept) are ``ACTIVATION_HIDDEN_COEF * H + ACTIVATION_INTERMEDIATE_COEF * I`` bytes. The
@@ -47,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dpocache.config import ConfigError, checkpoint_keep_names
+from dpocache.models.checkpointing import UNREAD_PRODUCTS
 from dpocache.distributed.vocab_stream import TILE_BYTES
 from dpocache.models.streaming import ALIGN, most_turn_layers
 from dpocache.models.streaming import page_locked_bytes as streaming_page_locked_bytes
@@ -275,8 +277,8 @@ class PlanRow:
 
 
 def plan(shape: ModelShape, device_counts=(1, 8, 16), device_gib: float = 80.0, tokens: int = 4096,
-         usable: float = 0.9, lora_rank: int = 16, keep: tuple[str, ...] = ("down_proj",),
-         resident: int = 6) -> list[PlanRow]:
+         usable: float = 0.9, lora_rank: int = 16, keep: tuple[str, ...] = (),
+         resident: int = 10) -> list[PlanRow]:
     """Rows for the reference pass (fp32 unsharded, bf16 unsharded, bf16 sharded, bf16 streamed on
     one device), FSDP2 training (fp32 compute, bf16 compute) on each device count, and LoRA
     training of rank ``lora_rank`` on one device (its base resident, streamed, streamed with the
@@ -334,9 +336,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per forward / micro-batch per device")
     parser.add_argument("--parts", action="store_true", help="also print each row's parts")
     parser.add_argument("--lora-r", type=int, default=16, help="the LoRA rows' adapter rank (every matrix adapted)")
-    parser.add_argument("--checkpoint-keep", default="down_proj",
-                        help="matrices whose products the last LoRA row keeps (comma-separated; none: no such row)")
-    parser.add_argument("--resident-layers", type=int, default=6,
+    parser.add_argument("--checkpoint-keep", default="none",
+                        help="matrices whose products the last LoRA rows keep (comma-separated; none: no such row)")
+    parser.add_argument("--skip-unread-products", choices=("true", "false"), default="true",
+                        help="the recompute skips the down projections' products, which the backward never reads: "
+                             "--checkpoint-keep does not keep them (as train does; default true)")
+    parser.add_argument("--resident-layers", type=int, default=10,
                         help="decoder layers the last streamed LoRA row keeps on the device (0: no such row)")
     parser.add_argument("--turn-layers", type=int, default=None,
                         help="the last streamed LoRA row's bottom turn with this many layers kept (default: the "
@@ -350,6 +355,10 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"--checkpoint-keep: {unknown[0]!r} is no matrix of a Llama block "
                      f"({', '.join(LLAMA_3_8B.linear_shapes)})")
+    unread = [name for name in keep if name in UNREAD_PRODUCTS["LlamaDecoderLayer"]]
+    if unread and args.skip_unread_products == "true":
+        print(f"{', '.join(unread)}: skipped in the recompute, not kept (--skip-unread-products false keeps it)\n")
+        keep = tuple(name for name in keep if name not in unread)
     shapes = ([ModelShape.from_config(json.loads(p.read_text()), name=p.parent.name or p.stem) for p in args.config]
               if args.config else [LLAMA_3_8B, LLAMA_3_70B])
     rows = [row for s in shapes for row in plan(s, args.devices, args.device_gib, args.tokens,

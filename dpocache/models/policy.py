@@ -92,9 +92,11 @@ def load_policy(cfg: Config, device: torch.device, kernels: KernelChoice | None 
     (``spread_resident``), and ``model.turn_layers`` more streamed layers wait there from each
     backward to the next forward. The model then has ``dpocache_streamed``, its ``StreamedLayers``.
 
-    ``model.gradient_checkpointing``: each decoder layer checkpointed, and with
-    ``model.checkpoint_keep`` the named frozen matrices' products kept through the recompute
-    (``dpocache.models.checkpointing``); ``dpocache_kept_products`` names those layers. With a
+    ``model.gradient_checkpointing``: each decoder layer checkpointed, with
+    ``model.checkpoint_keep`` the named frozen matrices' products kept through the recompute and
+    with ``model.skip_unread_products`` those the backward never reads not computed in it
+    (``dpocache.models.checkpointing``, ``skips_unread_products``); ``dpocache_products`` names
+    those layers (``CheckpointedProducts``). With a
     streamed base and ``model.compile`` on, each layer's forward is compiled inside its
     checkpoint (``LayerCheckpoint``); a resident policy's layers are compiled by ``train``'s
     setup (``scoring.compiling.compile_layers``)."""
@@ -132,8 +134,9 @@ def load_policy(cfg: Config, device: torch.device, kernels: KernelChoice | None 
     if cfg.model.gradient_checkpointing:
         # --checkpoint-keep: the named frozen matrices' products kept through the recompute;
         # --compile on with a streamed base: each layer's forward compiled inside its checkpoint
-        model.dpocache_kept_products = enable_checkpointing(model, checkpoint_keep_names(cfg.model.checkpoint_keep),
-                                                            compiled=stream and cfg.model.compile == "on")
+        model.dpocache_products = enable_checkpointing(model, checkpoint_keep_names(cfg.model.checkpoint_keep),
+                                                       compiled=stream and cfg.model.compile == "on",
+                                                       skip_unread=skips_unread_products(cfg, device, dtype))
         if hasattr(model, "enable_input_require_grads"):
             model.enable_input_require_grads()
     if stream:
@@ -181,12 +184,22 @@ def fuses_lora_updates(cfg: Config, device: torch.device, dtype: torch.dtype) ->
     return _lora_under_native_autocast(cfg, device, dtype)
 
 
-def _prepare_policy(model: nn.Module, cfg: Config) -> None:
-    """What ``load_policy`` does to a full-weight model after loading: no dropout, per-layer
-    activation checkpointing if asked."""
+def skips_unread_products(cfg: Config, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a checkpointed policy's recompute skips the products its backward never reads
+    (``model.skip_unread_products``): where asked, except in bf16 on a CPU that routes bf16
+    products through ``bf16_matmul``'s fp32 GEMM, whose forward those layers keep (a skipping
+    layer runs its product natively, slower there and rounded otherwise)."""
+    routed = dtype == torch.bfloat16 and routes_bf16_through_fp32(device)
+    return cfg.model.skip_unread_products and not routed
+
+
+def _prepare_policy(model: nn.Module, cfg: Config, device: torch.device, dtype: torch.dtype) -> None:
+    """What ``load_sharded_policy`` does to a full-weight model after loading: no dropout,
+    per-layer activation checkpointing if asked (skipping the products the backward never reads,
+    ``skips_unread_products``)."""
     disable_dropout(model)
     if cfg.model.gradient_checkpointing:
-        enable_checkpointing(model)
+        model.dpocache_products = enable_checkpointing(model, skip_unread=skips_unread_products(cfg, device, dtype))
 
 
 def load_sharded_policy(cfg: Config, env: DistEnv, dtype: torch.dtype, probe_memo: ProbeMemo | None = None,
@@ -204,7 +217,7 @@ def load_sharded_policy(cfg: Config, env: DistEnv, dtype: torch.dtype, probe_mem
         return shard_policy(scorer, model, env, compute_dtype=dtype)
 
     def prepare(model):
-        _prepare_policy(model, cfg)
+        _prepare_policy(model, cfg, env.device, dtype)
         if kernels is not None:
             apply_kernels(model, kernels)  # on the meta device: Liger patches the modules' forwards
 

@@ -125,17 +125,17 @@ def install(model: nn.Module, mode: str | None = None) -> int:
     """Route the model's ``nn.Linear`` layers through the fp32 GEMM under CPU bf16 autocast
     (see the module docstring). Idempotent; returns how many layers were switched (0 with mode
     ``native`` or a model not on the CPU). Subclasses of ``nn.Linear`` (quantised layers) are
-    left alone, except FSDP2's (``plain_linear``), and so are layers that keep their products
-    through activation checkpointing (``--checkpoint-keep``)."""
+    left alone, except FSDP2's (``plain_linear``), and so are layers given a forward of
+    activation checkpointing's own (``--checkpoint-keep``, ``--skip-unread-products``)."""
     first = next(model.parameters(), None)
     if resolve_mode(mode) != "fp32-gemm" or (first is not None and first.device.type != "cpu"):
         return 0
     count = 0
     for module in model.modules():
-        # a layer that keeps its product through the recompute has its own forward, left alone
-        # (dpocache.models.checkpointing: its product runs under autocast as it is)
+        # a layer that keeps or skips its product in the recompute has its own forward, left
+        # alone (dpocache.models.checkpointing: its product runs under autocast as it is)
         if plain_linear(module) and not getattr(module, _INSTALLED, False) \
-                and not getattr(module, "dpocache_keeps_product", False):
+                and not getattr(module, "dpocache_checkpoint_forward", False):
             module.forward = types.MethodType(_forward, module)
             setattr(module, _INSTALLED, True)
             count += 1

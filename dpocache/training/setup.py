@@ -277,12 +277,16 @@ def _streamed_json(policy) -> dict | None:
     return {**streamed.to_json(), "resident_layers": len(decoder_layers(policy)) - len(streamed.layers)}
 
 
-def _kept_json(run: Run) -> dict | None:
-    """``--checkpoint-keep``'s linear layers: their names and how many keep their products, or None."""
-    kept = getattr(run.policy, "dpocache_kept_products", None)
-    if not kept:
+def _products_json(run: Run, which: str) -> dict | None:
+    """The linear layers whose products the recompute keeps (``which`` "kept":
+    ``--checkpoint-keep``) or skips ("skipped": ``--skip-unread-products``): their short names
+    and how many, or None."""
+    products = getattr(run.policy, "dpocache_products", None)
+    layers = getattr(products, which, None)
+    if not layers:
         return None
-    return {"names": list(checkpoint_keep_names(run.cfg.model.checkpoint_keep)), "linear_layers": len(kept)}
+    names = dict.fromkeys(name.removesuffix(".base_layer").rsplit(".", 1)[-1] for name in layers)
+    return {"names": list(names), "linear_layers": len(layers)}
 
 
 def _run_info(run: Run, ref_info: dict, kernels: dict) -> dict:
@@ -304,8 +308,8 @@ def _run_info(run: Run, ref_info: dict, kernels: dict) -> dict:
                    "compiled_layers": run.compiled_layers, "kernels": kernels,  # kernels: dpocache.models.kernels
                    # --stream-base: its frozen layers in host memory (dpocache.models.streaming), or None
                    "streamed": _streamed_json(run.policy),
-                   # --checkpoint-keep: products kept through the recompute (dpocache.models.checkpointing), or None
-                   "kept_products": _kept_json(run)},
+                   # products the recompute keeps (--checkpoint-keep) or skips (--skip-unread-products), or None
+                   "kept_products": _products_json(run, "kept"), "skipped_products": _products_json(run, "skipped")},
         "loss": str(run.spec), "total_steps": run.total_steps, "layout": run.layout.to_json(),
         "reference": ref_info,
     }

@@ -69,10 +69,12 @@ def test_dry_run_writes_every_row_of_the_schema(tmp_path):
             assert expected == pytest.approx(tokens / timed["window_s"])
     # ref-8b's cache holds the LoRA row's pairs (its data is the start of ref-8b's): its build is a hit
     assert result["rows"][1]["raw"]["dpocache_reference_build"]["summary"]["computed"] == 0
-    # the LoRA row's own options (the dry run's: its products kept; a GPU's also streams), as run.json says
+    # the LoRA row's own options (the dry run's: checkpointed, its recompute skipping the down
+    # projections' products; a GPU's also streams and compiles), as run.json says
     lora = result["rows"][1]
-    assert lora["setup"]["dpocache_args"][-2:] == ["--checkpoint-keep", "down_proj"]
-    assert lora["raw"]["dpocache"]["ran"]["kept_products"] == {"names": ["down_proj"], "linear_layers": 2}
+    assert lora["setup"]["dpocache_args"][-2:] == ["--gradient-checkpointing", "true"]
+    assert lora["raw"]["dpocache"]["ran"]["kept_products"] is None
+    assert lora["raw"]["dpocache"]["ran"]["skipped_products"] == {"names": ["down_proj"], "linear_layers": 2}
     assert lora["raw"]["dpocache"]["streamed_window"] is None  # its base streams on a GPU only
 
 
@@ -205,12 +207,13 @@ def test_build_args_reach_the_ref_8b_build_and_keep_parts_apart(tmp_path, monkey
         gpu_suite.merge_parts([committed, tmp_path / "streamed.json"])
 
 
-@pytest.mark.parametrize("ab", ["", "--compile off", "--checkpoint-keep none", "--resident-layers 0",
-                                "--stream-base false --resident-layers 0 --checkpoint-keep none",
-                                "--resident-layers 0 --checkpoint-keep down_proj,o_proj,q_proj"])
+@pytest.mark.parametrize("ab", ["", "--compile off", "--skip-unread-products false", "--resident-layers 0",
+                                "--stream-base false --resident-layers 0", "--resident-layers 6 --turn-layers 8",
+                                "--resident-layers 6 --checkpoint-keep down_proj --skip-unread-products false",
+                                "--resident-layers 0 --checkpoint-keep o_proj,q_proj", "--turn-layers 9"])
 def test_the_gpu_lora_rows_options_and_their_ab_flags_pass_the_configuration_checks(monkeypatch, ab):
-    """The LoRA row's dpocache options on a GPU (streamed, resident layers, kept products,
-    compiled), alone and with each A/B of the GPU sessions' plans
+    """The LoRA row's dpocache options on a GPU (streamed, resident layers, compiled), alone
+    and with each A/B of the GPU sessions' plans
     (docs/benchmarks/gpu-suite-h200-20261126-0556.md, gpu-suite-h200-20261126-1325.md), pass
     every check ``train`` makes of its configuration before a model loads, on a machine that has
     CUDA (stood in here): a GPU call is not spent on a combination refused with one line."""
@@ -227,7 +230,9 @@ def test_the_gpu_lora_rows_options_and_their_ab_flags_pass_the_configuration_che
     cfg.validate(required=("model.path", "data.train"))
     streamed = "--stream-base false" not in ab
     assert cfg.model.stream_base is streamed and cfg.model.gradient_checkpointing and cfg.lora.r == 16
-    assert cfg.model.resident_layers == (6 if streamed and "--resident-layers 0" not in ab else 0)
+    resident = int(ab.split("--resident-layers ")[1].split()[0]) if "--resident-layers" in ab else 10
+    assert cfg.model.resident_layers == resident
+    assert cfg.model.skip_unread_products == ("--skip-unread-products false" not in ab)
     assert cfg.model.compile == ("off" if "--compile off" in ab else "on")
 
 

@@ -63,7 +63,7 @@ def _lora_llama(keep: tuple[str, ...], fused: bool):
         keep_adapter_inputs_(model)
         fuse_lora_updates_(model)
     model.train()
-    kept = enable_checkpointing(model, keep)
+    kept = enable_checkpointing(model, keep).kept
     model.enable_input_require_grads()
     return model, kept
 
@@ -93,6 +93,96 @@ def test_kept_products_train_as_full_checkpointing_and_skip_exactly_their_produc
     shapes = {"down_proj": (INTERMEDIATE, HIDDEN), "q_proj": (HIDDEN, HIDDEN), "gate_proj": (HIDDEN, INTERMEDIATE)}
     skipped = sum(2 * TOKENS * shapes[name][0] * shapes[name][1] for name in keep) * LAYERS  # one forward's
     assert flops - kept_flops == skipped
+
+
+def _family(model_type: str, lora: bool):
+    """A tiny model of ``model_type`` from its config (every family here takes these sizes), in
+    fp32, in training mode; with ``lora`` every linear layer adapted (both matrices drawn, so
+    every adapter weight has a gradient), else every weight trained."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                                  num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                                  head_dim=HIDDEN // 4, vocab_size=256)
+    model = AutoModelForCausalLM.from_config(config)
+    if lora:
+        model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    return model.train()
+
+
+def _checkpointed_step(model, skip_unread: bool = False) -> tuple[torch.Tensor, dict, int, list[str]]:
+    """``_step`` of ``model`` checkpointed, skipping the unread products or not; with the
+    qualified names of the layers that skip theirs."""
+    products = enable_checkpointing(model, skip_unread=skip_unread)
+    if hasattr(model, "enable_input_require_grads"):
+        model.enable_input_require_grads()
+    return (*_step(model, fused=False), products.skipped)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "gemma"])
+def test_the_recompute_skips_the_unread_products_with_the_same_gradients(model_type):
+    """In every family ``UNREAD_PRODUCTS`` lists, a LoRA model's recompute that returns zeros for
+    the frozen down projections gives the loss and every adapter's gradient of full
+    recomputation bit for bit, and runs exactly their products' FLOPs fewer."""
+    loss, grads, flops, _ = _checkpointed_step(_family(model_type, lora=True))
+    skip_loss, skip_grads, skip_flops, skipped = _checkpointed_step(_family(model_type, lora=True), skip_unread=True)
+    assert len(skipped) == LAYERS and all(name.endswith(".mlp.down_proj.base_layer") for name in skipped)
+    assert torch.equal(skip_loss, loss)
+    assert skip_grads.keys() == grads.keys() and len(grads) == LAYERS * 7 * 2
+    assert all(torch.equal(skip_grads[name], grads[name]) for name in grads)
+    assert flops - skip_flops == 2 * TOKENS * INTERMEDIATE * HIDDEN * LAYERS
+
+
+def test_training_every_weight_skips_nothing_and_torch_stops_before_that_product():
+    """Training every weight, no layer is given the skipping forward: the down projection saves
+    its input for its own gradient, last in the layer, and torch's checkpoint stops its
+    recompute there (early stop), before the product runs: the FLOPs of a step are those of a
+    forward, the recompute without its down projections, and the backward."""
+    model = _family("llama", lora=False)
+    loss, grads, flops, skipped = _checkpointed_step(model, skip_unread=True)
+    assert skipped == [] and all(type(m).forward is m.forward.__func__ for m in model.modules()
+                                 if isinstance(m, nn.Linear))
+    linear = sum(2 * TOKENS * a * b for a, b in [(HIDDEN, HIDDEN), (HIDDEN, HIDDEN // 2), (HIDDEN, HIDDEN // 2),
+                                                 (HIDDEN, HIDDEN), (HIDDEN, INTERMEDIATE), (HIDDEN, INTERMEDIATE),
+                                                 (INTERMEDIATE, HIDDEN)]) * LAYERS
+    head = 2 * TOKENS * HIDDEN * 256
+    down = 2 * TOKENS * INTERMEDIATE * HIDDEN * LAYERS
+    assert flops == linear + (linear - down) + 2 * linear + 3 * head
+
+
+@pytest.mark.parametrize("model_type,name", [("llama", n) for n in ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                                    "gate_proj", "up_proj")]
+                         + [("gemma2", "down_proj"), ("olmo2", "down_proj")])
+def test_zeros_in_place_of_any_other_product_change_the_gradients(model_type, name, monkeypatch):
+    """What the table leaves out: every other product of a Llama layer is read by its backward,
+    and so is the down projection's in families that normalise it before the residual sum
+    (Gemma 2, OLMo 2), which the table does not list: forced to skip it, the gradients change.
+    So the test above can fail."""
+    loss, grads, _, _ = _checkpointed_step(_family(model_type, lora=True))
+    model = _family(model_type, lora=True)
+    assert checkpointing.unread_products(model) == (() if model_type != "llama" else ("down_proj",))
+    monkeypatch.setitem(checkpointing.UNREAD_PRODUCTS, type(checkpointing.decoder_layers(model)[0]).__name__, (name,))
+    skip_loss, skip_grads, _, skipped = _checkpointed_step(model, skip_unread=True)
+    assert len(skipped) == LAYERS and torch.equal(skip_loss, loss)  # the forward is the same
+    assert not all(torch.equal(skip_grads[n], grads[n]) for n in grads)
+
+
+def test_a_bf16_run_routed_through_the_fp32_gemm_does_not_skip(monkeypatch):
+    """On a CPU whose bf16 products take ``bf16_matmul``'s fp32 GEMM those layers keep that
+    forward (a skipping one would run natively); in fp32, or with native bf16, they skip."""
+    from dpocache.config import Config
+    from dpocache.models.policy import skips_unread_products
+
+    cfg = Config()
+    monkeypatch.setenv("DPOCACHE_BF16_MATMUL", "fp32-gemm")
+    assert not skips_unread_products(cfg, torch.device("cpu"), torch.bfloat16)
+    assert skips_unread_products(cfg, torch.device("cpu"), torch.float32)
+    monkeypatch.setenv("DPOCACHE_BF16_MATMUL", "native")
+    assert skips_unread_products(cfg, torch.device("cpu"), torch.bfloat16)
+    cfg.model.skip_unread_products = False
+    assert not skips_unread_products(cfg, torch.device("cpu"), torch.float32)
 
 
 @pytest.mark.gpu
@@ -206,37 +296,46 @@ def test_train_with_kept_products_logs_and_saves_what_full_checkpointing_does(tm
                                                                            monkeypatch, streamed, device):
     """``train --checkpoint-keep down_proj,o_proj`` through the whole loop: a bf16 LoRA run with
     its base stored in bf16 on native kernels, as on a GPU, logs the same values and saves the
-    same adapter as the fully checkpointed run, bit for bit; with its base streamed too
-    (``--stream-base``, the CPU standing in for the GPU); run.json names what kept its products.
-    On CUDA (the GPU suite's LoRA row: streamed, kept, Liger's kernels where installed) within
-    1e-3, as a GPU's attention backward sums in no fixed order."""
+    same adapter as the fully checkpointed run (``--skip-unread-products false``, keeping none),
+    bit for bit, and so does the default run, whose recompute skips ``down_proj`` (the backward
+    never reads it), and so does both together (``down_proj`` skipped, not kept); with the base
+    streamed too (``--stream-base``, the CPU standing in for the GPU); run.json names what kept
+    or skipped its products. On CUDA (the GPU suite's LoRA row: streamed, kept, Liger's kernels
+    where installed) within 1e-3, as a GPU's attention backward sums in no fixed order."""
     import dpocache.config as config_mod
 
     if device == "cpu":
         monkeypatch.setenv("DPOCACHE_BF16_MATMUL", "native")
         monkeypatch.setattr(config_mod, "_validate_streamed", lambda cfg, flag: None)  # past the device check
     runs = {}
-    for keep in ("none", "down_proj,o_proj"):
-        out = tmp_path / f"run-{keep}"
+    for keep, skip in [(keep, skip) for skip in ("false", "true") for keep in ("none", "down_proj,o_proj")]:
+        out = tmp_path / f"run-{keep}-{skip}"
         run_training(*flags(model_path, train_jsonl, out, tmp_path / "cache", "--lora-r", "4",
                             "--dtype", "bfloat16", "--gradient-checkpointing", "true", "--max-steps", "3",
-                            "--lr", "1e-2", "--checkpoint-keep", keep, "--stream-base", str(streamed),
-                            "--device", device, "--kernels", "none" if device == "cpu" else "auto"))
+                            "--lr", "1e-2", "--checkpoint-keep", keep, "--skip-unread-products", skip,
+                            "--stream-base", str(streamed), "--device", device,
+                            "--kernels", "none" if device == "cpu" else "auto"))
         values = [{k: v for k, v in r.items() if k not in {"seconds", "tokens_per_s", "mfu"}}
                   for r in train_records(out)]
-        runs[keep] = (values, load_tensors(out / "final" / "adapter_model.safetensors"), run_json(out))
-    (values, adapter, info), (want_values, want_adapter, want_info) = runs["down_proj,o_proj"], runs["none"]
-    assert len(values) == 3 and adapter.keys() == want_adapter.keys()
-    if device == "cpu":
-        assert values == want_values
-        assert all(torch.equal(adapter[k], want_adapter[k]) for k in adapter)
-    else:
-        for got, want in zip(values, want_values):
-            assert got["loss"] == pytest.approx(want["loss"], rel=1e-3), (got, want)
-        assert max_abs_diff(adapter, want_adapter) < 1e-3
-    assert info["policy"]["kept_products"] == {"names": ["down_proj", "o_proj"], "linear_layers": 2 * 4}
-    assert want_info["policy"]["kept_products"] is None
-    assert (info["policy"]["streamed"] is not None) == streamed
+        runs[keep, skip] = (values, load_tensors(out / "final" / "adapter_model.safetensors"), run_json(out))
+    want_values, want_adapter, want_info = runs["none", "false"]
+    for values, adapter, info in runs.values():
+        assert len(values) == 3 and adapter.keys() == want_adapter.keys()
+        if device == "cpu":
+            assert values == want_values
+            assert all(torch.equal(adapter[k], want_adapter[k]) for k in adapter)
+        else:
+            for got, want in zip(values, want_values):
+                assert got["loss"] == pytest.approx(want["loss"], rel=1e-3), (got, want)
+            assert max_abs_diff(adapter, want_adapter) < 1e-3
+        assert (info["policy"]["streamed"] is not None) == streamed
+    products = {run: (info["policy"]["kept_products"], info["policy"]["skipped_products"])
+                for run, (_, _, info) in runs.items()}
+    down = {"names": ["down_proj"], "linear_layers": 4}
+    assert products == {("none", "false"): (None, None),
+                        ("down_proj,o_proj", "false"): ({"names": ["down_proj", "o_proj"], "linear_layers": 8}, None),
+                        ("none", "true"): (None, down),
+                        ("down_proj,o_proj", "true"): ({"names": ["o_proj"], "linear_layers": 4}, down)}
 
 
 @pytest.mark.parametrize("extra,message", [
@@ -271,7 +370,7 @@ def test_checkpointing_is_enabled_under_its_current_name():
                                          num_attention_heads=2, vocab_size=64))
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
-        assert enable_checkpointing(model) == []
+        assert enable_checkpointing(model) == ([], [])
     assert model.model.layers[0].gradient_checkpointing
 
 

@@ -142,18 +142,23 @@ def test_a_lora_run_holds_its_bf16_base_or_two_slots_its_adapters_and_the_kept_p
     assert parts["kept products (down_proj)"] == 100 * 32 * 2 * 2
     streamed = lora_training_memory(LLAMA_3_8B, tokens=7200, streamed=True)
     assert streamed["2 layer slots (bf16)"] == 2 * LLAMA_3_8B.layer_params * 2 and "bf16 base" not in streamed
-    rows = {(r.job, r.devices) for r in plan(LLAMA_3_8B, (1, 8))}
+    rows = {(r.job, r.devices) for r in plan(LLAMA_3_8B, (1, 8), keep=("down_proj",))}
     assert ("training, LoRA r16, bf16 base streamed, down_proj kept", 1) in rows
     assert ("training, LoRA r16, bf16 base, checkpointed", 8) not in rows
 
 
 def test_the_lora_rows_take_a_rank_and_the_products_to_keep(capsys):
-    main(["--devices", "1", "--lora-r", "8", "--checkpoint-keep", "down_proj,o_proj", "--tokens", "1000"])
-    out = capsys.readouterr().out
-    row = next(line for line in out.splitlines() if "Llama-3.1-8B | training, LoRA r8, bf16 base streamed, " in line)
-    assert "down_proj,o_proj kept" in row
-    parts = lora_training_memory(LLAMA_3_8B, 1000, rank=8, streamed=True, keep=("down_proj", "o_proj"))
-    assert float(row.split("|")[4]) == pytest.approx(sum(parts.values()) / (1 << 30), abs=0.05)
+    """``--checkpoint-keep`` keeps the products named, but the down projections', which the
+    recompute skips instead (as ``train`` does), unless ``--skip-unread-products false``."""
+    for skip, kept in (("false", ("down_proj", "o_proj")), ("true", ("o_proj",))):
+        main(["--devices", "1", "--lora-r", "8", "--checkpoint-keep", "down_proj,o_proj", "--tokens", "1000",
+              "--skip-unread-products", skip])
+        out = capsys.readouterr().out
+        assert out.startswith("down_proj: skipped in the recompute, not kept") == (skip == "true")
+        row = next(x for x in out.splitlines() if "Llama-3.1-8B | training, LoRA r8, bf16 base streamed, " in x)
+        assert f"{','.join(kept)} kept" in row
+        parts = lora_training_memory(LLAMA_3_8B, 1000, rank=8, streamed=True, keep=kept)
+        assert float(row.split("|")[4]) == pytest.approx(sum(parts.values()) / (1 << 30), abs=0.05)
     main(["--devices", "1", "--checkpoint-keep", "none"])
     assert " kept " not in capsys.readouterr().out
     with pytest.raises(SystemExit) as stop:
@@ -183,23 +188,27 @@ def test_the_bottom_turn_holds_the_kept_layers_where_the_activations_above_are_g
     room = (sum(lora_training_memory(LLAMA_3_8B, 512, streamed=True, keep=keep, resident=6).values())
             - sum(lora_bottom_turn_memory(LLAMA_3_8B, 512, keep=keep, resident=6).values())) // layer
     assert turn_layers_below_peak(LLAMA_3_8B, 512, keep=keep, resident=6) == room < 11
-    main(["--devices", "1", "--tokens", "7200", "--turn-layers", "8"])
+    main(["--devices", "1", "--tokens", "7200", "--turn-layers", "8"])  # 10 resident, nothing kept
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("Llama-3.1-8B, LoRA streamed"))
     gib = lambda parts: f"{sum(parts.values()) / 2**30:.1f}"  # noqa: E731
-    assert line == (f"Llama-3.1-8B, LoRA streamed, 6 resident: --turn-layers 8 takes {gib(kept8)} GiB at the bottom "
-                    f"turn against the step's {gib(peak)} GiB peak; at most 11 stay below it")
+    kept8 = lora_bottom_turn_memory(LLAMA_3_8B, 7200, resident=10, turn=8)
+    peak = lora_training_memory(LLAMA_3_8B, 7200, streamed=True, resident=10)
+    most = turn_layers_below_peak(LLAMA_3_8B, 7200, resident=10)
+    assert most == 9  # 22 streamed layers: the streaming's bound
+    assert line == (f"Llama-3.1-8B, LoRA streamed, 10 resident: --turn-layers 8 takes {gib(kept8)} GiB at the bottom "
+                    f"turn against the step's {gib(peak)} GiB peak; at most {most} stay below it")
 
 
 def test_a_streamed_rows_host_memory_is_its_layers_allocations_rounded_up_to_powers_of_two(capsys):
     """A streamed row's last column: its layers in the host's page-locked memory as
     ``StreamedLayers`` allocates them (several to an allocation, each rounded up to a power of
-    two: ``streaming.page_locked_chunks``). 8B: 14.5 GiB for 32 layers of 0.41 GiB, 12.0 for the
-    26 the LoRA row streams with 6 resident; 70B: 128 GiB for 80 layers of 1.59 GiB."""
+    two: ``streaming.page_locked_chunks``). 8B: 14.5 GiB for 32 layers of 0.41 GiB, 10.0 for the
+    22 the LoRA row streams with 10 resident; 70B: 128 GiB for 80 layers of 1.59 GiB."""
     assert 2 * LLAMA_3_8B.layer_params / (1 << 30) == pytest.approx(0.406, abs=1e-3)
     assert 2 * LLAMA_3_70B.layer_params / (1 << 30) == pytest.approx(1.594, abs=1e-3)
     rows = {r.job: r for r in plan(LLAMA_3_8B, (1,), tokens=7200)}
     assert rows["reference, bf16 weights, layers streamed from host"].host_gib == 14.5
-    assert rows["training, LoRA r16, bf16 base streamed, 6 layers resident, down_proj kept"].host_gib == 12.0
+    assert rows["training, LoRA r16, bf16 base streamed, 10 layers resident"].host_gib == 10.0
     assert rows["training, LoRA r16, bf16 base, checkpointed"].host_gib is None
     assert page_locked_bytes(LLAMA_3_70B, 80) == 128 * (1 << 30)
     main(["--devices", "1"])

@@ -832,12 +832,14 @@ def test_train_stream_base_with_compile_on_trains_as_the_eager_resident_run(tmp_
                                                                             train_jsonl,  # noqa: F811
                                                                             monkeypatch, device):
     """``train --stream-base true --compile on --resident-layers 1 --turn-layers 1
-    --checkpoint-keep down_proj`` through the whole loop, its layers' forwards compiled inside
-    their checkpoints (five streamed, one of them kept through each bottom turn in a slot of
-    its own, one on the device) with the down projections' products kept,
-    against the eager resident run: on the CPU (standing in for the GPU) in fp32, the same logged
-    values and adapter within the compiler's rounding; on a GPU in bf16 with Liger's kernels off,
-    as the GPU suite's LoRA row runs it, the same losses and gradient norms within bf16 rounding
+    --checkpoint-keep down_proj,o_proj`` through the whole loop, its layers' forwards compiled
+    inside their checkpoints (five streamed, one of them kept through each bottom turn in a slot
+    of its own, one on the device) with the output projections' products kept and the down
+    projections' skipped in the recompute (the backward never reads them), against the eager
+    resident run that recomputes every product (``--skip-unread-products false``): on the CPU
+    (standing in for the GPU) in fp32, the same logged values and adapter within the compiler's
+    rounding; on a GPU in bf16 with Liger's kernels off, as the GPU suite's LoRA row runs it,
+    the same losses and gradient norms within bf16 rounding
     (Adam's first steps on bf16 rounding noise leave the adapters themselves apart by more).
     Two graphs for all the layers, resident and streamed, and no graph break, which run.json
     records with the compiled, streamed and resident layers."""
@@ -859,8 +861,8 @@ def test_train_stream_base_with_compile_on_trains_as_the_eager_resident_run(tmp_
                             "--stream-base", str(streamed), "--compile", "on" if streamed else "off",
                             "--resident-layers", "1" if streamed else "0",
                             *(("--turn-layers", "1") if streamed else ()),
-                            "--checkpoint-keep", "down_proj" if streamed else "none",
-                            "--device", device, "--kernels", "none"))
+                            "--checkpoint-keep", "down_proj,o_proj" if streamed else "none",
+                            "--skip-unread-products", str(streamed).lower(), "--device", device, "--kernels", "none"))
         runs[streamed] = (train_records(out), load_tensors(out / "final" / "adapter_model.safetensors"), run_json(out))
     (want, want_adapter, _), (got, got_adapter, info) = runs[False], runs[True]
     assert len(got) == len(want) == 3 and got_adapter.keys() == want_adapter.keys()
@@ -879,7 +881,9 @@ def test_train_stream_base_with_compile_on_trains_as_the_eager_resident_run(tmp_
     assert "compiler" not in runs[False][2]["policy"]
     assert info["policy"]["streamed"]["layers"] == 5 and info["policy"]["streamed"]["resident_layers"] == 1
     assert info["policy"]["streamed"]["transfers"]["turn_kept"] == 2  # steps 2 and 3 started with it
-    assert info["policy"]["kept_products"] == {"names": ["down_proj"], "linear_layers": 6}
+    assert info["policy"]["kept_products"] == {"names": ["o_proj"], "linear_layers": 6}
+    assert info["policy"]["skipped_products"] == {"names": ["down_proj"], "linear_layers": 6}
+    assert runs[False][2]["policy"]["skipped_products"] is None
     assert runs[False][2]["policy"]["compiled_layers"] == 0
     # the forward without autograd and the recompute with it, for the resident and the streamed
     # layers alike; run.json's record says why where it compiled more (the guards that failed).
