@@ -186,11 +186,14 @@ def fuses_lora_updates(cfg: Config, device: torch.device, dtype: torch.dtype) ->
 
 def skips_unread_products(cfg: Config, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a checkpointed policy's recompute skips the products its backward never reads
-    (``model.skip_unread_products``): where asked, except in bf16 on a CPU that routes bf16
-    products through ``bf16_matmul``'s fp32 GEMM, whose forward those layers keep (a skipping
-    layer runs its product natively, slower there and rounded otherwise)."""
+    (``model.skip_unread_products``): where asked, except where its layers compile whole
+    (``--compile on`` without ``--stream-base``: the checkpoint is inside the graph, where the
+    phase of a call is not known), and in bf16 on a CPU that routes bf16 products through
+    ``bf16_matmul``'s fp32 GEMM, whose forward those layers keep (a skipping layer runs its
+    product natively, slower there and rounded otherwise)."""
+    whole = cfg.model.compile == "on" and not cfg.model.stream_base
     routed = dtype == torch.bfloat16 and routes_bf16_through_fp32(device)
-    return cfg.model.skip_unread_products and not routed
+    return cfg.model.skip_unread_products and not whole and not routed
 
 
 def _prepare_policy(model: nn.Module, cfg: Config, device: torch.device, dtype: torch.dtype) -> None:

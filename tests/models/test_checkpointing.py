@@ -169,9 +169,11 @@ def test_zeros_in_place_of_any_other_product_change_the_gradients(model_type, na
     assert not all(torch.equal(skip_grads[n], grads[n]) for n in grads)
 
 
-def test_a_bf16_run_routed_through_the_fp32_gemm_does_not_skip(monkeypatch):
+def test_a_bf16_run_routed_through_the_fp32_gemm_and_layers_compiled_whole_do_not_skip(monkeypatch):
     """On a CPU whose bf16 products take ``bf16_matmul``'s fp32 GEMM those layers keep that
-    forward (a skipping one would run natively); in fp32, or with native bf16, they skip."""
+    forward (a skipping one would run natively); in fp32, or with native bf16, they skip; not
+    where the layers compile whole, their checkpoint inside the graph (``--compile on``
+    without ``--stream-base``), and not when told."""
     from dpocache.config import Config
     from dpocache.models.policy import skips_unread_products
 
@@ -181,6 +183,10 @@ def test_a_bf16_run_routed_through_the_fp32_gemm_does_not_skip(monkeypatch):
     assert skips_unread_products(cfg, torch.device("cpu"), torch.float32)
     monkeypatch.setenv("DPOCACHE_BF16_MATMUL", "native")
     assert skips_unread_products(cfg, torch.device("cpu"), torch.bfloat16)
+    cfg.model.compile = "on"
+    assert not skips_unread_products(cfg, torch.device("cpu"), torch.float32)
+    cfg.model.stream_base = True  # streamed, each layer's forward compiles inside its checkpoint
+    assert skips_unread_products(cfg, torch.device("cpu"), torch.float32)
     cfg.model.skip_unread_products = False
     assert not skips_unread_products(cfg, torch.device("cpu"), torch.float32)
 
