@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -26,25 +25,15 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCH))
 
-from common import CONFIGS, build_inputs  # noqa: E402
+from common import CONFIGS, build_inputs, train_tokens_per_s  # noqa: E402
 
 SETTINGS = ("on", "off")
 
 
 def run(setting: str, inputs: Path, cache: Path, out: Path, args) -> float:
     """One ``dpocache train`` with ``--train.prefetch setting``: tokens/s of its windows after the first."""
-    logging = max(1, args.steps // 3)
-    cmd = [sys.executable, "-m", "dpocache", "train", "--model", str(inputs / "model"),
-           "--data", str(inputs / "data.jsonl"), "--cache-dir", str(cache), "--output-dir", str(out),
-           "--dtype", args.dtype, "--device", args.device, "--batch-size", str(args.batch_size),
-           "--max-steps", str(args.steps), "--logging-steps", str(logging), "--train.progress", "false",
-           "--train.save_minutes", "0", "--max-length", "none", "--lr", "1e-6", "--train.prefetch", setting]
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", TQDM_DISABLE="1")
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    windows = [r for r in rows if "tokens_per_s" in r][1:]
-    tokens = sum(r["tokens_per_s"] * r["seconds"] for r in windows)
-    return tokens / sum(r["seconds"] for r in windows)
+    return train_tokens_per_s(["--train.prefetch", setting], inputs, cache, out, args.dtype, args.device,
+                              args.batch_size, args.steps)
 
 
 def main() -> None:
