@@ -8,15 +8,16 @@ executes 6N FLOPs for the 4N it needs (a forward and the backward to the activat
 streamed base and ``--compile on`` the layer's forward is compiled inside its checkpoint
 (``LayerCheckpoint``).
 
-``--checkpoint-keep down_proj`` (``model.checkpoint_keep``, a comma-separated list of the
+``--checkpoint-keep o_proj`` (``model.checkpoint_keep``, a comma-separated list of the
 decoder layers' linear layers, by name as in ``--lora.target_modules``) keeps, in the forward,
 the product of each named layer's frozen matrix, and the recompute takes it instead of
 running the GEMM again: memory for speed, one ``(tokens, out_features)`` tensor in the compute
 dtype per named layer and decoder layer. Which to keep, by what a kept byte saves: an 8B
 Llama's ``down_proj`` is 27% of a layer's matrix FLOPs for an output 4,096 wide (8 KiB per
-token in bf16); ``gate_proj`` and ``up_proj`` are as large for outputs 14,336 wide, and
-``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj`` save as much per byte as those two
-(docs/memory.md, "Products kept through the recompute").
+token in bf16), and skipped without keeping anything where no backward reads it (below);
+``gate_proj`` and ``up_proj`` are as large for outputs 14,336 wide, and ``q_proj``,
+``k_proj``, ``v_proj`` and ``o_proj`` save as much per byte as those two (docs/memory.md,
+"Products kept through the recompute").
 
 The recompute runs the layer's modules as before, so the frozen matrix is still at hand for the
 backward, as autograd saved it (``_KeptProduct`` saves the weight and gives the input its

@@ -48,8 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dpocache.config import ConfigError, checkpoint_keep_names
-from dpocache.models.checkpointing import UNREAD_PRODUCTS
 from dpocache.distributed.vocab_stream import TILE_BYTES
+from dpocache.models.checkpointing import UNREAD_PRODUCTS
 from dpocache.models.streaming import ALIGN, most_turn_layers
 from dpocache.models.streaming import page_locked_bytes as streaming_page_locked_bytes
 from dpocache.scoring.logprobs import DEFAULT_LOGITS_BUDGET

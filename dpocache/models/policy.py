@@ -133,6 +133,7 @@ def load_policy(cfg: Config, device: torch.device, kernels: KernelChoice | None 
         apply_kernels(model, kernels)
     if cfg.model.gradient_checkpointing:
         # --checkpoint-keep: the named frozen matrices' products kept through the recompute;
+        # --skip-unread-products: those no backward reads not computed there;
         # --compile on with a streamed base: each layer's forward compiled inside its checkpoint
         model.dpocache_products = enable_checkpointing(model, checkpoint_keep_names(cfg.model.checkpoint_keep),
                                                        compiled=stream and cfg.model.compile == "on",
@@ -196,13 +197,13 @@ def skips_unread_products(cfg: Config, device: torch.device, dtype: torch.dtype)
     return cfg.model.skip_unread_products and not whole and not routed
 
 
-def _prepare_policy(model: nn.Module, cfg: Config, device: torch.device, dtype: torch.dtype) -> None:
+def _prepare_policy(model: nn.Module, cfg: Config) -> None:
     """What ``load_sharded_policy`` does to a full-weight model after loading: no dropout,
-    per-layer activation checkpointing if asked (skipping the products the backward never reads,
-    ``skips_unread_products``)."""
+    per-layer activation checkpointing if asked (every weight trained: no product to skip,
+    ``skip_unread_products_``)."""
     disable_dropout(model)
     if cfg.model.gradient_checkpointing:
-        model.dpocache_products = enable_checkpointing(model, skip_unread=skips_unread_products(cfg, device, dtype))
+        enable_checkpointing(model)
 
 
 def load_sharded_policy(cfg: Config, env: DistEnv, dtype: torch.dtype, probe_memo: ProbeMemo | None = None,
@@ -220,7 +221,7 @@ def load_sharded_policy(cfg: Config, env: DistEnv, dtype: torch.dtype, probe_mem
         return shard_policy(scorer, model, env, compute_dtype=dtype)
 
     def prepare(model):
-        _prepare_policy(model, cfg, env.device, dtype)
+        _prepare_policy(model, cfg)
         if kernels is not None:
             apply_kernels(model, kernels)  # on the meta device: Liger patches the modules' forwards
 
