@@ -415,7 +415,8 @@ def variant_run(suite: Suite, row: dict, spec: dict, warmup: int, options: tuple
 
 def describe_variant(variant: dict) -> str:
     """A variant's figures on one line: its options, tokens/s, MFU and peak memory, each ratio
-    to TRL where the row ran TRL, each target's verdict."""
+    to TRL where the row ran TRL, each target's verdict; then, indented, what its raw figures
+    say of its compiled graphs and streamed copies (``run_details``)."""
     def verdict(key: str) -> str:
         return {True: " ok", False: " MISS", None: ""}[variant["met"].get(key)]
 
@@ -426,9 +427,10 @@ def describe_variant(variant: dict) -> str:
     for key in ratios:
         if variant.get(key) is not None:
             ratios[key] = f" ({_fmt(variant[key], 'x')} TRL{verdict(key)})"
-    return (f"  variant    {options}: {_fmt(variant['tokens_per_s'], 'n')} tokens/s{ratios['vs_trl']}, "
+    line = (f"  variant    {options}: {_fmt(variant['tokens_per_s'], 'n')} tokens/s{ratios['vs_trl']}, "
             f"MFU {_fmt(variant['mfu'], '%')}{verdict('mfu')}, peak {_fmt(variant['peak_mem_gib'], 'g')} GiB"
             f"{ratios['mem_vs_trl']}")
+    return "\n".join([line, *run_details(variant.get("raw") or {}, indent="    ")])
 
 
 def profile_run(suite: Suite, row: str, mode: str, spec: dict) -> dict:
@@ -683,25 +685,34 @@ def describe_row(row: dict) -> str:
              f"  MFU        dpocache {_fmt(row['mfu'], '%')}{target('mfu', '%')}  TRL {_fmt(row.get('trl_mfu'), '%')}",
              f"  peak GiB   dpocache {_fmt(row['peak_mem_gib'], 'g')}  TRL {_fmt(row['trl_peak_mem_gib'], 'g')}  "
              f"{_fmt(row['mem_vs_trl'], 'x')}{target('mem_vs_trl', 'x')}"]
-    dpo = (row.get("raw") or {}).get("dpocache") or {}
+    lines.extend(run_details((row.get("raw") or {}).get("dpocache") or {}))
+    for variant in row.get("variants", []):
+        lines.append(describe_variant(variant))
+    if row.get("error"):
+        lines.append(f"  error: {row['error']}")
+    return "\n".join(lines)
+
+
+def run_details(dpo: dict, indent: str = "  ") -> list[str]:
+    """What a dpocache training run's raw figures (``dpo``: a row's or a variant's) say beyond its
+    speed: its compiled graphs and why it compiled more, and for a streamed base on a GPU its
+    copies, the compute's waits for them, and the layer starts where the device had run dry."""
+    lines = []
     compiler = (dpo.get("ran") or {}).get("compiler")
     if compiler:  # a compiled policy: its graphs, and the guards that made it compile more
         reasons = "; ".join(compiler.get("recompile_reasons", [])[:3])
-        lines.append(f"  compiler   {compiler['graphs']} graphs, {compiler['graph_breaks']} graph breaks"
+        lines.append(f"{indent}compiler   {compiler['graphs']} graphs, {compiler['graph_breaks']} graph breaks"
                      + (f"; recompiled for: {reasons}" if reasons else ""))
     copies = dpo.get("streamed_window")
     if copies and copies.get("stall_s") is not None and dpo.get("window_s"):  # a streamed base on a GPU: hidden?
         kept = f" ({copies['turn_kept']} started without one, kept through a turn)" if copies.get("turn_kept") else ""
-        lines.append(f"  copies     {copies['copies']} layers{kept}, {copies['copied_gib']:.1f} GiB in "
+        lines.append(f"{indent}copies     {copies['copies']} layers{kept}, {copies['copied_gib']:.1f} GiB in "
                      f"{copies['copy_s']:.2f} s; the compute waited {copies['stall_s']:.2f} s of the window's "
                      f"{dpo['window_s']:.2f} s")
         if copies.get("idle_entries") is not None:
-            lines.append(f"  host       the device had run dry at {copies['idle_entries']} of {copies['entries']} "
-                         "streamed layer starts (there the host set the pace)")
-    lines.extend(describe_variant(v) for v in row.get("variants", []))
-    if row.get("error"):
-        lines.append(f"  error: {row['error']}")
-    return "\n".join(lines)
+            lines.append(f"{indent}host       the device had run dry at {copies['idle_entries']} of "
+                         f"{copies['entries']} streamed layer starts (there the host set the pace)")
+    return lines
 
 
 def summary_table(rows: list[dict]) -> str:

@@ -392,8 +392,9 @@ def test_variants_run_dpocaches_side_again_with_their_options_against_the_rows_t
 
 def test_a_variants_line_gives_its_options_figures_and_verdicts():
     """``describe_variant``: its options, tokens/s, MFU and peak, each ratio to TRL and target's
-    verdict where the row ran TRL (none with ``--no-trl``), or its error; the row's description
-    lists its variants under its figures."""
+    verdict where the row ran TRL (none with ``--no-trl``), or its error; under it, indented, its
+    graphs and streamed copies as a row's; the row's description lists its variants under its
+    figures."""
     variant = {"name": "train-8b-lora", "train_args": ["--turn-layers", "8"], "tokens_per_s": 10500.0,
                "mfu": 0.36, "vs_trl": 3.8, "peak_mem_gib": 13.1, "mem_vs_trl": 0.53,
                "met": {"mfu": True, "mem_vs_trl": True}}
@@ -410,6 +411,15 @@ def test_a_variants_line_gives_its_options_figures_and_verdicts():
            "variants": [variant, failed]}
     lines = gpu_suite.describe_row(row).splitlines()
     assert lines[-2:] == [gpu_suite.describe_variant(variant), gpu_suite.describe_variant(failed)]
+    # a variant that streamed and compiled on a GPU: its copies, waits, idle starts and graphs under its line
+    variant["raw"] = {"window_s": 3.5, "ran": {"compiler": {"graphs": 2, "graph_breaks": 0, "recompile_reasons": []}},
+                      "streamed_window": {"copies": 180, "waits": 0, "copied_gib": 73.1, "copy_s": 1.4,
+                                          "stall_s": 0.05, "entries": 260, "idle_entries": 3, "turn_kept": 80}}
+    assert gpu_suite.describe_variant(variant).splitlines()[1:] == [
+        "    compiler   2 graphs, 0 graph breaks",
+        "    copies     180 layers (80 started without one, kept through a turn), 73.1 GiB in 1.40 s; the compute "
+        "waited 0.05 s of the window's 3.50 s",
+        "    host       the device had run dry at 3 of 260 streamed layer starts (there the host set the pace)"]
 
 
 def test_options_dpocache_would_refuse_stop_the_suite_before_any_row(tmp_path, capsys):
