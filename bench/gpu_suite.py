@@ -695,8 +695,9 @@ def describe_row(row: dict) -> str:
 
 def run_details(dpo: dict, indent: str = "  ") -> list[str]:
     """What a dpocache training run's raw figures (``dpo``: a row's or a variant's) say beyond its
-    speed: its compiled graphs and why it compiled more, and for a streamed base on a GPU its
-    copies, the compute's waits for them, and the layer starts where the device had run dry."""
+    speed: its compiled graphs and why it compiled more; for a streamed base on a GPU its copies,
+    the compute's waits for them, and the layer starts where the device had run dry; and where
+    the caching allocator called CUDA in the timed window, how often."""
     lines = []
     compiler = (dpo.get("ran") or {}).get("compiler")
     if compiler:  # a compiled policy: its graphs, and the guards that made it compile more
@@ -712,6 +713,11 @@ def run_details(dpo: dict, indent: str = "  ") -> list[str]:
         if copies.get("idle_entries") is not None:
             lines.append(f"{indent}host       the device had run dry at {copies['idle_entries']} of "
                          f"{copies['entries']} streamed layer starts (there the host set the pace)")
+    allocator = dpo.get("allocator_window")
+    if allocator and any(allocator.values()):  # the caching allocator called CUDA in the timed window
+        lines.append(f"{indent}allocator  {allocator['alloc_retries']} retries, {allocator['device_allocs']} "
+                     f"cudaMalloc, {allocator['device_frees']} cudaFree, {allocator['all_stream_syncs']} syncs of all "
+                     "streams in the window (each free or sync waits for the whole device)")
     return lines
 
 

@@ -315,6 +315,7 @@ def _dpo_train(spec: dict, stop_at_first_step: bool) -> dict:
         if len(step_tokens) - 1 == spec.get("timed_from", 0):
             if streamed is not None:
                 marks["transfers_before"] = streamed.transfers.to_json()  # waits for the device, as the clock does
+            marks["allocator_before"] = allocator_counts(spec)
             if profiler is not None:
                 profiler.__enter__()
         clock.begin()
@@ -325,6 +326,7 @@ def _dpo_train(spec: dict, stop_at_first_step: bool) -> dict:
                 profiler.__exit__(None, None, None)
             if "transfers_before" in marks:
                 marks["streamed_window"] = transfers_between(marks["transfers_before"], streamed.transfers.to_json())
+            marks["allocator_window"] = counts_between(marks.get("allocator_before"), allocator_counts(spec))
 
     train_mod.train_step, setup_mod.load_policy = timed_step, timed_load
     from common import timed_train_args
@@ -340,6 +342,7 @@ def _dpo_train(spec: dict, stop_at_first_step: bool) -> dict:
     profiled = _write_profile(spec, profiler, len(clock.steps) - spec.get("timed_from", 0))
     return {"side": "dpocache", "model_load_s": marks["load_s"], **clock.record(), **profiled,
             "step_tokens": step_tokens, "streamed_window": marks.get("streamed_window"),
+            "allocator_window": marks.get("allocator_window"),
             "reference_pairs": marks.get("reference"), "ran": _what_ran(Path(spec["workdir"]) / "run.json"),
             "imports_s": imports_done - spec["spawned_at"],
             "startup_beyond_load_and_imports_s": first - imports_done - marks["load_s"],
@@ -361,6 +364,30 @@ def transfers_between(before: dict, after: dict) -> dict:
             "copy_gib_per_s": round(copied_gib / copy_s, 2) if copy_s else None,
             "entries": after["entries"] - before["entries"], "idle_entries": diff("idle_entries", 0),
             "turn_kept": after.get("turn_kept", 0) - before.get("turn_kept", 0)}
+
+
+# torch.cuda.memory_stats' counters of the caching allocator's own calls to CUDA: a retry frees its
+# cached blocks (cudaFree) and allocates again; cudaFree and a sync of all streams wait for the
+# whole device, so a copy stream's work cannot overlap them.
+ALLOCATOR_COUNTS = {"alloc_retries": "num_alloc_retries", "device_allocs": "num_device_alloc",
+                    "device_frees": "num_device_free", "all_stream_syncs": "num_sync_all_streams"}
+
+
+def allocator_counts(spec: dict) -> dict | None:
+    """The caching allocator's counters now (``ALLOCATOR_COUNTS``); None on a CPU."""
+    if spec.get("device", "cpu") == "cpu":
+        return None
+    import torch
+
+    stats = torch.cuda.memory_stats()
+    return {name: stats.get(key, 0) for name, key in ALLOCATOR_COUNTS.items()}
+
+
+def counts_between(before: dict | None, after: dict | None) -> dict | None:
+    """What the allocator did in the timed window: each counter's growth (None on a CPU)."""
+    if before is None or after is None:
+        return None
+    return {name: after[name] - before[name] for name in after}
 
 
 def _profiler(spec: dict):

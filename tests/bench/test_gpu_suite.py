@@ -295,7 +295,8 @@ def test_session_files_lose_the_machines_paths(tmp_path):
 def test_the_window_s_copies_are_the_difference_of_its_two_ends():
     """``workers.transfers_between``: a streamed base's copies in the timed window, from
     ``StreamedLayers.transfers`` read at its start and its end; the rate from the window's own
-    bytes and time; no compute waits where none were timed (a CPU)."""
+    bytes and time; no compute waits where none were timed (a CPU). The caching allocator's
+    counters likewise (none on a CPU)."""
     import workers
 
     before = {"copies": 10, "waits": 1, "copied_gib": 4.0, "copy_s": 0.1, "stall_s": 0.02, "copy_gib_per_s": 40.0,
@@ -308,6 +309,11 @@ def test_the_window_s_copies_are_the_difference_of_its_two_ends():
     on_cpu = workers.transfers_between({**before, "stall_s": None, "idle_entries": None},
                                        {**after, "stall_s": None, "idle_entries": None})
     assert on_cpu["stall_s"] is None and on_cpu["idle_entries"] is None and on_cpu["copies"] == 52
+    # the caching allocator's calls to CUDA in the window: each counter's growth; none on a CPU
+    assert workers.allocator_counts({"device": "cpu"}) is None
+    assert workers.counts_between(None, None) is None
+    window = workers.counts_between({"alloc_retries": 1, "device_frees": 4}, {"alloc_retries": 3, "device_frees": 4})
+    assert window == {"alloc_retries": 2, "device_frees": 0}
 
 
 def test_a_streamed_rows_description_says_whether_its_copies_hid():
@@ -325,6 +331,13 @@ def test_a_streamed_rows_description_says_whether_its_copies_hid():
     row["raw"]["dpocache"]["streamed_window"]["turn_kept"] = 40  # --turn-layers: layers a forward started uncopied
     text = gpu_suite.describe_row(row)
     assert "copies     260 layers (40 started without one, kept through a turn), 105.6 GiB" in text
+    assert "allocator" not in text  # no allocator record (a CPU), or nothing in it: no line
+    row["raw"]["dpocache"]["allocator_window"] = {"alloc_retries": 0, "device_allocs": 0, "device_frees": 0,
+                                                  "all_stream_syncs": 0}
+    assert "allocator" not in gpu_suite.describe_row(row)
+    row["raw"]["dpocache"]["allocator_window"].update(alloc_retries=2, device_allocs=3, device_frees=5)
+    assert ("  allocator  2 retries, 3 cudaMalloc, 5 cudaFree, 0 syncs of all streams in the window (each free or "
+            "sync waits for the whole device)") in gpu_suite.describe_row(row)
     row["raw"]["dpocache"]["window_s"] = None  # steps timed each alone: no window to set the waits beside
     assert "copies" not in gpu_suite.describe_row(row)
     row["raw"]["dpocache"]["streamed_window"] = None
