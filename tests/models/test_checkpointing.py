@@ -7,7 +7,10 @@ the backward, and by a forward whose backward never runs; one changed in place, 
 backward through the same graph, stop with a named error; outside a checkpointed call the layer
 is a plain product; ``train`` with it logs and saves what the fully checkpointed run does,
 streamed or not (on CUDA, GPU-marked, within a GPU's rounding); bad uses are refused with one
-line."""
+line. ``--skip-unread-products``: in every family the table lists, the recompute without the
+down projections' products gives full recomputation's gradients bit for bit, exactly those
+products' FLOPs fewer; zeros in place of any other product, or in a family left out, change
+them; a fully trained model and the routes it does not serve skip nothing."""
 
 from __future__ import annotations
 
@@ -304,7 +307,7 @@ def test_train_with_kept_products_logs_and_saves_what_full_checkpointing_does(tm
     its base stored in bf16 on native kernels, as on a GPU, logs the same values and saves the
     same adapter as the fully checkpointed run (``--skip-unread-products false``, keeping none),
     bit for bit, and so does the default run, whose recompute skips ``down_proj`` (the backward
-    never reads it), and so does both together (``down_proj`` skipped, not kept); with the base
+    never reads it), and so do both together (``down_proj`` skipped, not kept); with the base
     streamed too (``--stream-base``, the CPU standing in for the GPU); run.json names what kept
     or skipped its products. On CUDA (the GPU suite's LoRA row: streamed, kept, Liger's kernels
     where installed) within 1e-3, as a GPU's attention backward sums in no fixed order."""
