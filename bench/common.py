@@ -329,25 +329,3 @@ def timed_train_args(model, data, dtype: str, device: str, cache_dir, output_dir
             "--max-steps", str(steps), "--lr", "1e-6", "--optim.warmup_ratio", "0", "--logging-steps", "10000",
             "--train.progress", "false", "--max-length", "none"]
 
-
-def train_tokens_per_s(options: list[str], inputs: Path, cache: Path, out: Path, dtype: str, device: str,
-                       batch_size: int, steps: int) -> float:
-    """One ``dpocache train`` of ``inputs`` (``build_inputs``' directory) in a process of its
-    own, with ``options`` last: the tokens/s of its logging windows after the first (the first
-    holds the warm-up step). The probes' A/Bs of training options run it in turn."""
-    import os
-    import subprocess
-    import sys
-
-    logging = max(1, steps // 3)
-    cmd = [sys.executable, "-m", "dpocache", "train", "--model", str(inputs / "model"),
-           "--data", str(inputs / "data.jsonl"), "--cache-dir", str(cache), "--output-dir", str(out),
-           "--dtype", dtype, "--device", device, "--batch-size", str(batch_size),
-           "--max-steps", str(steps), "--logging-steps", str(logging), "--train.progress", "false",
-           "--train.save_minutes", "0", "--max-length", "none", "--lr", "1e-6", *options]
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", TQDM_DISABLE="1")
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    windows = [r for r in rows if "tokens_per_s" in r][1:]
-    tokens = sum(r["tokens_per_s"] * r["seconds"] for r in windows)
-    return tokens / sum(r["seconds"] for r in windows)

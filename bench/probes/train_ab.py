@@ -20,6 +20,7 @@ import json
 import os
 import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -27,7 +28,26 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCH))
 
-from common import CONFIGS, build_inputs, train_tokens_per_s  # noqa: E402
+from common import CONFIGS, build_inputs  # noqa: E402
+
+
+def train_tokens_per_s(options: list[str], inputs: Path, cache: Path, out: Path, dtype: str, device: str,
+                       batch_size: int, steps: int) -> float:
+    """One ``dpocache train`` of ``inputs`` (``build_inputs``' directory) in a process of its
+    own, with ``options`` last: the tokens/s of its logging windows after the first (the first
+    holds the warm-up step)."""
+    logging = max(1, steps // 3)
+    cmd = [sys.executable, "-m", "dpocache", "train", "--model", str(inputs / "model"),
+           "--data", str(inputs / "data.jsonl"), "--cache-dir", str(cache), "--output-dir", str(out),
+           "--dtype", dtype, "--device", device, "--batch-size", str(batch_size),
+           "--max-steps", str(steps), "--logging-steps", str(logging), "--train.progress", "false",
+           "--train.save_minutes", "0", "--max-length", "none", "--lr", "1e-6", *options]
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", TQDM_DISABLE="1")
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    windows = [r for r in rows if "tokens_per_s" in r][1:]
+    tokens = sum(r["tokens_per_s"] * r["seconds"] for r in windows)
+    return tokens / sum(r["seconds"] for r in windows)
 
 
 def main(argv: list[str] | None = None) -> None:
