@@ -328,4 +328,3 @@ def timed_train_args(model, data, dtype: str, device: str, cache_dir, output_dir
             "--cache-dir", str(cache_dir), "--output-dir", str(output_dir), "--batch-size", str(batch_size),
             "--max-steps", str(steps), "--lr", "1e-6", "--optim.warmup_ratio", "0", "--logging-steps", "10000",
             "--train.progress", "false", "--max-length", "none"]
-
