@@ -126,6 +126,9 @@ def _print_build_summary(args, s, store: CacheStore, dtype: torch.dtype, data: P
         print(f"streamed: {s.streamed['layers']} decoder layers from host memory ({s.streamed['host_gib']:.2f} GiB "
               f"page-locked) through {s.streamed['slots']} slots on the device ({s.streamed['device_gib']:.2f} GiB)")
         print(describe_transfers(s.streamed["transfers"]))
+        pace = describe_pace(s.streamed["transfers"], s.seconds, training=False)
+        if pace:
+            print(pace)
     if args.json:
         out = s.to_json()
         out.update(skipped=len(data.skipped), truncated=data.truncated, identical=data.identical)
@@ -141,6 +144,28 @@ def describe_transfers(t: dict) -> str:
     idle = (f"; the device had run dry at {t['idle_entries']} of {t['entries']} layer starts"
             if t.get("idle_entries") is not None else "")
     return f"copied {t['copies']} layers, {t['copied_gib']:.2f} GiB{rate}{stall}{idle}"
+
+
+# Past these shares of a run the copies, or the host, set its pace: worth a line on what to change.
+STALL_SHARE = 0.2
+IDLE_SHARE = 0.5
+
+
+def describe_pace(t: dict, seconds: float, training: bool) -> str | None:
+    """What set a streamed run's pace, where the copies or the host did, and what to change;
+    None where neither did (or on a CPU, where neither is measured). ``t``: the run's transfers
+    (``describe_transfers``), ``seconds``: its wall time, ``training``: a ``train`` run (whose
+    options differ from a cache build's)."""
+    if t.get("stall_s") is not None and seconds > 0 and t["stall_s"] >= STALL_SHARE * seconds:
+        more = ("a larger --batch-size, more --resident-layers or --turn-layers" if training
+                else "a larger --max-tokens")
+        return (f"the copies set the pace: the compute waited {t['stall_s']:.1f} s of {seconds:.1f} s for them; "
+                f"more tokens per copy or fewer copies would hide them ({more}; docs/memory.md)")
+    if t.get("idle_entries") and t["entries"] and t["idle_entries"] >= IDLE_SHARE * t["entries"]:
+        how = "--compile on" if training else "a larger --max-tokens"
+        return (f"the host set the pace: the device had run dry at {t['idle_entries']} of {t['entries']} layer "
+                f"starts ({how} gives it less to do per token)")
+    return None
 
 
 def cmd_info(args) -> int:

@@ -103,12 +103,15 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     print(f"done: {final['step']} steps; model in {final['output']}")
     streamed = info.get("policy", {}).get("streamed")
     if streamed and "transfers" in streamed:
-        from dpocache.cli.cache import describe_transfers
+        from dpocache.cli.cache import describe_pace, describe_transfers
 
         turn = (f", {streamed['turn_layers']} more from each backward to the next forward"
                 if streamed.get("turn_layers") else "")
         print(f"streamed base: {streamed['layers']} layers from host memory, {streamed['resident_layers']} on the "
               f"device{turn}; {describe_transfers(streamed['transfers'])}")
+        pace = describe_pace(streamed["transfers"], final["loop_s"], training=True)
+        if pace:
+            print(pace)
     if final["eval"]:
         print(describe_eval(first_eval(cfg.train.output_dir), final["eval"]))
     return 0

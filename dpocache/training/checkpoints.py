@@ -66,8 +66,10 @@ def save_final(run: Run) -> Path:
     return final
 
 
-def finish(run: Run, final_eval: dict, final_dir: Path) -> dict:
-    run.info["final"] = {"step": run.step, "eval": final_eval, "output": str(final_dir)}
+def finish(run: Run, final_eval: dict, final_dir: Path, loop_s: float) -> dict:
+    """run.json's last record: the step reached, the final eval, where the model went, the loop's
+    wall time (``loop_s``: this process's steps, evals and saves), what compiling and streaming did."""
+    run.info["final"] = {"step": run.step, "eval": final_eval, "output": str(final_dir), "loop_s": round(loop_s, 3)}
     if run.compiler_at_start is not None:  # what compiling the policy's layers took, this run's share
         run.info["policy"]["compiler"] = compiler_since(run.compiler_at_start)
     streamed = getattr(run.policy, "dpocache_streamed", None)

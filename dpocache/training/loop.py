@@ -264,6 +264,7 @@ def _train(run: Run, stop: StopRequest) -> dict:
         if run.step == 0 or _eval_missed(run):
             _eval_or_stop(run, stop, bar)
         window, t0 = MetricWindow(), time.perf_counter()
+        started = t0
         run.saved_at = _clock()
         while run.step < run.total_steps:
             train_step(run, window)
@@ -295,8 +296,9 @@ def _train(run: Run, stop: StopRequest) -> dict:
             _save(run)
         final_eval = _final_eval(run, stop, bar)
         bar.close()
+        loop_s = time.perf_counter() - started  # steps, evals, saves: what a streamed run's waits are read against
         final_dir = save_final(run)
-        summary = finish(run, final_eval, final_dir)
+        summary = finish(run, final_eval, final_dir, loop_s)
     run.writer.close()
     return summary
 

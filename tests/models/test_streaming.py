@@ -27,6 +27,7 @@ from train_fixtures import (  # noqa: F401 (fixtures)
     train_records,
 )
 
+from dpocache.cli.cache import describe_pace
 from dpocache.data.pairs import TokenizedPair
 from dpocache.models.reference import ReferenceModel
 from dpocache.models.streaming import (
@@ -337,7 +338,9 @@ def test_a_streamed_base_run_says_what_it_copied(cli, deep_model_path, pref_json
                        "--lora-r", "4", "--gradient-checkpointing", "true", "--stream-base", "true",
                        "--resident-layers", "1", "--turn-layers", "1", "--max-steps", "2", "--device", "cpu")
     assert rc == 0, err
-    streamed = json.loads((tmp_path / "run" / "run.json").read_text())["policy"]["streamed"]
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    streamed = record["policy"]["streamed"]
+    assert 0 < record["final"]["loop_s"]
     transfers = streamed["transfers"]
     assert transfers["copies"] >= 2 * 5 - 1  # each of the five streamed layers a step, but the one kept
     assert streamed["turn_layers"] == 1 and transfers["turn_kept"] == 1
@@ -345,6 +348,26 @@ def test_a_streamed_base_run_says_what_it_copied(cli, deep_model_path, pref_json
     assert line.startswith(f"streamed base: 5 layers from host memory, 1 on the device, 1 more from each backward "
                            f"to the next forward; copied "
                            f"{transfers['copies']} layers, ") and "waited" not in line and "run dry" not in line
+
+
+def _transfers(stall_s=None, idle_entries=None, entries=64) -> dict:
+    return {"copies": 52, "waits": 1, "copied_gib": 22.9, "copy_s": 0.4, "copy_gib_per_s": 57.2,
+            "stall_s": stall_s, "entries": entries, "idle_entries": idle_entries, "turn_kept": 0}
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_the_summary_says_when_the_copies_or_the_host_set_a_streamed_runs_pace(training):
+    """A stall of a fifth of the run or more names the copies and what hides them (train's
+    options or cache build's); the device run dry at half the layer starts or more names the
+    host; below both, or on a CPU (neither measured), nothing."""
+    copies = describe_pace(_transfers(stall_s=2.5, idle_entries=3), 10.0, training)
+    assert copies.startswith("the copies set the pace: the compute waited 2.5 s of 10.0 s")
+    assert ("--resident-layers" in copies and "--batch-size" in copies) if training else "--max-tokens" in copies
+    host = describe_pace(_transfers(stall_s=0.1, idle_entries=40), 10.0, training)
+    assert host.startswith("the host set the pace: the device had run dry at 40 of 64 layer starts")
+    assert ("--compile on" in host) == training
+    assert describe_pace(_transfers(stall_s=1.9, idle_entries=31), 10.0, training) is None
+    assert describe_pace(_transfers(), 10.0, training) is None  # a CPU's record
 
 
 def test_stream_reference_is_refused_by_train_before_any_model_loads(cli, model_path, pref_jsonl, tmp_path):
