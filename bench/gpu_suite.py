@@ -13,6 +13,7 @@ model, data, dtype and batch, each system's run in its own process.
     python bench/gpu_suite.py --only train-8b-lora --no-trl --train-args "--resident-layers 0"  # all 32 streamed
     python bench/gpu_suite.py --only train-8b-lora --no-trl --train-args "--skip-unread-products false"  # recomputed
     python bench/gpu_suite.py --only train-8b-lora --variants "--turn-layers 8" "--compile off"  # one build
+    python bench/gpu_suite.py --check --batch-size 8 --variants "--turn-layers 8"  # flags checked, on any machine
 
 Rows:
 
@@ -68,6 +69,7 @@ is recorded with an ``error`` and the suite goes on. Inputs are built once under
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -471,24 +473,31 @@ def full_dpo_args(suite: Suite) -> list[str]:
 DPO_TRAIN_ARGS = {"train-8b-lora": lora_dpo_args, "train-1b-full": full_dpo_args}
 
 
-def refused_train_args(suite: Suite, rows: list[str]) -> str | None:
+def refused_train_args(suite: Suite, rows: list[str], as_on_a_gpu: bool = False) -> str | None:
     """Why ``dpocache train`` would refuse a training row's options (``--train-args`` beside the
     row's own), checked as ``train`` checks them before any model loads; None where every row's
     pass, each ``--variants`` entry after them as well. The suite stops on it at once: a refused
     flag otherwise costs a GPU call the row's model build and its worker's start (45 s on an
-    H200)."""
+    H200). ``as_on_a_gpu`` (``--check``): on a machine without one, checked as if it had a CUDA
+    device (the GPU's shapes and flags, which name ``--device cuda``)."""
+    from unittest import mock
+
     from dpocache.config import ConfigError, build_config
 
-    for row in rows:
-        if row not in DPO_TRAIN_ARGS:
-            continue
-        for variant in [(), *suite.variants]:
-            options = [*timed_train_args("<model>", "<data>", suite.shapes.dtype, suite.shapes.device, "<cache>",
-                                         "<out>", suite.shapes.batch_size, 1), *DPO_TRAIN_ARGS[row](suite), *variant]
-            try:
-                build_config(None, options).validate(required=("model.path", "data.train"))
-            except ConfigError as err:
-                return f"{row}{' with --variants ' + shlex.quote(' '.join(variant)) if variant else ''}: {err}"
+    gpu = (mock.patch.multiple("torch.cuda", is_available=lambda: True, device_count=lambda: 1) if as_on_a_gpu
+           else contextlib.nullcontext())
+    with gpu:
+        for row in rows:
+            if row not in DPO_TRAIN_ARGS:
+                continue
+            for variant in [(), *suite.variants]:
+                options = [*timed_train_args("<model>", "<data>", suite.shapes.dtype, suite.shapes.device, "<cache>",
+                                             "<out>", suite.shapes.batch_size, 1), *DPO_TRAIN_ARGS[row](suite),
+                           *variant]
+                try:
+                    build_config(None, options).validate(required=("model.path", "data.train"))
+                except ConfigError as err:
+                    return f"{row}{' with --variants ' + shlex.quote(' '.join(variant)) if variant else ''}: {err}"
     return None
 
 
@@ -821,6 +830,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--worker-timeout", type=float, default=None, metavar="S",
                    help="kill a side's process past S seconds: the row records why, the next one runs")
     p.add_argument("--dry-run", action="store_true", help="every row at tiny shapes on the CPU, in fp32")
+    p.add_argument("--check", action="store_true",
+                   help="check the training rows' options and --variants as dpocache train would on the GPU, "
+                        "with the GPU's shapes, and stop: on any machine, before a GPU call spends its time")
     p.add_argument("--work", default=None, help="where inputs are built and reused (default: bench/work/)")
     p.add_argument("--ref-pairs", type=int, default=None, help="ref-8b's pairs (default 256; dry run 12)")
     p.add_argument("--batch-size", type=int, default=None,
@@ -861,6 +873,22 @@ def merge_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_main(args: argparse.Namespace, shapes: Shapes, rows: list[str]) -> int:
+    """``--check``: the options' verdict in one line, 0 where ``dpocache train`` takes them all, 2 where not."""
+    suite = Suite(shapes, Path(tempfile.gettempdir()), Path(tempfile.gettempdir()), Path(os.devnull), [], None,
+                  train_args=tuple(shlex.split(args.train_args)),
+                  variants=tuple(tuple(shlex.split(v)) for v in args.variants))
+    refused = refused_train_args(suite, rows, as_on_a_gpu=not args.dry_run)
+    if refused:
+        print(f"gpu_suite: {refused}", file=sys.stderr)
+        return 2
+    trained = [row for row in rows if row in DPO_TRAIN_ARGS]
+    print(f"gpu_suite: dpocache train takes the options of {', '.join(trained) or 'no training row'}"
+          f"{f' and {len(suite.variants)} variants' if suite.variants and trained else ''} "
+          f"({'the dry run' if args.dry_run else 'the GPU'}'s shapes, batch {shapes.batch_size})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the rows asked for, writing the result after each; 1 if any row has an error."""
     args = parse_args(argv)
@@ -868,6 +896,8 @@ def main(argv: list[str] | None = None) -> int:
         return merge_main(args)
     shapes = shapes_of(args)
     rows = rows_to_run(args.only)
+    if args.check:
+        return check_main(args, shapes, rows)
     if _version("trl") is None:
         print("TRL is not installed: bench/gpu_suite.sh download (where PyPI is reachable), then "
               "bench/gpu_suite.sh install", file=sys.stderr)

@@ -612,13 +612,16 @@ def _resolve(name: str, aliases: dict[str, str] | None = None) -> str:
     return {**ALIASES, **(aliases or {})}.get(key, key)
 
 
-def _set(cfg: Config, dotted: str, value: Any, aliases: dict[str, str] | None = None) -> None:
+def _set(cfg: Config, dotted: str, value: Any, aliases: dict[str, str] | None = None,
+         shown: str | None = None) -> None:
+    """Set the field ``dotted`` (or a name for it) to ``value``; ``shown``: how a bad value's
+    error names it (default: the dotted field)."""
     types_ = field_types()
     if _resolve(dotted, aliases) not in types_:  # build_config and apply_mapping check every name first
         raise ConfigError(unknown_name(dotted, value, aliases))
     dotted = _resolve(dotted, aliases)
     section, name = dotted.split(".", 1)
-    setattr(getattr(cfg, section), name, _coerce(dotted, types_[dotted], value))
+    setattr(getattr(cfg, section), name, _coerce(shown or dotted, types_[dotted], value))
 
 
 def apply_mapping(cfg: Config, mapping: dict, source: str) -> None:
@@ -689,7 +692,9 @@ def build_config(yaml_path: str | Path | None = None, overrides: list[str] | Non
     if unknown:
         raise ConfigError(" | ".join(unknown))
     for key, value in pairs:
-        _set_from(cfg, key, value, "command line", aliases)
+        dotted = _resolve(key, aliases)
+        # a bad value is named by the flag as typed, and its field where the flag is a short one
+        _set(cfg, key, value, aliases, shown=f"--{key}" + (f" ({dotted})" if key.replace("-", "_") != dotted else ""))
     return cfg
 
 

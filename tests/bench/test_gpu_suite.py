@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
@@ -433,6 +434,24 @@ def test_a_variants_line_gives_its_options_figures_and_verdicts():
         "    copies     180 layers (80 started without one, kept through a turn), 73.1 GiB in 1.40 s; the compute "
         "waited 0.05 s of the window's 3.50 s",
         "    host       the device had run dry at 3 of 260 streamed layer starts (there the host set the pace)"]
+
+
+def test_check_takes_the_gpus_options_on_a_machine_without_one(capsys, monkeypatch, tmp_path):
+    """``--check`` reads the options as ``dpocache train`` would on the GPU, with its shapes, and
+    stops: a streamed variant the GPU's LoRA row takes passes here (the dry run, which streams
+    nothing, refuses it), a refused one names its row and flag with exit 2; nothing is built
+    (no work directory) and the process's view of CUDA is its own again after it."""
+    monkeypatch.chdir(tmp_path)
+    variants = ["--variants", "--turn-layers 8", "--batch-size 4 --resident-layers 6"]
+    assert gpu_suite.main(["--check", "--only", "train-8b-lora", "--batch-size", "8", *variants]) == 0
+    assert capsys.readouterr().out.strip() == ("gpu_suite: dpocache train takes the options of train-8b-lora and "
+                                               "2 variants (the GPU's shapes, batch 8)")
+    assert gpu_suite.main(["--check", "--dry-run", "--only", "train-8b-lora", *variants]) == 2
+    assert "with --variants '--turn-layers 8': --turn-layers" in capsys.readouterr().err
+    assert gpu_suite.main(["--check", "--only", "train-8b-lora", "--variants", "--resident-layers x"]) == 2
+    assert "train-8b-lora with --variants '--resident-layers x': --resident-layers" in capsys.readouterr().err
+    assert torch.cuda.is_available.__module__ == "torch.cuda"  # torch's own again, not the check's stand-in
+    assert not list(tmp_path.iterdir())
 
 
 def test_options_dpocache_would_refuse_stop_the_suite_before_any_row(tmp_path, capsys):

@@ -114,6 +114,11 @@ def test_a_mapping_under_a_field_is_a_wrong_value_not_an_unknown_section(tmp_pat
     assert message(yaml_text="lr: {a: 1}\n", tmp_path=tmp_path).endswith("optim.lr: expected float, got {'a': 1}")
 
 
+def test_a_config_files_wrong_value_is_named_by_its_file_and_field(tmp_path):
+    assert message(yaml_text="train:\n  batch_size: two\n", tmp_path=tmp_path) == \
+        f"{tmp_path / 'config.yaml'}: train.batch_size: expected int, got 'two'"
+
+
 @pytest.mark.parametrize("value", ["true", "False", "yes"])
 def test_push_to_hub_as_trls_switch_is_refused(value):
     cfg = build_config(None, ["--push-to-hub", value])
