@@ -6,6 +6,7 @@ A new variant is a new function in ``formulas`` and one line here.
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -150,9 +151,18 @@ class LossSpec:
         return any(LOSSES[name].needs_reference for name, weight in self.terms if weight > 0)
 
 
+# Names users type for a method whose loss goes by another name here (TRL's ``loss_type``).
+METHOD_NAMES = {"dpo": ("sigmoid", "DPO's loss, TRL's name for it")}
+
+
 def _check_name(name: str) -> str:
     if name not in LOSSES:
-        raise ValueError(f"unknown loss {name!r}; known losses: {', '.join(LOSSES)}")
+        meant = METHOD_NAMES.get(str(name).lower())
+        if meant is None:
+            close = difflib.get_close_matches(str(name).lower().replace("-", "_"), LOSSES, n=1, cutoff=0.75)
+            meant = (close[0], None) if close else None
+        hint = f"did you mean {meant[0]!r}{f' ({meant[1]})' if meant[1] else ''}? " if meant else ""
+        raise ValueError(f"unknown loss {name!r}; {hint}known losses: {', '.join(LOSSES)}")
     return name
 
 

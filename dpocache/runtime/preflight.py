@@ -281,9 +281,28 @@ def _unpickler_reason(message: str) -> str:
     return reason.split(". Please", 1)[0].rstrip(".")
 
 
+# What datasets' save_to_disk leaves in a directory: state.json (a Dataset), dataset_dict.json (a DatasetDict).
+SAVED_DATASET_MARKERS = ("state.json", "dataset_dict.json")
+DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+
+
 def check_data_path(path: str | Path | None, flag: str = "--data") -> None:
-    if path is not None and not Path(path).exists():
+    """A data path that exists, and a directory only where ``datasets.save_to_disk`` wrote it
+    (one holding data files names the first of them to pass instead)."""
+    if path is None:
+        return
+    path = Path(path)
+    if not path.exists():
         raise UsageError(f"{flag} {path}: no such file or directory")
+    if path.is_dir() and not any((path / name).is_file() for name in SAVED_DATASET_MARKERS):
+        files = sorted(f.name for f in path.iterdir() if f.is_file() and f.suffix.lower() in DATA_FILE_SUFFIXES)
+        hint = "; pass a .jsonl, .json, .parquet or .csv file"
+        if files:
+            words = ("eval", "test", "val") if "eval" in flag else ("train",)  # the one the flag most likely meant
+            likely = next((f for f in files if any(w in f.lower() for w in words)), files[0])
+            hint = f"; it holds {', '.join(files[:4])}{', ...' if len(files) > 4 else ''}: pass one, as {flag} " \
+                   f"{path / likely}"
+        raise UsageError(f"{flag} {path}: a directory that datasets' save_to_disk did not write{hint}")
 
 
 def check_output(out: str | Path, flag: str, inputs: dict[str, str | Path | None], directory: bool = False) -> None:

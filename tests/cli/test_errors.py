@@ -70,6 +70,10 @@ def work(tmp_path_factory, model_dir, pref_rows) -> Path:
     (root / "long.jsonl").write_text(json.dumps(pref_rows[0]) + "\n"
                                      + json.dumps({"prompt": "sort " * 600, "chosen": " 1", "rejected": " 2"}) + "\n")
     (root / "a-file").write_text("not a directory\n")
+    (root / "files").mkdir()  # data files in a directory, not a saved dataset
+    shutil.copy(root / "data.jsonl", root / "files" / "train.jsonl")
+    shutil.copy(root / "data.jsonl", root / "files" / "eval.jsonl")
+    (root / "empty").mkdir()
     write_jsonl([{"prompt": r["prompt"], "completions": [r["chosen"], r["rejected"]]} for r in pref_rows],
                 root / "score.jsonl")  # rows as score reads them
     (root / "broken.parquet").write_bytes(b"PAR1 but nothing else")
@@ -168,6 +172,14 @@ CASES = {
     "Liger's kernels on a CPU, cache build": ((*BUILD, "--kernels", "liger"),
                                               ["--kernels (model.kernels) liger", "CUDA only"]),
     "kernels typo": ((*TRAIN, "--kernels", "ligre"), ["--kernels (model.kernels)", "auto, liger, none", "'ligre'"]),
+    "a directory of data files": (with_data(TRAIN, "files"),
+                                  ["--data files: a directory that datasets' save_to_disk did not write; it holds "
+                                   "eval.jsonl, train.jsonl: pass one, as --data files/train.jsonl"]),
+    "a directory of data files as eval data": ((*TRAIN, "--eval-data", "files"),
+                                               ["--eval-data files: a directory", "as --eval-data files/eval.jsonl"]),
+    "an empty directory as eval data": ((*TRAIN, "--eval-data", "empty"),
+                                        ["--eval-data empty: a directory that datasets' save_to_disk did not write; "
+                                         "pass a .jsonl, .json, .parquet or .csv file"]),
     "output dir under a file": ((*TRAIN[:-1], "a-file/run"), ["--output-dir a-file/run"]),
     "cache dir under a file": ((*BUILD[:-1], "a-file/cache"), ["--cache-dir a-file/cache"]),
     "question column": (with_data(BUILD, "question.jsonl"),

@@ -457,10 +457,15 @@ def test_registry_entries_carry_their_defaults():
 
 
 def test_unknown_loss_lists_known_ones():
-    with pytest.raises(ValueError, match=r"unknown loss 'dpo'.*sigmoid.*simpo"):
+    with pytest.raises(ValueError, match=r"unknown loss 'dpo'; did you mean 'sigmoid' \(DPO's loss, TRL's name for "
+                                         r"it\)\? known losses: sigmoid, .*simpo"):
         _run("dpo")
-    with pytest.raises(ValueError, match="unknown loss 'sftt'"):
+    with pytest.raises(ValueError, match="unknown loss 'sftt'; did you mean 'sft'"):
         parse_loss_spec("sigmoid:1,sftt:0.5")
+    with pytest.raises(ValueError, match="unknown loss 'DPO-norm'; did you mean 'dpo_norm'"):
+        parse_loss_spec("DPO-norm")
+    with pytest.raises(ValueError, match="unknown loss 'zzz'; known losses: sigmoid"):  # nothing close: no guess
+        parse_loss_spec("zzz")
     with pytest.raises(ValueError, match="unknown loss"):
         needs_reference("nope")
 
