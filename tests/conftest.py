@@ -3,10 +3,13 @@ a generated preference data set. Everything is built offline and once per sessio
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
+import shutil
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,6 +28,16 @@ for folder in sorted(p for p in Path(__file__).parent.iterdir() if p.is_dir() an
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# Nothing a test runs reaches the user's own caches ($DPOCACHE_CACHE_DIR or ~/.cache/dpocache,
+# datasets' ~/.cache/huggingface/datasets): a command run without --cache-dir writes its
+# reference values and token stores, and datasets (TRL's tests, the GPU suite's dry run) its
+# prepared tables, into this process's own directory (each xdist worker has one; subprocesses
+# inherit it), removed at exit.
+_CACHE_DIR = tempfile.mkdtemp(prefix="dpocache-tests-cache-")
+os.environ["DPOCACHE_CACHE_DIR"] = _CACHE_DIR
+os.environ["HF_DATASETS_CACHE"] = os.path.join(_CACHE_DIR, "datasets")
+atexit.register(shutil.rmtree, _CACHE_DIR, True)
 
 # SIGINT as an interactive shell leaves it. A test run started in the background (nohup, or `&`
 # in a script) inherits SIGINT ignored, and dpocache rightly leaves an ignored signal ignored
