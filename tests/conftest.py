@@ -31,9 +31,9 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # Nothing a test runs reaches the user's own caches ($DPOCACHE_CACHE_DIR or ~/.cache/dpocache,
 # datasets' ~/.cache/huggingface/datasets): a command run without --cache-dir writes its
-# reference values and token stores, and datasets (TRL's tests, the GPU suite's dry run) its
-# prepared tables, into this process's own directory (each xdist worker has one; subprocesses
-# inherit it), removed at exit.
+# reference values and token stores, and datasets the tables its load_dataset prepares (the
+# cache export tests read their parquet back so), into this process's own directory (each xdist
+# worker has one; subprocesses inherit it), removed at exit.
 _CACHE_DIR = tempfile.mkdtemp(prefix="dpocache-tests-cache-")
 os.environ["DPOCACHE_CACHE_DIR"] = _CACHE_DIR
 os.environ["HF_DATASETS_CACHE"] = os.path.join(_CACHE_DIR, "datasets")

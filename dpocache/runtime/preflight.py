@@ -288,7 +288,7 @@ DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 def check_data_path(path: str | Path | None, flag: str = "--data") -> None:
     """A data path that exists, and a directory only where ``datasets.save_to_disk`` wrote it
-    (one holding data files names the first of them to pass instead)."""
+    (for one holding data files, the refusal names the file the flag most likely meant)."""
     if path is None:
         return
     path = Path(path)
