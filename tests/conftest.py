@@ -45,6 +45,10 @@ atexit.register(shutil.rmtree, _CACHE_DIR, True)
 # here reaches subprocesses as SIGINT's default (exec resets a caught signal, not an ignored one).
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+# Likewise SIGHUP under nohup, which ignores it: a handler that does nothing keeps this process
+# deaf to a hangup, as nohup asked, and subprocesses get SIGHUP's default, as the tests need.
+if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, lambda signum, frame: None)
 
 # Tests that run torch's compiler on the CPU (compiled layers, FlexAttention): torch 2.13 cannot
 # link CPU kernels when it is installed under a path with a space (dpocache.scoring.compiling).
