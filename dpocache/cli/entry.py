@@ -19,6 +19,7 @@ import argparse
 import difflib
 import logging
 import os
+import re
 import sys
 import traceback
 
@@ -52,7 +53,22 @@ class OneLineParser(argparse.ArgumentParser):
     commands: dict[str, argparse.ArgumentParser]  # the top-level parser's: each command's parser
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {_with_closest_choice(message)} (see {self.prog} --help)\n")
+
+
+# argparse's words for a command that is not one: "argument COMMAND: invalid choice: 'traim' (choose from ...)"
+_INVALID_CHOICE = re.compile(r"invalid choice: '(?P<typed>[^']*)' \(choose from (?P<choices>.*)\)$")
+
+
+def _with_closest_choice(message: str) -> str:
+    """argparse's message, with the closest real command where one is near the one typed
+    ("did you mean 'train'?"); as it was otherwise."""
+    match = _INVALID_CHOICE.search(message)
+    if not match:
+        return message
+    choices = [c.strip().strip("'") for c in match["choices"].split(",")]  # quoted or not, by Python version
+    close = difflib.get_close_matches(match["typed"], choices, n=1, cutoff=0.6)
+    return f"{message}; did you mean '{close[0]}'?" if close else message
 
 
 def build_parser() -> argparse.ArgumentParser:

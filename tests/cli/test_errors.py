@@ -121,6 +121,9 @@ MODEL_PATH_CASES = {
 
 CASES = {
     "train without arguments": (("train",), ["--model", "--data"]),
+    "command typo": (("traim", "--model", "model"), ["invalid choice: 'traim'", "did you mean 'train'?"]),
+    "cache subcommand typo": (("cache", "biuld"), ["invalid choice: 'biuld'", "did you mean 'build'?"]),
+    "no such command": (("zzz",), ["invalid choice: 'zzz'"]),
     "cache build without --data": (("cache", "build", "--model", "model"), ["--data"]),
     "config file missing": (("train", "nope.yaml", "--model", "model"), ["nope.yaml"]),
     "unknown flag": ((*TRAIN, "--bogus", "1"), ["unknown flag --bogus (config field 'bogus'); see --help"]),
