@@ -6,7 +6,7 @@ model, data, dtype and batch, each system's run in its own process.
     python bench/gpu_suite.py --only ref-8b                    # a part (a lent GPU runs 10 min a call)
     python bench/gpu_suite.py --merge A.json B.json --out bench/results/gpu-suite-h100-<date>.json
     python bench/gpu_suite.py --dry-run --out /tmp/suite.json  # every row at tiny shapes on a CPU
-    python bench/gpu_suite.py --only train-8b-lora --profile   # and its dpocache steps under torch.profiler
+    python bench/gpu_suite.py --only train-8b-lora --profile   # and 2 dpocache steps more under torch.profiler
     python bench/gpu_suite.py --worker-timeout 240             # a side past 240 s killed, the next row runs
     python bench/gpu_suite.py --only train-8b-lora --no-trl --train-args "--compile off"  # an A/B: eager layers
     python bench/gpu_suite.py --only ref-8b --no-trl --build-args "--stream-reference false"  # resident weights
@@ -183,8 +183,8 @@ class Suite:
     log: Path
     kernel_args: list[str]
     peak: float | None
-    profile_to: Path | None = None  # --profile: each row's dpocache side profiled once more, tables here
-    # --profile's runs, after every row is measured and written: (row, worker mode, spec)
+    profile_to: Path | None = None  # --profile: each row's dpocache side profiled, tables here
+    # --profile's build runs, after every row is measured and written: (row, worker mode, spec)
     profiles: list = field(default_factory=list)
     train_args: tuple[str, ...] = ()  # --train-args: more dpocache train options in both training rows
     build_args: tuple[str, ...] = ()  # --build-args: more dpocache cache build options in ref-8b
@@ -387,9 +387,9 @@ def train_row(suite: Suite, row: str, model: Path, data: Path, cache: Path, step
     dpo_spec = {**train_base, "cache_dir": str(cache), "workdir": str(_row_scratch(suite, row) / "dpo"),
                 "extra_args": dpo_args}
     dpo, dpo_err = (None, "dpo-train: not run, its reference values failed to build") if prep_err else run_side(
-        suite, row, "dpo-train", dpo_spec)
+        suite, row, "dpo-train", {**dpo_spec, **profiled_steps(suite, row, steps)})
     if dpo is not None and suite.profile_to is not None:
-        suite.profiles.append((row, "dpo-train", {**dpo_spec, "steps": warmup + 2}))
+        dpo["profile"] = train_profile(suite, row, dpo)
     if not prep_err:
         suite.variant_runs.extend((row, dpo_spec, warmup, options) for options in suite.variants)
     return prep, trl, dpo, [prep_err, trl_err, dpo_err]
@@ -435,22 +435,50 @@ def describe_variant(variant: dict) -> str:
     return "\n".join([line, *run_details(variant.get("raw") or {}, indent="    ")])
 
 
+# A profile's figures per step (per forward pass of a build), as the workers give them.
+PROFILE_KEYS = ("profiled_steps", "profiled_host_op_s_per_step", "profiled_host_wait_s_per_step",
+                "profiled_device_busy_s_per_step")
+PROFILED_TRAIN_STEPS = 2
+
+
+def profile_table(suite: Suite, row: str) -> Path:
+    """Where ``--profile`` writes a row's kernel table: beside the result."""
+    suite.profile_to.mkdir(parents=True, exist_ok=True)
+    return suite.profile_to / f"{row}-dpocache-profile.txt"
+
+
+def profiled_steps(suite: Suite, row: str, steps: int) -> dict:
+    """``--profile``: a training row's dpocache run goes on for ``PROFILED_TRAIN_STEPS`` steps
+    past its ``steps`` timed ones under torch.profiler, in the same process (its model loaded,
+    its layers compiled and its allocator warm once: on an 8B model a run of its own costs a
+    minute of the GPU), its figures and peak memory read before them (``workers.StepClock``)."""
+    if suite.profile_to is None:
+        return {}
+    return {"profile": str(profile_table(suite, row)), "profile_steps": PROFILED_TRAIN_STEPS,
+            "steps": steps + PROFILED_TRAIN_STEPS}
+
+
+def train_profile(suite: Suite, row: str, result: dict) -> dict:
+    """A training row's profiled steps, from its dpocache run: the kernel table's name, the
+    figures per step and the steps' tokens; why there are none where its steps ended short."""
+    if not result.get("profiled_steps"):
+        return {"error": "its profiled steps did not all run (see the log)"}
+    return {"table": profile_table(suite, row).name, **{k: result[k] for k in PROFILE_KEYS},
+            "tokens": result.get("profiled_tokens")}
+
+
 def profile_run(suite: Suite, row: str, mode: str, spec: dict) -> dict:
-    """``--profile``: dpocache's side of a row once more under torch.profiler (apart from the
-    timed run, whose figures the profiler would slow; after every row, so a time limit cuts a
-    profile, not a row): a build's pass (its cache emptied first, so the pass is computed), or
-    the training steps after the warm-up (a fresh output directory); its kernel table written
-    beside the result. Returns the profiled run's summary per step (per forward pass of a
-    build), or the error."""
-    table = suite.profile_to / f"{row}-dpocache-profile.txt"
-    table.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(spec["cache_dir"] if mode == "dpo-build" else spec["workdir"], ignore_errors=True)
+    """``--profile`` for the reference build: its pass once more under torch.profiler, its cache
+    emptied first so the pass is computed (apart from the timed run, whose figures the profiler
+    would slow; after every row, so a time limit cuts a profile, not a row); its kernel table
+    written beside the result. Returns the profiled pass's summary per forward pass, or the
+    error."""
+    table = profile_table(suite, row)
+    shutil.rmtree(spec["cache_dir"], ignore_errors=True)
     result, err = run_side(suite, row, mode, {**spec, "profile": str(table)})
     if err:
         return {"error": err}
-    keys = ("profiled_steps", "profiled_host_op_s_per_step", "profiled_host_wait_s_per_step",
-            "profiled_device_busy_s_per_step", "window_s", "compute_s")
-    return {"table": table.name, **{k: result[k] for k in keys if k in result}}
+    return {"table": table.name, **{k: result[k] for k in (*PROFILE_KEYS, "compute_s") if k in result}}
 
 
 # Where a training row's reference values come from, untimed, on each side.
@@ -706,7 +734,8 @@ def run_details(dpo: dict, indent: str = "  ") -> list[str]:
     """What a dpocache training run's raw figures (``dpo``: a row's or a variant's) say beyond its
     speed: its compiled graphs and why it compiled more; for a streamed base on a GPU its copies,
     the compute's waits for them, and the layer starts where the device had run dry; and where
-    the caching allocator called CUDA in the timed window, how often."""
+    the caching allocator called CUDA in the timed window, how often; ``--profile``'s steps after
+    the timed ones, their host and device time per step."""
     lines = []
     compiler = (dpo.get("ran") or {}).get("compiler")
     if compiler:  # a compiled policy: its graphs, and the guards that made it compile more
@@ -727,6 +756,12 @@ def run_details(dpo: dict, indent: str = "  ") -> list[str]:
         lines.append(f"{indent}allocator  {allocator['alloc_retries']} retries, {allocator['device_allocs']} "
                      f"cudaMalloc, {allocator['device_frees']} cudaFree, {allocator['all_stream_syncs']} syncs of all "
                      "streams in the window (each free or sync waits for the whole device)")
+    profile = dpo.get("profile")
+    if profile:
+        lines.append(f"{indent}profile    " + (profile["error"] if "error" in profile else (
+            f"{profile['profiled_steps']} steps ({', '.join(map(str, profile['tokens'] or []))} tokens): host ops "
+            f"{profile['profiled_host_op_s_per_step']} s a step, device busy "
+            f"{profile['profiled_device_busy_s_per_step']} s; the kernels in {profile['table']}")))
     return lines
 
 
@@ -814,9 +849,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kernels", default="auto", choices=["auto", "liger", "none"],
                    help="dpocache's --kernels (passed on when not auto)")
     p.add_argument("--profile", action="store_true",
-                   help="after every row, dpocache's side of each once more under torch.profiler (the "
-                        "reference pass, the training steps after the warm-up): kernel tables beside the result, "
-                        "host and device time per step in the row")
+                   help="dpocache's side of each row under torch.profiler: the reference pass once more after "
+                        "every row, a training row's run 2 steps past its timed ones (its figures read before "
+                        "them): kernel tables beside the result, host and device time per step in the row")
     p.add_argument("--train-args", default="", metavar="OPTIONS",
                    help="more dpocache train options, one string, in both training rows (an A/B: '--compile on')")
     p.add_argument("--build-args", default="", metavar="OPTIONS",

@@ -22,10 +22,13 @@ Optional spec fields, added for ``bench/gpu_suite.py`` (each absent field keeps 
     trl_skip_hash    TRL's state-dict hash not run (it lies outside every timed span; on an 8B
                      model it costs about 20 s a process): the fingerprint it names is constant,
                      so the run needs a fresh ``HF_DATASETS_CACHE``, as the suite gives it
-    profile          a file: dpo-train's timed steps (from ``timed_from``), or dpo-build's pass
-                     after its model's load, run under torch.profiler, its kernel table written
-                     there, the host's and the device's time per step (per forward pass of a
-                     build) in the result (``common.profile_summary``)
+    profile          a file: dpo-build's pass after its model's load, or dpo-train's
+                     ``profile_steps`` steps after its timed ones (``steps`` counts them too),
+                     run under torch.profiler, its kernel table written there, the host's and the
+                     device's time per step (per forward pass of a build) in the result
+                     (``common.profile_summary``). A training run profiles in the process it was
+                     timed in, its model loaded and its graphs compiled once: its timed figures
+                     and peak GPU memory are read before the profiled steps start
 
 Training runs also record ``step_tokens``, the real tokens of each step (each prompt once, plus
 chosen and rejected), beside ``step_s``.
@@ -45,14 +48,20 @@ from pathlib import Path
 
 
 def _write(spec: dict, result: dict) -> None:
-    if spec.get("device", "cpu") != "cpu":
-        import torch
-
-        # The process's whole GPU peak: weights, optimizer state, activations, the allocator's cache.
-        result["peak_gpu_allocated_bytes"] = torch.cuda.max_memory_allocated()
-        result["peak_gpu_reserved_bytes"] = torch.cuda.max_memory_reserved()
-        result["gpu_name"] = torch.cuda.get_device_name()
+    """``result`` into ``spec["out"]``, with the GPU's peaks where no earlier reading is in it."""
+    result = {**gpu_peaks(spec), **result}
     Path(spec["out"]).write_text(json.dumps(result))
+
+
+def gpu_peaks(spec: dict) -> dict:
+    """The process's whole GPU peak so far (weights, optimizer state, activations, the allocator's
+    cache) and the device's name; nothing on a CPU."""
+    if spec.get("device", "cpu") == "cpu":
+        return {}
+    import torch
+
+    return {"peak_gpu_allocated_bytes": torch.cuda.max_memory_allocated(),
+            "peak_gpu_reserved_bytes": torch.cuda.max_memory_reserved(), "gpu_name": torch.cuda.get_device_name()}
 
 
 def _sync(spec: dict) -> None:
@@ -70,10 +79,12 @@ class StepClock:
     ``step_s`` is that step's own time. With ``spec["timed_from"] = k``, only the window from
     step ``k`` (0-based) to the last is synchronised, at its two ends: the steps run as in a real
     run, the host queueing the next step while the GPU finishes the last, and ``window_s`` is
-    the window's wall time (``step_s`` are then the host's intervals between steps)."""
+    the window's wall time (``step_s`` are then the host's intervals between steps). A profiled
+    run's last ``profile_steps`` steps are not timed."""
 
     def __init__(self, spec: dict):
-        self.spec, self.total = spec, spec.get("steps", 1)
+        # the steps it times: a profiled run's steps after them are not (``profile_steps``)
+        self.spec, self.total = spec, spec.get("steps", 1) - profile_steps(spec)
         self.timed_from = spec.get("timed_from")
         self.steps: list[float] = []
         self.window_start: float | None = None
@@ -302,31 +313,43 @@ def _dpo_train(spec: dict, stop_at_first_step: bool) -> dict:
         marks["load_s"] += time.perf_counter() - t
         return out
 
-    profiler = _profiler(spec)
+    profiler, profiled = _profiler(spec), []  # the profiled steps' tokens
 
     def timed_step(run, window):
         marks.setdefault("first_step_at", time.time())
         if stop_at_first_step:
             raise _Stop
-        step_tokens.append(sum(run.train_data.pairs[i].unique_tokens for micro in range(run.cfg.train.grad_accum)
-                               for i in prefetch.step_indices(run, run.step, micro)))
+        tokens = sum(run.train_data.pairs[i].unique_tokens for micro in range(run.cfg.train.grad_accum)
+                     for i in prefetch.step_indices(run, run.step, micro))
+        if len(clock.steps) == clock.total:  # past the timed steps: the profiled ones
+            profiled_step(run, window, tokens)
+            return
+        step_tokens.append(tokens)
         marks.setdefault("reference", {k: run.info.get("reference", {}).get(k) for k in ("computed", "reused")})
         streamed = getattr(run.policy, "dpocache_streamed", None)
         if len(step_tokens) - 1 == spec.get("timed_from", 0):
             if streamed is not None:
                 marks["transfers_before"] = streamed.transfers.to_json()  # waits for the device, as the clock does
             marks["allocator_before"] = allocator_counts(spec)
-            if profiler is not None:
-                profiler.__enter__()
         clock.begin()
         original_step(run, window)
         clock.end()
         if len(clock.steps) == clock.total:
-            if profiler is not None:  # the steps only, not the log after them
-                profiler.__exit__(None, None, None)
             if "transfers_before" in marks:
                 marks["streamed_window"] = transfers_between(marks["transfers_before"], streamed.transfers.to_json())
             marks["allocator_window"] = counts_between(marks.get("allocator_before"), allocator_counts(spec))
+            marks["peaks"] = gpu_peaks(spec)  # the timed run's: the profiled steps leave it alone
+
+    def profiled_step(run, window, tokens):
+        """One of the steps after the timed ones, under the profiler (started at the first, the
+        device synchronised, stopped after the last)."""
+        if not profiled:
+            profiler.__enter__()
+        original_step(run, window)
+        profiled.append(tokens)
+        if len(profiled) == profile_steps(spec):
+            _sync(spec)
+            profiler.__exit__(None, None, None)
 
     train_mod.train_step, setup_mod.load_policy = timed_step, timed_load
     from common import timed_train_args
@@ -339,8 +362,9 @@ def _dpo_train(spec: dict, stop_at_first_step: bool) -> dict:
     except _Stop:
         pass
     first = marks["first_step_at"]
-    profiled = _write_profile(spec, profiler, len(clock.steps) - spec.get("timed_from", 0))
-    return {"side": "dpocache", "model_load_s": marks["load_s"], **clock.record(), **profiled,
+    profile = _write_profile(spec, profiler, len(profiled)) if len(profiled) == profile_steps(spec) else {}
+    return {"side": "dpocache", "model_load_s": marks["load_s"], **clock.record(), **marks.get("peaks", {}),
+            **profile, "profiled_tokens": profiled or None,
             "step_tokens": step_tokens, "streamed_window": marks.get("streamed_window"),
             "allocator_window": marks.get("allocator_window"),
             "reference_pairs": marks.get("reference"), "ran": _what_ran(Path(spec["workdir"]) / "run.json"),
@@ -388,6 +412,12 @@ def counts_between(before: dict | None, after: dict | None) -> dict | None:
     if before is None or after is None:
         return None
     return {name: after[name] - before[name] for name in after}
+
+
+def profile_steps(spec: dict) -> int:
+    """How many of a training run's steps (``spec["steps"]``) follow its timed ones under the
+    profiler: ``spec["profile_steps"]`` where it profiles (``spec["profile"]``), else none."""
+    return spec.get("profile_steps", 0) if spec.get("profile") else 0
 
 
 def _profiler(spec: dict):

@@ -49,8 +49,9 @@ def test_dry_run_writes_every_row_of_the_schema(tmp_path):
             assert _finite_positive(row[key]), (row["name"], key, row[key])
         assert set(row["met"]) == set(gpu_suite.TARGETS[row["name"]])
         assert row["raw"]["dpocache"] and row["raw"]["trl"]
-        # --profile: dpocache's side once more under torch.profiler (a pass, or the steps after the
-        # warm-up), its kernel table beside the result, the host's time per step or pass in the row
+        # --profile: dpocache's side under torch.profiler (the pass once more, or a training run's
+        # steps after its timed ones), its kernel table beside the result, the host's time per step
+        # or pass in the row
         profiled = row["raw"]["dpocache"]["profile"]
         assert profiled["profiled_steps"] >= 1 and _finite_positive(profiled["profiled_host_op_s_per_step"])
         assert "aten::mm" in (tmp_path / "x-profiles" / profiled["table"]).read_text()
@@ -68,6 +69,9 @@ def test_dry_run_writes_every_row_of_the_schema(tmp_path):
             tokens = sum(timed["step_tokens"][warmup:])
             expected = row["tokens_per_s" if side == "dpocache" else "trl_tokens_per_s"]
             assert expected == pytest.approx(tokens / timed["window_s"])
+            assert len(timed["step_s"]) == len(timed["step_tokens"]) == row["setup"]["steps"], (row["name"], side)
+        # the profiled steps ran after the timed ones, in the same process, and are not among them
+        assert len(row["raw"]["dpocache"]["profile"]["tokens"]) == row["raw"]["dpocache"]["profile"]["profiled_steps"]
     # ref-8b's cache holds the LoRA row's pairs (its data is the start of ref-8b's): its build is a hit
     assert result["rows"][1]["raw"]["dpocache_reference_build"]["summary"]["computed"] == 0
     # the LoRA row's own options (the dry run's: checkpointed, its recompute skipping the down
