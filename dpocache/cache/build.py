@@ -24,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dpocache.cache.fingerprint import FingerprintMemo, default_memo_path, model_dir_fingerprint, module_fingerprint
+from dpocache.cache.sequences import SUBDIR as SEQUENCES
 from dpocache.cache.store import DEFAULT_SHARD_PAIRS, CacheError, CacheStore, CorruptShard, Namespace
 from dpocache.config import with_fields
 from dpocache.data.pairs import TokenizedPair
@@ -542,10 +543,17 @@ def export_rows(store: CacheStore, pairs: Sequence[TokenizedPair], with_ids: boo
 
 
 def namespace_dirs(cache_dir: Path) -> list[Path]:
+    """The namespace directories under ``cache_dir``: those holding pair values (a manifest or
+    shards) or look-aside values (``sequences/``, ``dpocache.cache.sequences``)."""
     if not cache_dir.exists():
         return []
     return sorted(p for p in cache_dir.iterdir()
-                  if p.is_dir() and ((p / "manifest.json").exists() or any(p.glob("shard-*"))))
+                  if p.is_dir() and (has_pair_values(p) or (p / SEQUENCES).is_dir()))
+
+
+def has_pair_values(ns_dir: Path) -> bool:
+    """Whether a namespace directory holds the pair cache's values (a manifest or shards)."""
+    return (ns_dir / "manifest.json").exists() or any(ns_dir.glob("shard-*"))
 
 
 def open_namespace_dir(ns_dir: Path) -> CacheStore:

@@ -73,7 +73,8 @@ class SequenceStore:
         if memory_bytes < 0:
             raise ValueError(f"memory_bytes must be at least 0; got {memory_bytes}")
         self.namespace = namespace
-        self.dir = Path(root) / namespace.id / SUBDIR
+        self.namespace_id = namespace.id  # what each shard's metadata must name
+        self.dir = Path(root) / self.namespace_id / SUBDIR
         remove_stale_temps(self.dir, STALE_TEMP_SECONDS)  # a shard write killed (SIGKILL) long ago
         self.memory_bytes = memory_bytes
         self._shard_of: dict[bytes, str] = {}  # every key on disk -> the shard file holding it
@@ -83,8 +84,25 @@ class SequenceStore:
         self.corrupt: list[str] = []
         self._pending: dict[bytes, torch.Tensor] = {}  # computed, not yet written
 
+    @classmethod
+    def in_directory(cls, ns_dir: Path) -> "SequenceStore":
+        """The look-aside values already under the namespace directory ``ns_dir``, indexed: every
+        shard read and verified (one held in memory at a time) against the directory's name, which
+        is authoritative (as ``cache.build.open_namespace_dir`` takes it for the pair cache), so a
+        damaged ``namespace.json`` costs no value. For reading (``cache info``): ``namespace`` is
+        the one ``namespace.json`` records, a placeholder where that is unsound."""
+        namespace = recorded_namespace(ns_dir / SUBDIR) or Namespace("?", "?", "?", model="(no sound namespace.json)")
+        store = cls(ns_dir.parent, namespace, memory_bytes=0)
+        store.namespace_id, store.dir = ns_dir.name, ns_dir / SUBDIR
+        store.refresh()
+        return store
+
     def __len__(self) -> int:
         return len(self._shard_of) + len(self._pending)
+
+    def shard_files(self) -> list[Path]:
+        """The shard files in its directory, good or not."""
+        return sorted(self.dir.glob("seq-*.safetensors")) if self.dir.is_dir() else []
 
     @property
     def held_bytes(self) -> int:
@@ -121,7 +139,7 @@ class SequenceStore:
             self.corrupt.append(f"{path.name}: checksum mismatch (content sha256 {digest[:16]}...)")
             log.warning("%s: checksum mismatch; not loaded", path)
             return None
-        problem, t = read_namespaced_shard(data, self.namespace.id)
+        problem, t = read_namespaced_shard(data, self.namespace_id)
         problem = problem or _shape_problem(t) or non_finite_problem(t)
         if problem:
             self.corrupt.append(f"{path.name}: {problem}")
@@ -190,6 +208,16 @@ class SequenceStore:
             self._shard_of[key] = name
         pending, self._pending = self._pending, {}
         self._hold(name, pending)
+
+
+def recorded_namespace(directory: Path) -> Namespace | None:
+    """The namespace ``directory/namespace.json`` records (``SequenceStore.flush`` writes it), or
+    None where it is missing or unsound."""
+    try:
+        record = json.loads(read_regular_file(directory / "namespace.json", 1 << 16))
+        return Namespace(**record)
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 def _shape_problem(t: dict[str, torch.Tensor]) -> str | None:

@@ -12,7 +12,9 @@ from pathlib import Path
 import torch
 
 from dpocache.cache import CacheError, CacheStore, default_cache_dir, namespace_for_dir, verify
-from dpocache.cache.build import BuildOptions, build_distributed, namespace_dirs, open_namespace_dir
+from dpocache.cache.build import BuildOptions, build_distributed, has_pair_values, namespace_dirs, open_namespace_dir
+from dpocache.cache.sequences import SUBDIR as SEQUENCES
+from dpocache.cache.sequences import SequenceStore
 from dpocache.cache.probes import ProbeMemo
 from dpocache.cache.store import MANIFEST
 from dpocache.data.pairs import PreferenceData, load_preference_data
@@ -176,15 +178,38 @@ def cmd_info(args) -> int:
     _print_token_stores(Path(cache_dir))
     status = 0
     for ns_dir in dirs:
-        store = open_namespace_dir(ns_dir)
-        ns = store.namespace
-        per_token = sum(s.info.pairs for s in store.shards if s.info.per_token)
-        print(f"{ns_dir.name}  model {ns.model}  dtype {ns.dtype}  pairs {len(store)} (per-token {per_token})  "
-              f"shards {len(store.shards)}  size {_human_bytes(store.size_bytes())}")
-        for bad in store.corrupt:
-            print(f"  CORRUPT {ns_dir / bad.file}: {bad.reason}")
-            status = 1
+        if has_pair_values(ns_dir):
+            status |= _print_pair_values(ns_dir)
+        if (ns_dir / SEQUENCES).is_dir():
+            status |= _print_look_aside_values(ns_dir)
     return status
+
+
+def _print_pair_values(ns_dir: Path) -> int:
+    """A namespace's pair cache in one line, and a line per damaged shard; 1 where there is one."""
+    store = open_namespace_dir(ns_dir)
+    ns = store.namespace
+    per_token = sum(s.info.pairs for s in store.shards if s.info.per_token)
+    print(f"{ns_dir.name}  model {ns.model}  dtype {ns.dtype}  pairs {len(store)} (per-token {per_token})  "
+          f"shards {len(store.shards)}  size {_human_bytes(store.size_bytes())}")
+    for bad in store.corrupt:
+        print(f"  CORRUPT {ns_dir / bad.file}: {bad.reason}")
+    return 1 if store.corrupt else 0
+
+
+def _print_look_aside_values(ns_dir: Path) -> int:
+    """A namespace's look-aside values (``sequences/``: the reference service's, ``dpocache
+    score``'s, ``CachedGRPOTrainer``'s) in one line, its own directory named (the one to remove
+    when no longer needed), and a line per damaged shard; 1 where there is one."""
+    store = SequenceStore.in_directory(ns_dir)
+    ns, files = store.namespace, store.shard_files()
+    temperature = f"  temperature {ns.temperature:g}" if ns.temperature != 1.0 else ""
+    print(f"{ns_dir.name}/{SEQUENCES}  model {ns.model}  dtype {ns.dtype}{temperature}  sequences {len(store)} "
+          f"(look-aside)  shards {len(files) - len(store.corrupt)}  "
+          f"size {_human_bytes(sum(f.lstat().st_size for f in files))}")
+    for bad in store.corrupt:
+        print(f"  CORRUPT {store.dir / bad}")
+    return 1 if store.corrupt else 0
 
 
 def _print_token_stores(cache_dir: Path) -> None:

@@ -353,6 +353,13 @@ class CachedGRPOTrainer(GRPOTrainer):
         if ours is not None and len(self._tokenizer) > ours:
             raise ValueError(f"CachedGRPOTrainer: the tokenizer has {len(self._tokenizer)} tokens, more than the "
                              f"reference's vocabulary ({ours}); the reference must share the policy's tokenizer")
+        # The reference refuses a prompt + completion past its context (service.check_request):
+        # a completion as long as the context fits no prompt, and would stop the run at a step.
+        context, longest = getattr(service, "context", None), self.args.max_completion_length
+        if context is not None and longest is not None and longest >= context:
+            raise ValueError(f"CachedGRPOTrainer: args.max_completion_length={longest} leaves no room for a prompt in "
+                             f"the reference's context ({context} tokens, max_position_embeddings), which it refuses "
+                             f"to score past; set max_completion_length so that prompt + completion fit {context}")
 
 
 def _check_arguments(args: Any, reference: Any, cache_dir: Any, cache: str) -> None:

@@ -83,19 +83,27 @@ def _optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
                if torch.is_tensor(v))
 
 
-def name_hub_base(directory: Path) -> None:
-    """A PEFT adapter saved in ``directory`` names its base by Hub id and commit when the base was
-    loaded from a snapshot of the local Hugging Face cache (``--model org/name``): the snapshot's
-    path exists on this machine only, and an adapter pushed with ``--train.push_to_hub`` would
-    name it to every reader. PEFT reads ``revision`` as the base's."""
+def name_adapter_base(directory: Path) -> None:
+    """The base a PEFT adapter saved in ``directory`` names, readable from anywhere: by Hub id and
+    commit when the base was loaded from a snapshot of the local Hugging Face cache (``--model
+    org/name``: the snapshot's path exists on this machine only, and an adapter pushed with
+    ``--train.push_to_hub`` would name it to every reader; PEFT reads ``revision`` as the base's),
+    and by its absolute path when it is a local directory named relative to the working directory
+    (``--model ./sft``: PEFT records the path as given, and the adapter could not be loaded from
+    any other directory)."""
     config_file = directory / "adapter_config.json"
     if not config_file.is_file():
         return
     fields = json.loads(config_file.read_text())
-    hub = snapshot_repo(fields.get("base_model_name_or_path") or "")
+    base = fields.get("base_model_name_or_path") or ""
+    hub = snapshot_repo(base)
     if hub is not None:
         fields["base_model_name_or_path"], fields["revision"] = hub
-        atomic_write_text(config_file, json.dumps(fields, indent=2, sort_keys=True) + "\n")
+    elif base and not Path(base).is_absolute() and Path(base).is_dir():
+        fields["base_model_name_or_path"] = os.path.abspath(base)  # a link keeps its name
+    else:
+        return
+    atomic_write_text(config_file, json.dumps(fields, indent=2, sort_keys=True) + "\n")
 
 
 def save_checkpoint(output_dir: Path, step: int, model, tokenizer, optimizer, scheduler, extra: dict,
@@ -110,7 +118,7 @@ def save_checkpoint(output_dir: Path, step: int, model, tokenizer, optimizer, sc
     with writing(tmp, f"checkpoint {final.name}", output_dir, model, _optimizer_bytes(optimizer)):
         tmp.mkdir(parents=True)
         model.save_pretrained(tmp)
-        name_hub_base(tmp)
+        name_adapter_base(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         # Copied to the host only once the weights are written (save_pretrained copies a GPU model's

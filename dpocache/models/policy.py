@@ -116,7 +116,7 @@ def load_policy(cfg: Config, device: torch.device, kernels: KernelChoice | None 
         # PEFT casts the adapter to fp32 before it reads the file: its values are the file's.
         model = PeftModel.from_pretrained(load_base(base), str(path), is_trainable=True)
         # The base as loaded, a local directory (a Hub id's snapshot is named by its id again when
-        # saved: checkpoint.name_hub_base), so that PEFT's save looks for its config locally.
+        # saved: checkpoint.name_adapter_base), so that PEFT's save looks for its config locally.
         for adapter in model.peft_config.values():
             adapter.base_model_name_or_path, adapter.revision = str(base), None
         set_lora_dropout(model, cfg.lora.dropout)

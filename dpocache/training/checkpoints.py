@@ -17,7 +17,7 @@ from dpocache.distributed.process_group import (
     barrier,
 )
 from dpocache.models.checkpoint import (
-    name_hub_base,
+    name_adapter_base,
     save_checkpoint,
     writing,
 )
@@ -58,7 +58,7 @@ def save_final(run: Run) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         with writing(tmp, "the final model", run.out, model):  # a full disk: one line, the checkpoints kept
             model.save_pretrained(tmp)
-            name_hub_base(tmp)
+            name_adapter_base(tmp)
             run.tokenizer.save_pretrained(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)

@@ -178,6 +178,48 @@ def test_a_non_finite_sequence_value_is_not_cached_and_costs_no_other_value(tmp_
     assert later.corrupt == [] and torch.equal(later.get(good), torch.tensor([-1.0, -2.0])) and later.get(bad) is None
 
 
+def test_cache_info_lists_look_aside_values_by_their_own_directory(tmp_path, cli, model_dir, data, reference):
+    """``cache info`` shows what the reference service, ``dpocache score`` and
+    ``CachedGRPOTrainer`` store (``sequences/``) beside the pair cache: a namespace holding only
+    look-aside values, and one holding both, each kind in a line of its own with its sequences,
+    shards and bytes on disk; a damaged look-aside shard is named and makes the exit status 1,
+    and a damaged ``namespace.json`` costs no value (the directory's name is authoritative)."""
+    hot = Namespace("a" * 64, "c" * 64, "bfloat16", model="./sft", temperature=0.7)
+    alone = SequenceStore(tmp_path, hot)
+    for n in range(3):
+        alone.put(sequence_key([1, 2], [3, n]), torch.tensor([-1.0, -2.0]))
+    alone.flush()
+    alone.put(sequence_key([1, 2], [4]), torch.tensor([-3.0]))
+    alone.flush()
+    store = _store(tmp_path, model_dir)  # pairs and look-aside values under one namespace
+    _build(store, data.pairs[:8], reference)
+    both = SequenceStore(tmp_path, store.namespace)
+    both.put(sequence_key([5], [6]), torch.tensor([-0.5]))
+    both.flush()
+
+    rc, out, _ = cli("cache", "info", "--cache-dir", tmp_path)
+    lines = {line.split()[0]: line for line in out.splitlines()}
+    assert rc == 0, out
+    look_aside = lines[f"{hot.id}/sequences"]
+    assert "sequences 4 (look-aside)" in look_aside and "shards 2" in look_aside
+    assert "model ./sft" in look_aside and "dtype bfloat16" in look_aside and "temperature 0.7" in look_aside
+    size = sum(f.stat().st_size for f in alone.dir.glob("seq-*.safetensors"))
+    assert f"size {size} B" in look_aside or f"size {size / 1024:.1f} KiB" in look_aside, (size, look_aside)
+    assert hot.id not in lines  # no pair line for a namespace without pairs
+    assert "pairs 8" in lines[store.namespace.id]
+    assert "sequences 1 (look-aside)" in lines[f"{store.namespace.id}/sequences"]
+
+    (alone.dir / "namespace.json").write_text("{not json")
+    (bad,) = [f for f in alone.dir.glob("seq-*.safetensors") if f.stat().st_size == min(
+        g.stat().st_size for g in alone.dir.glob("seq-*.safetensors"))]
+    bad.write_bytes(bad.read_bytes()[:-8] + b"\0" * 8)
+    rc, out, _ = cli("cache", "info", "--cache-dir", tmp_path)
+    lines = {line.split()[0]: line for line in out.splitlines()}
+    assert rc == 1 and f"CORRUPT {alone.dir / bad.name}: checksum mismatch" in out, out
+    assert "sequences 3 (look-aside)" in lines[f"{hot.id}/sequences"] and "shards 1" in lines[f"{hot.id}/sequences"]
+    assert "(no sound namespace.json)" in lines[f"{hot.id}/sequences"]
+
+
 def test_a_replaced_namespace_directory_is_refused(tmp_path, cli, model_dir, other_model_dir, data, reference,
                                                    other_reference):
     """The other model's whole directory, manifest included, under this namespace's name."""

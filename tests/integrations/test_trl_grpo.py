@@ -234,6 +234,10 @@ def test_mistakes_are_refused_before_the_first_step_in_one_line(model_dir, tmp_p
         assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="sync_ref_model=True"):
         _run(CachedGRPOTrainer, model_dir, tmp_path, args=_args(tmp_path, sync_ref_model=True), train=False)
+    # TRL's default max_completion_length (512) on a model of 512 positions: no prompt fits beside it
+    with pytest.raises(ValueError, match="args.max_completion_length=512 leaves no room for a prompt in the "
+                                         "reference's context \\(512 tokens"):
+        _run(CachedGRPOTrainer, model_dir, tmp_path, args=_args(tmp_path, max_completion_length=512), train=False)
     with pytest.raises(ValueError, match="reference_stream=True streams a reference this trainer loads"):
         _run(CachedGRPOTrainer, model_dir, tmp_path, reference_stream=True, train=False)
     with pytest.raises(ValueError, match="cache must be one of eval, always, never"):

@@ -315,6 +315,27 @@ def test_lora_reference_is_the_base_model(tmp_path, base_model, train_jsonl, mon
     assert max(abs(first["rewards/chosen"]), abs(first["rewards/rejected"])) > 1e-4
 
 
+def test_an_adapter_trained_from_a_relative_model_path_loads_from_any_directory(tmp_path, base_model, train_jsonl,
+                                                                                monkeypatch):
+    """``--model ./sft``: PEFT records the base as given, relative to the working directory, where
+    the adapter could not be found from any other; the saved adapter (checkpoints and final/) names
+    the base's absolute path, and a run from another directory trains on from it."""
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir(), elsewhere.mkdir()
+    (work / "sft").symlink_to(base_model.resolve(), target_is_directory=True)
+    monkeypatch.chdir(work)
+    out = tmp_path / "lora"
+    run_training(*flags("./sft", train_jsonl, out, tmp_path / "cache", "--lora-r", "4", "--max-steps", "1"))
+    for saved in (out / "final", *out.glob("checkpoints/step-*")):
+        named = json.loads((saved / "adapter_config.json").read_text())["base_model_name_or_path"]
+        assert named == str(work.resolve() / "sft"), (saved, named)  # the link's name kept
+    monkeypatch.chdir(elsewhere)
+    out2 = tmp_path / "continued"
+    run_training(*flags(base_model, train_jsonl, out2, tmp_path / "cache", "--model", str(out / "final"),
+                        "--max-steps", "1"))
+    assert train_records(out2)[0]["step"] == 1
+
+
 # ---------------------------------------------------------------------------------- every loss
 
 
