@@ -387,7 +387,7 @@ def train_row(suite: Suite, row: str, model: Path, data: Path, cache: Path, step
     dpo_spec = {**train_base, "cache_dir": str(cache), "workdir": str(_row_scratch(suite, row) / "dpo"),
                 "extra_args": dpo_args}
     dpo, dpo_err = (None, "dpo-train: not run, its reference values failed to build") if prep_err else run_side(
-        suite, row, "dpo-train", {**dpo_spec, **profiled_steps(suite, row, steps)})
+        suite, row, "dpo-train", {**dpo_spec, **profiling_spec(suite, row, steps)})
     if dpo is not None and suite.profile_to is not None:
         dpo["profile"] = train_profile(suite, row, dpo)
     if not prep_err:
@@ -447,7 +447,7 @@ def profile_table(suite: Suite, row: str) -> Path:
     return suite.profile_to / f"{row}-dpocache-profile.txt"
 
 
-def profiled_steps(suite: Suite, row: str, steps: int) -> dict:
+def profiling_spec(suite: Suite, row: str, steps: int) -> dict:
     """``--profile``: a training row's dpocache run goes on for ``PROFILED_TRAIN_STEPS`` steps
     past its ``steps`` timed ones under torch.profiler, in the same process (its model loaded,
     its layers compiled and its allocator warm once: on an 8B model a run of its own costs a
