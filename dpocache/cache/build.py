@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from dpocache.cache.fingerprint import FingerprintMemo, default_memo_path, model_dir_fingerprint, module_fingerprint
 from dpocache.cache.sequences import SUBDIR as SEQUENCES
-from dpocache.cache.store import DEFAULT_SHARD_PAIRS, CacheError, CacheStore, CorruptShard, Namespace
+from dpocache.cache.store import DEFAULT_SHARD_PAIRS, MANIFEST, CacheError, CacheStore, CorruptShard, Namespace
 from dpocache.config import with_fields
 from dpocache.data.pairs import TokenizedPair
 from dpocache.data.values import PairValues
@@ -553,7 +553,7 @@ def namespace_dirs(cache_dir: Path) -> list[Path]:
 
 def has_pair_values(ns_dir: Path) -> bool:
     """Whether a namespace directory holds the pair cache's values (a manifest or shards)."""
-    return (ns_dir / "manifest.json").exists() or any(ns_dir.glob("shard-*"))
+    return (ns_dir / MANIFEST).exists() or any(ns_dir.glob("shard-*"))
 
 
 def open_namespace_dir(ns_dir: Path) -> CacheStore:

@@ -69,11 +69,14 @@ class SequenceStore:
     asked for, so a long online-RL run's memory stays bounded however many sequences it scores.
     """
 
-    def __init__(self, root: str | Path, namespace: Namespace, memory_bytes: int = DEFAULT_MEMORY_BYTES):
+    def __init__(self, root: str | Path, namespace: Namespace, memory_bytes: int = DEFAULT_MEMORY_BYTES,
+                 namespace_id: str | None = None):
+        """``namespace_id``: the directory, and what each shard's metadata must name (default
+        ``namespace.id``; ``in_directory`` reads a directory by its name)."""
         if memory_bytes < 0:
             raise ValueError(f"memory_bytes must be at least 0; got {memory_bytes}")
         self.namespace = namespace
-        self.namespace_id = namespace.id  # what each shard's metadata must name
+        self.namespace_id = namespace_id or namespace.id
         self.dir = Path(root) / self.namespace_id / SUBDIR
         remove_stale_temps(self.dir, STALE_TEMP_SECONDS)  # a shard write killed (SIGKILL) long ago
         self.memory_bytes = memory_bytes
@@ -92,8 +95,7 @@ class SequenceStore:
         damaged ``namespace.json`` costs no value. For reading (``cache info``): ``namespace`` is
         the one ``namespace.json`` records, a placeholder where that is unsound."""
         namespace = recorded_namespace(ns_dir / SUBDIR) or Namespace("?", "?", "?", model="(no sound namespace.json)")
-        store = cls(ns_dir.parent, namespace, memory_bytes=0)
-        store.namespace_id, store.dir = ns_dir.name, ns_dir / SUBDIR
+        store = cls(ns_dir.parent, namespace, memory_bytes=0, namespace_id=ns_dir.name)
         store.refresh()
         return store
 
