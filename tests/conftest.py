@@ -196,6 +196,27 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.quick)
 
 
+_FAMILY_ROPES: dict = {}  # transformers family module -> its own apply_rotary_pos_emb
+
+
+@pytest.fixture(autouse=True)
+def _family_rope_restored():
+    """Each test ends with the transformers families' own RoPE: Liger's (a GPU test's
+    ``--kernels auto``) replaces it for the whole process (dpocache.models.kernels), and would
+    reach the next test's models, even those run with ``--kernels none``."""
+    def record() -> None:
+        for name, module in list(sys.modules.items()):
+            rope = getattr(module, "apply_rotary_pos_emb", None) if name.startswith("transformers.models.") else None
+            if rope is not None and module not in _FAMILY_ROPES and rope.__module__.startswith("transformers."):
+                _FAMILY_ROPES[module] = rope
+
+    record()
+    yield
+    record()  # the families first imported during the test, before any patch
+    for module, rope in _FAMILY_ROPES.items():
+        module.apply_rotary_pos_emb = rope
+
+
 @pytest.fixture
 def reference_kernels_asked(monkeypatch) -> list[str]:
     """The ``kernels`` each ``ReferenceModel.from_pretrained`` call of the test asks for, in order

@@ -245,14 +245,16 @@ def build_share_sharded(build_share, load_reference, todo: bool, pad_id: int):
 def reference_loader(path: str | Path, dtype: torch.dtype, env: DistEnv, layout: str = SHARED,
                      sharded: bool = False, adapter: str | Path | None = None, attention: str | None = None,
                      probe_memo: ProbeMemo | None = None, compile: str = "off", kernels: str = "auto",
-                     stream: bool = False):
+                     stream: bool = False, liger_rope: bool = True):
     """What ``build_distributed`` calls to load the reference: sharded over ``env``'s ranks
     (``sharded`` and a world of several), else whole in every process; ``adapter``: a PEFT
     adapter directory applied on top of ``path`` (the initial policy of an adapter run);
     ``probe_memo``: the sharded reference's probe verdicts (``dpocache.cache.probes``);
     ``compile``: the whole reference's decoder layers (``dpocache.scoring.compiling``; a sharded one stays eager);
     ``kernels``: Liger's or the model's own (``dpocache.models.kernels``); ``stream``: the whole
-    reference's decoder layers streamed from host memory (``dpocache.models.streaming``)."""
+    reference's decoder layers streamed from host memory (``dpocache.models.streaming``);
+    ``liger_rope``: the whole reference's, False beside a compiled policy
+    (``dpocache.models.kernels``; a sharded reference's policy is never compiled)."""
     if sharded and env.enabled:
         if adapter is not None:
             raise UsageError(f"--fsdp: a sharded reference with a PEFT adapter ({adapter}) is not supported; build "
@@ -261,4 +263,4 @@ def reference_loader(path: str | Path, dtype: torch.dtype, env: DistEnv, layout:
                                               kernels=kernels)
     return lambda: ReferenceModel.from_pretrained(path, dtype, env.device, layout=layout, adapter=adapter,
                                                   attention=attention, compile=compile, kernels=kernels,
-                                                  stream=stream)
+                                                  stream=stream, liger_rope=liger_rope)

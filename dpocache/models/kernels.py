@@ -19,7 +19,9 @@ Liger patches the model's modules in place, and one function of the family's tra
 ``apply_rotary_pos_emb``, for the whole process: every model of that family in the process runs
 Liger's RoPE from then on. The classes Liger also replaces in that module (so that models built
 later would be patched too) are put back, so a model gets Liger's norms and MLPs only through
-``apply_kernels``.
+``apply_kernels``. Where a process also trains a policy with compiled layers (``train --compile
+on``), its reference takes Liger's kernels without the RoPE (``liger_rope=False``): the compiled
+layers would run Liger's RoPE too, which torch.compile cannot trace (a graph break in every layer).
 """
 
 from __future__ import annotations
@@ -68,18 +70,22 @@ GATED_ACTIVATIONS = {"swiglu": ("silu", "swish"), "geglu": ("gelu_pytorch_tanh",
 # the same norms and activations itself.
 LIGER_UNDER_COMPILE = ("the policy's decoder layers are compiled (--compile on), and torch.compile cannot trace "
                        "Liger's kernels in training")
+ROPE_LEFT_OUT = ("its RoPE left out: Liger's RoPE would reach the policy trained in this process, whose compiled "
+                 "layers cannot trace it")
 
 
 @dataclass
 class KernelChoice:
     """Which kernels a model runs: ``requested`` (auto | liger | none), ``used`` (liger | none),
-    ``reason`` (why, in words), ``applied`` (Liger's kernels patched in, set by ``apply_kernels``)."""
+    ``reason`` (why, in words), ``applied`` (Liger's kernels patched in, set by ``apply_kernels``);
+    ``rope``: whether Liger's RoPE, which patches every model of the family in the process, may be."""
 
     requested: str
     used: str
     reason: str
     model_type: str | None = None
     applied: list[str] = field(default_factory=list)
+    rope: bool = True
 
     def to_json(self) -> dict:
         """What ``run.json`` and the cache build's summary record."""
@@ -87,12 +93,14 @@ class KernelChoice:
 
 
 def choose_kernels(requested: str, device, model_type: str | None, installed: bool | None = None,
-                   families: frozenset[str] = LIGER_FAMILIES, compiled_training: bool = False) -> KernelChoice:
+                   families: frozenset[str] = LIGER_FAMILIES, compiled_training: bool = False,
+                   liger_rope: bool = True) -> KernelChoice:
     """The kernels a model of ``model_type`` runs on ``device`` (a ``torch.device`` or its name)
     for ``--kernels requested``; ``installed``: whether liger-kernel is (None: look, without
     importing it); ``compiled_training``: the model is trained with its decoder layers compiled
-    (``--compile on``). Pure: imports nothing, loads nothing. Raises ``ConfigError``, one line
-    naming ``--kernels``, for ``liger`` where Liger cannot run."""
+    (``--compile on``); ``liger_rope``: False where Liger's RoPE must not patch the process (its
+    policy's layers are compiled). Pure: imports nothing, loads nothing. Raises ``ConfigError``,
+    one line naming ``--kernels``, for ``liger`` where Liger cannot run."""
     if requested not in KERNELS:
         raise ConfigError(f"{flag_name('model.kernels')}: must be one of {', '.join(KERNELS)}; got {requested!r}")
     if requested == "none":
@@ -105,7 +113,8 @@ def choose_kernels(requested: str, device, model_type: str | None, installed: bo
         reason = (f"Liger has no kernels for model type '{model_type}'" if model_type else
                   "the model's config.json names no model type")
     if reason is None:
-        return KernelChoice(requested, "liger", f"Liger's kernels for {model_type} on CUDA", model_type)
+        said = f"Liger's kernels for {model_type} on CUDA" + ("" if liger_rope else f", {ROPE_LEFT_OUT}")
+        return KernelChoice(requested, "liger", said, model_type, rope=liger_rope)
     if requested == "liger":
         raise liger_refused(reason)
     return KernelChoice(requested, "none", reason, model_type)
@@ -121,9 +130,11 @@ def model_type_of(path: str | Path) -> str | None:
     return config.get("model_type") if isinstance(config, dict) else None
 
 
-def kernels_for(requested: str, device, path: str | Path, compiled_training: bool = False) -> KernelChoice:
+def kernels_for(requested: str, device, path: str | Path, compiled_training: bool = False,
+                liger_rope: bool = True) -> KernelChoice:
     """``choose_kernels`` for the model directory ``path``, before it loads."""
-    return choose_kernels(requested, device, model_type_of(path), compiled_training=compiled_training)
+    return choose_kernels(requested, device, model_type_of(path), compiled_training=compiled_training,
+                          liger_rope=liger_rope)
 
 
 def apply_kernels(model: nn.Module, choice: KernelChoice) -> list[str]:
@@ -143,6 +154,8 @@ def apply_kernels(model: nn.Module, choice: KernelChoice) -> list[str]:
     if apply is None:
         return _fall_back(choice, f"the installed liger-kernel has no kernels for model type '{model_type}'")
     switches = _switches(inspect.signature(apply).parameters, lm.config)
+    if not choice.rope and "rope" in switches:
+        switches["rope"] = False
     with _family_classes_kept(lm):
         apply(model=lm, **switches)
     choice.applied = [name for name in ON if switches.get(name)]

@@ -118,12 +118,14 @@ class ReferenceModel:
                         device: str | torch.device | None = None,
                         compile: str = "off", layout: str = "auto",
                         adapter: str | Path | None = None, attention: str | None = None,
-                        temperature: float = 1.0, kernels: str = "auto", stream: bool = False) -> "ReferenceModel":
+                        temperature: float = 1.0, kernels: str = "auto", stream: bool = False,
+                        liger_rope: bool = True) -> "ReferenceModel":
         """The model in ``path``; with ``adapter`` (a PEFT adapter directory whose base is
         ``path``), that adapter on top, unmerged: the same layers the policy loaded from the
         adapter directory runs, so at step 0 both compute the same numbers. ``kernels``: Liger's
         kernels or the model's own (``dpocache.models.kernels``; ``liger`` where Liger cannot run
-        is a ``ConfigError`` before the model loads). ``stream``: the decoder layers stay in host
+        is a ``ConfigError`` before the model loads; ``liger_rope=False``: without Liger's RoPE,
+        which patches the whole process). ``stream``: the decoder layers stay in host
         memory and are copied to ``device`` one ahead of the layer that runs
         (``dpocache.models.streaming``; eager layers only)."""
         device = torch.device(device) if device is not None else default_device()
@@ -131,7 +133,7 @@ class ReferenceModel:
             dtype = resolve_dtype(dtype, device)
         if stream and compile == "on":
             raise ValueError("a streamed reference runs eager layers: compile must be auto or off")
-        kernel_choice = kernels_for(kernels, device, path)
+        kernel_choice = kernels_for(kernels, device, path, liger_rope=liger_rope)
         # Off the CPU, the matrices are stored in the compute dtype (below) before the weights
         # move to the device, so the fp32 copy never takes device memory: on an H100 the 1.1B
         # bench model's fp32 weights alone would exceed the causal pass's whole peak at the 16384

@@ -144,12 +144,20 @@ def collate_shared(pairs: Sequence[TokenizedPair], pad_id: int = 0, placement: S
     )
 
 
+# The rows' width a multiple of 8: on CUDA inductor specializes a compiled layer's kernels on
+# whether the width is, so a width of each kind compiled the layers again, once per run (the 8B
+# LoRA row's 3 graphs in docs/benchmarks/gpu-suite-h200-20261127.md); the slots past a
+# sequence's end repeat its last token, which the causal rows' real tokens never attend to.
+ROW_ALIGN = 8
+
+
 def sequence_rows(pairs: Sequence[TokenizedPair], placement: Sequence[tuple[int, int]], n_rows: int,
                   width: int) -> SequenceRows:
     """The ``SequenceRows`` of pairs placed at ``placement`` (``(row, offset)`` each) in
     ``n_rows`` rows of ``width`` tokens: ``prompt + chosen`` and ``prompt + rejected`` of each pair (one of them
     when the other completion is empty; the prompt alone when both are), ``S`` rows of ``W``
-    slots, ``W`` one more than the longest sequence, so that every row ends past its sequence. A
+    slots, ``W`` one more than the longest sequence rounded up to ``ROW_ALIGN``, so that every
+    row ends past its sequence. A
     prompt token takes its output from its pair's first row, a completion token from its own, a
     padding token from the last slot of row 0 (past its sequence; never read). ``second``: a
     prompt token's slot in its pair's second row; any other token's is that last slot of row 0."""
@@ -163,7 +171,7 @@ def sequence_rows(pairs: Sequence[TokenizedPair], placement: Sequence[tuple[int,
         if len(spans) == first:  # both completions empty: the prompt still needs a row
             spans.append((base, p, base + p, 0))
         prompts.append((base, p, first, len(spans) - first))
-    w = 1 + max(p + n for _, p, _, n in spans)
+    w = -(-(1 + max(p + n for _, p, _, n in spans)) // ROW_ALIGN) * ROW_ALIGN
     gather = torch.empty(len(spans), w, dtype=torch.long)
     past = w - 1  # row 0's last slot, past its sequence
     scatter = torch.full((n_rows * width,), past, dtype=torch.long)

@@ -33,10 +33,13 @@ def cache_dir_of(cfg: Config) -> Path:
 
 
 def prepare_reference(cfg: Config, env: DistEnv, dtype: torch.dtype, spec, tokenizer, train_data: PreferenceData,
-                      eval_data: PreferenceData | None, resumed_from: ResumedFrom | None = None):
+                      eval_data: PreferenceData | None, resumed_from: ResumedFrom | None = None,
+                      compiled_policy: bool = False):
     """Reference sums for every pair, from the cache; builds what is missing first, then frees
     the reference model. A resumed run's reference must hash as its checkpoint's did (checked
-    before any build). Returns (train values, eval values, report for run.json)."""
+    before any build). ``compiled_policy``: the policy's layers are compiled in this process, so
+    the reference takes no Liger RoPE (``dpocache.models.kernels``). Returns (train values, eval
+    values, report for run.json)."""
     if not spec.needs_reference:
         return None, None, {"source": "none (reference-free loss)", "forward_passes_during_training": 0}
     ref_path = cfg.model.ref_model or cfg.model.path
@@ -48,7 +51,8 @@ def prepare_reference(cfg: Config, env: DistEnv, dtype: torch.dtype, spec, token
     pairs = train_data.pairs + (eval_data.pairs if eval_data else [])
     load = reference_loader(ref_dir, dtype, env, cfg.cache.layout, sharded=cfg.distributed.fsdp, adapter=adapter,
                             attention=cfg.model.attention, probe_memo=ProbeMemo(cache_dir), compile=cfg.model.compile,
-                            kernels=cfg.model.kernels, stream=cfg.model.stream_reference)
+                            kernels=cfg.model.kernels, stream=cfg.model.stream_reference,
+                            liger_rope=not compiled_policy)
     # Every rank scores its token-balanced share of what is missing (one rank: all of it).
     options = BuildOptions(pad_id=tokenizer.pad_token_id or 0, max_tokens=cfg.cache.max_tokens,
                            shard_pairs=cfg.cache.shard_size, show_progress=cfg.train.progress and env.is_main,

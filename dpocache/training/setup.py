@@ -144,7 +144,7 @@ def _setup(cfg: Config, env: DistEnv) -> Run:
     check_batch_fits(cfg, train_data, env.world_size)  # before any model loads
     spec = parse_loss_spec(cfg.loss.name, **cfg.loss.params())
     ref_train, ref_eval, ref_info = prepare_reference(cfg, env, dtype, spec, tokenizer, train_data, eval_data,
-                                                      resumed_from)
+                                                      resumed_from, compiled_policy=compiled)
     if fsdp:  # created on the meta device, filled shard by shard: never whole in every process
         policy, scorer = load_sharded_policy(cfg, env, dtype, ProbeMemo(cache_dir_of(cfg)), kernels)
     else:

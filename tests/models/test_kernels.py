@@ -161,7 +161,8 @@ def fake_liger(monkeypatch):
         calls.append(dict(rope=rope, cross_entropy=cross_entropy, fused=fused_linear_cross_entropy,
                           rms_norm=rms_norm, swiglu=swiglu, model=model))
         modeling_llama.LlamaRMSNorm = FakeNorm
-        modeling_llama.apply_rotary_pos_emb = fake_rope
+        if rope:
+            modeling_llama.apply_rotary_pos_emb = fake_rope
         model.model.norm.liger = True
 
     def fake_rope(*args, **kwargs):
@@ -199,6 +200,38 @@ def test_apply_patches_the_lm_inside_peft_without_the_losses(fake_liger, tokeniz
     assert fake_liger.module.LlamaRMSNorm is original_norm
     assert fake_liger.module.apply_rotary_pos_emb is fake_liger.rope
     assert choice.to_json()["applied"] == ["rms_norm", "rope", "swiglu"]
+
+
+def test_beside_a_compiled_policy_the_reference_takes_liger_without_its_process_wide_rope(fake_liger, tokenizer):
+    """Liger's RoPE replaces the family module's function for every model in the process: a
+    policy compiled there would trace it (a graph break in each layer, seen on an H200)."""
+    original_rope = fake_liger.module.apply_rotary_pos_emb
+    choice = choose_kernels("auto", "cuda", "llama", installed=True, liger_rope=False)
+    assert choice.used == "liger" and "its RoPE left out" in choice.reason, choice.reason
+    assert apply_kernels(_llama(tokenizer), choice) == ["rms_norm", "swiglu"]
+    assert fake_liger.calls[0]["rope"] is False and fake_liger.calls[0]["rms_norm"] is True
+    assert fake_liger.module.apply_rotary_pos_emb is original_rope
+
+
+def test_train_with_compiled_layers_builds_its_reference_without_ligers_rope(cli, monkeypatch, fake_liger, tmp_path,
+                                                                            base_model, train_jsonl):
+    """Where Liger could run (made so here on the CPU), ``train --compile on`` builds the
+    reference's values with Liger's kernels but its RoPE, which would reach the compiled policy
+    (the stand-in's RoPE raises if it runs); the policy runs the model's own code."""
+    import dpocache.config
+    import dpocache.models.kernels
+    import dpocache.training.setup
+
+    for module in (dpocache.config, dpocache.models.kernels):
+        monkeypatch.setattr(module, "liger_unavailable", lambda *a, **k: None)
+    monkeypatch.setattr(dpocache.training.setup, "compile_layers", lambda policy: 0)  # what is compiled: not here
+    out = tmp_path / "run"
+    run_training(*flags(base_model, train_jsonl, out, tmp_path / "cache", "--max-steps", "1", "--compile", "on"))
+    info = run_json(out)
+    assert info["reference"]["kernels"]["applied"] == ["rms_norm", "swiglu"], info["reference"]["kernels"]
+    assert "its RoPE left out" in info["reference"]["kernels"]["reason"]
+    assert info["policy"]["kernels"]["used"] == "none" and "--compile on" in info["policy"]["kernels"]["reason"]
+    assert [call["rope"] for call in fake_liger.calls] == [False]
 
 
 def test_no_swiglu_kernel_on_another_activation(fake_liger, tokenizer):

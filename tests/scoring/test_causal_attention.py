@@ -77,8 +77,8 @@ def test_causal_gradients_equal_masked_sdpa(tokenizer, pairs):
     gradients; the discarded copies of prompt queries add nothing)."""
     model = build_model("llama", tokenizer).train()
     out = {a: packed_sums_and_grads(model, pairs, tokenizer.pad_token_id, a, "cpu") for a in ("sdpa", "causal")}
-    for a, b in zip(out["causal"], out["sdpa"]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(out["causal"], out["sdpa"]):  # fp32 sums in another order: rows of other widths
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
 
 
 @pytest.mark.parametrize("layout", ["shared", "packed"])
@@ -207,7 +207,7 @@ def test_sequence_rows_point_every_token_at_itself(tokenizer, pairs):
         assert torch.equal(gather.reshape(-1)[scatter[real]], real)
         # Every row ends past its sequence; a padding token takes row 0's last slot, past its sequence.
         flat, w = gather.reshape(-1), gather.shape[1]
-        assert torch.all(gather[:, -1] == gather[:, -2])
+        assert torch.all(gather[:, -1] == gather[:, -2]) and w % 8 == 0  # one width kind: no recompile on CUDA
         assert torch.all(scatter[batch.segments.reshape(-1) == PAD] == w - 1)
         # A prompt token of a pair with two rows has its copy in the second; any other token's
         # ``second`` is a slot past a sequence's end.
