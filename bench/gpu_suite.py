@@ -134,7 +134,8 @@ class Shapes:
     completion_tokens: tuple[int, int]
     max_length: int
     ref_pairs: int
-    batch_size: int
+    batch_size: int  # pairs a step of the 1.1B row, and TRL's precompute batch
+    lora_batch_size: int  # pairs a step of the 8B LoRA row
     lora_steps: int
     lora_warmup: int
     full_config: BenchConfig
@@ -149,22 +150,24 @@ class Shapes:
 # a GPU their frozen decoder layers stay in host memory (docs/memory.md). The LoRA row keeps 10 of
 # its 32 on the device, spread out, so its forward's copies hide behind more compute: the memory
 # its recompute no longer spends on the down projections' products, a quarter of the recompute's
-# matrix work, which it skips (13.0 GiB planned against a 14.8 GiB target, where 6 resident with
-# those products kept planned 13.1 and measured 12.8); it compiles each layer's forward inside its
+# matrix work, which it skips (at 4 pairs a step 13.0 GiB planned against a 14.8 GiB target, where
+# 6 resident with those products kept planned 13.1 and measured 12.8); it compiles each layer's forward inside its
 # checkpoint: its host time was as long as its device time on an H200, and compiled it took
 # 2.4-2.5x less host time on the CPU (docs/speed.md); its first steps compile, so it leaves two
-# out of the timing.
+# out of the timing. It runs 8 pairs a step, dpocache's default: 4.5% more tokens a second than 4
+# on an H200, at 0.52x TRL's peak at the same batch (17.7 GiB; docs/benchmarks/gpu-suite-h200-20261127.md).
 STREAMED_REFERENCE = ("--stream-reference", "true")
 STREAMED_LORA = ("--stream-base", "true", "--resident-layers", "10", "--compile", "on")
 
 GPU = Shapes(device="cuda", dtype="bfloat16", llama=LLAMA_8B, llama_dir="llama-8b", model_dtype="bfloat16",
              trl_8b_dtype="bfloat16", prompt_tokens=(200, 1200), completion_tokens=(100, 800), max_length=2048,
-             ref_pairs=256, batch_size=4, lora_steps=7, lora_warmup=2, full_config=CONFIGS["1b-2048"],
+             ref_pairs=256, batch_size=4, lora_batch_size=8, lora_steps=7, lora_warmup=2,
+             full_config=CONFIGS["1b-2048"],
              full_steps=10, full_warmup=3, full_train_args=("--attention", "causal", "--compile", "on"),
              ref_build_args=STREAMED_REFERENCE, lora_train_args=STREAMED_LORA)
 DRY = Shapes(device="cpu", dtype="float32", llama=TINY_LLAMA, llama_dir="dryrun-llama", model_dtype="float32",
              trl_8b_dtype="float32", prompt_tokens=(20, 60), completion_tokens=(10, 40), max_length=128,
-             ref_pairs=12, batch_size=2, lora_steps=2, lora_warmup=1,
+             ref_pairs=12, batch_size=2, lora_batch_size=2, lora_steps=2, lora_warmup=1,
              full_config=BenchConfig("dryrun-1b", vocab_size=1024, hidden_size=64, intermediate_size=128,
                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                      prompt_words=(20, 60), completion_words=(10, 40), pairs=4),
@@ -322,11 +325,17 @@ def last_log_line(log: Path) -> str:
     return (errors or lines or [""])[-1][:500]
 
 
-def base_spec(suite: Suite, model: Path, data: Path, steps: int = 1) -> dict:
-    """What both systems' workers of a row share: model, data, dtype, batch, device, steps."""
+def base_spec(suite: Suite, model: Path, data: Path, steps: int = 1, batch_size: int | None = None) -> dict:
+    """What both systems' workers of a row share: model, data, dtype, batch (the shapes' by
+    default), device, steps."""
     s = suite.shapes
-    return {"model": str(model), "data": str(data), "dtype": s.dtype, "batch_size": s.batch_size,
+    return {"model": str(model), "data": str(data), "dtype": s.dtype, "batch_size": batch_size or s.batch_size,
             "device": s.device, "steps": steps}
+
+
+def row_batch_size(shapes: Shapes, row: str) -> int:
+    """Pairs a step of a training row."""
+    return shapes.lora_batch_size if row == "train-8b-lora" else shapes.batch_size
 
 
 def trl_spec(suite: Suite, row: str, side: str, model_dtype: str) -> dict:
@@ -379,7 +388,7 @@ def train_row(suite: Suite, row: str, model: Path, data: Path, cache: Path, step
     holds them), TRL's steps, dpocache's steps, each side's steps after ``warmup`` timed as one
     window, synchronised at its two ends only (steps overlap as in a real run). Returns (prep,
     trl, dpocache, errors)."""
-    base = base_spec(suite, model, data, steps)
+    base = base_spec(suite, model, data, steps, row_batch_size(suite.shapes, row))
     train_base = {**base, "timed_from": warmup}
     prep, prep_err = run_side(suite, row, "dpo-build", {**base, "cache_dir": str(cache),
                                                         "extra_args": suite.kernel_args})
@@ -520,7 +529,8 @@ def refused_train_args(suite: Suite, rows: list[str], as_on_a_gpu: bool = False)
                 continue
             for variant in [(), *suite.variants]:
                 options = [*timed_train_args("<model>", "<data>", suite.shapes.dtype, suite.shapes.device, "<cache>",
-                                             "<out>", suite.shapes.batch_size, 1), *DPO_TRAIN_ARGS[row](suite),
+                                             "<out>", row_batch_size(suite.shapes, row), 1),
+                           *DPO_TRAIN_ARGS[row](suite),
                            *variant]
                 try:
                     build_config(None, options).validate(required=("model.path", "data.train"))
@@ -532,7 +542,7 @@ def refused_train_args(suite: Suite, rows: list[str], as_on_a_gpu: bool = False)
 def row_train_8b_lora(suite: Suite) -> dict:
     """LoRA DPO steps on the 8B model, gradient checkpointing on both sides."""
     s = suite.shapes
-    model, data, info = llama_inputs(suite, s.batch_size * s.lora_steps)
+    model, data, info = llama_inputs(suite, s.lora_batch_size * s.lora_steps)
     stats = data_stats(model, data, s.max_length)
     trl_extra = {**trl_spec(suite, "train-8b-lora", "train", s.trl_8b_dtype), "trl_lora": LORA,
                  "trl_gradient_checkpointing": True}
@@ -541,7 +551,7 @@ def row_train_8b_lora(suite: Suite) -> dict:
     prep, trl, dpo, errors = train_row(suite, "train-8b-lora", model, data, cache, s.lora_steps, s.lora_warmup,
                                        trl_extra, dpo_args)
     dims = model_dims(s.llama, info["parameters"])
-    setup = {"pairs": stats["pairs"], "batch_size": s.batch_size, "steps": s.lora_steps,
+    setup = {"pairs": stats["pairs"], "batch_size": s.lora_batch_size, "steps": s.lora_steps,
              "warmup_steps": s.lora_warmup, "dtype": s.dtype, "trl_model_dtype": s.trl_8b_dtype,
              "lora": {**LORA, "target_modules": "all-linear", "dropout": 0.0}, "gradient_checkpointing": True,
              "dpocache_args": ["train", *dpo_args], **REFERENCE_VALUES}
@@ -871,7 +881,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--work", default=None, help="where inputs are built and reused (default: bench/work/)")
     p.add_argument("--ref-pairs", type=int, default=None, help="ref-8b's pairs (default 256; dry run 12)")
     p.add_argument("--batch-size", type=int, default=None,
-                   help="pairs per training step and TRL's precompute batch, every row (default 4; dry run 2)")
+                   help="pairs per training step and TRL's precompute batch, every row (default 4, the 8B "
+                        "LoRA row 8; dry run 2)")
     p.add_argument("--train-steps", type=int, default=None,
                    help="steps of both training rows (default: 7 LoRA, 10 full; dry run 2)")
     p.add_argument("--warmup-steps", type=int, default=None,
@@ -883,7 +894,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def shapes_of(args: argparse.Namespace) -> Shapes:
     """The dry run's or the GPU's shapes, with the command line's counts in place of theirs."""
     s = DRY if args.dry_run else GPU
-    over = {"ref_pairs": args.ref_pairs, "batch_size": args.batch_size, "lora_steps": args.train_steps,
+    over = {"ref_pairs": args.ref_pairs, "batch_size": args.batch_size, "lora_batch_size": args.batch_size,
+            "lora_steps": args.train_steps,
             "full_steps": args.train_steps, "lora_warmup": args.warmup_steps, "full_warmup": args.warmup_steps}
     s = replace(s, **{k: v for k, v in over.items() if v is not None})
     if min(s.lora_steps - s.lora_warmup, s.full_steps - s.full_warmup) < 1:
@@ -920,7 +932,8 @@ def check_main(args: argparse.Namespace, shapes: Shapes, rows: list[str]) -> int
     trained = [row for row in rows if row in DPO_TRAIN_ARGS]
     print(f"gpu_suite: dpocache train takes the options of {', '.join(trained) or 'no training row'}"
           f"{f' and {len(suite.variants)} variants' if suite.variants and trained else ''} "
-          f"({'the dry run' if args.dry_run else 'the GPU'}'s shapes, batch {shapes.batch_size})")
+          f"({'the dry run' if args.dry_run else 'the GPU'}'s shapes, batch {shapes.batch_size}, "
+          f"the LoRA row's {shapes.lora_batch_size})")
     return 0
 
 
