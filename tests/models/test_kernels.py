@@ -213,18 +213,20 @@ def test_beside_a_compiled_policy_the_reference_takes_liger_without_its_process_
     assert fake_liger.module.apply_rotary_pos_emb is original_rope
 
 
-def test_train_with_compiled_layers_builds_its_reference_without_ligers_rope(cli, monkeypatch, fake_liger, tmp_path,
+def test_train_with_compiled_layers_builds_its_reference_without_ligers_rope(monkeypatch, fake_liger, tmp_path,
                                                                             base_model, train_jsonl):
     """Where Liger could run (made so here on the CPU), ``train --compile on`` builds the
     reference's values with Liger's kernels but its RoPE, which would reach the compiled policy
     (the stand-in's RoPE raises if it runs); the policy runs the model's own code."""
     import dpocache.config
     import dpocache.models.kernels
+    import dpocache.models.reference
     import dpocache.training.setup
 
     for module in (dpocache.config, dpocache.models.kernels):
         monkeypatch.setattr(module, "liger_unavailable", lambda *a, **k: None)
-    monkeypatch.setattr(dpocache.training.setup, "compile_layers", lambda policy: 0)  # what is compiled: not here
+    for module in (dpocache.training.setup, dpocache.models.reference):  # what is compiled is not the question here
+        monkeypatch.setattr(module, "compile_layers", lambda model: 0)
     out = tmp_path / "run"
     run_training(*flags(base_model, train_jsonl, out, tmp_path / "cache", "--max-steps", "1", "--compile", "on"))
     info = run_json(out)
