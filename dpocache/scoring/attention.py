@@ -16,7 +16,9 @@
 - ``causal``: each sequence (a pair's prompt, then one of its completions) gathered into a row
   of its own (``SequenceRows``, built by the collate) and run through SDPA's causal kernel with
   no mask (flash, not cuDNN: ``sdpa_kernels``), outputs taken back to the batch's rows. Only
-  the prompt's attention to itself runs twice; no ``T x T`` mask is built or read. It needs
+  the prompt's attention to itself runs twice; no ``T x T`` mask is built or read. The rows come
+  in a few groups of similar lengths, each as wide as its longest (one SDPA call each): a row's
+  work grows with its width squared, and one width for all spent half of it on padding. It needs
   transformers' attention interface and plain causal layers (no sliding window, no
   soft-capping: ``causal_supported``).
 
@@ -74,20 +76,28 @@ FLEX_BLOCK = 128  # torch's default BlockMask block size
 class SequenceRows(NamedTuple):
     """Each sequence of a shared or packed batch (its pair's prompt, then one completion)
     gathered into a row of its own, for an unmasked causal kernel (the ``causal`` backend).
-    ``S`` sequences in rows of ``W`` slots, each row ending past its sequence
-    (``scoring.shared.sequence_rows``); the batch has ``B`` rows of ``T`` tokens.
+    The rows come in groups, ``S_g`` sequences of similar lengths in rows of ``W_g`` slots, each
+    row ending past its sequence (``scoring.shared.sequence_rows``); the slots are numbered
+    group after group, row after row (a group's first slot after the previous group's
+    ``S_g * W_g``). The batch has ``B`` rows of ``T`` tokens.
 
-    A NamedTuple, so DDP and FSDP2 move and cast its tensors like any input's."""
+    A NamedTuple (of a tuple and tensors), so DDP and FSDP2 move and cast its tensors like any
+    input's."""
 
-    # (S, W) long: flat index b*T + t of the batch token in each slot (past a sequence's end: its last token again)
-    gather: torch.Tensor
-    scatter: torch.Tensor  # (B*T,) long: flat index s*W + j of the slot whose attention output each token takes
+    # per group, (S_g, W_g) long: flat index b*T + t of the batch token in each slot (past a
+    # sequence's end: its last token again)
+    gather: tuple[torch.Tensor, ...]
+    scatter: torch.Tensor  # (B*T,) long: the slot whose attention output each token takes
     # (B*T,) long: a prompt token's slot in its pair's second row; any other token's: a slot past a sequence's end
     second: torch.Tensor
 
+    def map(self, fn) -> "SequenceRows":
+        """``fn`` applied to each tensor (``.to(device)``, ``.pin_memory()``)."""
+        return SequenceRows(tuple(fn(g) for g in self.gather), fn(self.scatter), fn(self.second))
+
 
 class _GatherRows(torch.autograd.Function):
-    """``x (B*T, h, D)`` → ``x[gather] (S*W, h, D)``, whose backward gathers rather than
+    """``x (B*T, h, D)`` → ``x[gather] (slots, h, D)``, whose backward gathers rather than
     scatter-adds (``index_select``'s own backward is an ``index_add_``, atomic adds over every
     slot: docs/benchmarks/gpu-suite-h200-20261126-0556.md).
 
@@ -115,7 +125,7 @@ class _GatherRows(torch.autograd.Function):
 
 
 class _TakeOutputs(torch.autograd.Function):
-    """``out (S*W, h, D)`` → ``out[scatter] (B*T, h, D)``, each batch token's attention output;
+    """``out (slots, h, D)`` → ``out[scatter] (B*T, h, D)``, each batch token's attention output;
     its backward copies each token's gradient into its slot (a slot feeds one real token; the
     padding tokens, whose gradient is zero, share one slot past a sequence's end) instead of
     ``index_select``'s atomic ``index_add_``."""
@@ -137,9 +147,10 @@ def causal_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
                              dpocache_scatter: torch.Tensor | None = None, dpocache_second: torch.Tensor | None = None,
                              **kwargs):
     """transformers' attention interface for the ``causal`` backend: ``query (B, H, T, D)``,
-    ``key``/``value (B, Hkv, T, D)`` gathered into the sequence rows ``(S, H, W, D)``, SDPA with
-    ``is_causal`` and no mask over them (``sdpa_attention_forward``: grouped-query heads, scale,
-    dropout as for sdpa), each batch token's output taken back → ``((B, T, H, D), None)``.
+    ``key``/``value (B, Hkv, T, D)`` gathered into the sequence rows, ``(S_g, H, W_g, D)`` for
+    each group, SDPA with ``is_causal`` and no mask over each group (``sdpa_attention_forward``:
+    grouped-query heads, scale, dropout as for sdpa), each batch token's output taken back →
+    ``((B, T, H, D), None)``.
 
     Why it is exact: in a sequence row a completion token sees, causally, its pair's prompt and
     its own completion: the block mask's rule (``scoring.shared.attention_mask``). A prompt token's
@@ -153,21 +164,24 @@ def causal_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
 
     if dpocache_gather is None or dpocache_scatter is None or dpocache_second is None:  # a plain forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    s, w = dpocache_gather.shape
+    groups = [g.shape for g in dpocache_gather]  # (S_g, W_g) each
     b, t = query.shape[0], query.shape[2]
-    slots = dpocache_gather.reshape(-1)
+    slots = torch.cat([g.reshape(-1) for g in dpocache_gather]) if len(groups) > 1 else dpocache_gather[0].reshape(-1)
 
-    def rows(x: torch.Tensor, second: torch.Tensor | None) -> torch.Tensor:  # (B, h, T, D) -> (S, h, W, D)
+    def rows(x: torch.Tensor, second: torch.Tensor | None) -> list[torch.Tensor]:  # (B, h, T, D) -> [(S_g, h, W_g, D)]
         h, d = x.shape[1], x.shape[3]
         flat = x.transpose(1, 2).reshape(b * t, h, d)
-        return _GatherRows.apply(flat, slots, dpocache_scatter, second).view(s, w, h, d).transpose(1, 2)
+        gathered = _GatherRows.apply(flat, slots, dpocache_scatter, second).split([s * w for s, w in groups])
+        return [part.view(s, w, h, d).transpose(1, 2) for part, (s, w) in zip(gathered, groups)]
 
     kwargs.pop("is_causal", None)
+    outs = []
     with sdpa_kernels():
-        out, _ = sdpa_attention_forward(module, rows(query, None), rows(key, dpocache_second),
-                                        rows(value, dpocache_second), None, is_causal=True, **kwargs)  # (S, W, H, D)
-    h, d = out.shape[2], out.shape[3]
-    return _TakeOutputs.apply(out.reshape(s * w, h, d), dpocache_scatter).view(b, t, h, d), None
+        for q, k, v in zip(rows(query, None), rows(key, dpocache_second), rows(value, dpocache_second)):
+            out, _ = sdpa_attention_forward(module, q, k, v, None, is_causal=True, **kwargs)  # (S_g, W_g, H, D)
+            outs.append(out.reshape(-1, out.shape[2], out.shape[3]))
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]  # (slots, H, D)
+    return _TakeOutputs.apply(out, dpocache_scatter).view(b, t, out.shape[1], out.shape[2]), None
 
 
 # SDPA's kernels for the causal rows: flash, or memory-efficient and math where flash cannot

@@ -255,7 +255,7 @@ class CompletionLogProbs(nn.Module):
             positions |= {"dpocache_gather": attention_mask.gather, "dpocache_scatter": attention_mask.scatter,
                           "dpocache_second": attention_mask.second}
             # A 4D mask is passed through as it is (transformers builds none); the backend ignores it.
-            attention_mask = attention_mask.gather.new_ones((1, 1, 1, 1), dtype=torch.bool)
+            attention_mask = attention_mask.scatter.new_ones((1, 1, 1, 1), dtype=torch.bool)
         padding_mask = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
         moe = {} if self._router is None or not padding_mask else {"output_router_logits": True}
         with compile_settings(self.config, input_ids.device):

@@ -91,7 +91,7 @@ class SharedPromptBatch:
         return self._map(torch.Tensor.pin_memory)
 
     def _map(self, fn) -> "SharedPromptBatch":
-        rows = None if self.rows is None else SequenceRows(*(fn(t) for t in self.rows))
+        rows = None if self.rows is None else self.rows.map(fn)
         return SharedPromptBatch(*(fn(t) for t in (
             self.input_ids, self.position_ids, self.segments, self.source, self.labels, self.sequence,
             self.chosen_tokens, self.rejected_tokens, self.documents)), rows=rows)
@@ -144,23 +144,44 @@ def collate_shared(pairs: Sequence[TokenizedPair], pad_id: int = 0, placement: S
     )
 
 
-# The rows' width a multiple of 8: on CUDA inductor specializes a compiled layer's kernels on
-# whether the width is, so a width of each kind compiled the layers again, once per run (the 8B
-# LoRA row's 3 graphs in docs/benchmarks/gpu-suite-h200-20261127.md); the slots past a
+# A group's rows as wide as a multiple of 8: on CUDA inductor specializes a compiled layer's
+# kernels on whether a width is, so a width of each kind compiled the layers again, once per run
+# (the 8B LoRA row's 3 graphs in docs/benchmarks/gpu-suite-h200-20261127.md); the slots past a
 # sequence's end repeat its last token, which the causal rows' real tokens never attend to.
 ROW_ALIGN = 8
+# The causal rows in this many groups (fewer only with fewer sequences), of similar lengths, each
+# as wide as its longest: causal attention's work on a row grows with its width squared, so one
+# width for all rows spent about half of it on padding (batches of 8 Tulu-shaped pairs, prompts
+# 200-1,200 tokens and completions 100-800: 48% of it on real tokens in one group, 72% in two,
+# 83% in three). A fixed count keeps a compiled layer's graph the same from batch to batch.
+ROW_GROUPS = 3
+
+
+def row_groups(lengths: Sequence[int], groups: int = ROW_GROUPS) -> list[int]:
+    """Where to cut ``lengths`` (sequence lengths, longest first) into ``min(groups, n)``
+    non-empty runs with the least attention work, a run ``[j, i)`` costing ``(i - j) * W**2``
+    with ``W`` its rows' width (``1 +`` its first length, rounded up to ``ROW_ALIGN``): the
+    starts of the runs after the first."""
+    n = len(lengths)
+    width = [-(-(1 + length) // ROW_ALIGN) * ROW_ALIGN for length in lengths]
+    best = {n: (0, [])}  # start j -> (least work, cuts) of lengths[j:] in the runs counted so far
+    for k in range(1, min(groups, n) + 1):  # lengths[j:] in k runs: at least k of them, the first [j, i)
+        best = {j: min(((i - j) * width[j] ** 2 + best[i][0], ([i] if i < n else []) + best[i][1])
+                       for i in range(j + 1, n - k + 2) if i in best)
+                for j in range(n - k + 1)}
+    return best[0][1]
 
 
 def sequence_rows(pairs: Sequence[TokenizedPair], placement: Sequence[tuple[int, int]], n_rows: int,
                   width: int) -> SequenceRows:
     """The ``SequenceRows`` of pairs placed at ``placement`` (``(row, offset)`` each) in
     ``n_rows`` rows of ``width`` tokens: ``prompt + chosen`` and ``prompt + rejected`` of each pair (one of them
-    when the other completion is empty; the prompt alone when both are), ``S`` rows of ``W``
-    slots, ``W`` one more than the longest sequence rounded up to ``ROW_ALIGN``, so that every
-    row ends past its sequence. A
-    prompt token takes its output from its pair's first row, a completion token from its own, a
-    padding token from the last slot of row 0 (past its sequence; never read). ``second``: a
-    prompt token's slot in its pair's second row; any other token's is that last slot of row 0."""
+    when the other completion is empty; the prompt alone when both are), longest first, in
+    ``row_groups``, each group's ``W_g`` one more than its longest sequence rounded up to
+    ``ROW_ALIGN``, so that every row ends past its sequence. A prompt token takes its output from
+    its pair's first row, a completion token from its own, a padding token from the last slot of
+    the longest row (past its sequence; never read). ``second``: a prompt token's slot in its
+    pair's second row; any other token's is that last slot of the longest row."""
     spans = []  # per sequence: (prompt's flat start, prompt length, completion's flat start, completion length)
     prompts = []  # per pair: (prompt's flat start, prompt length, its first sequence, its sequences)
     for pair, (row, start) in zip(pairs, placement):
@@ -171,21 +192,33 @@ def sequence_rows(pairs: Sequence[TokenizedPair], placement: Sequence[tuple[int,
         if len(spans) == first:  # both completions empty: the prompt still needs a row
             spans.append((base, p, base + p, 0))
         prompts.append((base, p, first, len(spans) - first))
-    w = -(-(1 + max(p + n for _, p, _, n in spans)) // ROW_ALIGN) * ROW_ALIGN
-    gather = torch.empty(len(spans), w, dtype=torch.long)
-    past = w - 1  # row 0's last slot, past its sequence
+    order = sorted(range(len(spans)), key=lambda s: -(spans[s][1] + spans[s][3]))  # longest first
+    starts = [0, *row_groups([spans[s][1] + spans[s][3] for s in order])]
+    ends = [*starts[1:], len(order)]
+    gathers, slot = [], [0] * len(spans)  # slot[s]: sequence s's first slot
+    offset = 0
+    for lo, hi in zip(starts, ends):
+        longest = spans[order[lo]][1] + spans[order[lo]][3]
+        w = -(-(1 + longest) // ROW_ALIGN) * ROW_ALIGN
+        gather = torch.empty(hi - lo, w, dtype=torch.long)
+        for i, s in enumerate(order[lo:hi]):
+            base, p, at, n = spans[s]
+            gather[i, :p] = torch.arange(base, base + p)
+            gather[i, p:p + n] = torch.arange(at, at + n)
+            gather[i, p + n:] = base + p - 1 if n == 0 else at + n - 1  # past the sequence: its last token
+            slot[s] = offset + i * w
+        gathers.append(gather)
+        offset += (hi - lo) * w
+    past = gathers[0].shape[1] - 1  # the longest row's last slot, past its sequence
     scatter = torch.full((n_rows * width,), past, dtype=torch.long)
     second = torch.full((n_rows * width,), past, dtype=torch.long)
     for s, (base, p, at, n) in enumerate(spans):
-        gather[s, :p] = torch.arange(base, base + p)
-        gather[s, p:p + n] = torch.arange(at, at + n)
-        gather[s, p + n:] = base + p - 1 if n == 0 else at + n - 1  # past the sequence: its last token
-        scatter[at:at + n] = torch.arange(s * w + p, s * w + p + n)
+        scatter[at:at + n] = torch.arange(slot[s] + p, slot[s] + p + n)
     for base, p, s, count in prompts:
-        scatter[base:base + p] = torch.arange(s * w, s * w + p)
+        scatter[base:base + p] = torch.arange(slot[s], slot[s] + p)
         if count == 2:
-            second[base:base + p] = torch.arange((s + 1) * w, (s + 1) * w + p)
-    return SequenceRows(gather, scatter, second)
+            second[base:base + p] = torch.arange(slot[s + 1], slot[s + 1] + p)
+    return SequenceRows(tuple(gathers), scatter, second)
 
 
 def collate_packed(pairs: Sequence[TokenizedPair], pad_id: int = 0, width: int | None = None,

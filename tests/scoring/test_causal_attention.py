@@ -22,7 +22,16 @@ from dpocache.scoring.attention import register_causal, use_attention
 from dpocache.scoring.layout_choice import CAUSAL
 from dpocache.scoring.layouts import layout_logprobs, training_layout
 from dpocache.scoring.logprobs import CompletionLogProbs
-from dpocache.scoring.shared import PAD, PROMPT, collate_shared, layout_batch, shared_prompt_logps, split_per_token
+from dpocache.scoring.shared import (
+    PAD,
+    PROMPT,
+    ROW_GROUPS,
+    collate_shared,
+    layout_batch,
+    row_groups,
+    shared_prompt_logps,
+    split_per_token,
+)
 
 TOL = 1e-5
 CAUSAL_ARCHS = ("llama", "qwen2", "gpt2", "mixtral")  # Gemma 2 has sliding layers and soft-capping
@@ -189,8 +198,10 @@ def packed_sums_and_grads(model, pairs, pad_id, attention, device):
 
 def test_sequence_rows_point_every_token_at_itself(tokenizer, pairs):
     """Each real token's output comes from a slot holding that same token; each row is one
-    pair's prompt, then one of its completions, in order, then its last token repeated. Pairs
-    with an empty completion (or two) still give their prompt a row."""
+    pair's prompt, then one of its completions, in order, then its last token repeated; the rows
+    longest first in ``ROW_GROUPS`` groups (fewer with fewer sequences), each as wide as its
+    longest sequence plus one, rounded up to 8. Pairs with an empty completion (or two) still
+    give their prompt a row."""
     pad = tokenizer.pad_token_id
     odd = [SimpleNamespace(prompt_ids=[5, 6, 7], chosen_ids=[], rejected_ids=[8, 9], unique_tokens=5, index=90),
            SimpleNamespace(prompt_ids=[5, 6], chosen_ids=[], rejected_ids=[], unique_tokens=2, index=91),
@@ -201,30 +212,61 @@ def test_sequence_rows_point_every_token_at_itself(tokenizer, pairs):
     assert packed.input_ids.shape == (1, sum(p.unique_tokens for p in pairs))
     assert layout_batch("packed", pairs, pad, SimpleNamespace(_attn_implementation="sdpa")).input_ids.shape[0] > 1
     for batch, rows in ((packed, 2 * len(pairs)), (collate_shared([*pairs[:3], *odd], pad, rows=True), 2 * 3 + 3)):
-        gather, scatter, second = batch.rows
-        assert gather.shape[0] == rows  # two rows for each pair with two completions, one for the others
+        groups, scatter, second = batch.rows
+        assert len(groups) == min(ROW_GROUPS, rows) == 3
+        assert sum(g.shape[0] for g in groups) == rows  # two rows for each pair with two completions, one for others
+        flat = torch.cat([g.reshape(-1) for g in groups])
+        row_of = torch.cat([torch.arange(g.numel()) // g.shape[1] + sum(h.shape[0] for h in groups[:i])
+                            for i, g in enumerate(groups)])  # each slot's row, counted over the groups
         real = (batch.segments.reshape(-1) != PAD).nonzero().squeeze(1)
-        assert torch.equal(gather.reshape(-1)[scatter[real]], real)
-        # Every row ends past its sequence; a padding token takes row 0's last slot, past its sequence.
-        flat, w = gather.reshape(-1), gather.shape[1]
-        assert torch.all(gather[:, -1] == gather[:, -2]) and w % 8 == 0  # one width kind: no recompile on CUDA
-        assert torch.all(scatter[batch.segments.reshape(-1) == PAD] == w - 1)
+        assert torch.equal(flat[scatter[real]], real)
+        # Every row ends past its sequence; a padding token takes the longest row's last slot.
+        past = groups[0].shape[1] - 1
+        assert torch.all(scatter[batch.segments.reshape(-1) == PAD] == past)
         # A prompt token of a pair with two rows has its copy in the second; any other token's
         # ``second`` is a slot past a sequence's end.
-        copied = second != w - 1
+        copied = second != past
         assert torch.equal(flat[second[copied]], copied.nonzero().squeeze(1))
-        assert torch.all(second[copied] // w == scatter[copied] // w + 1)
+        assert torch.all(row_of[second[copied]] != row_of[scatter[copied]])
         assert torch.all(batch.segments.reshape(-1)[copied] == PROMPT)
         seg, docs = batch.segments.reshape(-1), batch.documents.reshape(-1)
-        for row in gather:
-            n = int((row[1:] != row[:-1]).sum()) + 1  # the sequence's own slots, before the repeats
-            own = row[:n]
-            assert torch.all(row[n:] == own[-1]) and torch.all(own[1:] > own[:-1])
-            kinds = seg[own]
-            p = int((kinds == PROMPT).sum())
-            assert p > 0 and torch.all(kinds[:p] == PROMPT) and kinds[p:].unique().numel() <= 1
-            assert docs[own].unique().numel() == 1 and own[0] // batch.input_ids.shape[1] == own[-1] // \
-                batch.input_ids.shape[1]
+        lengths = []
+        for group in groups:
+            longest = None
+            for row in group:
+                n = int((row[1:] != row[:-1]).sum()) + 1  # the sequence's own slots, before the repeats
+                longest = n if longest is None else longest
+                lengths.append(n)
+                own = row[:n]
+                assert torch.all(row[n:] == own[-1]) and torch.all(own[1:] > own[:-1])
+                kinds = seg[own]
+                p = int((kinds == PROMPT).sum())
+                assert p > 0 and torch.all(kinds[:p] == PROMPT) and kinds[p:].unique().numel() <= 1
+                assert docs[own].unique().numel() == 1 and own[0] // batch.input_ids.shape[1] == own[-1] // \
+                    batch.input_ids.shape[1]
+            assert group.shape[1] == -(-(longest + 1) // 8) * 8  # one width kind: no recompile on CUDA
+        assert lengths == sorted(lengths, reverse=True)
+
+
+def test_row_groups_cut_where_the_attention_does_least_work():
+    """Against every way to cut the lengths into the same number of runs."""
+    import itertools
+    import random
+
+    def work(lengths, starts):
+        bounds = [0, *starts, len(lengths)]
+        return sum((hi - lo) * (-(-(1 + lengths[lo]) // 8) * 8) ** 2 for lo, hi in zip(bounds, bounds[1:]))
+
+    rng = random.Random(0)
+    for n in range(1, 13):
+        lengths = sorted((rng.randint(3, 2000) for _ in range(n)), reverse=True)
+        starts = row_groups(lengths)
+        assert len(starts) == min(ROW_GROUPS, n) - 1 and starts == sorted(set(starts)) and 0 not in starts
+        best = min(work(lengths, list(cut)) for cut in itertools.combinations(range(1, n), len(starts)))
+        assert work(lengths, starts) == best
+    # one width for all: half the work or more is padding where the lengths spread (Tulu-shaped)
+    lengths = sorted((rng.randint(300, 2000) for _ in range(16)), reverse=True)
+    assert work(lengths, row_groups(lengths)) < 0.8 * work(lengths, [])
 
 
 @pytest.mark.parametrize("arch", sorted(set(ARCHITECTURES) - set(CAUSAL_ARCHS)))
