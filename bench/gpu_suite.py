@@ -31,7 +31,8 @@ Rows:
   the down projections' products, as every checkpointed LoRA run does; the dry run neither
   streams nor compiles). ``--build-args``/``--train-args "--stream-base false ..."`` turn them off for an A/B
   (later flags win); ``--variants`` runs dpocache's side once more per set of options after
-  every row, on the inputs already built, each against the row's own TRL run.
+  every row, on the inputs already built, each against the row's own TRL run (an entry's leading
+  ``DPOCACHE_NAME=VALUE`` words go to its worker's environment: ``"DPOCACHE_ROW_GROUPS=1"``).
 - ``train-1b-full``: full-parameter DPO steps of the 1.1B Llama of ``bench_vs_trl.py --config
   1b-2048``, with the options of its H100 run (``--attention causal --compile on``), against TRL's.
 
@@ -404,14 +405,32 @@ def train_row(suite: Suite, row: str, model: Path, data: Path, cache: Path, step
     return prep, trl, dpo, [prep_err, trl_err, dpo_err]
 
 
+# A --variants entry's leading words that set an environment variable dpocache reads
+VARIANT_ENV = re.compile(r"(DPOCACHE_[A-Z0-9_]+)=(.*)")
+
+
+def split_variant(options: tuple[str, ...]) -> tuple[dict[str, str], tuple[str, ...]]:
+    """A ``--variants`` entry: (its leading ``DPOCACHE_NAME=VALUE`` words as an environment,
+    the ``dpocache train`` options after them)."""
+    env: dict[str, str] = {}
+    for i, word in enumerate(options):
+        match = VARIANT_ENV.fullmatch(word)
+        if match is None:
+            return env, options[i:]
+        env[match[1]] = match[2]
+    return env, ()
+
+
 def variant_run(suite: Suite, row: dict, spec: dict, warmup: int, options: tuple[str, ...]) -> dict:
     """``--variants``: a training row's dpocache side once more with ``options`` after the row's
     own (a fresh output directory; the reference values its cache holds), read against the
     row's TRL run and targets: its tokens/s, MFU, peak memory and their ratios, and its raw
     figures."""
     workdir = str(Path(tempfile.mkdtemp(prefix="dpo-variant-", dir=_row_scratch(suite, row["name"]))) / "run")
-    result, err = run_side(suite, row["name"], "dpo-train",
-                           {**spec, "extra_args": [*spec["extra_args"], *options], "workdir": workdir})
+    env, train = split_variant(options)
+    spec = {**spec, "extra_args": [*spec["extra_args"], *train], "workdir": workdir,
+            "env": {**spec.get("env", {}), **env}}
+    result, err = run_side(suite, row["name"], "dpo-train", spec)
     tps = steady_tokens_per_s(result, warmup)
     mem = peak_mem_gib(result, suite.shapes.device)
     variant = {"name": row["name"], "train_args": list(options), "tokens_per_s": tps,
@@ -519,7 +538,7 @@ def refused_train_args(suite: Suite, rows: list[str], as_on_a_gpu: bool = False)
     device (the GPU's shapes and flags, which name ``--device cuda``)."""
     from unittest import mock
 
-    from dpocache.config import ConfigError, build_config
+    from dpocache.config import ConfigError, build_config, validate_environment
 
     gpu = (mock.patch.multiple("torch.cuda", is_available=lambda: True, device_count=lambda: 1) if as_on_a_gpu
            else contextlib.nullcontext())
@@ -528,11 +547,14 @@ def refused_train_args(suite: Suite, rows: list[str], as_on_a_gpu: bool = False)
             if row not in DPO_TRAIN_ARGS:
                 continue
             for variant in [(), *suite.variants]:
+                env, train = split_variant(variant)
                 options = [*timed_train_args("<model>", "<data>", suite.shapes.dtype, suite.shapes.device, "<cache>",
                                              "<out>", row_batch_size(suite.shapes, row), 1),
                            *DPO_TRAIN_ARGS[row](suite),
-                           *variant]
+                           *train]
                 try:
+                    with mock.patch.dict(os.environ, env):
+                        validate_environment()
                     build_config(None, options).validate(required=("model.path", "data.train"))
                 except ConfigError as err:
                     return f"{row}{' with --variants ' + shlex.quote(' '.join(variant)) if variant else ''}: {err}"
@@ -869,7 +891,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--variants", nargs="+", default=[], metavar="OPTIONS",
                    help="after every row, each training row's dpocache side once more per OPTIONS (one string "
                         "each, after --train-args), on the inputs built and against the row's TRL run: A/Bs "
-                        "without building the model again")
+                        "without building the model again; leading DPOCACHE_NAME=VALUE words set its environment")
     p.add_argument("--no-trl", action="store_true",
                    help="dpocache's side only (a comparison of dpocache's options on one machine; no ratio to TRL)")
     p.add_argument("--worker-timeout", type=float, default=None, metavar="S",

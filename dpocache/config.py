@@ -36,6 +36,8 @@ from dpocache.scoring.layout_choice import (
     LAYOUTS,
     LORA_CAST_ENV,
     LORA_CAST_MODES,
+    ROW_GROUPS_ENV,
+    ROW_GROUPS_MODES,
 )
 
 # torch (and dpocache.losses.formulas, which needs it) is imported by validate() and help_text() only:
@@ -411,7 +413,8 @@ def validate_environment() -> None:
     """The environment variables dpocache reads whose values are a choice (every command checks
     them first: ``dpocache.cli.entry``)."""
     for name, modes in ((CAUSAL_SDPA_ENV, CAUSAL_SDPA_MODES), (CPU_ALLOCATOR_ENV, CPU_ALLOCATOR_MODES),
-                        (BF16_MATMUL_ENV, BF16_MATMUL_MODES), (LORA_CAST_ENV, LORA_CAST_MODES)):
+                        (BF16_MATMUL_ENV, BF16_MATMUL_MODES), (LORA_CAST_ENV, LORA_CAST_MODES),
+                        (ROW_GROUPS_ENV, ROW_GROUPS_MODES)):
         value = os.environ.get(name)
         if value is not None and value not in modes and not (value == "" and name == CPU_ALLOCATOR_ENV):
             raise ConfigError(f"${name} must be {' or '.join(modes)}; got '{value}'")

@@ -53,6 +53,10 @@ CAUSAL = "dpocache_causal"  # transformers' name of dpocache.scoring.attention's
 # cuDNN (the default), or any (SDPA's own choice; to measure the choice again).
 CAUSAL_SDPA_ENV = "DPOCACHE_CAUSAL_SDPA"
 CAUSAL_SDPA_MODES = ("no-cudnn", "any")
+# Into how many groups of similar lengths the causal backend's rows go (dpocache.scoring.shared.ROW_GROUPS;
+# the default first): 1 is every row as wide as the batch's longest sequence, to measure the groups again.
+ROW_GROUPS_ENV = "DPOCACHE_ROW_GROUPS"
+ROW_GROUPS_MODES = ("3", "1", "2", "4")
 # How bf16 linears run on a CPU (dpocache.scoring.bf16_matmul); here, as the two above, so that checking
 # the environment (config.validate_environment) imports no torch.
 BF16_MATMUL_ENV = "DPOCACHE_BF16_MATMUL"

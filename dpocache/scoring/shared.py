@@ -33,6 +33,7 @@ position ids and the flat positions to score), so a DDP- or FSDP2-wrapped scorer
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -47,6 +48,8 @@ from dpocache.scoring.attention import FLEX_BLOCK, SequenceRows, is_causal, is_f
 from dpocache.scoring.layout_choice import (
     BLOCK_MASK_ATTENTION,
     PACKED,
+    ROW_GROUPS_ENV,
+    ROW_GROUPS_MODES,
     every_layer_slides,
 )
 from dpocache.scoring.logprobs import scorer_core, unwrap_causal_lm
@@ -151,10 +154,13 @@ def collate_shared(pairs: Sequence[TokenizedPair], pad_id: int = 0, placement: S
 ROW_ALIGN = 8
 # The causal rows in this many groups (fewer only with fewer sequences), of similar lengths, each
 # as wide as its longest: causal attention's work on a row grows with its width squared, so one
-# width for all rows spent about half of it on padding (batches of 8 Tulu-shaped pairs, prompts
-# 200-1,200 tokens and completions 100-800: 48% of it on real tokens in one group, 72% in two,
-# 83% in three). A fixed count keeps a compiled layer's graph the same from batch to batch.
-ROW_GROUPS = 3
+# width for all rows spent about half of it on padding (batches of 8 pairs of the GPU suite's
+# shapes, prompts 200-1,200 tokens and completions 100-800, by arithmetic over random draws: 48%
+# of it on real tokens in one group, 72% in two, 83% in three). A fixed count keeps a compiled
+# layer's graph the same from batch to batch. ``$DPOCACHE_ROW_GROUPS`` sets it (1: one group, to
+# measure the groups again); read once, at import, as every command checks it first.
+_ROW_GROUPS_SET = os.environ.get(ROW_GROUPS_ENV)
+ROW_GROUPS = int(_ROW_GROUPS_SET if _ROW_GROUPS_SET in ROW_GROUPS_MODES else ROW_GROUPS_MODES[0])
 
 
 def row_groups(lengths: Sequence[int], groups: int = ROW_GROUPS) -> list[int]:

@@ -470,6 +470,31 @@ def test_check_takes_the_gpus_options_on_a_machine_without_one(capsys, monkeypat
     assert not list(tmp_path.iterdir())
 
 
+def test_a_variants_leading_dpocache_words_set_its_workers_environment(tmp_path, monkeypatch):
+    """``--variants "DPOCACHE_ROW_GROUPS=1 --turn-layers 8"``: the leading ``DPOCACHE_NAME=VALUE``
+    words go to the variant's worker's environment (beside the row's own), the rest to ``train``;
+    a value dpocache would refuse stops the check, naming the variable."""
+    split = gpu_suite.split_variant
+    assert split(("DPOCACHE_ROW_GROUPS=1", "--turn-layers", "8")) == ({"DPOCACHE_ROW_GROUPS": "1"},
+                                                                       ("--turn-layers", "8"))
+    late = ("--turn-layers", "8", "DPOCACHE_ROW_GROUPS=1")  # only leading words set the environment
+    assert split(late) == ({}, late)
+    assert split(("DPOCACHE_ROW_GROUPS=1",)) == ({"DPOCACHE_ROW_GROUPS": "1"}, ())
+    suite = gpu_suite.Suite(gpu_suite.shapes_of(gpu_suite.parse_args(["--dry-run"])), tmp_path, tmp_path,
+                            tmp_path / "log", [], None)
+    specs = []
+    monkeypatch.setattr(gpu_suite, "run_side", lambda suite, row, mode, spec: specs.append(spec) or (None, "no run"))
+    row = {"name": "train-8b-lora", "flops_per_token": 1.0}
+    spec = {"extra_args": ["--lora-r", "16"], "env": {"HF_HOME": "h"}}
+    variant = gpu_suite.variant_run(suite, row, spec, 1, ("DPOCACHE_ROW_GROUPS=1", "--turn-layers", "8"))
+    assert specs[0]["env"] == {"HF_HOME": "h", "DPOCACHE_ROW_GROUPS": "1"}
+    assert specs[0]["extra_args"] == ["--lora-r", "16", "--turn-layers", "8"]
+    assert variant["train_args"] == ["DPOCACHE_ROW_GROUPS=1", "--turn-layers", "8"] and variant["error"] == "no run"
+    suite.variants = (("DPOCACHE_ROW_GROUPS=1",), ("DPOCACHE_ROW_GROUPS=7",))
+    refused = gpu_suite.refused_train_args(suite, ["train-8b-lora"])
+    assert refused.startswith("train-8b-lora with --variants DPOCACHE_ROW_GROUPS=7: $DPOCACHE_ROW_GROUPS must be")
+
+
 def test_options_dpocache_would_refuse_stop_the_suite_before_any_row(tmp_path, capsys):
     """``--train-args`` that ``dpocache train`` refuses with the row's own options (here
     ``--resident-layers`` without a streamed base) stop the suite with one line naming the row

@@ -7,6 +7,9 @@ falls back to sdpa and says why."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -267,6 +270,23 @@ def test_row_groups_cut_where_the_attention_does_least_work():
     # one width for all: half the work or more is padding where the lengths spread (Tulu-shaped)
     lengths = sorted((rng.randint(300, 2000) for _ in range(16)), reverse=True)
     assert work(lengths, row_groups(lengths)) < 0.8 * work(lengths, [])
+
+
+def test_row_groups_env_sets_the_groups_and_a_wrong_value_stops_the_command(tmp_path, monkeypatch, capsys):
+    """``$DPOCACHE_ROW_GROUPS=1``: every row as wide as the longest, read at import (in a fresh
+    process); a value not offered: one line and status 2."""
+    code = ("from types import SimpleNamespace as N; from dpocache.scoring.shared import layout_batch; "
+            "from dpocache.data.pairs import TokenizedPair as P; "
+            "pairs = [P(i, (5,) * (3 + i), (6,) * (2 + 3 * i), (7,) * (4 + i), key=bytes(16)) for i in range(4)]; "
+            "print(len(layout_batch('packed', pairs, 0, N(_attn_implementation='dpocache_causal')).rows.gather))")
+    for env, groups in (({"DPOCACHE_ROW_GROUPS": "1"}, 1), ({"DPOCACHE_ROW_GROUPS": "2"}, 2), ({}, ROW_GROUPS)):
+        environ = {k: v for k, v in os.environ.items() if k != "DPOCACHE_ROW_GROUPS"} | env
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environ, check=True)
+        assert int(out.stdout) == groups, (env, out.stdout, out.stderr)
+    monkeypatch.setenv("DPOCACHE_ROW_GROUPS", "5")
+    assert main(["cache", "info", "--cache-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "$DPOCACHE_ROW_GROUPS must be 3 or 1 or 2 or 4; got '5'" in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("arch", sorted(set(ARCHITECTURES) - set(CAUSAL_ARCHS)))
