@@ -163,13 +163,19 @@ _ROW_GROUPS_SET = os.environ.get(ROW_GROUPS_ENV)
 ROW_GROUPS = int(_ROW_GROUPS_SET if _ROW_GROUPS_SET in ROW_GROUPS_MODES else ROW_GROUPS_MODES[0])
 
 
+def row_width(length: int) -> int:
+    """The slots of a causal row for a sequence of ``length`` tokens: at least one past its end,
+    rounded up to ``ROW_ALIGN``."""
+    return packing.round_up(1 + length, ROW_ALIGN)
+
+
 def row_groups(lengths: Sequence[int], groups: int = ROW_GROUPS) -> list[int]:
     """Where to cut ``lengths`` (sequence lengths, longest first) into ``min(groups, n)``
     non-empty runs with the least attention work, a run ``[j, i)`` costing ``(i - j) * W**2``
-    with ``W`` its rows' width (``1 +`` its first length, rounded up to ``ROW_ALIGN``): the
-    starts of the runs after the first."""
+    with ``W`` its rows' width (``row_width`` of its first length): the starts of the runs after
+    the first."""
     n = len(lengths)
-    width = [-(-(1 + length) // ROW_ALIGN) * ROW_ALIGN for length in lengths]
+    width = [row_width(length) for length in lengths]
     best = {n: (0, [])}  # start j -> (least work, cuts) of lengths[j:] in the runs counted so far
     for k in range(1, min(groups, n) + 1):  # lengths[j:] in k runs: at least k of them, the first [j, i)
         best = {j: min(((i - j) * width[j] ** 2 + best[i][0], ([i] if i < n else []) + best[i][1])
@@ -183,8 +189,8 @@ def sequence_rows(pairs: Sequence[TokenizedPair], placement: Sequence[tuple[int,
     """The ``SequenceRows`` of pairs placed at ``placement`` (``(row, offset)`` each) in
     ``n_rows`` rows of ``width`` tokens: ``prompt + chosen`` and ``prompt + rejected`` of each pair (one of them
     when the other completion is empty; the prompt alone when both are), longest first, in
-    ``row_groups``, each group's ``W_g`` one more than its longest sequence rounded up to
-    ``ROW_ALIGN``, so that every row ends past its sequence. A prompt token takes its output from
+    ``row_groups``, each group's ``W_g`` the ``row_width`` of its longest sequence, so that every
+    row ends past its sequence. A prompt token takes its output from
     its pair's first row, a completion token from its own, a padding token from the last slot of
     the longest row (past its sequence; never read). ``second``: a prompt token's slot in its
     pair's second row; any other token's is that last slot of the longest row."""
@@ -198,14 +204,14 @@ def sequence_rows(pairs: Sequence[TokenizedPair], placement: Sequence[tuple[int,
         if len(spans) == first:  # both completions empty: the prompt still needs a row
             spans.append((base, p, base + p, 0))
         prompts.append((base, p, first, len(spans) - first))
-    order = sorted(range(len(spans)), key=lambda s: -(spans[s][1] + spans[s][3]))  # longest first
-    starts = [0, *row_groups([spans[s][1] + spans[s][3] for s in order])]
+    lengths = [p + n for _, p, _, n in spans]
+    order = sorted(range(len(spans)), key=lambda s: -lengths[s])  # longest first
+    starts = [0, *row_groups([lengths[s] for s in order])]
     ends = [*starts[1:], len(order)]
     gathers, slot = [], [0] * len(spans)  # slot[s]: sequence s's first slot
     offset = 0
     for lo, hi in zip(starts, ends):
-        longest = spans[order[lo]][1] + spans[order[lo]][3]
-        w = -(-(1 + longest) // ROW_ALIGN) * ROW_ALIGN
+        w = row_width(lengths[order[lo]])
         gather = torch.empty(hi - lo, w, dtype=torch.long)
         for i, s in enumerate(order[lo:hi]):
             base, p, at, n = spans[s]
