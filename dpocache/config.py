@@ -509,6 +509,10 @@ def _trains_lora(cfg: Config) -> bool:
     return cfg.lora.r > 0 or adapter_dir
 
 
+# ``--checkpoint-keep``'s name for the attention's output (``dpocache.models.kept_attention``).
+KEEP_ATTENTION = "attention"
+
+
 def checkpoint_keep_names(text: str | None) -> tuple[str, ...]:
     """``--checkpoint-keep``'s module names, once each: ``none`` (or empty) is none; else
     comma-separated names, each a Python identifier (``down_proj``). ``ConfigError`` otherwise."""
@@ -540,6 +544,13 @@ def _validate_checkpoint_keep(cfg: Config) -> None:
         raise ConfigError(f"{flag}: a resident layer compiles whole, its checkpoint inside the graph, where no "
                           f"product can be kept; use {flag_name('model.compile')} auto or off with it (or "
                           f"{flag_name('model.stream_base')} true)")
+    if KEEP_ATTENTION in checkpoint_keep_names(cfg.model.checkpoint_keep):
+        if cfg.model.attention in ("sdpa", "flex"):
+            raise ConfigError(f"{flag}: {KEEP_ATTENTION} keeps the causal rows' attention output; "
+                              f"{flag_name('model.attention')} {cfg.model.attention} runs none (use causal or auto)")
+        if cfg.train.layout == "padded":
+            raise ConfigError(f"{flag}: {KEEP_ATTENTION} keeps the causal rows' attention output; the padded layout "
+                              f"({flag_name('train.layout')} padded) runs none")
 
 
 def _validate_streamed(cfg: Config, flag: str) -> None:

@@ -26,6 +26,11 @@ gradient ``grad @ W``, as ``F.linear``'s own backward does: the same values bit 
 still fetched for it. Only frozen matrices are kept (a LoRA policy's base): a trained one
 would need its input kept for its own gradient too.
 
+``--checkpoint-keep attention`` keeps the causal rows' attention output and log-sum-exp
+instead, so the recompute runs no flash attention forward (``dpocache.models.kept_attention``);
+the phases of a checkpointed call, and what the forward keeps for the recompute, are
+``dpocache.models.checkpoint_phases``'.
+
 A frozen product the recompute never reads is not computed at all (``--skip-unread-products``,
 ``model.skip_unread_products``, on by default): the recompute exists to rebuild the tensors the
 layer's backward saved, and its output is never read (the non-reentrant checkpoint drops it; the
@@ -61,9 +66,7 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import types
-from collections import deque
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -72,8 +75,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dpocache.config import ConfigError, flag_name
+from dpocache.config import KEEP_ATTENTION, ConfigError, flag_name
+from dpocache.models.checkpoint_phases import Phase, checkpoint_phases, current_phase, in_phase_by_grad_mode
 from dpocache.models.directories import adapter_base_dir
+from dpocache.models.kept_attention import keep_attention_
+from dpocache.scoring.attention import causal_supported
 from dpocache.scoring.compiling import compiled_function
 from dpocache.scoring.logprobs import decoder_layers
 
@@ -96,11 +102,13 @@ UNREAD_PRODUCTS: dict[str, tuple[str, ...]] = {
 
 
 class CheckpointedProducts(NamedTuple):
-    """What ``enable_checkpointing`` did to the linear layers' products, by qualified name:
-    kept through the recompute (``--checkpoint-keep``), or not computed in it (unread)."""
+    """What ``enable_checkpointing`` did, by qualified name: the linear layers whose products
+    are kept through the recompute (``--checkpoint-keep``) or not computed in it (unread), and
+    the attention modules whose output is kept (``--checkpoint-keep attention``)."""
 
     kept: list[str]
     skipped: list[str]
+    attention: list[str]
 
 
 def enable_checkpointing(model: nn.Module, keep: tuple[str, ...] = (), compiled: bool = False,
@@ -110,10 +118,13 @@ def enable_checkpointing(model: nn.Module, keep: tuple[str, ...] = (), compiled:
     layer's forward compiled inside the checkpoint (``LayerCheckpoint``); either way keeping the
     products of the linear layers named in ``keep`` (``keep_products_``) and, with
     ``skip_unread``, not computing in the recompute those no saved tensor reads
-    (``skip_unread_products_``; a name in ``keep`` among them is skipped, not kept). Returns
-    the qualified names of both. Non-reentrant works with inputs that do not require grad (frozen
+    (``skip_unread_products_``; a name in ``keep`` among them is skipped, not kept); ``attention``
+    in ``keep``: the attention's output (``dpocache.models.kept_attention``). Returns the
+    qualified names of both. Non-reentrant works with inputs that do not require grad (frozen
     embeddings in LoRA); the compiled checkpoint needs the layers' input to require it
     (``enable_input_require_grads``)."""
+    attention = keep_attention_(model) if KEEP_ATTENTION in keep else []
+    keep = tuple(name for name in keep if name != KEEP_ATTENTION)
     unread = unread_products(model) if skip_unread else ()
     if set(keep) & set(unread):
         log.info("activation checkpointing: %s is never read by the backward; its product is skipped in the "
@@ -130,11 +141,12 @@ def enable_checkpointing(model: nn.Module, keep: tuple[str, ...] = (), compiled:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     for layer in decoder_layers(model):
         if hasattr(layer, "_gradient_checkpointing_func"):
-            layer._gradient_checkpointing_func = LayerCheckpoint(phased=bool(kept or skipped), compiled=compiled)
-        elif kept or skipped or compiled:  # a model that checkpoints its layers in its own loop
+            layer._gradient_checkpointing_func = LayerCheckpoint(phased=bool(kept or skipped or attention),
+                                                                 compiled=compiled)
+        elif kept or skipped or attention or compiled:  # a model that checkpoints its layers in its own loop
             raise ValueError(f"{type(layer).__name__} is not checkpointed by transformers' per-layer checkpoint; "
                              "it cannot keep or skip products or compile inside its checkpoint")
-    return CheckpointedProducts(kept, skipped)
+    return CheckpointedProducts(kept, skipped, attention)
 
 
 class LayerCheckpoint:
@@ -184,7 +196,7 @@ class LayerCheckpoint:
         if self.compiled:
             run = functools.partial(compiled_function(forward.func), *forward.args, **forward.keywords)
             if self.phased:  # the reentrant forward runs without autograd, its recompute with it
-                run = functools.partial(_in_phase_by_grad_mode, {}, run)
+                run = functools.partial(in_phase_by_grad_mode, {}, run)
         if self.before is not None:
             run = functools.partial(_after, self.before, run)
         if self.compiled:
@@ -211,13 +223,6 @@ def _call_with_forward(layer: nn.Module, forward: Callable, *args, **kwargs):
 def _after(before: Callable[[], None], run: Callable, *args, **kwargs):
     before()
     return run(*args, **kwargs)
-
-
-def _in_phase_by_grad_mode(store: dict, run: Callable, *args, **kwargs):
-    """``run`` in the forward's phase of one checkpointed call (without autograd: the reentrant
-    checkpoint's forward) or in its recompute's (with it), sharing ``store``."""
-    with _Phase(store, recompute=torch.is_grad_enabled()):
-        return run(*args, **kwargs)
 
 
 def keep_products_(model: nn.Module, names: tuple[str, ...], compiled: bool = False) -> list[str]:
@@ -277,10 +282,13 @@ def skip_unread_products_(model: nn.Module, names: tuple[str, ...], compiled: bo
     return [qualified[id(linear)] for linear in chosen]
 
 
-def check_keep_names(model_path: str | Path, names: tuple[str, ...]) -> None:
+def check_keep_names(model_path: str | Path, names: tuple[str, ...], attention: str = "causal",
+                     device: torch.device | str = "cpu") -> None:
     """``names`` against the decoder layers of the model at ``model_path`` (a PEFT adapter
     directory's base), built on the meta device from its config: no weights are read, so a
-    wrong name costs one line before any model loads. ``ConfigError`` if one matches no linear layer."""
+    wrong name costs one line before any model loads. ``ConfigError`` if one matches no linear
+    layer, or if ``attention`` is kept where the causal rows will not run (``--attention``
+    ``attention`` on ``device``; the model's family: ``scoring.attention.causal_supported``)."""
     if not names:
         return
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -289,11 +297,18 @@ def check_keep_names(model_path: str | Path, names: tuple[str, ...]) -> None:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     _check_names(names, decoder_layers(model)[0])
+    if KEEP_ATTENTION in names:
+        why = causal_supported(model)
+        if why is None and attention == "auto" and torch.device(device).type != "cuda":
+            why = f"{flag_name('model.attention')} auto runs sdpa on {torch.device(device).type} (pass causal)"
+        if why is not None:
+            raise ConfigError(f"{flag_name('model.checkpoint_keep')}: {KEEP_ATTENTION} keeps the causal rows' "
+                              f"attention output, which will not run here: {why}")
 
 
 def _check_names(names: tuple[str, ...], layer: nn.Module) -> None:
     present = dict.fromkeys(short for short, _ in layer_linears(layer))
-    missing = [name for name in names if name not in present]
+    missing = [name for name in names if name not in present and name != KEEP_ATTENTION]
     if missing:
         raise ConfigError(f"{flag_name('model.checkpoint_keep')}: no linear layer named {missing[0]!r} in the decoder "
                           f"layers; they have {', '.join(present) or 'none'}")
@@ -316,54 +331,10 @@ def layer_linears(layer: nn.Module) -> list[tuple[str, nn.Linear]]:
     return found
 
 
-class _Phase:
-    """One of a checkpointed call's two phases (``checkpoint_phases``): the forward, which keeps
-    the products, or the recompute, which takes them. Entered by torch's checkpoint around the
-    layer's forward and around its recompute; both share the call's ``store``."""
-
-    def __init__(self, store: dict, recompute: bool) -> None:
-        self.store, self.recompute = store, recompute
-        self._outer = None
-
-    def __enter__(self) -> "_Phase":
-        self._outer = getattr(_current, "phase", None)
-        _current.phase = self
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _current.phase = self._outer
-
-    def keep(self, module: nn.Module, product: torch.Tensor) -> None:
-        self.store.setdefault(module, deque()).append((product.detach(), product._version))
-
-    def take(self, module: nn.Module) -> torch.Tensor:
-        kept = self.store.get(module)
-        if not kept:  # taken by an earlier backward through the same graph (retain_graph)
-            raise RuntimeError(f"{flag_name('model.checkpoint_keep')}: a second backward through a checkpointed "
-                               "layer; its kept products were taken by the first")
-        product, version = kept.popleft()
-        if product._version != version:
-            raise RuntimeError(f"{flag_name('model.checkpoint_keep')}: a kept product was changed in place after "
-                               "the forward; the recompute would have taken the changed values")
-        return product
-
-
-# The phase of the checkpointed call running on this thread, if any. Thread-local: a GPU's backward
-# (and so the recompute) runs on autograd's device thread, and enters its phase there.
-_current = threading.local()
-
-
-def checkpoint_phases() -> tuple[_Phase, _Phase]:
-    """torch's ``context_fn`` for one checkpointed call: the forward's phase and the
-    recompute's, sharing the products kept between them."""
-    store: dict = {}
-    return _Phase(store, recompute=False), _Phase(store, recompute=True)
-
-
 def kept_product_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``nn.Linear.forward`` for a layer that keeps its product through the recompute:
     ``x (..., in)`` → ``(..., out)``. Outside a checkpointed call under grad, the plain product."""
-    phase = getattr(_current, "phase", None)
+    phase = current_phase()
     if phase is None or not torch.is_grad_enabled():
         return F.linear(x, self.weight, self.bias)
     return _KeptProduct.apply(x, self.weight, self.bias, phase, self)
@@ -378,7 +349,7 @@ class _KeptProduct(torch.autograd.Function):
     the product used it)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, phase: _Phase,
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, phase: Phase,
                 module: nn.Module | None) -> torch.Tensor:
         if phase.recompute:
             product = phase.take(module) if module is not None else x.new_zeros(
@@ -416,7 +387,7 @@ def unread_product_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``nn.Linear.forward`` for a frozen layer whose product the backward never reads:
     ``x (..., in)`` → ``(..., out)``, zeros of that shape in a checkpointed call's recompute
     (``_KeptProduct`` keeping nothing). Outside a checkpointed call under grad, the plain product."""
-    phase = getattr(_current, "phase", None)
+    phase = current_phase()
     if phase is None or not torch.is_grad_enabled():
         return F.linear(x, self.weight, self.bias)
     return _KeptProduct.apply(x, self.weight, self.bias, phase, None)
@@ -455,7 +426,7 @@ def _kept_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """``F.linear(x, weight, bias)``, kept in the forward's phase of a checkpointed call and
     taken in its recompute's. The forward keeps a copy: a compiled graph may write over its own
     output in place once its last reader ran (inductor reuses buffers)."""
-    phase = getattr(_current, "phase", None)
+    phase = current_phase()
     if phase is not None and phase.recompute:
         return phase.take(_kept_linear)
     product = F.linear(x, weight, bias)
@@ -487,7 +458,7 @@ _kept_linear.register_autograd(_kept_linear_backward, setup_context=_kept_linear
 def _unread_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, zeros of its shape in a checkpointed call's recompute (the
     backward never reads it)."""
-    phase = getattr(_current, "phase", None)
+    phase = current_phase()
     if phase is not None and phase.recompute:
         return x.new_zeros((*x.shape[:-1], weight.shape[0]))
     return F.linear(x, weight, bias)

@@ -71,6 +71,10 @@ from dpocache.scoring.layout_choice import (
 
 FLEX = "flex_attention"  # transformers' name of the implementation
 FLEX_BLOCK = 128  # torch's default BlockMask block size
+# Set on an attention module whose causal rows run another way: a callable taking the rows'
+# inputs (``causal_attention_forward``), returning the output or None (the rows as usual).
+# ``--checkpoint-keep attention`` sets ``dpocache.models.kept_attention.kept_rows_attention``.
+ROWS_ATTENTION = "dpocache_rows_attention"
 
 
 class SequenceRows(NamedTuple):
@@ -159,11 +163,17 @@ def causal_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     (``_GatherRows``).
 
     Without the rows (a plain forward of a switched model, such as a head probe) it is sdpa,
-    with the mask transformers built (``register_causal``)."""
+    with the mask transformers built (``register_causal``). A module with ``ROWS_ATTENTION``
+    runs its rows through that, where it serves them."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if dpocache_gather is None or dpocache_scatter is None or dpocache_second is None:  # a plain forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    other = getattr(module, ROWS_ATTENTION, None)
+    if other is not None:
+        out = other(query, key, value, dpocache_gather, dpocache_scatter, dpocache_second, **kwargs)
+        if out is not None:
+            return out, None
     groups = [g.shape for g in dpocache_gather]  # (S_g, W_g) each
     b, t = query.shape[0], query.shape[2]
     slots = torch.cat([g.reshape(-1) for g in dpocache_gather]) if len(groups) > 1 else dpocache_gather[0].reshape(-1)

@@ -15,7 +15,14 @@ import torch
 
 from dpocache import __version__
 from dpocache.cache.probes import ProbeMemo
-from dpocache.config import Config, ConfigError, check_batch_fits, checkpoint_keep_names, flag_name
+from dpocache.config import (
+    KEEP_ATTENTION,
+    Config,
+    ConfigError,
+    check_batch_fits,
+    checkpoint_keep_names,
+    flag_name,
+)
 from dpocache.data.order import steps_per_epoch
 from dpocache.data.pairs import DataError, PreferenceData, load_preference_data
 from dpocache.distributed.process_group import (
@@ -48,6 +55,7 @@ from dpocache.models.streaming import check_streamed_layers
 from dpocache.runtime.preflight import UsageError, model_context, model_vocab_size
 from dpocache.runtime.run_lock import OutputDirLock, hold_output_dir
 from dpocache.scoring.compiling import compile_layers, compiler_mark
+from dpocache.scoring.layout_choice import CAUSAL, LayoutChoice
 from dpocache.scoring.layouts import training_layout
 from dpocache.scoring.logprobs import CompletionLogProbs, decoder_layers, scorer_core
 from dpocache.training.cached_reference import cache_dir_of, plan_audit, prepare_reference
@@ -86,6 +94,15 @@ def setup(cfg: Config) -> Run:
         raise
 
 
+def check_kept_attention_runs(cfg: Config, layout: LayoutChoice) -> None:
+    """``--checkpoint-keep attention`` where training's layout does not run the causal rows (a
+    fallback the checks before any model loads could not foresee): ``ConfigError``."""
+    if KEEP_ATTENTION in checkpoint_keep_names(cfg.model.checkpoint_keep) and layout.attention != CAUSAL:
+        why = f" ({layout.reason})" if layout.reason else ""
+        raise ConfigError(f"{flag_name('model.checkpoint_keep')}: {KEEP_ATTENTION} keeps the causal rows' attention "
+                          f"output; training runs {layout.attention} on the {layout.used} layout{why}")
+
+
 def hold_output_dir_for_job(cfg: Config, env: DistEnv) -> OutputDirLock | None:
     """Rank 0 locks the output directory for the job (``runtime.run_lock``); every rank stops
     with rank 0's one line if another run holds it."""
@@ -114,7 +131,8 @@ def _setup(cfg: Config, env: DistEnv) -> Run:
     resumed_from = check_resumable(cfg, out)
     check_lora_settings(cfg)
     if cfg.model.gradient_checkpointing:  # --checkpoint-keep's names, against the model's config
-        check_keep_names(cfg.model.path, checkpoint_keep_names(cfg.model.checkpoint_keep))
+        check_keep_names(cfg.model.path, checkpoint_keep_names(cfg.model.checkpoint_keep), cfg.model.attention,
+                         env.device)
     if cfg.model.stream_base:  # --resident-layers and --turn-layers against the model's layers
         check_streamed_layers(cfg.model.path, cfg.model.resident_layers, cfg.model.turn_layers)
     # Liger's kernels or the model's own: --kernels liger on a family Liger lacks, refused before any model loads
@@ -161,6 +179,7 @@ def _setup(cfg: Config, env: DistEnv) -> Run:
     scorer_core(scorer).sum_sq_probs = cfg.loss.use_weighting
     # scoring.layout_choice: packed where supported, else padded; the attention backend by scoring.attention
     layout = training_layout(scorer, cfg.train.layout, cfg.model.attention)
+    check_kept_attention_runs(cfg, layout)
     global_batch = cfg.train.batch_size * cfg.train.grad_accum * env.world_size
     epoch_steps = steps_per_epoch(len(train_data), global_batch)  # check_batch_fits: at least one
     total = cfg.train.max_steps if cfg.train.max_steps is not None else cfg.train.epochs * epoch_steps
@@ -279,14 +298,16 @@ def _streamed_json(policy) -> dict | None:
 
 def _products_json(run: Run, which: str) -> dict | None:
     """The linear layers whose products the recompute keeps (``which`` "kept":
-    ``--checkpoint-keep``) or skips ("skipped": ``--skip-unread-products``): their short names
-    and how many, or None."""
+    ``--checkpoint-keep``, with ``attention`` where the attention's output is kept too) or skips
+    ("skipped": ``--skip-unread-products``): their short names and how many, or None."""
     products = getattr(run.policy, "dpocache_products", None)
-    layers = getattr(products, which, None)
-    if not layers:
+    layers = getattr(products, which, None) or []
+    attention = products.attention if products is not None and which == "kept" else []
+    if not layers and not attention:
         return None
     names = dict.fromkeys(name.removesuffix(".base_layer").rsplit(".", 1)[-1] for name in layers)
-    return {"names": list(names), "linear_layers": len(layers)}
+    found = {"names": list(names) + ([KEEP_ATTENTION] if attention else []), "linear_layers": len(layers)}
+    return {**found, "attention_layers": len(attention)} if attention else found
 
 
 def _run_info(run: Run, ref_info: dict, kernels: dict) -> dict:

@@ -212,13 +212,13 @@ def test_kept_products_on_a_gpu_train_as_full_checkpointing():
 
 def test_kept_products_are_released_by_the_backward_and_by_a_forward_without_one(monkeypatch):
     refs = []
-    real = checkpointing._Phase.keep
+    real = checkpointing.Phase.keep
 
     def keep(self, module, product):
         real(self, module, product)
         refs.append(weakref.ref(self.store[module][-1][0]))  # the tensor kept
 
-    monkeypatch.setattr(checkpointing._Phase, "keep", keep)
+    monkeypatch.setattr(checkpointing.Phase, "keep", keep)
     model, _ = _lora_llama(("down_proj",), fused=False)
     ids = torch.randint(0, 256, (2, 8))
     model(input_ids=ids).logits.sum().backward()
@@ -383,7 +383,7 @@ def test_checkpointing_is_enabled_under_its_current_name():
                                          num_attention_heads=2, vocab_size=64))
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
-        assert enable_checkpointing(model) == ([], [])
+        assert enable_checkpointing(model) == ([], [], [])
     assert model.model.layers[0].gradient_checkpointing
 
 

@@ -733,8 +733,8 @@ def test_a_streamed_base_compiled_inside_its_checkpoints_trains_as_the_eager_res
         _checkpoint_the_call(monkeypatch, LlamaDecoderLayer)
     torch._dynamo.reset()  # the graphs this test counts, whichever test compiled the layer's forward before
     taken = []
-    real_take = checkpointing._Phase.take
-    monkeypatch.setattr(checkpointing._Phase, "take", lambda phase, key: taken.append(key) or real_take(phase, key))
+    real_take = checkpointing.Phase.take
+    monkeypatch.setattr(checkpointing.Phase, "take", lambda phase, key: taken.append(key) or real_take(phase, key))
     eager, _ = _lora_llama(model_path, streamed=False, compiled=False)
     compiled, streamer = _lora_llama(model_path, streamed=True, compiled=True, keep=keep)
     layers = decoder_layers(compiled)
