@@ -538,7 +538,10 @@ def refused_train_args(suite: Suite, rows: list[str], as_on_a_gpu: bool = False)
     device (the GPU's shapes and flags, which name ``--device cuda``)."""
     from unittest import mock
 
-    from dpocache.config import ConfigError, build_config, validate_environment
+    from transformers import LlamaConfig
+
+    from dpocache.config import ConfigError, build_config, checkpoint_keep_names, validate_environment
+    from dpocache.models.checkpointing import check_keep_names_against
 
     gpu = (mock.patch.multiple("torch.cuda", is_available=lambda: True, device_count=lambda: 1) if as_on_a_gpu
            else contextlib.nullcontext())
@@ -555,7 +558,11 @@ def refused_train_args(suite: Suite, rows: list[str], as_on_a_gpu: bool = False)
                 try:
                     with mock.patch.dict(os.environ, env):
                         validate_environment()
-                    build_config(None, options).validate(required=("model.path", "data.train"))
+                    cfg = build_config(None, options).validate(required=("model.path", "data.train"))
+                    if row == "train-8b-lora":  # --checkpoint-keep's names, against the 8B's config
+                        check_keep_names_against(LlamaConfig(**suite.shapes.llama),
+                                                 checkpoint_keep_names(cfg.model.checkpoint_keep),
+                                                 cfg.model.attention, cfg.model.device or suite.shapes.device)
                 except ConfigError as err:
                     return f"{row}{' with --variants ' + shlex.quote(' '.join(variant)) if variant else ''}: {err}"
     return None

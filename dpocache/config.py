@@ -56,7 +56,7 @@ class ModelConfig:
     compile: str = "auto"  # decoder layers compiled: auto (reference passes that repay it) | on (training too) | off
     kernels: str = "auto"  # Liger's RMSNorm, RoPE, SwiGLU: auto (on CUDA, where installed) | liger | none
     gradient_checkpointing: bool = False  # recompute activations in the backward pass (less memory, slower)
-    checkpoint_keep: str = "none"  # LoRA, checkpointed: frozen linears (down_proj,..) whose products are kept
+    checkpoint_keep: str = "none"  # LoRA, checkpointed: frozen linears (o_proj,..) or attention, kept for recompute
     skip_unread_products: bool = True  # checkpointed: the recompute skips products no backward reads (down_proj)
     stream_reference: bool = False  # reference pass (GPU): decoder layers stay in host memory, copied in one ahead
     stream_base: bool = False  # LoRA training (GPU): the frozen base's layers likewise (needs gradient checkpointing)

@@ -286,14 +286,25 @@ def check_keep_names(model_path: str | Path, names: tuple[str, ...], attention: 
                      device: torch.device | str = "cpu") -> None:
     """``names`` against the decoder layers of the model at ``model_path`` (a PEFT adapter
     directory's base), built on the meta device from its config: no weights are read, so a
-    wrong name costs one line before any model loads. ``ConfigError`` if one matches no linear
-    layer, or if ``attention`` is kept where the causal rows will not run (``--attention``
-    ``attention`` on ``device``; the model's family: ``scoring.attention.causal_supported``)."""
+    wrong name costs one line before any model loads (``check_keep_names_against``)."""
     if not names:
         return
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(adapter_base_dir(model_path) or model_path))
+    check_keep_names_against(config, names, attention, device)
+
+
+def check_keep_names_against(config, names: tuple[str, ...], attention: str = "causal",
+                             device: torch.device | str = "cpu") -> None:
+    """``names`` against the decoder layers of a model of ``config`` (a transformers config),
+    built on the meta device. ``ConfigError`` if one matches no linear layer, or if ``attention``
+    is kept where the causal rows will not run (``--attention`` ``attention`` on ``device``;
+    the model's family: ``scoring.attention.causal_supported``)."""
+    if not names:
+        return
+    from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     _check_names(names, decoder_layers(model)[0])

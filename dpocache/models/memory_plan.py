@@ -29,7 +29,8 @@ against its formula. The parts follow what dpocache runs:
   frozen base in bf16, resident or streamed (``--stream-base``), the adapters' fp32 state, the
   same checkpointed activations, and the products ``--checkpoint-keep`` keeps
   (``dpocache.models.checkpointing``; not the down projections', which the recompute skips
-  instead, keeping nothing, unless ``--skip-unread-products false``).
+  instead, keeping nothing, unless ``--skip-unread-products false``), or the attention's output
+  (``attention``: ``dpocache.models.kept_attention``).
 
 Activation bytes per token of one decoder layer (bf16 autocast, SDPA so no ``T x T`` scores
 kept) are ``ACTIVATION_HIDDEN_COEF * H + ACTIVATION_INTERMEDIATE_COEF * I`` bytes. The
@@ -47,7 +48,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from dpocache.config import ConfigError, checkpoint_keep_names
+from dpocache.config import KEEP_ATTENTION, ConfigError, checkpoint_keep_names
 from dpocache.distributed.vocab_stream import TILE_BYTES
 from dpocache.models.checkpointing import UNREAD_PRODUCTS
 from dpocache.models.streaming import ALIGN, most_turn_layers
@@ -112,6 +113,14 @@ class ModelShape:
         h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
         return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def kept_bytes_per_token(self, name: str) -> int:
+        """Bytes ``--checkpoint-keep`` keeps per token and block for ``name``: a matrix's product
+        in bf16, or the attention's output in bf16 and its log-sum-exp in fp32 (one per head and
+        row slot; a slot counted as a token, though a prompt has a copy in its pair's second row)."""
+        if name == KEEP_ATTENTION:
+            return self.heads * self.head_dim * 2 + self.heads * 4
+        return self.linear_shapes[name][1] * 2
 
     @property
     def largest_matrix_params(self) -> int:
@@ -201,13 +210,14 @@ def lora_training_memory(shape: ModelShape, tokens: int = 4096, rank: int = 16, 
     per-layer checkpointing (``--gradient-checkpointing``, which ``--stream-base`` needs): the
     layers' fp32 inputs, one layer's activations in the recompute (the adapters' own, ``rank``
     wide, not counted), the head chunk; and the products of the matrices named in ``keep``
-    (``--checkpoint-keep``), ``tokens`` x out_features in bf16 per block."""
+    (``--checkpoint-keep``), ``tokens`` x out_features in bf16 per block (``attention``: its
+    output and log-sum-exp, ``ModelShape.kept_bytes_per_token``)."""
     parts = _lora_held_memory(shape, rank, streamed, resident)
     parts["checkpointed layer inputs"] = float(tokens * shape.hidden * RESIDUAL_BYTES * shape.layers)
     parts["activations (one layer, recomputed)"] = tokens * activation_bytes_per_token(shape)
     if keep:
-        outputs = sum(shape.linear_shapes[name][1] for name in keep)
-        parts[f"kept products ({', '.join(keep)})"] = float(tokens * outputs * 2 * shape.layers)
+        kept = sum(shape.kept_bytes_per_token(name) for name in keep)
+        parts[f"kept products ({', '.join(keep)})"] = float(tokens * kept * shape.layers)
     parts["head chunk logits + grad"] = _head_chunk_bytes(shape, training=True)
     return parts
 
@@ -242,7 +252,7 @@ def lora_bottom_turn_memory(shape: ModelShape, tokens: int = 4096, rank: int = 1
     parts["the first layer's checkpointed input"] = float(tokens * shape.hidden * RESIDUAL_BYTES)
     parts["activations (one layer, recomputed)"] = tokens * activation_bytes_per_token(shape)
     if keep:
-        parts["the first layer's kept products"] = float(tokens * sum(shape.linear_shapes[n][1] for n in keep) * 2)
+        parts["the first layer's kept products"] = float(tokens * sum(shape.kept_bytes_per_token(n) for n in keep))
     return parts
 
 
@@ -337,7 +347,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--parts", action="store_true", help="also print each row's parts")
     parser.add_argument("--lora-r", type=int, default=16, help="the LoRA rows' adapter rank (every matrix adapted)")
     parser.add_argument("--checkpoint-keep", default="none",
-                        help="matrices whose products the last LoRA rows keep (comma-separated; none: no such row)")
+                        help="matrices whose products the last LoRA rows keep, or attention (its output; "
+                             "comma-separated; none: no such row)")
     parser.add_argument("--skip-unread-products", choices=("true", "false"), default="true",
                         help="the recompute skips the down projections' products, which the backward never reads: "
                              "--checkpoint-keep does not keep them (as train does; default true)")
@@ -351,10 +362,10 @@ def main(argv: list[str] | None = None) -> None:
         keep = checkpoint_keep_names(args.checkpoint_keep)
     except ConfigError as e:
         parser.error(str(e))
-    unknown = sorted(set(keep) - set(LLAMA_3_8B.linear_shapes))
+    unknown = sorted(set(keep) - set(LLAMA_3_8B.linear_shapes) - {KEEP_ATTENTION})
     if unknown:
         parser.error(f"--checkpoint-keep: {unknown[0]!r} is no matrix of a Llama block "
-                     f"({', '.join(LLAMA_3_8B.linear_shapes)})")
+                     f"({', '.join(LLAMA_3_8B.linear_shapes)}) nor {KEEP_ATTENTION}")
     unread = [name for name in keep if name in UNREAD_PRODUCTS["LlamaDecoderLayer"]]
     if unread and args.skip_unread_products == "true":
         print(f"{', '.join(unread)}: skipped in the recompute, not kept (--skip-unread-products false keeps it)\n")

@@ -513,3 +513,12 @@ def test_options_dpocache_would_refuse_stop_the_suite_before_any_row(tmp_path, c
     suite.variants = (("--checkpoint-keep", "none"), ("--resident-layers", "2"))
     refused = gpu_suite.refused_train_args(suite, ["train-8b-lora"])
     assert refused.startswith("train-8b-lora with --variants '--resident-layers 2': --resident-layers")
+    # --checkpoint-keep's names against the 8B's config (its shape on the meta device), as train checks them
+    suite.variants = (("--checkpoint-keep", "o_proj"), ("--checkpoint-keep", "atention"))
+    refused = gpu_suite.refused_train_args(suite, ["train-8b-lora"])
+    assert refused.startswith("train-8b-lora with --variants '--checkpoint-keep atention': --checkpoint-keep")
+    assert "no linear layer named 'atention'" in refused
+    suite.variants = (("--checkpoint-keep", "attention"),)  # the dry run's CPU runs sdpa under auto
+    assert "auto runs sdpa on cpu" in gpu_suite.refused_train_args(suite, ["train-8b-lora"])
+    suite.variants = (("--checkpoint-keep", "attention", "--attention", "causal"),)
+    assert gpu_suite.refused_train_args(suite, ["train-8b-lora"]) is None

@@ -294,3 +294,33 @@ def test_a_training_layout_without_the_causal_rows_is_refused_by_name():
         check_kept_attention_runs(cfg, LayoutChoice("auto", "padded", "sdpa", reason="MoE"))
     cfg.model.checkpoint_keep = "o_proj"
     check_kept_attention_runs(cfg, LayoutChoice("auto", "padded", "sdpa"))
+
+
+def test_what_it_keeps_is_what_the_memory_plan_counts(tokenizer, pairs, monkeypatch):
+    """Per layer, under bf16 autocast: the output, one bf16 value per token and query head
+    dimension, and the log-sum-exp, one fp32 value per head and row slot; the memory plan's
+    ``kept_bytes_per_token`` counts a slot as a token, so it lies between the two counts."""
+    from dpocache.models.memory_plan import ModelShape
+    from dpocache.scoring.shared import layout_batch
+
+    kept = {}
+    real = checkpoint_phases.Phase.keep
+
+    def keep(self, key, product):
+        kept.setdefault(key, []).append(product)
+        real(self, key, product)
+
+    monkeypatch.setattr(checkpoint_phases.Phase, "keep", keep)
+    model, scorer, _ = _lora_model(tokenizer, ("attention",))
+    _step(model, scorer, pairs, tokenizer.pad_token_id, bf16=True)
+    batch = layout_batch("packed", pairs, tokenizer.pad_token_id, model.config)
+    tokens, slots = batch.input_ids.numel(), sum(g.numel() for g in batch.rows.gather)
+    config, layers = model.config, len(decoder_layers(model))
+    heads, head_dim = config.num_attention_heads, config.hidden_size // config.num_attention_heads
+    outputs, sums = kept[kept_attention._OUTPUT], kept[kept_attention._LOGSUMEXP]
+    assert len(outputs) == len(sums) == layers
+    assert all(o.dtype == torch.bfloat16 and o.numel() == tokens * heads * head_dim for o in outputs)
+    assert all(s.dtype == torch.float32 and s.numel() == slots * heads for s in sums)
+    per_token = ModelShape.from_config(config).kept_bytes_per_token("attention")
+    one_layer = outputs[0].nbytes + sums[0].nbytes
+    assert tokens * per_token <= one_layer <= slots * per_token and slots > tokens

@@ -149,7 +149,8 @@ def test_a_lora_run_holds_its_bf16_base_or_two_slots_its_adapters_and_the_kept_p
 
 def test_the_lora_rows_take_a_rank_and_the_products_to_keep(capsys):
     """``--checkpoint-keep`` keeps the products named, but the down projections', which the
-    recompute skips instead (as ``train`` does), unless ``--skip-unread-products false``."""
+    recompute skips instead (as ``train`` does), unless ``--skip-unread-products false``;
+    ``attention`` keeps the attention's output and log-sum-exp."""
     for skip, kept in (("false", ("down_proj", "o_proj")), ("true", ("o_proj",))):
         main(["--devices", "1", "--lora-r", "8", "--checkpoint-keep", "down_proj,o_proj", "--tokens", "1000",
               "--skip-unread-products", skip])
@@ -161,6 +162,12 @@ def test_the_lora_rows_take_a_rank_and_the_products_to_keep(capsys):
         assert float(row.split("|")[4]) == pytest.approx(sum(parts.values()) / (1 << 30), abs=0.05)
     main(["--devices", "1", "--checkpoint-keep", "none"])
     assert " kept " not in capsys.readouterr().out
+    main(["--devices", "1", "--checkpoint-keep", "attention", "--tokens", "1000"])  # its output, no matrix's
+    lines = capsys.readouterr().out.splitlines()
+    row = next(x for x in lines if "8B | training, LoRA r16, bf16 base streamed, attention kept" in x)
+    parts = lora_training_memory(LLAMA_3_8B, 1000, streamed=True, keep=("attention",))
+    assert parts["kept products (attention)"] == 1000 * (4096 * 2 + 32 * 4) * 32
+    assert float(row.split("|")[4]) == pytest.approx(sum(parts.values()) / (1 << 30), abs=0.05)
     with pytest.raises(SystemExit) as stop:
         main(["--checkpoint-keep", "dwn_proj"])
     assert stop.value.code == 2 and "'dwn_proj' is no matrix of a Llama block" in capsys.readouterr().err
