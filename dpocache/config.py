@@ -38,6 +38,7 @@ from dpocache.scoring.layout_choice import (
     LORA_CAST_MODES,
     ROW_GROUPS_ENV,
     ROW_GROUPS_MODES,
+    may_share_prompts,
 )
 
 # torch (and dpocache.losses.formulas, which needs it) is imported by validate() and help_text() only:
@@ -548,9 +549,9 @@ def _validate_checkpoint_keep(cfg: Config) -> None:
         if cfg.model.attention in ("sdpa", "flex"):
             raise ConfigError(f"{flag}: {KEEP_ATTENTION} keeps the causal rows' attention output; "
                               f"{flag_name('model.attention')} {cfg.model.attention} runs none (use causal or auto)")
-        if cfg.train.layout == "padded":
-            raise ConfigError(f"{flag}: {KEEP_ATTENTION} keeps the causal rows' attention output; the padded layout "
-                              f"({flag_name('train.layout')} padded) runs none")
+        if not may_share_prompts(cfg.train.layout):  # padded: no causal rows
+            raise ConfigError(f"{flag}: {KEEP_ATTENTION} keeps the causal rows' attention output; the "
+                              f"{cfg.train.layout} layout ({flag_name('train.layout')}) runs none")
 
 
 def _validate_streamed(cfg: Config, flag: str) -> None:

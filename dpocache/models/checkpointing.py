@@ -27,9 +27,9 @@ still fetched for it. Only frozen matrices are kept (a LoRA policy's base): a tr
 would need its input kept for its own gradient too.
 
 ``--checkpoint-keep attention`` keeps the causal rows' attention output and log-sum-exp
-instead, so the recompute runs no flash attention forward (``dpocache.models.kept_attention``);
-the phases of a checkpointed call, and what the forward keeps for the recompute, are
-``dpocache.models.checkpoint_phases``'.
+instead, so the recompute runs no flash attention forward (``dpocache.models.kept_attention``).
+The phases of a checkpointed call, and what the forward keeps for the recompute, live in
+``dpocache.models.checkpoint_phases``.
 
 A frozen product the recompute never reads is not computed at all (``--skip-unread-products``,
 ``model.skip_unread_products``, on by default): the recompute exists to rebuild the tensors the
@@ -120,9 +120,9 @@ def enable_checkpointing(model: nn.Module, keep: tuple[str, ...] = (), compiled:
     ``skip_unread``, not computing in the recompute those no saved tensor reads
     (``skip_unread_products_``; a name in ``keep`` among them is skipped, not kept); ``attention``
     in ``keep``: the attention's output (``dpocache.models.kept_attention``). Returns the
-    qualified names of both. Non-reentrant works with inputs that do not require grad (frozen
-    embeddings in LoRA); the compiled checkpoint needs the layers' input to require it
-    (``enable_input_require_grads``)."""
+    qualified names of all three (``CheckpointedProducts``). Non-reentrant works with inputs
+    that do not require grad (frozen embeddings in LoRA); the compiled checkpoint needs the
+    layers' input to require it (``enable_input_require_grads``)."""
     attention = keep_attention_(model) if KEEP_ATTENTION in keep else []
     keep = tuple(name for name in keep if name != KEEP_ATTENTION)
     unread = unread_products(model) if skip_unread else ()

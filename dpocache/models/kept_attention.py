@@ -7,10 +7,10 @@ keys and values, which the recompute rebuilds from the layer's input at the cost
 projections and RoPE), its output and the log-sum-exp of each query's scores. This keeps the
 last two from the forward (``dpocache::kept_rows_attention``): the recompute takes them instead
 of running the flash forward again, and the backward is flash attention's own
-(``dpocache::rows_attention_backward``). On the GPU suite's 8B LoRA row the recompute's flash
-forward was about 60 ms of a 1.3 s step (docs/benchmarks/gpu-suite-h200-20261127.md); what it
-keeps is one ``(tokens, heads x head_dim)`` tensor in the compute dtype per decoder layer, the
-attention's output (the o projection's input), and 4 bytes per head and row slot.
+(``dpocache::rows_attention_backward``). What it keeps is one ``(tokens, heads x head_dim)``
+tensor in the compute dtype per decoder layer, the attention's output (the o projection's input),
+and 4 bytes per head and row slot: the memory of the o projection's product, for more of the
+recompute's time (docs/memory.md, "The attention's output, kept").
 
 It serves the ``causal`` backend (``scoring.attention.causal_attention_forward``: each sequence
 in a row of its own, rows in groups), where the rows' layout says which outputs are read: the
@@ -23,10 +23,11 @@ is given changes nothing: the gradients are those of the recompute, bit for bit
 as ``scoring.attention._GatherRows`` does.
 
 It runs where flash attention does: CUDA in bf16 or fp16 with a head size a multiple of 8 up to
-256, and CPUs (torch's CPU flash kernel, in fp32, bf16 or fp16); with attention dropout, or elsewhere,
-the layer runs the causal rows as without it. Both operations are opaque to the compiler, so a
-layer compiled inside its checkpoint (``LayerCheckpoint``) keeps its attention too: the phase
-of the call is read when the operation runs, not when it is traced.
+256 (on GPUs flash attention runs on, Ampere and later), and CPUs (torch's CPU flash kernel, in
+fp32, bf16 or fp16); with attention dropout, or elsewhere, the layer runs the causal rows as
+without it. Both operations are opaque to the compiler, so a layer compiled inside its
+checkpoint (``LayerCheckpoint``) keeps its attention too: the phase of the call is read when the
+operation runs, not when it is traced.
 """
 
 from __future__ import annotations
@@ -100,11 +101,15 @@ def _compute_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) 
     return query.dtype if query.dtype == key.dtype == value.dtype else None
 
 
-def _rows(x: torch.Tensor, gather: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-    """``x (N, h, D)`` gathered into the rows of each group, in ``dtype`` → ``[(S_g, h, W_g, D)]``."""
-    slots = torch.cat([g.reshape(-1) for g in gather])
-    parts = x.index_select(0, slots).split([g.numel() for g in gather])
-    return [part.view(*g.shape, *x.shape[1:]).transpose(1, 2).to(dtype) for part, g in zip(parts, gather)]
+def _slots(gather: list[torch.Tensor]) -> torch.Tensor:
+    """Each slot's batch token, the groups' slots in turn: ``(slots,)``."""
+    return torch.cat([g.reshape(-1) for g in gather]) if len(gather) > 1 else gather[0].reshape(-1)
+
+
+def _rows(x: torch.Tensor, slots: torch.Tensor, gather: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """``x (N, h, D)`` in ``dtype`` gathered into the rows of each group → ``[(S_g, h, W_g, D)]``
+    (cast first: the same values as a cast of the rows, over fewer of them)."""
+    return _rows_of_slots(x.to(dtype).index_select(0, slots), gather)
 
 
 def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
@@ -145,8 +150,9 @@ def _kept_rows_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     phase = current_phase()
     if phase is not None and phase.recompute:
         return phase.take(_OUTPUT), phase.take(_LOGSUMEXP)
+    slots = _slots(gather)
     outs, lses = zip(*(_flash_forward(q, k, v, scale)
-                       for q, k, v in zip(*(_rows(x, gather, dtype) for x in (query, key, value)))))
+                       for q, k, v in zip(*(_rows(x, slots, gather, dtype) for x in (query, key, value)))))
     out = _slots_of_rows(outs).index_select(0, scatter)
     lse = torch.cat([lse.reshape(-1) for lse in lses])
     if phase is not None:
@@ -188,11 +194,11 @@ def _rows_attention_backward(grad: torch.Tensor, query: torch.Tensor, key: torch
     none does: a zero gradient reads nothing of it); a query's gradient is its read slot's, a
     key's or value's the sum of its read slot's and, for a prompt token, its copy's in its
     pair's second row (``second``)."""
-    slots, dtype, heads = sum(g.numel() for g in gather), out.dtype, query.shape[1]
-    grad_rows = _rows_of_slots(grad.new_zeros((slots, *grad.shape[1:])).index_copy_(0, scatter, grad), gather)
+    slots, dtype, heads = _slots(gather), out.dtype, query.shape[1]
+    grad_rows = _rows_of_slots(grad.new_zeros((len(slots), *grad.shape[1:])).index_copy_(0, scatter, grad), gather)
     lses = [part.view(g.shape[0], heads, g.shape[1]) for part, g in zip(lse.split([g.numel() * heads for g in gather]),
                                                                           gather)]
-    rows = zip(grad_rows, *(_rows(x, gather, dtype) for x in (query, key, value, out)), lses)
+    rows = zip(grad_rows, *(_rows(x, slots, gather, dtype) for x in (query, key, value, out)), lses)
     grads = [_flash_backward(*group, scale) for group in rows]
     # in the inputs' dtypes before a key's copies are summed, as autocast's casts give them to the rows' gathers
     dq, dk, dv = (_slots_of_rows([part[i] for part in grads]).to(x.dtype) for i, x in enumerate((query, key, value)))

@@ -75,6 +75,12 @@ def shares_prompts(layout: str) -> bool:
     return layout in PROMPT_SHARING
 
 
+def may_share_prompts(requested: str) -> bool:
+    """Whether a requested layout (``--train.layout``, ``--cache.layout``) may run each prompt
+    once: ``auto`` (packed where supported), ``shared`` and ``packed``; not ``padded``."""
+    return requested == "auto" or shares_prompts(requested)
+
+
 def every_layer_slides(get: Callable[[str, Any], Any]) -> bool:
     """Whether a model slides a window on every layer, its config's fields read through
     ``get(name, default)`` (a config object's ``getattr``, a ``config.json`` dict's ``get``): a
