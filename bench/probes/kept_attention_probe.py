@@ -2,14 +2,16 @@
 process: step times, and where the profiler puts each side's time.
 
     python bench/probes/kept_attention_probe.py [--dtype bfloat16|float32] [--layers 4] [--rounds 9] \
-        [--profile-steps 4]
+        [--steps 1] [--profile-steps 4] [--compiled]
 
 The ``8b-ratio`` model of ``bench/common.py`` (Llama 3.1 8B's ratios at a quarter of its width:
 hidden 1,024, MLP 3,584, 8 query heads to 2 key heads) with ``--layers`` decoder layers, LoRA r 16
 on every linear layer, each layer checkpointed, the recompute skipping the down projections'
 products as ``train`` does; 8 pairs of its data (prompts of 20 to 120 words, completions of 10
 to 150; a word is a token), in the packed layout on the causal rows. Rounds alternate which side
-runs first. Prints a JSON line: each side's step seconds per round and their
+runs first; a round's figure is the median of its ``--steps``. ``--compiled``: each layer's forward
+compiled inside its checkpoint, as the GPU suite's streamed LoRA row runs (``LayerCheckpoint``;
+the warm-up step compiles). Prints a JSON line: each side's step seconds per round and their
 medians, and per profiled step each side's wall time and the self time of flash attention's
 forward and of its backward.
 """
@@ -35,8 +37,9 @@ FLASH_FORWARD = "aten::_scaled_dot_product_flash_attention_for_cpu"
 FLASH_BACKWARD = FLASH_FORWARD + "_backward"
 
 
-def build(keep: tuple[str, ...], tokenizer, layers: int):
-    """The probe's model checkpointed keeping ``keep``: ``(model, scorer)``."""
+def build(keep: tuple[str, ...], tokenizer, layers: int, compiled: bool = False):
+    """The probe's model checkpointed keeping ``keep`` (``compiled``: each layer's forward
+    compiled inside its checkpoint): ``(model, scorer)``."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -50,7 +53,7 @@ def build(keep: tuple[str, ...], tokenizer, layers: int):
                          intermediate_size=shape.intermediate_size, num_attention_heads=shape.num_attention_heads,
                          num_key_value_heads=shape.num_key_value_heads, max_position_embeddings=4096)
     model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=16, target_modules="all-linear")).train()
-    enable_checkpointing(model, keep, skip_unread=True)
+    enable_checkpointing(model, keep, compiled=compiled, skip_unread=True)
     model.enable_input_require_grads()
     scorer = CompletionLogProbs(model)
     assert training_layout(scorer, "packed", "causal").reason is None
@@ -61,8 +64,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=1, help="steps a round, its figure their median")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--profile-steps", type=int, default=4)
+    parser.add_argument("--compiled", action="store_true", help="each layer compiled inside its checkpoint")
     args = parser.parse_args(argv)
 
     from torch.profiler import profile
@@ -73,7 +78,9 @@ def main(argv: list[str] | None = None) -> None:
 
     tokenizer = build_tokenizer()
     pairs = load_preference_data(make_rows(CONFIGS["8b-ratio"], 8), tokenizer, show_progress=False).pairs
-    sides = {"kept": build(("attention",), tokenizer, args.layers), "recomputed": build((), tokenizer, args.layers)}
+    layers, steps = args.layers, args.steps
+    sides = {side: build(keep, tokenizer, layers, args.compiled)
+             for side, keep in (("kept", ("attention",)), ("recomputed", ()))}
 
     def step(side: str) -> None:
         model, scorer = sides[side]
@@ -87,9 +94,12 @@ def main(argv: list[str] | None = None) -> None:
     seconds = {side: [] for side in sides}
     for r in range(args.rounds):
         for side in (list(sides) if r % 2 == 0 else list(reversed(sides))):
-            start = time.perf_counter()
-            step(side)
-            seconds[side].append(round(time.perf_counter() - start, 4))
+            times = []
+            for _ in range(steps):
+                start = time.perf_counter()
+                step(side)
+                times.append(time.perf_counter() - start)
+            seconds[side].append(round(statistics.median(times), 5))
     profiled = {}
     for side in sides:
         with profile() as prof:
@@ -101,8 +111,8 @@ def main(argv: list[str] | None = None) -> None:
         profiled[side] = {"wall_s": round(wall, 4), "flash_forward_ms": round(self_ms.get(FLASH_FORWARD, 0.0), 1),
                           "flash_backward_ms": round(self_ms.get(FLASH_BACKWARD, 0.0), 1)}
     print(json.dumps({"command": "python bench/probes/kept_attention_probe.py " + " ".join(argv or sys.argv[1:]),
-                      "dtype": args.dtype, "tokens": sum(p.unique_tokens for p in pairs), "threads":
-                      torch.get_num_threads(), "seconds": seconds,
+                      "dtype": args.dtype, "tokens": sum(p.unique_tokens for p in pairs), "layers": layers,
+                      "compiled": args.compiled, "threads": torch.get_num_threads(), "seconds": seconds,
                       "median_s": {s: statistics.median(v) for s, v in seconds.items()},
                       "profiled_step": profiled}))
 
