@@ -39,7 +39,7 @@ from torch import nn
 
 from dpocache.config import KEEP_ATTENTION, ConfigError, flag_name
 from dpocache.models.checkpoint_phases import current_phase
-from dpocache.scoring.attention import ROWS_ATTENTION
+from dpocache.scoring.attention import ROWS_ATTENTION, row_slots, slots_as_rows
 from dpocache.scoring.logprobs import decoder_layers
 
 log = logging.getLogger(__name__)
@@ -101,15 +101,10 @@ def _compute_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) 
     return query.dtype if query.dtype == key.dtype == value.dtype else None
 
 
-def _slots(gather: list[torch.Tensor]) -> torch.Tensor:
-    """Each slot's batch token, the groups' slots in turn: ``(slots,)``."""
-    return torch.cat([g.reshape(-1) for g in gather]) if len(gather) > 1 else gather[0].reshape(-1)
-
-
 def _rows(x: torch.Tensor, slots: torch.Tensor, gather: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
     """``x (N, h, D)`` in ``dtype`` gathered into the rows of each group → ``[(S_g, h, W_g, D)]``
     (cast first: the same values as a cast of the rows, over fewer of them)."""
-    return _rows_of_slots(x.to(dtype).index_select(0, slots), gather)
+    return slots_as_rows(x.to(dtype).index_select(0, slots), gather)
 
 
 def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
@@ -134,10 +129,6 @@ def _flash_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         grad, q, k, v, out, lse, 0.0, True, scale=scale)
 
 
-def _logsumexp_size(query: torch.Tensor, gather: list[torch.Tensor]) -> int:
-    return query.shape[1] * sum(g.numel() for g in gather)
-
-
 @torch.library.custom_op("dpocache::kept_rows_attention", mutates_args=())
 def _kept_rows_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, gather: list[torch.Tensor],
                          scatter: torch.Tensor, second: torch.Tensor, scale: float,
@@ -150,7 +141,7 @@ def _kept_rows_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     phase = current_phase()
     if phase is not None and phase.recompute:
         return phase.take(_OUTPUT), phase.take(_LOGSUMEXP)
-    slots = _slots(gather)
+    slots = row_slots(gather)
     outs, lses = zip(*(_flash_forward(q, k, v, scale)
                        for q, k, v in zip(*(_rows(x, slots, gather, dtype) for x in (query, key, value)))))
     out = _slots_of_rows(outs).index_select(0, scatter)
@@ -164,7 +155,7 @@ def _kept_rows_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
 @_kept_rows_attention.register_fake
 def _(query, key, value, gather, scatter, second, scale, dtype):
     return (query.new_empty(query.shape, dtype=dtype),
-            query.new_empty((_logsumexp_size(query, gather),), dtype=torch.float32))
+            query.new_empty((query.shape[1] * sum(g.numel() for g in gather),), dtype=torch.float32))
 
 
 def _kept_context(ctx, inputs, output) -> None:
@@ -194,8 +185,8 @@ def _rows_attention_backward(grad: torch.Tensor, query: torch.Tensor, key: torch
     none does: a zero gradient reads nothing of it); a query's gradient is its read slot's, a
     key's or value's the sum of its read slot's and, for a prompt token, its copy's in its
     pair's second row (``second``)."""
-    slots, dtype, heads = _slots(gather), out.dtype, query.shape[1]
-    grad_rows = _rows_of_slots(grad.new_zeros((len(slots), *grad.shape[1:])).index_copy_(0, scatter, grad), gather)
+    slots, dtype, heads = row_slots(gather), out.dtype, query.shape[1]
+    grad_rows = slots_as_rows(grad.new_zeros((len(slots), *grad.shape[1:])).index_copy_(0, scatter, grad), gather)
     lses = [part.view(g.shape[0], heads, g.shape[1]) for part, g in zip(lse.split([g.numel() * heads for g in gather]),
                                                                           gather)]
     rows = zip(grad_rows, *(_rows(x, slots, gather, dtype) for x in (query, key, value, out)), lses)
@@ -203,12 +194,6 @@ def _rows_attention_backward(grad: torch.Tensor, query: torch.Tensor, key: torch
     # in the inputs' dtypes before a key's copies are summed, as autocast's casts give them to the rows' gathers
     dq, dk, dv = (_slots_of_rows([part[i] for part in grads]).to(x.dtype) for i, x in enumerate((query, key, value)))
     return dq.index_select(0, scatter), _summed(dk, scatter, second), _summed(dv, scatter, second)
-
-
-def _rows_of_slots(x: torch.Tensor, gather: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``x (slots, h, D)``, the slots group after group, as each group's rows ``(S_g, h, W_g, D)``."""
-    parts = x.split([g.numel() for g in gather])
-    return [part.view(*g.shape, *x.shape[1:]).transpose(1, 2) for part, g in zip(parts, gather)]
 
 
 def _slots_of_rows(rows: list[torch.Tensor]) -> torch.Tensor:

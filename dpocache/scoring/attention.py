@@ -53,7 +53,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import replace
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -146,6 +146,18 @@ class _TakeOutputs(torch.autograd.Function):
         return grad.new_zeros((ctx.slots, *grad.shape[1:])).index_copy_(0, scatter, grad), None
 
 
+def row_slots(gather: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The batch token in each slot of ``SequenceRows.gather``'s groups, group after group: ``(slots,)``."""
+    return torch.cat([g.reshape(-1) for g in gather]) if len(gather) > 1 else gather[0].reshape(-1)
+
+
+def slots_as_rows(x: torch.Tensor, gather: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``x (slots, h, D)``, the slots of ``gather``'s groups in turn, as each group's rows
+    ``(S_g, h, W_g, D)`` (views)."""
+    parts = x.split([g.numel() for g in gather])
+    return [part.view(*g.shape, *x.shape[1:]).transpose(1, 2) for part, g in zip(parts, gather)]
+
+
 def causal_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask, dpocache_gather: torch.Tensor | None = None,
                              dpocache_scatter: torch.Tensor | None = None, dpocache_second: torch.Tensor | None = None,
@@ -174,15 +186,12 @@ def causal_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
         out = other(query, key, value, dpocache_gather, dpocache_scatter, dpocache_second, **kwargs)
         if out is not None:
             return out, None
-    groups = [g.shape for g in dpocache_gather]  # (S_g, W_g) each
     b, t = query.shape[0], query.shape[2]
-    slots = torch.cat([g.reshape(-1) for g in dpocache_gather]) if len(groups) > 1 else dpocache_gather[0].reshape(-1)
+    slots = row_slots(dpocache_gather)
 
     def rows(x: torch.Tensor, second: torch.Tensor | None) -> list[torch.Tensor]:  # (B, h, T, D) -> [(S_g, h, W_g, D)]
-        h, d = x.shape[1], x.shape[3]
-        flat = x.transpose(1, 2).reshape(b * t, h, d)
-        gathered = _GatherRows.apply(flat, slots, dpocache_scatter, second).split([s * w for s, w in groups])
-        return [part.view(s, w, h, d).transpose(1, 2) for part, (s, w) in zip(gathered, groups)]
+        flat = x.transpose(1, 2).reshape(b * t, x.shape[1], x.shape[3])
+        return slots_as_rows(_GatherRows.apply(flat, slots, dpocache_scatter, second), dpocache_gather)
 
     kwargs.pop("is_causal", None)
     outs = []
