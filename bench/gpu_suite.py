@@ -538,34 +538,40 @@ def refused_train_args(suite: Suite, rows: list[str], as_on_a_gpu: bool = False)
     device (the GPU's shapes and flags, which name ``--device cuda``)."""
     from unittest import mock
 
-    from transformers import LlamaConfig
-
-    from dpocache.config import ConfigError, build_config, checkpoint_keep_names, validate_environment
-    from dpocache.models.checkpointing import check_keep_names_against
+    from dpocache.config import ConfigError
 
     gpu = (mock.patch.multiple("torch.cuda", is_available=lambda: True, device_count=lambda: 1) if as_on_a_gpu
            else contextlib.nullcontext())
     with gpu:
-        for row in rows:
-            if row not in DPO_TRAIN_ARGS:
-                continue
-            for variant in [(), *suite.variants]:
-                env, train = split_variant(variant)
-                options = [*timed_train_args("<model>", "<data>", suite.shapes.dtype, suite.shapes.device, "<cache>",
-                                             "<out>", row_batch_size(suite.shapes, row), 1),
-                           *DPO_TRAIN_ARGS[row](suite),
-                           *train]
-                try:
-                    with mock.patch.dict(os.environ, env):
-                        validate_environment()
-                    cfg = build_config(None, options).validate(required=("model.path", "data.train"))
-                    if row == "train-8b-lora":  # --checkpoint-keep's names, against the 8B's config
-                        check_keep_names_against(LlamaConfig(**suite.shapes.llama),
-                                                 checkpoint_keep_names(cfg.model.checkpoint_keep),
-                                                 cfg.model.attention, cfg.model.device or suite.shapes.device)
-                except ConfigError as err:
-                    return f"{row}{' with --variants ' + shlex.quote(' '.join(variant)) if variant else ''}: {err}"
+        for row, variant in [(r, v) for r in rows if r in DPO_TRAIN_ARGS for v in [(), *suite.variants]]:
+            try:
+                check_train_options(suite, row, variant)
+            except ConfigError as err:
+                return f"{row}{' with --variants ' + shlex.quote(' '.join(variant)) if variant else ''}: {err}"
     return None
+
+
+def check_train_options(suite: Suite, row: str, variant: tuple[str, ...]) -> None:
+    """A training row's options with one ``--variants`` entry (``()``: none) checked as ``train``
+    checks them before any model loads, the LoRA row's ``--checkpoint-keep`` names against the
+    8B's config on the meta device: ``ConfigError`` if refused."""
+    from unittest import mock
+
+    from transformers import LlamaConfig
+
+    from dpocache.config import build_config, checkpoint_keep_names, validate_environment
+    from dpocache.models.checkpointing import check_keep_names_against
+
+    env, train = split_variant(variant)
+    options = [*timed_train_args("<model>", "<data>", suite.shapes.dtype, suite.shapes.device, "<cache>", "<out>",
+                                 row_batch_size(suite.shapes, row), 1),
+               *DPO_TRAIN_ARGS[row](suite), *train]
+    with mock.patch.dict(os.environ, env):
+        validate_environment()
+    cfg = build_config(None, options).validate(required=("model.path", "data.train"))
+    if row == "train-8b-lora":
+        check_keep_names_against(LlamaConfig(**suite.shapes.llama), checkpoint_keep_names(cfg.model.checkpoint_keep),
+                                 cfg.model.attention, cfg.model.device or suite.shapes.device)
 
 
 def row_train_8b_lora(suite: Suite) -> dict:
