@@ -383,9 +383,11 @@ class _KeptProduct(torch.autograd.Function):
 
 def _product_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype of ``F.linear``'s product of ``x`` and a weight of its dtype: autocast's where it
-    is on for ``x``'s device."""
+    is on for ``x``'s device (none on a device autocast does not know: meta, where a test runs
+    a step to see which device each tensor lands on)."""
     device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    on = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+    return torch.get_autocast_dtype(device) if on else x.dtype
 
 
 def _input_grad(grad: torch.Tensor, weight: torch.Tensor, x_dtype: torch.dtype) -> torch.Tensor:

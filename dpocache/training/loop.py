@@ -63,8 +63,9 @@ def train_step(run: Run, window: MetricWindow) -> None:
     (``dpocache.training.divergence``). The weights' norm after this step's update is queued,
     not read (``ProgressMonitor.measure``)."""
     cfg = run.cfg.train
-    run.scorer.train()
-    params = [p for p in run.policy.parameters() if p.requires_grad]
+    if not run.scorer.training:  # after an eval (evaluate); setup set the mode for the first step
+        run.scorer.train()
+    params = run.trainable
     if run.monitor is None:
         run.monitor = ProgressMonitor(params)  # the norm of the weights the run starts (or resumes) from
     run.step_batches, losses_seen = [], []

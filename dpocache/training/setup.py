@@ -190,6 +190,11 @@ def _setup(cfg: Config, env: DistEnv) -> Run:
     run = Run(cfg, env, out, dtype, tokenizer, train_data, eval_data, ref_train, ref_eval, spec, policy, scorer,
               optimizer, scheduler, total, epoch_steps, writer, layout, compiled_layers,
               compiler_at_start, scaler=build_grad_scaler(dtype, env.device, fsdp))
+    run.trainable = [p for p in policy.parameters() if p.requires_grad]
+    # In training mode from here (a loaded model comes in eval mode): train_step sets it again
+    # only after an eval, as setting it walks every module (a 32-layer LoRA Llama's 2,666: 7-17
+    # ms of host time on a 2-core CPU, docs/benchmarks/host-step-cpu-2core-20261127.md).
+    scorer.train()
     run.info = _run_info(run, ref_info, kernels.to_json())
     run.inputs = {"train_pairs": len(train_data), "train_digest": data_digest(train_data),
                   "reference_namespace": ref_info.get("namespace")}

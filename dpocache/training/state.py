@@ -64,6 +64,11 @@ class Run:
     step_batches: list = field(default_factory=list)
     lock: object = None  # rank 0: the output directory's runtime.run_lock.OutputDirLock, released at the end
     batches: object = None  # the training micro-batches, laid out ahead (dpocache.training.prefetch.Prefetcher)
+    # The parameters the optimizer steps, in the model's order (their norm clipped and watched),
+    # listed once: listing them every step walked every parameter of the policy (a 32-layer
+    # LoRA Llama's 739: 3-7 ms of host time on a 2-core CPU,
+    # docs/benchmarks/host-step-cpu-2core-20261127.md).
+    trainable: list = field(default_factory=list)
 
 
 def global_batch(run: Run) -> int:

@@ -610,3 +610,37 @@ def test_summary_shows_the_eval_before_and_after_and_where_a_run_resumed(tmp_pat
     assert line(start, evals[1]) in first and "resumed from" not in first
     assert line(start, end) in resumed  # the first attempt's step 0, kept in metrics.jsonl
     assert f"resumed from {out / 'checkpoints' / 'step-000002'} (step 2)" in resumed
+
+
+@pytest.mark.parametrize("evals", [True, False], ids=["with-evals", "no-eval"])
+def test_every_module_trains_in_a_step_and_evaluates_in_an_eval(tmp_path, base_model, train_jsonl, eval_jsonl,
+                                                              monkeypatch, evals):  # noqa: F811
+    """Training mode is set once by setup (a loaded model comes in eval mode) and again only
+    after an eval (train_step skips the walk over every module otherwise): each step's and each
+    eval's forward finds every module of the scorer in its own mode, with evals at the start,
+    between steps and at the end, and with none (the first step's mode is setup's alone); the
+    parameters clipped and watched are the ones the optimizer steps."""
+    seen, runs = [], []
+    real = train_mod.batch_losses
+
+    def watched(run, *args, **kwargs):
+        runs.append(run)
+        modes = {m.training for m in run.scorer.modules()}
+        seen.append(("eval" if kwargs.get("prefix") == "eval/" else "train", modes))
+        return real(run, *args, **kwargs)
+
+    monkeypatch.setattr(train_mod, "batch_losses", watched)
+    extra = ("--eval-data", str(eval_jsonl), "--eval-steps", "2") if evals else ()
+    run_training(*flags(base_model, train_jsonl, tmp_path / "out", tmp_path / "cache", *extra, "--max-steps", "4",
+                        "--lora-r", "4"))
+    kinds = [kind for kind, _ in seen]
+    assert kinds.count("train") == 4
+    if evals:
+        assert kinds[0] == kinds[-1] == "eval" and "eval" in kinds[kinds.index("train"):-1]  # and between steps
+    else:
+        assert set(kinds) == {"train"}
+    assert all(modes == ({True} if kind == "train" else {False}) for kind, modes in seen), seen
+    run = runs[0]
+    stepped = [p for group in run.optimizer.param_groups for p in group["params"]]
+    assert {id(p) for p in run.trainable} == {id(p) for p in stepped} and len(run.trainable) == len(stepped)
+    assert run.trainable == [p for p in run.policy.parameters() if p.requires_grad]
