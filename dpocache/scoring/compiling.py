@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.fx.experimental._config as fx_config
 from torch import nn
 
 from dpocache.runtime.preflight import UsageError
@@ -72,6 +73,8 @@ def compile_layers(model: nn.Module) -> int:
                          "without spaces")
     layers = decoder_layers(model)
     dynamic = not flex_on_cpu(model)
+    if dynamic:
+        sizes_apart()
     for layer in layers:
         layer.compile(dynamic=dynamic)
     return len(layers)
@@ -84,7 +87,18 @@ def compiled_function(function: Callable) -> Callable:
     the layer passed as its first argument (dynamo reads each layer's parameters as inputs of
     the graph, so the layers share its code, as with ``compile_layers``). For a layer compiled
     inside its checkpoint (``models.checkpointing.LayerCheckpoint``)."""
+    sizes_apart()
     return torch.compile(function, dynamic=True)
+
+
+def sizes_apart() -> None:
+    """Dynamic sizes that happen to be equal when a graph is traced stay apart in it, for this
+    process: by default the compiler gives them one symbol ("duck sizing") and guards on their
+    equality, so a later batch whose sizes differ compiled every layer's graph again, mid-run;
+    the causal rows' groups (``scoring.shared.row_groups``) often hold as many rows, or are as
+    wide, as another group of one batch and not of the next
+    (``tests/scoring/test_causal_attention.py``). torch's own remedy, named in its guard."""
+    fx_config.use_duck_shape = False
 
 
 # The most recompile and graph-break reasons run.json keeps: the first ones say why, the rest repeat.

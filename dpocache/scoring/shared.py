@@ -152,13 +152,14 @@ def collate_shared(pairs: Sequence[TokenizedPair], pad_id: int = 0, placement: S
 # (the 8B LoRA row's 3 graphs in docs/benchmarks/gpu-suite-h200-20261127.md); the slots past a
 # sequence's end repeat its last token, which the causal rows' real tokens never attend to.
 ROW_ALIGN = 8
-# The causal rows in this many groups (fewer only with fewer sequences), of similar lengths, each
-# as wide as its longest: causal attention's work on a row grows with its width squared, so one
-# width for all rows spent about half of it on padding (batches of 8 pairs of the GPU suite's
-# shapes, prompts 200-1,200 tokens and completions 100-800, by arithmetic over random draws: 48%
-# of it on real tokens in one group, 72% in two, 83% in three). A fixed count keeps a compiled
-# layer's graph the same from batch to batch. ``$DPOCACHE_ROW_GROUPS`` sets it (1: one group, to
-# measure the groups again); read once, at import, as every command checks it first.
+# The causal rows in this many groups (fewer only with fewer than twice as many sequences: no group
+# has one row, see row_groups), of similar lengths, each as wide as its longest: causal attention's
+# work on a row grows with its width squared, so one width for all rows spent about half of it on
+# padding (batches of 8 pairs of the GPU suite's shapes, prompts 200-1,200 tokens and completions
+# 100-800, by arithmetic over random draws: 48% of it on real tokens in one group, 72% in two, 83%
+# in three). A fixed count keeps a compiled layer's graph the same from batch to batch.
+# ``$DPOCACHE_ROW_GROUPS`` sets it (1: one group, to measure the groups again); read once, at
+# import, as every command checks it first.
 _ROW_GROUPS_SET = os.environ.get(ROW_GROUPS_ENV)
 ROW_GROUPS = int(_ROW_GROUPS_SET if _ROW_GROUPS_SET in ROW_GROUPS_MODES else ROW_GROUPS_MODES[0])
 
@@ -170,17 +171,23 @@ def row_width(length: int) -> int:
 
 
 def row_groups(lengths: Sequence[int], groups: int = ROW_GROUPS) -> list[int]:
-    """Where to cut ``lengths`` (sequence lengths, longest first) into ``min(groups, n)``
-    non-empty runs with the least attention work, a run ``[j, i)`` costing ``(i - j) * W**2``
-    with ``W`` its rows' width (``row_width`` of its first length): the starts of the runs after
-    the first."""
+    """Where to cut ``lengths`` (sequence lengths, longest first) into runs with the least
+    attention work, a run ``[j, i)`` costing ``(i - j) * W**2`` with ``W`` its rows' width
+    (``row_width`` of its first length): the starts of the runs after the first.
+
+    ``min(groups, n // 2)`` runs (one when ``n < 4``), each of two lengths or more (of one when
+    ``n`` is 1): the compiler specialises a size of 1, so a group of one row, as the longest
+    sequence alone would often be, compiled every layer's graphs again in the middle of a run
+    (``tests/scoring/test_causal_attention.py``)."""
     n = len(lengths)
+    shortest = 2 if n >= 2 else 1
+    runs = max(1, min(groups, n // shortest))
     width = [row_width(length) for length in lengths]
     best = {n: (0, [])}  # start j -> (least work, cuts) of lengths[j:] in the runs counted so far
-    for k in range(1, min(groups, n) + 1):  # lengths[j:] in k runs: at least k of them, the first [j, i)
+    for k in range(1, runs + 1):  # lengths[j:] in k runs, the first [j, i), each at least `shortest` long
         best = {j: min(((i - j) * width[j] ** 2 + best[i][0], ([i] if i < n else []) + best[i][1])
-                       for i in range(j + 1, n - k + 2) if i in best)
-                for j in range(n - k + 1)}
+                       for i in range(j + shortest, n - (k - 1) * shortest + 1) if i in best)
+                for j in range(n - k * shortest + 1)}
     return best[0][1]
 
 

@@ -185,6 +185,34 @@ def test_compiled_training_through_the_causal_rows_has_no_graph_break(tokenizer,
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+@needs_cpu_compile
+@pytest.mark.slow
+def test_compiled_layers_keep_their_graphs_when_the_longest_sequence_stands_apart(tokenizer):
+    """Batches of one size whose lengths spread differently (the longest far past the rest, or
+    not) run the graphs the compiled layers made for the first two: no row group has one row,
+    a size the compiler specialises (a new graph for every layer, compiled again mid-run)."""
+    from torch._dynamo.utils import counters
+
+    from dpocache.data.pairs import TokenizedPair
+    from dpocache.scoring.compiling import compile_layers
+
+    def batch(offset: int, apart: bool) -> list[TokenizedPair]:
+        """4 pairs (8 sequences, 3 groups); ``apart``: the first pair's chosen far the longest."""
+        return [TokenizedPair(i, (5,) * (6 + i + offset), (6,) * (90 if apart and i == 0 else 8 + 2 * i),
+                              (7,) * (5 + i), key=bytes(16)) for i in range(4)]
+
+    model = build_model("llama", tokenizer).train()
+    torch._dynamo.reset()
+    compile_layers(model)
+    for offset in (0, 3):  # the first shapes, then others: the graphs with dynamic sizes
+        packed_sums_and_grads(model, batch(offset, False), tokenizer.pad_token_id, "causal", "cpu")
+    graphs = counters["stats"]["unique_graphs"]
+    layout = layout_batch("packed", batch(1, True), tokenizer.pad_token_id, model.config)
+    assert [len(group) for group in layout.rows.gather][0] == 2  # the longest beside the next, not alone
+    packed_sums_and_grads(model, batch(1, True), tokenizer.pad_token_id, "causal", "cpu")
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def packed_sums_and_grads(model, pairs, pad_id, attention, device):
     """``model``'s packed-layout chosen and rejected sums of ``pairs`` under ``attention`` (which
     must run, with no fallback), and every parameter's gradient of a mix of them, flattened."""
@@ -252,7 +280,8 @@ def test_sequence_rows_point_every_token_at_itself(tokenizer, pairs):
 
 
 def test_row_groups_cut_where_the_attention_does_least_work():
-    """Against every way to cut the lengths into the same number of runs."""
+    """Against every way to cut the lengths into the same number of runs of two or more (a
+    run of one row would be a size the compiler specialises: a new graph)."""
     import itertools
     import random
 
@@ -264,9 +293,14 @@ def test_row_groups_cut_where_the_attention_does_least_work():
     for n in range(1, 13):
         lengths = sorted((rng.randint(3, 2000) for _ in range(n)), reverse=True)
         starts = row_groups(lengths)
-        assert len(starts) == min(ROW_GROUPS, n) - 1 and starts == sorted(set(starts)) and 0 not in starts
-        best = min(work(lengths, list(cut)) for cut in itertools.combinations(range(1, n), len(starts)))
+        assert len(starts) == max(1, min(ROW_GROUPS, n // 2)) - 1 and starts == sorted(set(starts)) and 0 not in starts
+        bounds = [0, *starts, n]
+        assert n == 1 or min(hi - lo for lo, hi in zip(bounds, bounds[1:])) >= 2, (n, starts)
+        best = min(work(lengths, list(cut)) for cut in itertools.combinations(range(1, n), len(starts))
+                   if n == 1 or all(hi - lo >= 2 for lo, hi in zip([0, *cut], [*cut, n])))
         assert work(lengths, starts) == best
+    # the longest alone would cost least here; it shares its group with the next instead
+    assert row_groups([2000, 300, 290, 280, 270, 260], 2) == [2]
     # one width for all: half the work or more is padding where the lengths spread (Tulu-shaped)
     lengths = sorted((rng.randint(300, 2000) for _ in range(16)), reverse=True)
     assert work(lengths, row_groups(lengths)) < 0.8 * work(lengths, [])
