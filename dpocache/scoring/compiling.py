@@ -92,12 +92,14 @@ def compiled_function(function: Callable) -> Callable:
 
 
 def sizes_apart() -> None:
-    """Dynamic sizes that happen to be equal when a graph is traced stay apart in it, for this
-    process: by default the compiler gives them one symbol ("duck sizing") and guards on their
-    equality, so a later batch whose sizes differ compiled every layer's graph again, mid-run;
-    the causal rows' groups (``scoring.shared.row_groups``) often hold as many rows, or are as
-    wide, as another group of one batch and not of the next
-    (``tests/scoring/test_causal_attention.py``). torch's own remedy, named in its guard."""
+    """Dynamic sizes that happen to be equal when a graph is traced stay apart in it: by default
+    the compiler gives them one symbol ("duck sizing") and guards on their equality, so a later
+    batch whose sizes differ compiled every layer's graph again, mid-run; the causal rows' groups
+    (``scoring.shared.row_groups``) often hold as many rows, or are as wide, as another group of
+    one batch and not of the next (``tests/scoring/test_causal_attention.py``). torch's own
+    remedy, named in its guard. It holds for the whole process, as the compiler reads it when it
+    traces, on a layer's first call: in a process that trains with TRL beside a compiled
+    dpocache reference, TRL's compiled graphs too, which then only guard less."""
     fx_config.use_duck_shape = False
 
 
