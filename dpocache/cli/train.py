@@ -101,6 +101,9 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     if info.get("resumed_from"):
         print(f"resumed from {info['resumed_from']['checkpoint']} (step {info['resumed_from']['step']})")
     print(f"done: {final['step']} steps; model in {final['output']}")
+    compiled = describe_compiled(info.get("policy", {}))
+    if compiled:
+        print(compiled)
     streamed = info.get("policy", {}).get("streamed")
     if streamed and "transfers" in streamed:
         from dpocache.cli.cache import describe_pace, describe_transfers
@@ -140,6 +143,19 @@ def describe_reference(ref: dict) -> str:
         return f"reference: {ref.get('source')}"
     return (f"reference: {ref['pairs']} pairs from the cache ({ref['computed']} computed, {ref['reused']} reused), "
             f"{ref.get('forward_passes_during_training', 0)} reference forward passes during training")
+
+
+def describe_compiled(policy: dict) -> str | None:
+    """``compiled: 6 decoder layers into 2 graphs, no graph break`` (``--compile on``; None where
+    nothing compiled): a count past the one or two a run needs means the compiler compiled again
+    mid-run, each time a slow step; run.json's ``policy.compiler`` says which guard failed."""
+    compiler = policy.get("compiler")
+    if not policy.get("compiled_layers") or not compiler:
+        return None
+    breaks = compiler["graph_breaks"]
+    return (f"compiled: {policy['compiled_layers']} decoder layers into {compiler['graphs']} "
+            f"graph{'s' if compiler['graphs'] != 1 else ''}, "
+            f"{f'{breaks} graph breaks' if breaks else 'no graph break'} (why each: run.json policy.compiler)")
 
 
 def first_eval(output_dir: str) -> dict | None:

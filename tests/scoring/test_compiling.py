@@ -99,10 +99,11 @@ def test_build_summary_names_compiled_layers_and_bad_value_is_status_2(tmp_path,
 
 @needs_cpu_compile
 @pytest.mark.slow
-def test_training_with_compiled_layers_follows_the_eager_run(tmp_path, base_model, train_jsonl):
+def test_training_with_compiled_layers_follows_the_eager_run(tmp_path, base_model, train_jsonl, cli):
     """Three fp32 steps with the policy's layers compiled (forward and backward through inductor)
     against the same run eager: the same losses and gradient norms, up to fp32 rounding; run.json
-    records the one graph compiled."""
+    records the one graph compiled, and the command's summary says it (the eager run's says
+    nothing of it)."""
     from transformers import AutoConfig
 
     torch._dynamo.reset()
@@ -110,7 +111,12 @@ def test_training_with_compiled_layers_follows_the_eager_run(tmp_path, base_mode
     runs = {}
     for mode in ("off", "on"):
         out = tmp_path / mode
-        run_training(*flags(base_model, train_jsonl, out, tmp_path / "cache", "--max-steps", "3", "--compile", mode))
+        rc, stdout, err = cli("train", *flags(base_model, train_jsonl, out, tmp_path / "cache", "--max-steps", "3",
+                                              "--compile", mode))
+        assert rc == 0, err
+        said = [line for line in stdout.splitlines() if line.startswith("compiled:")]
+        assert said == ([] if mode == "off" else [f"compiled: {layers} decoder layers into 1 graph, no graph break "
+                                                  "(why each: run.json policy.compiler)"])
         runs[mode] = train_records(out)
         policy = run_json(out)["policy"]
         assert policy["compiled_layers"] == (0 if mode == "off" else layers)
