@@ -10,17 +10,21 @@ over every op of the checkpointed layer), and compiled (``--compile on``): resid
 compiled whole with its checkpoint inside the graph (``scoring.compiling.compile_layers``), and
 streamed, each layer's forward compiled inside its checkpoint
 (``models.checkpointing.LayerCheckpoint``), also with the down projections' products kept (an
-opaque operation in the graph). The compiled variants' first steps compile; the warm-up takes
+opaque operation in the graph), and with each adapted layer's update traced as an ``addmm`` of
+its own instead of inside ``dpocache::lora_linear`` with the product (``+addmm``: the layers
+traced before that operation). The compiled variants' first steps compile; the warm-up takes
 them.
 
-    python bench/probes/lora_host_probe.py [--layers 8] [--rounds 8] [--steps 40]
+    python bench/probes/lora_host_probe.py [--layers 8] [--rounds 8] [--steps 40] [--variants NAME ...]
 
-A tiny Llama (hidden 64, 16 tokens) with every linear layer adapted (r 4), its base stored in
-bf16, forward and backward under bf16 autocast on one CPU thread. The three variants run in
-turn, ``--rounds`` times; each round's figure is the median of ``--steps`` forward-and-backward
-passes after 5 of warm-up. Prints one JSON line: the median over the rounds per variant, in
-milliseconds, and every round's. On a GPU the same host work runs beside the kernels; it is
-the bound only where the device waits for it.
+A tiny Llama (hidden 64, 16 tokens) with every linear layer adapted (r 4), its base stored in bf16,
+forward and backward under bf16 autocast on one CPU thread. The variants run in turn,
+``--rounds`` times; each round's figure is the median of ``--steps`` forward-and-backward passes
+after 5 of warm-up. Prints one JSON line: the median over the rounds per variant, in milliseconds,
+and every round's. Compiled variants in one process share the layers' compiled code, each checking
+the others' guards first (the +addmm variant guards on what the others do not): compare compiled
+variants with ``--variants``, each in a process of its own. On a GPU the same host work runs beside
+the kernels; it is the bound only where the device waits for it.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # dpocache in a ch
 
 VARIANTS = ("peft", "fused", "fused+cast-once", "checkpointed", "checkpointed+streamed", "checkpointed+kept",
             "checkpointed+torch-sac", "checkpointed+compiled", "checkpointed+streamed+compiled",
-            "checkpointed+streamed+compiled+kept")
+            "checkpointed+streamed+compiled+kept", "checkpointed+streamed+compiled+addmm")
 
 
 def _save_attention(ctx, op, *args, **kwargs):
@@ -110,6 +114,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     args = parser.parse_args()
 
     import torch
@@ -117,12 +122,16 @@ def main() -> None:
     from dpocache.models import lora_fused
 
     torch.set_num_threads(1)
-    models = {v: build(v, args.layers) for v in VARIANTS}
-    rounds = {v: [] for v in VARIANTS}
+    models = {v: build(v, args.layers) for v in args.variants}
+    rounds = {v: [] for v in args.variants}
+    traced_base = lora_fused._traced_base
     for _ in range(args.rounds):
         for variant, model in models.items():
             lora_fused.CAST_ONCE = variant not in ("peft", "fused")
+            # read where the layer is traced: the +addmm variant's graphs trace no base into the operation
+            lora_fused._traced_base = (lambda base: None) if variant.endswith("+addmm") else traced_base
             rounds[variant].append(time_steps(model, args.steps) * 1e3)
+    lora_fused._traced_base = traced_base
     print(json.dumps({"ms_median": {v: round(statistics.median(r), 2) for v, r in rounds.items()},
                       "ms_rounds": {v: [round(x, 2) for x in r] for v, r in rounds.items()},
                       "layers": args.layers, "threads": 1, "torch": torch.__version__}))

@@ -378,7 +378,7 @@ class _KeptProduct(torch.autograd.Function):
         (weight,) = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None
-        return _input_grad(grad, weight, ctx.x_dtype), None, None, None, None
+        return input_grad(grad, weight, ctx.x_dtype), None, None, None, None
 
 
 def _product_dtype(x: torch.Tensor) -> torch.dtype:
@@ -390,7 +390,7 @@ def _product_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if on else x.dtype
 
 
-def _input_grad(grad: torch.Tensor, weight: torch.Tensor, x_dtype: torch.dtype) -> torch.Tensor:
+def input_grad(grad: torch.Tensor, weight: torch.Tensor, x_dtype: torch.dtype) -> torch.Tensor:
     """``x``'s gradient of ``F.linear(x, weight)``: ``grad (..., out) @ weight (out, in)``, in
     ``x``'s dtype (autocast's cast of the weight: none where it is stored in the grad's dtype)."""
     return grad.matmul(weight.to(grad.dtype)).to(x_dtype)
@@ -406,7 +406,7 @@ def unread_product_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return _KeptProduct.apply(x, self.weight, self.bias, phase, None)
 
 
-def _autocast_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+def autocast_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """``x``, ``weight`` and ``bias`` cast to the autocast dtype where autocast is on for their
     device, as it would cast them for ``F.linear``; as they are otherwise."""
     device = x.device.type
@@ -423,7 +423,7 @@ def compiled_kept_product_forward(self: nn.Linear, x: torch.Tensor) -> torch.Ten
     compute and keep the product (the forward), return the kept one (the recompute) or only
     compute it (no checkpointed call), by the phase the eager ``LayerCheckpoint`` set around the
     compiled call. Autocast is applied here, where it is traced: the operation sees its dtypes."""
-    return torch.ops.dpocache.kept_linear(*_autocast_inputs(x, self.weight, self.bias))
+    return torch.ops.dpocache.kept_linear(*autocast_inputs(x, self.weight, self.bias))
 
 
 def compiled_unread_product_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -431,7 +431,7 @@ def compiled_unread_product_forward(self: nn.Linear, x: torch.Tensor) -> torch.T
     compiled layer traces it: one opaque operation (``dpocache::unread_linear``) that returns
     zeros in a checkpointed call's recompute, by the phase set when it runs, and the product
     otherwise."""
-    return torch.ops.dpocache.unread_linear(*_autocast_inputs(x, self.weight, self.bias))
+    return torch.ops.dpocache.unread_linear(*autocast_inputs(x, self.weight, self.bias))
 
 
 @torch.library.custom_op("dpocache::kept_linear", mutates_args=())
@@ -461,7 +461,7 @@ def _kept_linear_context(ctx, inputs, output) -> None:
 
 def _kept_linear_backward(ctx, grad: torch.Tensor):
     (weight,) = ctx.saved_tensors
-    return _input_grad(grad, weight, ctx.x_dtype), None, None
+    return input_grad(grad, weight, ctx.x_dtype), None, None
 
 
 _kept_linear.register_autograd(_kept_linear_backward, setup_context=_kept_linear_context)

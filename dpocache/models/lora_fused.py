@@ -22,6 +22,11 @@ That trades host time (a Python autograd node per consumer, ``bench/probes/lora_
 for 8 fewer casts of an activation per decoder layer and forward on the device, which bounds
 an 8B LoRA step; ``$DPOCACHE_LORA_CAST=per-product`` turns it off (docs/speed.md).
 
+A compiled layer traces the product and the update as one operation, ``dpocache::lora_linear``:
+traced as they are, the in-place addition becomes an ``addmm`` into a new buffer that the product
+is first copied into (``_lora_linear``). Bases with a forward of their own keep it (a kept product),
+but for one whose product the recompute skips, which the operation skips with its update.
+
 Only for a run under bf16 or fp16 autocast on native kernels (``fuses_lora_updates``): fp32 runs
 keep PEFT's forward, and so do calls it does not cover (several or no active adapters, a
 variant such as DoRA, a bias on ``B``, merged weights, adapters off, extra arguments), which
@@ -35,9 +40,11 @@ import types
 import weakref
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from dpocache.models.checkpointing import KEEPS_PRODUCT
+from dpocache.models.checkpoint_phases import current_phase
+from dpocache.models.checkpointing import KEEPS_PRODUCT, autocast_inputs, compiled_unread_product_forward, input_grad
 from dpocache.scoring.layout_choice import LORA_CAST_ENV, LORA_CAST_MODES
 
 
@@ -62,16 +69,77 @@ def fused_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     # (N, in) each: the update goes into a whole tensor, not a view of one. The cast is keyed on x
     # itself, the tensor the decoder layer hands to q, k and v (gate and up).
     to_base, to_adapter = (t.reshape(-1, t.shape[-1]) for t in _compute_inputs(x))
-    result = self.base_layer(to_base)  # (N, out), a new tensor: its product does not keep it for backward
     lora_a, lora_b = self.lora_A[adapter], self.lora_B[adapter]
     h = lora_a(self.lora_dropout[adapter](self._cast_input_dtype(to_adapter, lora_a.weight.dtype)))  # (N, r)
+    base = self.base_layer
+    if torch.compiler.is_compiling() and (unread := _traced_base(base)) is not None:
+        x_in, weight, bias = autocast_inputs(to_base, base.weight, base.bias)
+        result = torch.ops.dpocache.lora_linear(x_in, weight, bias, h.to(x_in.dtype), lora_b.weight.to(x_in.dtype),
+                                                self.scaling[adapter], unread)
+        return result.view(*x.shape[:-1], result.shape[-1])
+    result = base(to_base)  # (N, out), a new tensor: its product does not keep it for backward
     # addmm_ is in place, which autocast does not cast: B in the output's dtype, as autocast
     # would cast it for lora_B's product (the same rounding). A base that keeps its product
     # through the recompute (dpocache.models.checkpointing) gets a new tensor instead: its product
     # is kept as it is (one copy of it, in addmm).
-    update = torch.addmm if getattr(self.base_layer, KEEPS_PRODUCT, False) else torch.Tensor.addmm_
+    update = torch.addmm if getattr(base, KEEPS_PRODUCT, False) else torch.Tensor.addmm_
     result = update(result, h.to(result.dtype), lora_b.weight.to(result.dtype).t(), alpha=self.scaling[adapter])
     return result.view(*x.shape[:-1], result.shape[-1])
+
+
+def _traced_base(base: nn.Module) -> bool | None:
+    """How a compiled layer traces ``base``'s product inside ``dpocache::lora_linear``: False for
+    a frozen ``nn.Linear`` with its own forward and no hooks, True for one whose product the
+    recompute skips (``compiled_unread_product_forward``); None for any other (a kept product, a
+    forward of ``bf16_matmul``'s, a hook that fetches streamed weights, a trained weight), which
+    keeps its own forward."""
+    if type(base) is not nn.Linear or base._forward_hooks or base._forward_pre_hooks \
+            or any(p.requires_grad for p in base.parameters()):
+        return None
+    own = base.__dict__.get("forward")
+    if own is None:
+        return False
+    return True if getattr(own, "__func__", None) is compiled_unread_product_forward else None
+
+
+@torch.library.custom_op("dpocache::lora_linear", mutates_args=())
+def _lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, h: torch.Tensor,
+                 lora_b: torch.Tensor, scaling: float, unread: bool) -> torch.Tensor:
+    """A LoRA layer's output as a compiled layer computes it: ``x (N, in) @ weight (out, in)^T +
+    bias + scaling * h (N, r) @ lora_b (out, r)^T`` → ``(N, out)``, the update added in place in
+    its GEMM into the product made here. Traced as plain operations, the in-place addition
+    becomes an ``addmm`` that the compiled graph gives a new buffer, into which the product is
+    first copied: a read and a write of the whole output more, in every LoRA layer's forward and
+    recompute. ``unread``: zeros in a checkpointed call's recompute, where nothing reads this
+    output (``compiled_unread_product_forward``)."""
+    if unread and (phase := current_phase()) is not None and phase.recompute:
+        return x.new_zeros((x.shape[0], weight.shape[0]))
+    return F.linear(x, weight, bias).addmm_(h, lora_b.t(), alpha=scaling)
+
+
+@_lora_linear.register_fake
+def _(x, weight, bias, h, lora_b, scaling, unread) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def _lora_linear_context(ctx, inputs, output) -> None:
+    x, weight, _, h, lora_b, scaling, _ = inputs
+    ctx.save_for_backward(weight, h, lora_b)
+    ctx.scaling, ctx.x_dtype = scaling, x.dtype
+
+
+def _lora_linear_backward(ctx, grad: torch.Tensor):
+    """The gradients of ``x``, ``h`` and ``lora_b`` (the frozen weight and bias have none):
+    ``grad (N, out)`` through the base, and through the update scaled as ``addmm``'s backward
+    scales it."""
+    weight, h, lora_b = ctx.saved_tensors
+    grad_x = input_grad(grad, weight, ctx.x_dtype) if ctx.needs_input_grad[0] else None
+    grad_h = grad.mm(lora_b) * ctx.scaling if ctx.needs_input_grad[3] else None  # (N, r)
+    grad_b = grad.t().mm(h) * ctx.scaling if ctx.needs_input_grad[4] else None  # (out, r)
+    return grad_x, None, None, grad_h, grad_b, None, None
+
+
+_lora_linear.register_autograd(_lora_linear_backward, setup_context=_lora_linear_context)
 
 
 class _AsCast(torch.autograd.Function):

@@ -230,3 +230,90 @@ def test_checkpointed_lora_training_recomputes_the_same_values(tmp_path, base_mo
     assert len(runs[0][0]) == 3 and runs[0][0] == runs[1][0]
     assert runs[0][1].keys() == runs[1][1].keys()
     assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
+
+
+def _compiled_run(model, x, dtype=torch.bfloat16):
+    """``model`` compiled, called on ``x`` under ``dtype`` autocast and backward through a weighted
+    sum: (output, [x's gradient, each trained parameter's], the compiled forward's code)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    x_in = x.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype):
+        out, codes = run_and_get_code(compiled, x_in)
+    (out.float() * torch.linspace(-1, 1, OUT)).sum().backward()
+    grads = [x_in.grad] + [p.grad.clone() for p in model.parameters() if p.requires_grad]
+    model.zero_grad()
+    return out.float(), grads, codes[0]
+
+
+def test_a_compiled_layer_adds_the_update_into_the_product_it_made():
+    """Compiled, the update's in-place ``addmm_`` would become an ``addmm`` into a new buffer that
+    the product is first copied into; traced as ``dpocache::lora_linear``, it is added into the
+    product the operation made, with the LoRA formula's values and PEFT's gradients."""
+    model, layer = _layer(dtype=torch.bfloat16)
+    x = torch.randn(2, 7, IN)
+    want = _formula(layer, x.bfloat16())
+    with torch.autocast("cpu", torch.bfloat16):
+        peft_out = model(x.clone()).float()
+    peft_err = (peft_out - want).abs().max().item()
+    _, peft_grads, _ = _compiled_run(model, x)  # PEFT's forward, compiled
+    fuse_lora_updates_(model)
+    out, grads, code = _compiled_run(model, x)
+    assert "torch.ops.dpocache.lora_linear" in code and "addmm" not in code
+    assert (out - want).abs().max().item() <= 2 * peft_err + 1e-3
+    for got, expected in zip(grads, peft_grads, strict=True):
+        torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_lora_linear_registration_holds_under_torch_checks():
+    """The operation's schema, fake tensor and autograd formula, as torch's ``opcheck`` tests
+    them (against the eager op, through autograd and AOT dispatch), in fp32 and bf16."""
+    from dpocache.models import lora_fused  # noqa: F401  (registers the operation)
+
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        def rand(*shape, grad=True):
+            return torch.randn(*shape, generator=gen, dtype=dtype).requires_grad_(grad)
+        for bias in (None, rand(OUT, grad=False)):
+            args = (rand(10, IN), rand(OUT, IN, grad=False), bias, rand(10, R), rand(OUT, R), 2.0, False)
+            torch.library.opcheck(torch.ops.dpocache.lora_linear.default, args)
+
+
+def test_lora_linear_gradients_are_the_formulas():
+    """x's, h's and B's gradients against autograd through the float64 formula."""
+    from dpocache.models import lora_fused  # noqa: F401
+
+    gen = torch.Generator().manual_seed(4)
+    x, w, bias = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((9, IN), (OUT, IN), (OUT,)))
+    h, b = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((9, R), (OUT, R)))
+    weights = torch.randn(9, OUT, generator=gen, dtype=torch.float64)
+    results = []
+    for op in (True, False):
+        leaves = [t.clone().requires_grad_(True) for t in (x, h, b)]
+        xi, hi, bi = leaves
+        out = torch.ops.dpocache.lora_linear(xi, w, bias, hi, bi, 1.5, False) if op \
+            else xi @ w.T + bias + 1.5 * hi @ bi.T
+        (out * weights).sum().backward()
+        results.append((out.detach(), [t.grad for t in leaves]))
+    torch.testing.assert_close(results[0][0], results[1][0])
+    for got, want in zip(results[0][1], results[1][1], strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_an_unread_product_is_zeros_in_the_recompute_only():
+    """``unread``: a checkpointed call's recompute gets zeros (nothing reads the output there);
+    its forward, and a call outside any checkpoint, the product and update."""
+    from dpocache.models.checkpoint_phases import checkpoint_phases
+
+    gen = torch.Generator().manual_seed(5)
+    x, w, h, b = (torch.randn(*s, generator=gen) for s in ((6, IN), (OUT, IN), (6, R), (OUT, R)))
+    want = x @ w.T + 2.0 * h @ b.T
+    forward, recompute = checkpoint_phases()
+    with forward:
+        torch.testing.assert_close(torch.ops.dpocache.lora_linear(x, w, None, h, b, 2.0, True), want)
+    with recompute:
+        assert torch.equal(torch.ops.dpocache.lora_linear(x, w, None, h, b, 2.0, True), torch.zeros(6, OUT))
+        torch.testing.assert_close(torch.ops.dpocache.lora_linear(x, w, None, h, b, 2.0, False), want)
+    torch.testing.assert_close(torch.ops.dpocache.lora_linear(x, w, None, h, b, 2.0, True), want)

@@ -851,11 +851,12 @@ def test_a_lora_run_with_its_base_and_reference_streamed_trains_as_the_resident_
     assert streamer.waits == 1 and streamer.copies >= 3 * 2 * (6 - 2 - 1)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+@pytest.mark.parametrize("device,dtype", [("cpu", "float32"), ("cpu", "bfloat16"), pytest.param(
+    "cuda", "bfloat16", marks=[pytest.mark.gpu,
+                               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
 def test_train_stream_base_with_compile_on_trains_as_the_eager_resident_run(tmp_path, deep_model_path,
                                                                             train_jsonl,  # noqa: F811
-                                                                            monkeypatch, device):
+                                                                            monkeypatch, device, dtype):
     """``train --stream-base true --compile on --resident-layers 1 --turn-layers 1
     --checkpoint-keep down_proj,o_proj`` through the whole loop, its layers' forwards compiled
     inside their checkpoints (five streamed, one of them kept through each bottom turn in a slot
@@ -865,16 +866,23 @@ def test_train_stream_base_with_compile_on_trains_as_the_eager_resident_run(tmp_
     (standing in for the GPU) in fp32, the same logged values and adapter within the compiler's
     rounding; on a GPU in bf16 with Liger's kernels off, as the GPU suite's LoRA row runs it,
     the same losses and gradient norms within bf16 rounding
-    (Adam's first steps on bf16 rounding noise leave the adapters themselves apart by more).
-    Two graphs for all the layers, resident and streamed, and no graph break, which run.json
+    (Adam's first steps on bf16 rounding noise leave the adapters themselves apart by more); on
+    the CPU in bf16 with its native kernels, likewise, where each adapted layer's product and
+    update run as one operation (``dpocache::lora_linear``), the down projections' giving zeros in
+    the recompute. Two graphs for all the layers, resident and streamed, and no graph break, which run.json
     records with the compiled, streamed and resident layers."""
     import dpocache.config as config_mod
 
     from torch._dynamo.utils import counters
 
-    dtype = "float32" if device == "cpu" else "bfloat16"
+    from dpocache.models import lora_fused
+    from dpocache.models.checkpoint_phases import current_phase
+
     if device == "cpu":
         monkeypatch.setattr(config_mod, "_validate_streamed", lambda cfg, flag: None)
+        monkeypatch.setenv("DPOCACHE_BF16_MATMUL", "native")  # as on a GPU (bf16 only)
+    unread_calls = []  # dpocache::lora_linear asks the phase for an unread product only
+    monkeypatch.setattr(lora_fused, "current_phase", lambda: unread_calls.append(1) or current_phase())
     runs = {}
     torch._dynamo.reset()  # the graphs this test counts, whichever test compiled the layer's forward before
     for streamed in (False, True):
@@ -893,7 +901,8 @@ def test_train_stream_base_with_compile_on_trains_as_the_eager_resident_run(tmp_
     assert len(got) == len(want) == 3 and got_adapter.keys() == want_adapter.keys()
     moved = max(float(t.abs().max()) for name, t in want_adapter.items() if "lora_B" in name)
     assert moved > 0.01  # the adapters trained: the comparisons below say something
-    if device == "cpu":
+    assert bool(unread_calls) == (dtype == "bfloat16")  # the fused LoRA forward runs under bf16 autocast only
+    if dtype == "float32":
         for step_got, step_want in zip(got, want):
             for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected", "rewards/margins"):
                 assert step_got[key] == pytest.approx(step_want[key], rel=1e-4, abs=1e-5), (key, step_got, step_want)
