@@ -1,6 +1,7 @@
 """Per-token log-probabilities of completion tokens: the one function the cache build, training
-and evaluation all use (docs/ARCHITECTURE.md), so the cached reference value is exactly what
-the policy computes at step 0.
+and evaluation all use (docs/ARCHITECTURE.md), so the cached reference value is what the policy
+computes at step 0, within fp32 rounding (inference takes each chunk's log-sum-exp in place,
+training a log-softmax of it that autograd can run backward in one kernel).
 
 Memory: a causal LM's forward returns logits ``(N, T, V)``; with V = 128k and fp32 that is the
 largest tensor in a DPO step by far. Here the model's body runs alone, the hidden states of
@@ -339,10 +340,14 @@ class CompletionLogProbs(nn.Module):
         return torch.cat(parts)
 
     def _chunk_logps(self, head: nn.Module, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = self._transform(head(h)).float()  # (C, V), a fresh buffer
-        picked = logits.gather(-1, y[:, None]).squeeze(-1)  # (C,)
+        logits = self._transform(head(h))  # (C, V) in the head's dtype
         if logits.requires_grad:
-            return picked - logits.logsumexp(-1)
+            # One kernel each way over the (C, V) logits, upcast inside it: a cast, then
+            # logsumexp's max, difference, exp and sum, a gather and their backwards were each a
+            # kernel reading or writing a whole fp32 (C, V) tensor (the head is memory-bound).
+            return torch.log_softmax(logits, -1, dtype=torch.float32).gather(-1, y[:, None]).squeeze(-1)
+        logits = logits.float()  # (C, V), a fresh buffer
+        picked = logits.gather(-1, y[:, None]).squeeze(-1)  # (C,)
         # No graph to keep: the logsumexp in place over the one (C, V) buffer, where
         # torch.logsumexp would allocate and stream a second one (the head is memory-bound).
         top = logits.amax(-1, keepdim=True)  # (C, 1)

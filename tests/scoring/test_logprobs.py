@@ -12,6 +12,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dpocache.data.pairs import load_preference_data
 from dpocache.models.reference import ReferenceModel
@@ -187,6 +188,54 @@ def test_gradients_through_chunked_checkpointed_head_match_naive(tokenizer, batc
     for name in naive:
         assert naive[name].abs().max() > 0, name
         assert _max_diff(fast[name], naive[name]) < TOL, name
+
+
+class _WholeLogitsOps(TorchDispatchMode):
+    """The names of the ops run inside it that make an fp32 tensor of ``numel`` elements (a
+    chunk's whole logits), views aside."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.names = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.numel() == self.numel and out.dtype == torch.float32 \
+                and not func.is_view:
+            self.names.append(func.overloadpacket.__name__)
+        return out
+
+
+def test_a_bf16_chunk_with_gradients_is_the_fp64_log_softmax_in_few_passes(tokenizer):
+    """A chunk of bf16 logits under autograd, as the policy's head gives them: the float64
+    log-softmax of those logits, and their gradient within bf16 rounding; the backward (the
+    chunk's recompute included) makes no fp32 tensor of the whole logits but the cast, the
+    log-softmax and the gather's and the log-softmax's backwards (torch's logsumexp and its
+    backward made three more: a difference, its exp and a product)."""
+    model = build_model("llama", tokenizer).eval().bfloat16()
+    lp = CompletionLogProbs(model, probe=False)
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    gen = torch.Generator().manual_seed(2)
+    h = torch.randn(12, hidden, generator=gen).bfloat16().requires_grad_(True)
+    labels = torch.randint(0, vocab, (12,), generator=gen)
+    weights = torch.randn(12, generator=gen)
+    mode = _WholeLogitsOps(12 * vocab)
+    with mode:
+        out = lp.head_logps(h, labels)
+        forward = list(mode.names)
+        (out * weights).sum().backward()
+    backward = mode.names[len(forward):]
+    assert forward == ["_to_copy", "_log_softmax"]
+    assert sorted(backward) == sorted(["_to_copy", "_log_softmax", "new_zeros", "scatter_add",
+                                       "_log_softmax_backward_data"])
+    # independent: float64 from the same bf16 logits (the head's bf16 product)
+    h64 = h.detach().double().requires_grad_(True)
+    logits = (h64.bfloat16() @ model.get_output_embeddings().weight.T).double()  # the bf16 product, exactly
+    want = logits.log_softmax(-1).gather(-1, labels[:, None]).squeeze(-1)
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-5)
+    grad_logits = torch.autograd.grad((want * weights.double()).sum(), logits)[0]  # (C, V)
+    want_grad = grad_logits @ model.get_output_embeddings().weight.double()
+    torch.testing.assert_close(h.grad.double(), want_grad, rtol=2e-2, atol=2e-2 * want_grad.abs().max().item())
 
 
 def test_pair_logprobs_splits_chosen_and_rejected(tiny_models, pairs, batch):
