@@ -342,9 +342,9 @@ class CompletionLogProbs(nn.Module):
     def _chunk_logps(self, head: nn.Module, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         logits = self._transform(head(h))  # (C, V) in the head's dtype
         if logits.requires_grad:
-            # One kernel each way over the (C, V) logits, upcast inside it: a cast, then
-            # logsumexp's max, difference, exp and sum, a gather and their backwards were each a
-            # kernel reading or writing a whole fp32 (C, V) tensor (the head is memory-bound).
+            # One log-softmax each way over the (C, V) logits, upcast for it: after the cast,
+            # logsumexp's max, difference, exp and sum and their backwards were each a pass over a
+            # whole fp32 (C, V) tensor, which a GPU's memory bounds (tests/scoring/test_logprobs.py).
             return torch.log_softmax(logits, -1, dtype=torch.float32).gather(-1, y[:, None]).squeeze(-1)
         logits = logits.float()  # (C, V), a fresh buffer
         picked = logits.gather(-1, y[:, None]).squeeze(-1)  # (C,)

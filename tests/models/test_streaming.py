@@ -869,8 +869,8 @@ def test_train_stream_base_with_compile_on_trains_as_the_eager_resident_run(tmp_
     (Adam's first steps on bf16 rounding noise leave the adapters themselves apart by more); on
     the CPU in bf16 with its native kernels, likewise, where each adapted layer's product and
     update run as one operation (``dpocache::lora_linear``), the down projections' giving zeros in
-    the recompute. Two graphs for all the layers, resident and streamed, and no graph break, which run.json
-    records with the compiled, streamed and resident layers."""
+    the recompute. Two graphs for all the layers, resident and streamed, and no graph break,
+    which run.json records with the compiled, streamed and resident layers."""
     import dpocache.config as config_mod
 
     from torch._dynamo.utils import counters
