@@ -251,14 +251,17 @@ def _compiled_run(model, x, dtype=torch.bfloat16):
 def test_a_compiled_layer_adds_the_update_into_the_product_it_made():
     """Compiled, the update's in-place ``addmm_`` would become an ``addmm`` into a new buffer that
     the product is first copied into; traced as ``dpocache::lora_linear``, it is added into the
-    product the operation made, with the LoRA formula's values and PEFT's gradients."""
+    product the operation made, with the LoRA formula's values and PEFT's (eager) gradients."""
     model, layer = _layer(dtype=torch.bfloat16)
     x = torch.randn(2, 7, IN)
     want = _formula(layer, x.bfloat16())
+    x_in = x.clone().requires_grad_(True)
     with torch.autocast("cpu", torch.bfloat16):
-        peft_out = model(x.clone()).float()
-    peft_err = (peft_out - want).abs().max().item()
-    _, peft_grads, _ = _compiled_run(model, x)  # PEFT's forward, compiled
+        peft_out = model(x_in).float()  # PEFT's forward, eager
+    (peft_out * torch.linspace(-1, 1, OUT)).sum().backward()
+    peft_grads = [x_in.grad] + [p.grad.clone() for p in model.parameters() if p.requires_grad]
+    model.zero_grad()
+    peft_err = (peft_out.detach() - want).abs().max().item()
     fuse_lora_updates_(model)
     out, grads, code = _compiled_run(model, x)
     assert "torch.ops.dpocache.lora_linear" in code and "addmm" not in code
