@@ -355,15 +355,13 @@ class CompletionLogProbs(nn.Module):
 
     def _chunk_logps_sum_sq(self, head: nn.Module, h: torch.Tensor, y: torch.Tensor):
         """``_chunk_logps`` and, from the same ``(C, V)`` logits, WPO's ``log sum_v p(v)^2`` per
-        row ``(C,)``, detached (TRL's ``log_sum_sq_probs``): ``exp(2 log p) <= 1`` cannot
-        overflow, and is taken in place in one ``(C, V)`` buffer."""
-        logits = self._transform(head(h)).float()  # (C, V)
-        lse = logits.logsumexp(-1)  # (C,)
-        picked = logits.gather(-1, y[:, None]).squeeze(-1)  # (C,)
+        row ``(C,)``, detached (TRL's ``log_sum_sq_probs``): both from one log-softmax, as in
+        ``_chunk_logps``; ``exp(2 log p) <= 1`` cannot overflow, and is taken in place in one
+        ``(C, V)`` buffer."""
+        logp = torch.log_softmax(self._transform(head(h)), -1, dtype=torch.float32)  # (C, V)
         with torch.no_grad():
-            logp = logits.detach() - lse.detach()[:, None]  # (C, V) log_softmax, a fresh buffer
-            sum_sq = logp.mul_(2).exp_().sum(-1).log()  # (C,)
-        return picked - lse, sum_sq
+            sum_sq = logp.mul(2).exp_().sum(-1).log()  # (C,)
+        return logp.gather(-1, y[:, None]).squeeze(-1), sum_sq
 
     @torch.no_grad()
     def probe_fast_path(self) -> bool:
