@@ -22,8 +22,9 @@ The reference (``reference=``):
 With ``beta=0`` the trainer is ``GRPOTrainer`` as it is and loads no reference. The look-aside
 cache (``cache_dir``) is off by default for training's sampled completions (they rarely repeat)
 and on for evaluation; a service or pool given brings its own. A reference whose vocabulary or
-tokenizer differs from the policy's, or whose temperature differs from ``args.temperature``, is
-refused at construction with one line.
+tokenizer differs from the policy's, or whose temperature differs from ``args.temperature``, and a
+dataset prompt that leaves a completion of ``max_completion_length`` no room in the reference's
+context, are refused at construction with one line.
 
 Needs ``pip install 'dpocache[trl]'`` (TRL 1.16); other versions fail at construction with one
 message, since this overrides TRL internals (``_get_per_token_logps_and_entropies``).
@@ -44,6 +45,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from dpocache.cache.build import default_cache_dir, namespace_for_dir
 from dpocache.integrations.trl import check_trl_internals
@@ -221,6 +223,7 @@ class CachedGRPOTrainer(GRPOTrainer):
             self.dpocache_reference = self._build_reference(reference, reference_dtype, reference_max_tokens,
                                                             reference_stream)
         self._check_reference(self.dpocache_reference.train)
+        self._check_prompt_lengths(getattr(self.dpocache_reference.train, "context", None))
         self.ref_model = self.dpocache_reference  # TRL hands it back to _get_per_token_logps_and_entropies
         if self.accelerator.is_main_process:
             print(f"reference: {self.dpocache_reference.description}", file=sys.stderr)
@@ -360,6 +363,63 @@ class CachedGRPOTrainer(GRPOTrainer):
             raise ValueError(f"CachedGRPOTrainer: args.max_completion_length={longest} leaves no room for a prompt in "
                              f"the reference's context ({context} tokens, max_position_embeddings), which it refuses "
                              f"to score past; set max_completion_length so that prompt + completion fit {context}")
+
+    def _check_prompt_lengths(self, context: int | None) -> None:
+        """Every dataset prompt, with a completion of ``max_completion_length``, inside the
+        reference's context: the reference refuses a longer sample, and TRL would sample it only
+        at some step hours in. Prompts are measured as TRL tokenizes them (``_tokenize_prompts``),
+        only where their text's UTF-8 bytes leave any doubt: a token covers at least one byte in
+        byte-level BPE and SentencePiece vocabularies, so a prompt of fewer bytes than the room
+        fits. Not checked: datasets without a length or a ``prompt`` column, and prompts built by
+        a ``rollout_func`` or per environment (the step's refusal still names the row)."""
+        longest = self.args.max_completion_length
+        if (context is None or longest is None or self.rollout_func is not None
+                or getattr(self, "environment_factories", None) is not None):
+            return
+        room = context - longest
+        datasets = {"train_dataset": self.train_dataset}
+        if isinstance(self.eval_dataset, dict):
+            datasets |= {f"eval_dataset[{k!r}]": v for k, v in self.eval_dataset.items()}
+        else:
+            datasets["eval_dataset"] = self.eval_dataset
+        for name, dataset in datasets.items():
+            if hasattr(dataset, "__len__") and "prompt" in (getattr(dataset, "column_names", None) or ()):
+                self._check_dataset_prompts(name, dataset, room, context)
+
+    def _check_dataset_prompts(self, name: str, dataset: Any, room: int, context: int) -> None:
+        """``_check_prompt_lengths`` over one dataset: one line naming its first prompt past ``room``."""
+        past: list[tuple[int, int]] = []  # (row, tokens) of the prompts over room
+        batch = 1024
+        bar = tqdm(total=len(dataset), desc="prompt lengths", unit="prompts", dynamic_ncols=True,
+                   disable=len(dataset) < 16 * batch or not self.accelerator.is_main_process)
+        with bar:
+            for start in range(0, len(dataset), batch):
+                prompts = dataset[start:start + batch]["prompt"]
+                doubtful = [i for i, size in enumerate(self._prompt_bytes(prompts)) if size > room]
+                if doubtful:
+                    lengths = [len(ids) for ids in self._tokenize_prompts([prompts[i] for i in doubtful])[0]]
+                    past += [(start + i, n) for i, n in zip(doubtful, lengths) if n > room]
+                bar.update(len(prompts))
+        if past:
+            (row, tokens), longest = past[0], max(n for _, n in past)
+            completion = self.args.max_completion_length
+            raise ValueError(f"CachedGRPOTrainer: {name} row {row}'s prompt is {tokens} tokens, so with "
+                             f"args.max_completion_length={completion} a sample could reach {tokens + completion}, "
+                             f"past the reference's context ({context} tokens, max_position_embeddings), which it "
+                             f"refuses to score past; {len(past)} prompts are over {room} tokens, the longest "
+                             f"{longest}: drop them, or set max_completion_length to at most {context - longest}")
+
+    def _prompt_bytes(self, prompts: list) -> list[int]:
+        """Per prompt, at least its token count: the UTF-8 bytes of the text TRL tokenizes (the chat
+        template's rendering, or the string and the special tokens the tokenizer adds), plus one
+        for a prefix space."""
+        if prompts and not isinstance(prompts[0], str):
+            texts = self.processing_class.apply_chat_template(
+                conversation=prompts, tools=self.tools or None, chat_template=self.chat_template,
+                add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs)
+            return [len(t.encode("utf-8")) + 1 for t in texts]
+        added = self._tokenizer.num_special_tokens_to_add()
+        return [len(t.encode("utf-8")) + added + 1 for t in prompts]
 
 
 def _check_arguments(args: Any, reference: Any, cache_dir: Any, cache: str) -> None:

@@ -244,6 +244,56 @@ def test_mistakes_are_refused_before_the_first_step_in_one_line(model_dir, tmp_p
         _run(CachedGRPOTrainer, model_dir, tmp_path, cache="sometimes", train=False)
 
 
+def test_a_prompt_with_no_room_for_a_completion_is_refused_before_the_first_step(model_dir, tmp_path, monkeypatch):
+    """A dataset prompt that, with ``max_completion_length``, passes the reference's 512 positions
+    is named at construction, where the step that sampled it would have stopped the run; plain and
+    chat prompts are measured as TRL tokenizes them, and only those whose bytes leave a doubt."""
+    from datasets import Dataset
+    from trl import GRPOTrainer
+
+    from dpocache.integrations.trl_grpo import CachedGRPOTrainer
+
+    policy, tokenizer = _policy(model_dir)
+    tokenized = []
+    tokenize = GRPOTrainer._tokenize_prompts
+    monkeypatch.setattr(GRPOTrainer, "_tokenize_prompts",
+                        lambda self, prompts: tokenized.extend(prompts) or tokenize(self, prompts))
+    prompts = [r["prompt"] for r in _dataset(40)]
+    long, longer = "sort " * 502 + "the list", "sort " * 505 + "the list"
+    prompts[30], prompts[35] = long, longer
+    n, m = (len(tokenizer(text=p)["input_ids"]) for p in (long, longer))
+    assert 504 < n < m < 512
+    with pytest.raises(ValueError) as e:
+        CachedGRPOTrainer(model=policy, reward_funcs=count_numbers, args=_args(tmp_path, max_steps=1),
+                          train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer)
+    assert str(e.value) == (
+        f"CachedGRPOTrainer: train_dataset row 30's prompt is {n} tokens, so with args.max_completion_length=8 a "
+        f"sample could reach {n + 8}, past the reference's context (512 tokens, max_position_embeddings), which it "
+        f"refuses to score past; 2 prompts are over 504 tokens, the longest {m}: drop them, or set "
+        f"max_completion_length to at most {512 - m}")
+    assert tokenized == [long, longer]  # the other 38 fit by their bytes alone
+
+    # a chat prompt in an evaluation set: the template's tokens count too
+    chat = [{"role": "user", "content": "sort " * 250}]
+    k = len(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)[
+        "input_ids"])
+    assert k > 250 + 2
+    evaluation = {"sorting": Dataset.from_dict({"prompt": [[{"role": "user", "content": "sort 3 1 2"}], chat]})}
+    with pytest.raises(ValueError, match=f"eval_dataset\\['sorting'\\] row 1's prompt is {k} tokens, so with "
+                                         f"args.max_completion_length={512 - k + 1} a sample could reach 513"):
+        CachedGRPOTrainer(model=policy, reward_funcs=count_numbers,
+                          args=_args(tmp_path, max_completion_length=512 - k + 1), train_dataset=_dataset(8),
+                          eval_dataset=evaluation, processing_class=tokenizer)
+    trainer = CachedGRPOTrainer(model=policy, reward_funcs=count_numbers,
+                                args=_args(tmp_path, max_completion_length=512 - k),
+                                train_dataset=_dataset(8), eval_dataset=evaluation, processing_class=tokenizer)
+    # the bound that spares the tokenizer is one: at least the token count, here on unusual text too
+    odd = ["", " ", "12 3 4 567 89", "naïve café ÷ ∑ 数字 🙂🙂", "\n\t  trailing  ", "<unk>" * 3, long]
+    for batch in (odd, [[{"role": "user", "content": t}] for t in odd]):
+        bounds, lengths = trainer._prompt_bytes(batch), [len(x) for x in tokenize(trainer, batch)[0]]
+        assert all(b >= n for b, n in zip(bounds, lengths)), (bounds, lengths)
+
+
 def test_evaluation_uses_the_look_aside_cache_training_does_not(model_dir, tmp_path):
     """cache='eval' (the default): sampled training completions are not stored; evaluation's
     are, so an evaluation that samples the same completions again is answered from the cache."""
