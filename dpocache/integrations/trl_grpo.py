@@ -403,23 +403,27 @@ class CachedGRPOTrainer(GRPOTrainer):
         if past:
             (row, tokens), longest = past[0], max(n for _, n in past)
             completion = self.args.max_completion_length
+            over, them = (f"{len(past)} prompts are", "them") if len(past) > 1 else ("1 prompt is", "it")
+            fix = (f"drop {them}, or set max_completion_length to at most {context - longest}" if longest < context
+                   else f"drop {them}: the longest fills the context alone")
             raise ValueError(f"CachedGRPOTrainer: {name} row {row}'s prompt is {tokens} tokens, so with "
                              f"args.max_completion_length={completion} a sample could reach {tokens + completion}, "
                              f"past the reference's context ({context} tokens, max_position_embeddings), which it "
-                             f"refuses to score past; {len(past)} prompts are over {room} tokens, the longest "
-                             f"{longest}: drop them, or set max_completion_length to at most {context - longest}")
+                             f"refuses to score past; {over} over {room} tokens, the longest {longest}: {fix}")
 
     def _prompt_bytes(self, prompts: list) -> list[int]:
         """Per prompt, at least its token count: the UTF-8 bytes of the text TRL tokenizes (the chat
-        template's rendering, or the string and the special tokens the tokenizer adds), plus one
-        for a prefix space."""
+        template's rendering, or the string), the special tokens the tokenizer adds to a text (the
+        rendering's are in it, which TRL tokenizes without them: a margin), and one for a prefix
+        space."""
         if prompts and not isinstance(prompts[0], str):
             texts = self.processing_class.apply_chat_template(
                 conversation=prompts, tools=self.tools or None, chat_template=self.chat_template,
                 add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs)
-            return [len(t.encode("utf-8")) + 1 for t in texts]
+        else:
+            texts = prompts
         added = self._tokenizer.num_special_tokens_to_add()
-        return [len(t.encode("utf-8")) + added + 1 for t in prompts]
+        return [len(t.encode("utf-8")) + added + 1 for t in texts]
 
 
 def _check_arguments(args: Any, reference: Any, cache_dir: Any, cache: str) -> None:

@@ -279,8 +279,10 @@ def test_a_prompt_with_no_room_for_a_completion_is_refused_before_the_first_step
         "input_ids"])
     assert k > 250 + 2
     evaluation = {"sorting": Dataset.from_dict({"prompt": [[{"role": "user", "content": "sort 3 1 2"}], chat]})}
-    with pytest.raises(ValueError, match=f"eval_dataset\\['sorting'\\] row 1's prompt is {k} tokens, so with "
-                                         f"args.max_completion_length={512 - k + 1} a sample could reach 513"):
+    refused = (f"eval_dataset\\['sorting'\\] row 1's prompt is {k} tokens, so with args.max_completion_length="
+               f"{512 - k + 1} a sample could reach 513, .*; 1 prompt is over {k - 1} tokens, the longest {k}: drop "
+               f"it, or set max_completion_length to at most {512 - k}$")
+    with pytest.raises(ValueError, match=refused):
         CachedGRPOTrainer(model=policy, reward_funcs=count_numbers,
                           args=_args(tmp_path, max_completion_length=512 - k + 1), train_dataset=_dataset(8),
                           eval_dataset=evaluation, processing_class=tokenizer)
