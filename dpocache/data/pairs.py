@@ -695,10 +695,10 @@ def _tokenize_source(source: Any, tokenizer, max_length, max_prompt_length, skip
 
 def _fitting(name: str, base: str, tokens, skipped: list[SkippedRow], skip_invalid: bool, context: int | None,
              max_length: int | None, vocab_size: int | None) -> PreferenceData:
-    """The data with pairs the model cannot take (``_unfit``) raised, or skipped with ``skip_invalid``."""
+    """The data with pairs the model cannot take (``unfit_pairs``) raised, or skipped with ``skip_invalid``."""
     columns = tokens.columns
     keep = np.ones(len(columns), bool)
-    for problem in _unfit(columns, vocab_size, context, max_length):
+    for problem in unfit_pairs(columns, vocab_size, context, max_length):
         for i, reason in problem:
             err = DataError(_location(base, tokens.location_kind, int(columns.where[i])), None, reason)
             if not skip_invalid:
@@ -710,8 +710,10 @@ def _fitting(name: str, base: str, tokens, skipped: list[SkippedRow], skip_inval
     return PreferenceData(name, PairsView(columns, None if keep.all() else np.flatnonzero(keep)), skipped)
 
 
-def _unfit(columns: TokenColumns, vocab_size: int | None, context: int | None, max_length: int | None):
-    """For each check, the (pair, reason) of every pair that fails it. A token id the model's
+def unfit_pairs(columns: TokenColumns, vocab_size: int | None, context: int | None, max_length: int | None,
+                max_length_option: str = "--max-length"):
+    """For each check, the (pair, reason) of every pair that fails it, the reason naming
+    ``max_length_option`` as the fix of a pair past the context. A token id the model's
     embedding has no row for fails on the first forward (an IndexError, or a device assert on a
     GPU); a sequence longer than the model's context has no positions (and a 10 MB row would
     allocate terabytes)."""
@@ -725,7 +727,7 @@ def _unfit(columns: TokenColumns, vocab_size: int | None, context: int | None, m
         longest = lengths[:, 0] + lengths[:, 1:].max(axis=1)
         cut = f" after truncation to max_length={max_length}" if max_length is not None else ""
         yield ((int(i), f"{int(longest[i])} tokens{cut}, longer than the model's context ({context}, "
-                f"max_position_embeddings in config.json); set --max-length {context} or less")
+                f"max_position_embeddings in config.json); set {max_length_option} {context} or less")
                for i in np.flatnonzero(longest > context))
 
 

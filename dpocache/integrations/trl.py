@@ -37,10 +37,11 @@ from safetensors import safe_open
 from dpocache.cache.build import BuildOptions, build_missing, default_cache_dir, namespace_for_dir
 from dpocache.cache.store import CacheStore
 from dpocache.data.columns import PairsView, TokenColumns
-from dpocache.data.pairs import TokenizedPair, example_key
+from dpocache.data.pairs import TokenizedPair, example_key, unfit_pairs
 from dpocache.models.directories import reference_source
 from dpocache.models.loading import checkpoint_files
 from dpocache.models.reference import DTYPES, ReferenceModel, default_device, dtype_name, resolve_dtype
+from dpocache.runtime.preflight import model_context, model_vocab_size
 
 SUPPORTED_TRL = ("1.16.",)  # versions whose DPOTrainer internals this subclass was checked against
 
@@ -346,9 +347,28 @@ class CachedDPOTrainer(DPOTrainer):
         if getattr(getattr(self, "accelerator", None), "is_main_process", True):
             print(line, file=sys.stderr)
 
+    def _check_fit(self, name: str, pairs: PairsView) -> None:
+        """Pairs the reference cannot take, refused in one line before it loads, as ``dpocache
+        train`` refuses them: a token id past its vocabulary (an IndexError in the forward, a device
+        assert on a GPU) or a pair longer than its context after TRL's truncation (positions the
+        model never saw, which TRL's own reference would score without a word). The row is TRL's
+        (it drops the pairs its truncation empties), so the line shows the prompt's start too."""
+        base, _ = reference_source(self._ref_path)
+        for problem in unfit_pairs(pairs.columns, model_vocab_size(base), model_context(base), self.args.max_length,
+                                   max_length_option="args.max_length to"):
+            found = list(problem)
+            if found:
+                row, reason = found[0]
+                tokenizer = getattr(self, "_tokenizer", None) or self.processing_class
+                start = tokenizer.decode(pairs[row].prompt_ids[:24], skip_special_tokens=True)
+                more = f" ({len(found)} rows in all)" if len(found) > 1 else ""
+                raise ValueError(f"CachedDPOTrainer: {name} dataset row {row} as TRL tokenized it (prompt "
+                                 f"{start[:40]!r}...): {reason}{more}")
+
     def _precompute_ref_logps(self, dataset, name: str, batch_size: int):
         """Fill ``ref_chosen_logps`` / ``ref_rejected_logps`` from the cache (TRL's hook)."""
         pairs = dataset_pairs(dataset, self.args.max_length, self.args.truncation_mode)
+        self._check_fit(name, pairs)
         store = CacheStore(self._cache_root, namespace_for_dir(self._ref_path, self._cache_dtype, self._cache_root))
         store.open(repair=True)  # bad shards quarantined, a killed build's shards adopted (as `cache build`)
         tokenizer = getattr(self, "_tokenizer", None) or self.processing_class

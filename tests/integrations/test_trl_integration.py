@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -286,6 +287,50 @@ def test_trainer_says_where_its_reference_values_came_from(setup, capsys, caplog
     assert f"reference (train): {n} pairs from the cache (0 computed, {n} reused) in {where}" in again
     assert first.count("reference (train)") == 1
     assert any("pairs from the cache" in r.getMessage() for r in caplog.records)
+
+
+def test_pairs_the_reference_cannot_take_are_refused_in_one_line(setup, pref_rows):
+    """A pair longer than the model's context after TRL's truncation (TRL's own reference would
+    score positions the model never saw), and a token id past the model's vocabulary (TRL's
+    forward: an IndexError), each refused with the dataset row and the fix, before the reference
+    pass runs."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dpocache.integrations.trl import CachedDPOTrainer
+
+    model_dir, _, root = setup
+    rows = [dict(r) for r in pref_rows[:6]]
+    rows[4]["chosen"] = " sort" * 600
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    passes = []
+    for kwargs in ({}, {"max_length": 1024}):  # TRL's default max_length=None and one past the context
+        with pytest.raises(ValueError) as e:
+            CachedDPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                             args=_args(root / "too-long", precompute_ref_log_probs=True, **{"max_length": None,
+                                                                                              **kwargs}),
+                             train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+                             cache_dir=root / "cache-refused")
+        passes.append(str(e.value))
+        assert not (root / "cache-refused").exists()  # refused before the reference pass
+    cut = " after truncation to max_length=1024"
+    for message, truncated in zip(passes, ("", cut)):
+        start = re.escape(repr(rows[4]["prompt"][:40]))  # the prompt's start, to find the row by
+        expected = (f"CachedDPOTrainer: train dataset row 4 as TRL tokenized it \\(prompt {start}\\.\\.\\.\\): "
+                    f"6\\d\\d tokens{truncated}, longer than the model's context \\(512, max_position_embeddings in "
+                    "config.json\\); set args.max_length to 512 or less")
+        assert re.fullmatch(expected, message), message
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.add_tokens(["zzzunknownzzz"])
+    rows = [dict(r) for r in pref_rows[:6]]
+    rows[2]["rejected"] = " zzzunknownzzz"
+    with pytest.raises(ValueError, match=f"^CachedDPOTrainer: train dataset row 2 as TRL tokenized it .*: token id "
+                                         f"{len(tokenizer) - 1} is outside the model's vocabulary \\(vocab_size "
+                                         "5\\d\\d in config.json\\)"):
+        CachedDPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                         args=_args(root / "unknown-token", precompute_ref_log_probs=True, max_length=None),
+                         train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+                         cache_dir=root / "cache-refused")
 
 
 @pytest.mark.slow
