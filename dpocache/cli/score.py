@@ -41,7 +41,7 @@ from dpocache.data.pairs import (
     with_eos,
     with_prefix,
 )
-from dpocache.runtime.preflight import check_model_dir, check_output, check_writable_dir
+from dpocache.runtime.preflight import check_model_dir, check_output, check_writable_dir, context_length
 
 
 def add_score_parser(sub) -> None:
@@ -123,7 +123,7 @@ def check_rows(rows: list[RawRow], requests: list[dict], model: str | Path) -> N
     from dpocache.service.reference_service import RequestError, check_request
 
     config = AutoConfig.from_pretrained(str(reference_weights_dir(model))).get_text_config()
-    vocab, context = config.vocab_size, getattr(config, "max_position_embeddings", None)
+    vocab, context = config.vocab_size, context_length(config.to_dict())
     for i, (row, request) in enumerate(zip(rows, requests)):
         try:
             check_request(i, request, vocab, context)

@@ -332,8 +332,25 @@ def check_writable_dir(path: str | Path, flag: str) -> None:
 
 
 def model_context(path: str | Path) -> int | None:
-    """The model's context length (``max_position_embeddings`` in config.json), if it says."""
-    return _config_int(path, "max_position_embeddings")
+    """The model's context length (``context_length`` of its config.json), if it says."""
+    config = _text_config(path)
+    return context_length(config) if config is not None else None
+
+
+def context_length(config: dict) -> int | None:
+    """The positions a model takes, from its config's fields (a text config's, as a dict):
+    ``max_position_embeddings``, or a RoPE scaling's ``original_max_position_embeddings x factor``
+    where that is more. A YaRN-scaled Qwen2.5 keeps ``max_position_embeddings`` at its trained
+    32,768 and runs 4x that with ``factor`` 4; Llama 3.1 says its scaled 131,072 itself. The RoPE
+    scaling is ``rope_parameters`` in transformers 5, ``rope_scaling`` in configs saved before."""
+    context = config.get("max_position_embeddings")
+    context = context if isinstance(context, int) and context > 0 else None
+    rope = config.get("rope_parameters") or config.get("rope_scaling")
+    if isinstance(rope, dict) and context is not None:
+        original, factor = rope.get("original_max_position_embeddings"), rope.get("factor")
+        if isinstance(original, int) and isinstance(factor, (int, float)) and factor > 1:
+            context = max(context, int(original * factor))
+    return context
 
 
 def model_layers(path: str | Path) -> int | None:
@@ -349,6 +366,14 @@ def model_vocab_size(path: str | Path) -> int | None:
 def _config_int(path: str | Path, key: str) -> int | None:
     """A positive integer of the model's config.json (a multimodal model's text config's), read
     without transformers; None if the file or the key is not there."""
+    config = _text_config(path)
+    value = config.get(key) if config is not None else None
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def _text_config(path: str | Path) -> dict | None:
+    """The model's config.json as a dict, a multimodal model's ``text_config`` filling in the
+    keys it lacks; None if there is no such file."""
     path = Path(path)
     base = _adapter_base(path, "--model")
     try:
@@ -358,8 +383,7 @@ def _config_int(path: str | Path, key: str) -> int | None:
     if not isinstance(config, dict):
         return None
     text = config.get("text_config")
-    value = config.get(key, text.get(key) if isinstance(text, dict) else None)
-    return value if isinstance(value, int) and value > 0 else None
+    return {**text, **config} if isinstance(text, dict) else config
 
 
 @contextlib.contextmanager

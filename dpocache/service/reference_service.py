@@ -44,7 +44,7 @@ from dpocache.config import with_fields
 from dpocache.models.directories import reference_source
 from dpocache.models.hub_ids import resolve_model_path
 from dpocache.models.reference import ReferenceModel, dtype_name, resolve_dtype
-from dpocache.runtime.preflight import check_model_dir
+from dpocache.runtime.preflight import check_model_dir, context_length
 from dpocache.scoring.groups import Group, budget_batches, collate_groups, collate_sequences, per_sequence, split_group
 from dpocache.scoring.layout_choice import CAUSAL, SHARED, shares_prompts
 from dpocache.scoring.logprobs import scored_positions, unwrap_causal_lm
@@ -206,7 +206,7 @@ class ReferenceService:
                              f"{self.reference.temperature:g}: build it with ReferenceModel(..., temperature=...)")
         config = unwrap_causal_lm(self.reference.model).config.get_text_config()
         self.vocab_size = int(config.vocab_size)
-        self.context = getattr(config, "max_position_embeddings", None)
+        self.context = context_length(config.to_dict())
         self.special_ids = special_token_ids(unwrap_causal_lm(self.reference.model))
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1; got {max_tokens}")
