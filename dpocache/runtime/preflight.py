@@ -339,12 +339,13 @@ def model_context(path: str | Path) -> int | None:
 
 def context_length(config: dict) -> int | None:
     """The positions a model takes, from its config's fields (a text config's, as a dict):
-    ``max_position_embeddings``, or a RoPE scaling's ``original_max_position_embeddings x factor``
-    where that is more. A YaRN-scaled Qwen2.5 keeps ``max_position_embeddings`` at its trained
-    32,768 and runs 4x that with ``factor`` 4; Llama 3.1 says its scaled 131,072 itself. The RoPE
-    scaling is ``rope_parameters`` in transformers 5, ``rope_scaling`` in configs saved before."""
-    context = config.get("max_position_embeddings")
-    context = context if isinstance(context, int) and context > 0 else None
+    ``max_position_embeddings`` (GPT-2's ``n_positions``), or a RoPE scaling's
+    ``original_max_position_embeddings x factor`` where that is more. A YaRN-scaled Qwen2.5 keeps
+    ``max_position_embeddings`` at its trained 32,768 and runs 4x that with ``factor`` 4; Llama
+    3.1 says its scaled 131,072 itself. The RoPE scaling is ``rope_parameters`` in transformers
+    5, ``rope_scaling`` in configs saved before."""
+    given = [config.get(key) for key in ("max_position_embeddings", "n_positions")]
+    context = next((n for n in given if isinstance(n, int) and n > 0), None)
     rope = config.get("rope_parameters") or config.get("rope_scaling")
     if isinstance(rope, dict) and context is not None:
         original, factor = rope.get("original_max_position_embeddings"), rope.get("factor")

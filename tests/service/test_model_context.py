@@ -29,7 +29,8 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
     ({"max_position_embeddings": 4096, "rope_parameters": {"rope_type": "linear", "factor": 2.0}}, 4096),
     ({"max_position_embeddings": 4096, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, 4096),
     ({"max_position_embeddings": 4096, "rope_scaling": None}, 4096),
-    ({"n_positions": 1024}, None),  # says no max_position_embeddings: nothing is refused for it
+    ({"n_positions": 1024}, 1024),  # GPT-2's name for it
+    ({"model_type": "bloom"}, None),  # ALiBi: says no context, nothing is refused for it
 ])
 def test_context_length_of_a_config(config, expected):
     assert context_length(config) == expected
@@ -41,6 +42,16 @@ def test_model_context_reads_a_multimodal_models_text_config(tmp_path):
     assert model_context(tmp_path) == 131072
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": 32768}))
     assert model_context(tmp_path) == 32768
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_the_service_reads_the_models_context(tokenizer, arch):
+    """From the config object (GPT-2's ``n_positions`` behind its ``max_position_embeddings``):
+    a sequence past it is refused, where GPT-2's position table would fail with an IndexError."""
+    service = ReferenceService(build_model(arch, tokenizer).eval())
+    assert service.context == 512
+    with pytest.raises(RequestError, match=r"prompt \+ completion is 513 tokens, longer than the model's context"):
+        service.score([{"prompt_ids": [5] * 500, "completion_ids": [[6] * 13]}])
 
 
 def test_a_yarn_scaled_model_is_scored_past_its_trained_positions(tokenizer):
