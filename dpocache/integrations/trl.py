@@ -260,6 +260,29 @@ def dataset_pairs(dataset, max_length: int | None, truncation_mode: str) -> Pair
     return PairsView(TokenColumns.concatenate(parts))
 
 
+def _check_fixed_reference_data(args: Any, train_dataset: Any, eval_dataset: Any) -> None:
+    """What a cache of a fixed reference's values over a data set known in advance cannot serve,
+    in dpocache's words (TRL's own refusals name ``precompute_ref_log_probs``, which this trainer
+    sets itself), before any model loads."""
+    if getattr(args, "sync_ref_model", False):
+        raise ValueError("CachedDPOTrainer: sync_ref_model=True would copy the policy into the reference during "
+                         "training (TR-DPO); dpocache's reference is fixed (use DPOTrainer for a synced reference)")
+    sets = {"train_dataset": train_dataset, **(
+        {f"eval_dataset[{k!r}]": v for k, v in eval_dataset.items()} if isinstance(eval_dataset, dict)
+        else {"eval_dataset": eval_dataset})}
+    for name, dataset in sets.items():
+        if dataset is None:
+            continue
+        if not hasattr(dataset, "__len__"):
+            raise ValueError(f"CachedDPOTrainer: {name} is an {type(dataset).__name__}, whose pairs cannot be keyed "
+                             "before training; load it as a map-style Dataset (datasets.load_dataset(..., "
+                             "streaming=False))")
+        columns = getattr(dataset, "column_names", None) or ()
+        if "image" in columns or "images" in columns:
+            raise ValueError(f"CachedDPOTrainer: {name} has images; the reference cache scores text only (use "
+                             "DPOTrainer for a vision-language model)")
+
+
 class CachedDPOTrainer(DPOTrainer):
     """``DPOTrainer`` whose reference values come from dpocache's cache.
 
@@ -287,6 +310,7 @@ class CachedDPOTrainer(DPOTrainer):
             raise ValueError("CachedDPOTrainer needs args=DPOConfig(...)")
         if getattr(args, "ld_alpha", None) is not None:
             raise ValueError("CachedDPOTrainer does not support ld_alpha yet (TRL folds it into the reference sums)")
+        _check_fixed_reference_data(args, kwargs.get("train_dataset"), kwargs.get("eval_dataset"))
         if isinstance(ref_model, (str, Path)):
             raise ValueError("CachedDPOTrainer: ref_model must be a loaded model (TRL 1.16 loads none from a path); "
                              "pass the reference's directory as cache_reference=")

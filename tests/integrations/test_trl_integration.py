@@ -289,6 +289,33 @@ def test_trainer_says_where_its_reference_values_came_from(setup, capsys, caplog
     assert any("pairs from the cache" in r.getMessage() for r in caplog.records)
 
 
+def test_what_a_fixed_cache_cannot_serve_is_refused_before_any_model_loads(setup, monkeypatch):
+    """A synced reference (TR-DPO), a streamed data set and images: one line in dpocache's words,
+    where TRL's own would tell the caller to set precompute_ref_log_probs=False, which this trainer
+    sets itself; raised before TRL or the reference loads a model."""
+    from datasets import Dataset, IterableDataset
+    from trl import DPOTrainer
+
+    from dpocache.integrations.trl import CachedDPOTrainer
+
+    model_dir, dataset, root = setup
+    monkeypatch.setattr(DPOTrainer, "__init__", lambda *a, **k: pytest.fail("TRL was reached"))
+    streamed = IterableDataset.from_generator(lambda: iter([{"prompt": "a", "chosen": " b", "rejected": " c"}]))
+    with_images = Dataset.from_list([{"prompt": "a", "chosen": " b", "rejected": " c", "images": [None]}])
+    cases = {
+        "sync_ref_model=True would copy the policy into the reference during training \\(TR-DPO\\)":
+            dict(args=_args(root / "x", sync_ref_model=True), train_dataset=dataset),
+        "train_dataset is an IterableDataset, whose pairs cannot be keyed before training":
+            dict(args=_args(root / "x"), train_dataset=streamed),
+        "eval_dataset\\['held'\\] has images; the reference cache scores text only":
+            dict(args=_args(root / "x"), train_dataset=dataset, eval_dataset={"held": with_images}),
+    }
+    for message, kwargs in cases.items():
+        with pytest.raises(ValueError, match=f"^CachedDPOTrainer: {message}") as e:
+            CachedDPOTrainer(model=str(model_dir), **kwargs)
+        assert "\n" not in str(e.value)
+
+
 def test_pairs_the_reference_cannot_take_are_refused_in_one_line(setup, pref_rows):
     """A pair longer than the model's context after TRL's truncation (TRL's own reference would
     score positions the model never saw), and a token id past the model's vocabulary (TRL's
