@@ -331,7 +331,7 @@ def test_pairs_the_reference_cannot_take_are_refused_in_one_line(setup, pref_row
     rows[4]["chosen"] = " sort" * 600
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     passes = []
-    for kwargs in ({}, {"max_length": 1024}):  # TRL's default max_length=None and one past the context
+    for kwargs in ({}, {"max_length": 1024}):  # no max_length, and TRL's default 1024, past the context
         with pytest.raises(ValueError) as e:
             CachedDPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
                              args=_args(root / "too-long", precompute_ref_log_probs=True, **{"max_length": None,
