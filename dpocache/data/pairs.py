@@ -726,8 +726,8 @@ def unfit_pairs(columns: TokenColumns, vocab_size: int | None, context: int | No
         lengths = columns.lengths()
         longest = lengths[:, 0] + lengths[:, 1:].max(axis=1)
         cut = f" after truncation to max_length={max_length}" if max_length is not None else ""
-        yield ((int(i), f"{int(longest[i])} tokens{cut}, longer than the model's context ({context}, "
-                f"max_position_embeddings in config.json); set {max_length_option} {context} or less")
+        yield ((int(i), f"{int(longest[i])} tokens{cut}, longer than the model's context ({context} "
+                f"positions, from its config.json); set {max_length_option} {context} or less")
                for i in np.flatnonzero(longest > context))
 
 

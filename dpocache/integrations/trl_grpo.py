@@ -361,7 +361,7 @@ class CachedGRPOTrainer(GRPOTrainer):
         context, longest = getattr(service, "context", None), self.args.max_completion_length
         if context is not None and longest is not None and longest >= context:
             raise ValueError(f"CachedGRPOTrainer: args.max_completion_length={longest} leaves no room for a prompt in "
-                             f"the reference's context ({context} tokens, max_position_embeddings), which it refuses "
+                             f"the reference's context ({context} positions, from its config), which it refuses "
                              f"to score past; set max_completion_length so that prompt + completion fit {context}")
 
     def _check_prompt_lengths(self, context: int | None) -> None:
@@ -408,7 +408,7 @@ class CachedGRPOTrainer(GRPOTrainer):
                    else f"drop {them}: the longest fills the context alone")
             raise ValueError(f"CachedGRPOTrainer: {name} row {row}'s prompt is {tokens} tokens, so with "
                              f"args.max_completion_length={completion} a sample could reach {tokens + completion}, "
-                             f"past the reference's context ({context} tokens, max_position_embeddings), which it "
+                             f"past the reference's context ({context} positions, from its config), which it "
                              f"refuses to score past; {over} over {room} tokens, the longest {longest}: {fix}")
 
     def _prompt_bytes(self, prompts: list) -> list[int]:

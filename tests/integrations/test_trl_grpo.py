@@ -236,7 +236,7 @@ def test_mistakes_are_refused_before_the_first_step_in_one_line(model_dir, tmp_p
         _run(CachedGRPOTrainer, model_dir, tmp_path, args=_args(tmp_path, sync_ref_model=True), train=False)
     # TRL's default max_completion_length (512) on a model of 512 positions: no prompt fits beside it
     with pytest.raises(ValueError, match="args.max_completion_length=512 leaves no room for a prompt in the "
-                                         "reference's context \\(512 tokens"):
+                                         "reference's context \\(512 positions"):
         _run(CachedGRPOTrainer, model_dir, tmp_path, args=_args(tmp_path, max_completion_length=512), train=False)
     with pytest.raises(ValueError, match="reference_stream=True streams a reference this trainer loads"):
         _run(CachedGRPOTrainer, model_dir, tmp_path, reference_stream=True, train=False)
@@ -268,7 +268,7 @@ def test_a_prompt_with_no_room_for_a_completion_is_refused_before_the_first_step
                           train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer)
     assert str(e.value) == (
         f"CachedGRPOTrainer: train_dataset row 30's prompt is {n} tokens, so with args.max_completion_length=8 a "
-        f"sample could reach {n + 8}, past the reference's context (512 tokens, max_position_embeddings), which it "
+        f"sample could reach {n + 8}, past the reference's context (512 positions, from its config), which it "
         f"refuses to score past; 2 prompts are over 504 tokens, the longest {m}: drop them, or set "
         f"max_completion_length to at most {512 - m}")
     assert tokenized == [long, longer]  # the other 38 fit by their bytes alone

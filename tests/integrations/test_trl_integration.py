@@ -344,7 +344,7 @@ def test_pairs_the_reference_cannot_take_are_refused_in_one_line(setup, pref_row
     for message, truncated in zip(passes, ("", cut)):
         start = re.escape(repr(rows[4]["prompt"][:40]))  # the prompt's start, to find the row by
         expected = (f"CachedDPOTrainer: train dataset row 4 as TRL tokenized it \\(prompt {start}\\.\\.\\.\\): "
-                    f"6\\d\\d tokens{truncated}, longer than the model's context \\(512, max_position_embeddings in "
+                    f"6\\d\\d tokens{truncated}, longer than the model's context \\(512 positions, from its "
                     "config.json\\); set args.max_length to 512 or less")
         assert re.fullmatch(expected, message), message
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
