@@ -260,6 +260,14 @@ def dataset_pairs(dataset, max_length: int | None, truncation_mode: str) -> Pair
     return PairsView(TokenColumns.concatenate(parts))
 
 
+def named_datasets(train_dataset: Any, eval_dataset: Any) -> dict[str, Any]:
+    """A trainer's data sets by the name a message gives them: ``train_dataset``, and
+    ``eval_dataset`` or, for a dict of them, ``eval_dataset['NAME']`` each (values may be None)."""
+    if isinstance(eval_dataset, dict):
+        return {"train_dataset": train_dataset, **{f"eval_dataset[{k!r}]": v for k, v in eval_dataset.items()}}
+    return {"train_dataset": train_dataset, "eval_dataset": eval_dataset}
+
+
 def _check_fixed_reference_data(args: Any, train_dataset: Any, eval_dataset: Any) -> None:
     """What a cache of a fixed reference's values over a data set known in advance cannot serve,
     in dpocache's words (TRL's own refusals name ``precompute_ref_log_probs``, which this trainer
@@ -267,10 +275,7 @@ def _check_fixed_reference_data(args: Any, train_dataset: Any, eval_dataset: Any
     if getattr(args, "sync_ref_model", False):
         raise ValueError("CachedDPOTrainer: sync_ref_model=True would copy the policy into the reference during "
                          "training (TR-DPO); dpocache's reference is fixed (use DPOTrainer for a synced reference)")
-    sets = {"train_dataset": train_dataset, **(
-        {f"eval_dataset[{k!r}]": v for k, v in eval_dataset.items()} if isinstance(eval_dataset, dict)
-        else {"eval_dataset": eval_dataset})}
-    for name, dataset in sets.items():
+    for name, dataset in named_datasets(train_dataset, eval_dataset).items():
         if dataset is None:
             continue
         if not hasattr(dataset, "__len__"):

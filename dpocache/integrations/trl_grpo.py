@@ -48,7 +48,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dpocache.cache.build import default_cache_dir, namespace_for_dir
-from dpocache.integrations.trl import check_trl_internals
+from dpocache.integrations.trl import check_trl_internals, named_datasets
 from dpocache.models.directories import reference_source
 from dpocache.models.hub_ids import resolve_model_path
 from dpocache.models.reference import DTYPES, ReferenceModel, dtype_name, resolve_dtype
@@ -377,12 +377,7 @@ class CachedGRPOTrainer(GRPOTrainer):
                 or getattr(self, "environment_factories", None) is not None):
             return
         room = context - longest
-        datasets = {"train_dataset": self.train_dataset}
-        if isinstance(self.eval_dataset, dict):
-            datasets |= {f"eval_dataset[{k!r}]": v for k, v in self.eval_dataset.items()}
-        else:
-            datasets["eval_dataset"] = self.eval_dataset
-        for name, dataset in datasets.items():
+        for name, dataset in named_datasets(self.train_dataset, self.eval_dataset).items():
             if hasattr(dataset, "__len__") and "prompt" in (getattr(dataset, "column_names", None) or ()):
                 self._check_dataset_prompts(name, dataset, room, context)
 
