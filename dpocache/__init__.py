@@ -26,6 +26,7 @@ __getattr__, __dir__, __all__ = lazy_surface(__name__, {
     "dpocache.service.pool": ["ReferencePool"],
     "dpocache.integrations.trl": ["CachedDPOTrainer"],
     "dpocache.integrations.trl_grpo": ["CachedGRPOTrainer"],
+    "dpocache.runtime.signals": ["Interrupted"],
 })
 
 install_moved_modules()

@@ -101,11 +101,13 @@ def grpo_loss(new: list[torch.Tensor], old: list[torch.Tensor], ref: list[torch.
 
 def main() -> None:
     args = parse_args()
-    torch.manual_seed(args.seed)
-    rng = random.Random(args.seed)
     model_dir = args.out / "base-model"
     if not (model_dir / "config.json").exists():
         save_tiny_model(model_dir, "llama", seed=args.seed)
+    # Seeded after the model is built (which draws from torch's generator on the first run only),
+    # so that every run with the same seed samples the same rollouts: a rerun's look-aside cache hits.
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     disable_dropout(policy)

@@ -55,7 +55,8 @@ def add_score_parser(sub) -> None:
                    help="look-aside cache (default: the reference cache root: $DPOCACHE_CACHE_DIR, else "
                    "$XDG_CACHE_HOME/dpocache, else ~/.cache/dpocache)")
     s.add_argument("--dtype", default="auto",
-                   help="auto (bf16 on a CUDA GPU with bf16 or a CPU with AMX, else float32), float32, bfloat16")
+                   help="auto (bf16 on a CUDA GPU with bf16 or a CPU with AMX, else float32), float32, bfloat16, "
+                   "float16")
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available; under torchrun "
                    "cuda:LOCAL_RANK)")
     s.add_argument("--max-tokens", type=int, default=None,
@@ -160,14 +161,19 @@ def cmd_score(args) -> int:
         check_output(args.stats, "--stats", {"--data": args.data, "--model": args.model, "--out": args.out})
         check_writable_dir(args.stats.parent, "--stats")
     check_writable_dir(args.cache_dir or default_cache_dir(), "--cache-dir")
-    name, rows = read_rows(args.data)
-    if not rows:
-        raise DataError(name, None, "no rows")
+    from dpocache.models.reference import DTYPES
+
+    # The flags' values before the rows are read (a large file takes a while to read).
     for flag, value in (("--chunk-rows", args.chunk_rows), ("--max-tokens", args.max_tokens)):
         if value is not None and value < 1:
             raise DataError(flag, None, f"must be at least 1; got {value}")
     if not (math.isfinite(args.temperature) and args.temperature > 0):
         raise DataError("--temperature", None, f"must be a finite number above 0; got {args.temperature}")
+    if args.dtype != "auto" and args.dtype not in DTYPES:
+        raise DataError("--dtype", None, f"must be one of auto, {', '.join(DTYPES)}; got '{args.dtype}'")
+    name, rows = read_rows(args.data)
+    if not rows:
+        raise DataError(name, None, "no rows")
     needs_tokenizer = any(isinstance(r.values, dict) and "prompt" in r.values for r in rows)
     if needs_tokenizer:
         check_model_dir(args.model, "--model")  # without tokenizer files transformers' error was many lines

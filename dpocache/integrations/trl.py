@@ -41,6 +41,7 @@ from dpocache.data.pairs import TokenizedPair, example_key, unfit_pairs
 from dpocache.models.directories import reference_source
 from dpocache.models.loading import checkpoint_files
 from dpocache.models.reference import DTYPES, ReferenceModel, default_device, dtype_name, resolve_dtype
+from dpocache.integrations.trl_signals import train_until_signal
 from dpocache.runtime.preflight import model_context, model_vocab_size
 
 SUPPORTED_TRL = ("1.16.",)  # versions whose DPOTrainer internals this subclass was checked against
@@ -343,6 +344,10 @@ class CachedDPOTrainer(DPOTrainer):
         args = copy.copy(args)
         args.precompute_ref_log_probs = True  # TRL then reads the columns and keeps no reference forward
         super().__init__(model, ref_model, args, **kwargs)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``DPOTrainer.train``; a stop signal ends it at a saved step (``trl_signals``)."""
+        return train_until_signal(self, super().train, *args, **kwargs)
 
     def _resolve_cache_dtype(self, cache_dtype: str | None, args: Any) -> torch.dtype:
         """``cache_dtype``, by default the precision of ``args``. TRL 1.16 runs its reference

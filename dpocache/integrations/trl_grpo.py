@@ -49,9 +49,11 @@ from tqdm.auto import tqdm
 
 from dpocache.cache.build import default_cache_dir, namespace_for_dir
 from dpocache.integrations.trl import check_trl_internals, named_datasets
+from dpocache.integrations.trl_signals import train_until_signal
 from dpocache.models.directories import reference_source
 from dpocache.models.hub_ids import resolve_model_path
 from dpocache.models.reference import DTYPES, ReferenceModel, dtype_name, resolve_dtype
+from dpocache.runtime.preflight import check_writable_dir
 from dpocache.scoring.layout_choice import BF16_MATMUL_ENV
 from dpocache.service.reference_service import (
     ReferenceService,
@@ -71,7 +73,7 @@ except ImportError as e:  # the extra is optional; say how to get it
 
 log = logging.getLogger(__name__)
 
-CACHE_MODES = ("eval", "always", "never")  # which completions go through the look-aside cache
+CACHE_MODES = ("never", "eval", "always")  # which completions go through the look-aside cache
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 _HOOKS = ("_get_per_token_logps_and_entropies", "_generate_and_score_completions")
 
@@ -139,15 +141,16 @@ def _service_temperature(service: Any) -> float | None:
 class ServiceReference:
     """What ``CachedGRPOTrainer`` puts in TRL's ``self.ref_model``: no weights, the services
     the reference pass goes to. ``train`` scores training batches; ``eval`` (built on first use)
-    evaluation batches, with the look-aside cache unless ``cache='never'``."""
+    evaluation batches: with ``cache='eval'`` a service of its own, with the look-aside cache;
+    otherwise ``train``."""
 
     def __init__(self, train: Any, description: str, eval_service: Any = None, make_eval=None):
         self.train = train
         self.description = description
         self._eval = eval_service
         self._make_eval = make_eval
-        self.calls = 0
-        self.seconds = 0.0
+        self.calls = {"train": 0, "eval": 0}
+        self.seconds = {"train": 0.0, "eval": 0.0}
 
     @property
     def eval(self) -> Any:
@@ -161,19 +164,29 @@ class ServiceReference:
         row, 0 where ``attention_mask`` is 0: TRL's ``ref_per_token_logps``."""
         start = time.perf_counter()
         prompt_width = input_ids.shape[1] - logits_to_keep
+        mode = "eval" if evaluating else "train"
         service = self.eval if evaluating else self.train
         # The mask says where padding is (pad may be EOS); forward_requests groups rows by prompt.
         requests, rows = forward_requests(input_ids, prompt_width, 0, attention_mask)
         out = forward_output(scored_rows(service.score, requests, rows), rows, input_ids, prompt_width)
-        self.calls += 1
-        self.seconds += time.perf_counter() - start
+        self.calls[mode] += 1
+        self.seconds[mode] += time.perf_counter() - start
         return out
 
     def stats(self) -> dict:
-        """The train service's counters (``ReferenceService.stats``) with this trainer's own:
-        ``trainer_calls`` and ``trainer_seconds`` (wall time of the reference pass, padding included)."""
-        stats = self.train.stats() if hasattr(self.train, "stats") else {}
-        return {**stats, "trainer_calls": self.calls, "trainer_seconds": self.seconds}
+        """The train service's counters (``ReferenceService.stats``) with this trainer's own for
+        training's passes, ``trainer_calls`` and ``trainer_seconds`` (wall time of the reference
+        pass, padding included), and under ``eval`` the same for evaluation's (its service's
+        counters where it has a service of its own: ``cache='eval'``; otherwise the one service's
+        counters at the top count both)."""
+        def counters(service: Any, mode: str) -> dict:
+            own = service.stats() if hasattr(service, "stats") else {}
+            return {**own, "trainer_calls": self.calls[mode], "trainer_seconds": self.seconds[mode]}
+
+        evaluation = self._eval if self._eval is not None and self._eval is not self.train else None
+        return {**counters(self.train, "train"),
+                "eval": counters(evaluation, "eval") if evaluation is not None else
+                {"trainer_calls": self.calls["eval"], "trainer_seconds": self.seconds["eval"]}}
 
 
 class CachedGRPOTrainer(GRPOTrainer):
@@ -197,19 +210,17 @@ class CachedGRPOTrainer(GRPOTrainer):
     """
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: Any = None, *rest: Any, reference: Any = None,
-                 cache_dir: str | Path | None = None, cache: str = "eval", reference_dtype: str | None = None,
+                 cache_dir: str | Path | None = None, cache: str = "never", reference_dtype: str | None = None,
                  reference_max_tokens: int | None = None, reference_stream: bool = False, **kwargs: Any):
         check_trl_version()
         self.dpocache_reference: ServiceReference | None = None
+        given = _check_options(reference, cache_dir, cache, reference_dtype, reference_max_tokens, reference_stream)
         if args is None or args.beta == 0.0:  # GRPOTrainer as it is: no reference pass at all
-            if reference is not None:
-                log.warning("CachedGRPOTrainer: beta=0, so the reference given is not used")
+            if given:
+                log.warning("CachedGRPOTrainer: beta=0, so no reference runs and %s is not used", ", ".join(given))
             super().__init__(model, reward_funcs, args, *rest, **kwargs)
             return
         _check_arguments(args, reference, cache_dir, cache)
-        if reference_stream and (reference is None or not isinstance(reference, (str, Path))):
-            raise ValueError("CachedGRPOTrainer: reference_stream=True streams a reference this trainer loads; pass "
-                             "reference= a model directory or Hub id")
         beta, args = args.beta, copy.copy(args)  # the caller's config is left as it is
         args.beta = 0.0  # so GRPOTrainer loads no reference model of its own (nor a "ref" adapter copy)
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
@@ -228,6 +239,10 @@ class CachedGRPOTrainer(GRPOTrainer):
         if self.accelerator.is_main_process:
             print(f"reference: {self.dpocache_reference.description}", file=sys.stderr)
         log.info("CachedGRPOTrainer: reference %s", self.dpocache_reference.description)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``GRPOTrainer.train``; a stop signal ends it at a saved step (``trl_signals``)."""
+        return train_until_signal(self, super().train, *args, **kwargs)
 
     # ------------------------------------------------------------------------ the reference
 
@@ -315,7 +330,11 @@ class CachedGRPOTrainer(GRPOTrainer):
         if extra or compute_entropy or compute_aux_loss:
             raise ValueError(f"CachedGRPOTrainer: the reference service scores token ids only; TRL asked for "
                              f"{', '.join(extra) or 'entropies or an aux loss'}")
-        logps = model.per_token_logps(input_ids, attention_mask, logits_to_keep, evaluating=not self.model.training)
+        mode = "train" if self.model.training else "eval"
+        start = time.perf_counter()
+        logps = model.per_token_logps(input_ids, attention_mask, logits_to_keep, evaluating=mode == "eval")
+        # In TRL's logs beside its own metrics: what the reference pass costs a step.
+        self._metrics[mode]["reference/seconds"].append(time.perf_counter() - start)
         return logps, None, None
 
     # ----------------------------------------------------------------------------- checks
@@ -421,21 +440,49 @@ class CachedGRPOTrainer(GRPOTrainer):
         return [len(t.encode("utf-8")) + added + 1 for t in texts]
 
 
-def _check_arguments(args: Any, reference: Any, cache_dir: Any, cache: str) -> None:
-    """The arguments that are wrong whatever the model, before TRL loads anything."""
+def _check_options(reference: Any, cache_dir: Any, cache: Any, dtype: Any, max_tokens: Any, stream: Any) -> list[str]:
+    """This trainer's own arguments' types and values, whatever ``beta`` (one line naming the
+    argument, before TRL loads anything); the names of those given other than by default."""
     if cache not in CACHE_MODES:
         raise ValueError(f"CachedGRPOTrainer: cache must be one of {', '.join(CACHE_MODES)}; got {cache!r}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"CachedGRPOTrainer: reference_dtype must be one of {', '.join(DTYPES)} (None: TRL's, the "
+                         f"policy's dtype or args' bf16/fp16); got {dtype!r}")
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ValueError(f"CachedGRPOTrainer: reference_max_tokens must be a whole number of at least 1 (None: the "
+                         f"service's budget); got {max_tokens!r}")
+    if not isinstance(stream, bool):
+        raise ValueError(f"CachedGRPOTrainer: reference_stream must be True or False; got {stream!r}")
+    loads = reference is None or isinstance(reference, (str, Path))
+    if stream and not isinstance(reference, (str, Path)):
+        raise ValueError("CachedGRPOTrainer: reference_stream=True streams a reference this trainer loads; pass "
+                         "reference= a model directory or Hub id")
+    if not loads and not callable(getattr(reference, "score", None)):
+        raise ValueError(f"CachedGRPOTrainer: reference must be None, a model directory or Hub id, a ReferenceService "
+                         f"or a ReferencePool; got {type(reference).__name__}")
+    if not loads and cache_dir is not None:
+        raise ValueError("CachedGRPOTrainer: cache_dir applies to a reference this trainer loads; a "
+                         f"{type(reference).__name__} given uses its own (its cache_dir option)")
+    if loads and cache != "never":
+        try:  # the cache is written at the first evaluation or step: a bad directory is said now
+            check_writable_dir(Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir(),
+                               "cache_dir")
+        except ValueError as e:
+            raise ValueError(f"CachedGRPOTrainer: {e} (cache={cache!r} writes the look-aside cache there)") from None
+    values = {"reference": reference, "cache_dir": cache_dir, "cache": cache, "reference_dtype": dtype,
+              "reference_max_tokens": max_tokens, "reference_stream": stream}
+    defaults = {"cache": "never", "reference_stream": False}
+    return [name for name, value in values.items() if value != defaults.get(name)]
+
+
+def _check_arguments(args: Any, reference: Any, cache_dir: Any, cache: str) -> None:
+    """What is wrong with these arguments for this ``args`` (a reference pass to run), before TRL
+    loads anything."""
     if getattr(args, "sync_ref_model", False):
         raise ValueError("CachedGRPOTrainer: sync_ref_model=True would copy the policy into the reference during "
                          "training; dpocache's reference is fixed (use GRPOTrainer for a synced reference)")
     if reference is None or isinstance(reference, (str, Path)):
         return
-    if not callable(getattr(reference, "score", None)):
-        raise ValueError(f"CachedGRPOTrainer: reference must be None, a model directory or Hub id, a ReferenceService "
-                         f"or a ReferencePool; got {type(reference).__name__}")
-    if cache_dir is not None:
-        raise ValueError("CachedGRPOTrainer: cache_dir applies to a reference this trainer loads; a "
-                         f"{type(reference).__name__} given uses its own (its cache_dir option)")
     temperature = _service_temperature(reference)
     if temperature is not None and abs(temperature - args.temperature) > 1e-12:
         raise ValueError(f"CachedGRPOTrainer: the {type(reference).__name__} divides its logits by temperature "

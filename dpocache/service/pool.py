@@ -5,6 +5,7 @@ retried (``pip install 'dpocache[ray]'``)."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -13,11 +14,12 @@ import torch
 from dpocache.config import with_fields
 from dpocache.distributed.process_group import split_by_weight
 from dpocache.models.hub_ids import resolve_model_path
-from dpocache.runtime.preflight import check_model_dir
+from dpocache.runtime.preflight import check_model_dir, check_writable_dir
 from dpocache.service.reference_service import (
     ReferenceService,
     Request,
     ServiceOptions,
+    check_loading,
     check_request,
     forward_output,
     forward_requests,
@@ -59,6 +61,9 @@ class _Replica:
         return self.service.stats()
 
 
+FREED_WITHIN_S = 10.0  # how long a replica's resources may wait to be freed by actors just killed
+
+
 def request_tokens(request: Request) -> int:
     """A request's cost for splitting: the tokens of its group row."""
     try:
@@ -67,11 +72,34 @@ def request_tokens(request: Request) -> int:
         return 0  # a malformed request: its replica's check names it
 
 
+def _replica_resources(ray, num_replicas: int, device) -> dict:
+    """One GPU a replica where the cluster has GPUs (and ``device`` does not say CPU), else one
+    CPU; refused in one line unless that many are free now. Ray leaves an actor it has no room
+    for unscheduled, with no error, so waiting for it would wait for ever, saying nothing."""
+    total = ray.cluster_resources()
+    on_cpu = device is not None and torch.device(device).type == "cpu"
+    kind = "GPU" if total.get("GPU", 0) >= 1 and not on_cpu else "CPU"
+    free, have = ray.available_resources(), total.get(kind, 0)
+    deadline = time.monotonic() + FREED_WITHIN_S
+    while have >= num_replicas > free.get(kind, 0) and time.monotonic() < deadline:
+        time.sleep(0.1)  # a pool shut down just before frees its actors' resources a moment later
+        free = ray.available_resources()
+    if free.get(kind, 0) < num_replicas:
+        held = have >= num_replicas  # enough in all, but other actors hold them
+        has = f"{free.get(kind, 0):g} of its {have:g} free (other actors hold the rest)" if held else f"{have:g}"
+        other = "; or device='cpu' for replicas on CPUs" if kind == "GPU" else ""
+        raise ValueError(f"num_replicas={num_replicas}: each replica takes one {kind} and the Ray cluster has "
+                         f"{has}; ask for at most {int(free.get(kind, 0) if held else have)}, or give Ray more "
+                         f"(ray.init(num_{kind.lower()}s=...)){other}")
+    return {"num_gpus": 1} if kind == "GPU" else {"num_cpus": 1}
+
+
 class ReferencePool:
     """``num_replicas`` ``ReferenceService``s as Ray actors; ``score`` splits each call by tokens.
 
     Connects to the running cluster when ``ray.init(...)`` was called first, else starts a
-    local one. Each replica takes one GPU if the cluster has one per replica, else one CPU. A
+    local one. Each replica takes one GPU where the cluster has GPUs (``device='cpu'``: one CPU),
+    else one CPU; fewer free than ``num_replicas`` is refused in one line. A
     replica that dies is restarted by Ray (``max_restarts``) and its task re-run
     (``max_task_retries``); if Ray gives up, the pool sends the share to another replica.
     Either way every request is answered exactly once, in request order.
@@ -85,24 +113,20 @@ class ReferencePool:
                  dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
                  reference: str = "initial", options: ServiceOptions | None = None, _exit_once: str | None = None,
                  **fields):
-        options = with_fields(ServiceOptions, options, fields)
+        options = with_fields(ServiceOptions, options, fields)  # each field checked here, not in each replica
+        check_loading(dtype, reference)
         loading = {"dtype": dtype, "device": device, "reference": reference}
-        check_model_dir(resolve_model_path(str(path)), "path", tokenizer=False)  # not in every replica
+        check_model_dir(resolve_model_path(str(path)), "path", tokenizer=False)
+        if options.cache_dir is not None:
+            check_writable_dir(options.cache_dir, "cache_dir")
+        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+            raise ValueError(f"num_replicas must be a whole number of at least 1; got {num_replicas!r}")
         ray = _import_ray()
-        if num_replicas < 1:
-            raise ValueError(f"num_replicas must be at least 1; got {num_replicas}")
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False)
         self._ray = ray
         self.temperature = options.temperature_or_one  # what each replica divides the logits by
-        cluster = ray.cluster_resources()
-        gpus, cpus = cluster.get("GPU", 0), cluster.get("CPU", 0)
-        resources = {"num_gpus": 1} if gpus >= num_replicas else {"num_cpus": 1}
-        if "num_cpus" in resources and cpus < num_replicas:
-            # Ray leaves an actor it has no room for unscheduled, with no error: ready() below
-            # would wait for it for ever, saying nothing.
-            raise ValueError(f"num_replicas={num_replicas}: each replica takes one CPU and the Ray cluster has "
-                             f"{cpus:g}; ask for at most {int(cpus)}, or give Ray more (ray.init(num_cpus=...))")
+        resources = _replica_resources(ray, num_replicas, device)
         actor = ray.remote(_Replica).options(max_restarts=max_restarts, max_task_retries=max_task_retries, **resources)
         self.replicas = [actor.remote(str(path), loading, options, _exit_once) for _ in range(num_replicas)]
         _, self.vocab_size, self.context, self.special_ids = ray.get([r.ready.remote() for r in self.replicas])[0]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import operator
 import os
 import threading
@@ -41,12 +42,12 @@ from dpocache.cache.fingerprint import config_sha256
 from dpocache.cache.sequences import DEFAULT_MEMORY_BYTES, SequenceStore, sequence_key
 from dpocache.cache.store import Namespace
 from dpocache.config import with_fields
-from dpocache.models.directories import reference_source
+from dpocache.models.directories import REFERENCES, reference_source
 from dpocache.models.hub_ids import resolve_model_path
-from dpocache.models.reference import ReferenceModel, dtype_name, resolve_dtype
-from dpocache.runtime.preflight import check_model_dir, context_length
+from dpocache.models.reference import DTYPES, ReferenceModel, dtype_name, resolve_dtype
+from dpocache.runtime.preflight import check_model_dir, check_writable_dir, context_length
 from dpocache.scoring.groups import Group, budget_batches, collate_groups, collate_sequences, per_sequence, split_group
-from dpocache.scoring.layout_choice import CAUSAL, SHARED, shares_prompts
+from dpocache.scoring.layout_choice import CAUSAL, LAYOUTS, SHARED, shares_prompts
 from dpocache.scoring.logprobs import scored_positions, unwrap_causal_lm
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,14 @@ def check_request(index: int, request: Any, vocab_size: int, context: int | None
     return prompt, out
 
 
+def check_loading(dtype: str | torch.dtype, reference: str) -> None:
+    """``from_pretrained``'s ``dtype`` and ``reference``, each named as the argument it is."""
+    if isinstance(dtype, str) and dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)} (or a torch.dtype); got {dtype!r}")
+    if reference not in REFERENCES:
+        raise ValueError(f"reference must be one of {', '.join(REFERENCES)}; got {reference!r}")
+
+
 def summed_stats(parts: Sequence[dict]) -> dict:
     """Counters of several services (replicas) as one: sums, the largest peak, averages again."""
     total = {k: sum(p.get(k, 0) for p in parts) for k in SUMMED}
@@ -154,6 +163,27 @@ class ServiceOptions:
     cache_memory_bytes: int = DEFAULT_MEMORY_BYTES
     temperature: float | None = None
     stream: bool = False
+
+    def __post_init__(self) -> None:
+        """Each field's type and range, named as the caller passes it, before any model loads (a
+        ``ReferencePool`` checks here, not in each replica)."""
+        whole = lambda v: hasattr(v, "__index__") and not isinstance(v, bool)  # noqa: E731
+        if self.max_tokens is not None and not (whole(self.max_tokens) and self.max_tokens >= 1):
+            raise ValueError(f"max_tokens must be a whole number of at least 1 (None: the device's budget); "
+                             f"got {self.max_tokens!r}")
+        if not (whole(self.cache_memory_bytes) and self.cache_memory_bytes >= 0):
+            raise ValueError(f"cache_memory_bytes must be a whole number of at least 0; "
+                             f"got {self.cache_memory_bytes!r}")
+        real = isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
+        if self.temperature is not None and not (real and math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"temperature must be a finite number above 0 (the rollouts' sampling temperature; None: "
+                             f"1); "
+                             f"got {self.temperature!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {self.layout!r}")
+        for name in ("compile", "stream"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
 
     @property
     def temperature_or_one(self) -> float:
@@ -208,9 +238,9 @@ class ReferenceService:
         self.vocab_size = int(config.vocab_size)
         self.context = context_length(config.to_dict())
         self.special_ids = special_token_ids(unwrap_causal_lm(self.reference.model))
-        if max_tokens is not None and max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1; got {max_tokens}")
         self.max_tokens = max_tokens or max(GROUP_MAX_TOKENS, default_max_tokens(self.reference.device))
+        if cache_dir is not None:
+            check_writable_dir(cache_dir, "cache_dir")  # one line, not the store's OSError at the first call
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.cache_memory_bytes = options.cache_memory_bytes
         self.store = None
@@ -231,10 +261,13 @@ class ReferenceService:
                         options: ServiceOptions | None = None, **fields) -> "ReferenceService":
         """A model directory. For a PEFT adapter directory the reference is the initial policy,
         base + that adapter (``reference="base"``: the bare base), as in ``dpocache train``."""
+        options = with_fields(ServiceOptions, options, fields)  # one line naming a bad field
+        check_loading(dtype, reference)
         path = resolve_model_path(str(path))  # a Hub id: its snapshot in the local cache
         check_model_dir(path, "path", tokenizer=False)  # one line, not transformers' traceback
         base, adapter = reference_source(path, reference)
-        options = with_fields(ServiceOptions, options, fields)
+        if options.cache_dir is not None:
+            check_writable_dir(options.cache_dir, "cache_dir")  # before the model loads
         model = ReferenceModel.from_pretrained(base, dtype, device, compile="on" if options.compile else "off",
                                                layout=options.layout, adapter=adapter,
                                                temperature=options.temperature_or_one, stream=options.stream)

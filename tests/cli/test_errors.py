@@ -241,6 +241,9 @@ CASES = {
                                           "--device", "gpu"), ["--device", "'gpu'", "not a device"]),
     "score at temperature 0": (("score", "--model", "model", "--data", "score.jsonl", "--out", "o.jsonl",
                                 "--temperature", "0", "--device", "cpu"), ["--temperature", "above 0"]),
+    "score in a dtype that is not one": (("score", "--model", "model", "--data", "score.jsonl", "--out", "o.jsonl",
+                                          "--dtype", "fp32", "--device", "cpu"),
+                                         ["--dtype: must be one of auto, float32, bfloat16, float16; got 'fp32'"]),
     "token ids beyond the model's vocabulary": (("cache", "build", "--model", "small-vocab", *BUILD[4:]),
                                                 ["data.jsonl:1", "outside the model's vocabulary", "vocab_size 8"]),
 }

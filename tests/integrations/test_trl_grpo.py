@@ -240,8 +240,43 @@ def test_mistakes_are_refused_before_the_first_step_in_one_line(model_dir, tmp_p
         _run(CachedGRPOTrainer, model_dir, tmp_path, args=_args(tmp_path, max_completion_length=512), train=False)
     with pytest.raises(ValueError, match="reference_stream=True streams a reference this trainer loads"):
         _run(CachedGRPOTrainer, model_dir, tmp_path, reference_stream=True, train=False)
-    with pytest.raises(ValueError, match="cache must be one of eval, always, never"):
+    with pytest.raises(ValueError, match="cache must be one of never, eval, always"):
         _run(CachedGRPOTrainer, model_dir, tmp_path, cache="sometimes", train=False)
+
+
+@pytest.mark.parametrize("beta", [0.04, 0.0])
+def test_the_trainers_own_arguments_are_refused_before_trl_whatever_beta(model_dir, tmp_path, monkeypatch, caplog,
+                                                                        beta):
+    """Each was accepted with beta=0, and with beta>0 refused only after TRL's constructor (a bad
+    dtype), once the reference loaded (a budget of 0) or at the first evaluation (a cache
+    directory under a file: a 63-line traceback). With beta=0 the arguments given are named as
+    not used."""
+    from trl import GRPOTrainer
+
+    from dpocache.integrations.trl_grpo import CachedGRPOTrainer
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    sub = re.escape(str(afile / "sub"))
+    cases = [(dict(reference_dtype="fp32"), r"reference_dtype must be one of float32, bfloat16, float16 \(None: TRL"),
+             (dict(reference_dtype="auto"), "reference_dtype must be one of"),
+             (dict(reference_max_tokens=0), "reference_max_tokens must be a whole number of at least 1"),
+             (dict(cache="bogus"), "cache must be one of never, eval, always; got 'bogus'"),
+             (dict(reference_stream="yes"), "reference_stream must be True or False"),
+             (dict(cache="eval", cache_dir=afile / "sub"),
+              rf"cache_dir {sub}: cannot write there \(.*\) \(cache='eval' writes the look-aside cache there\)$"),
+             (dict(reference=object()), "reference must be None, a model directory or Hub id, a ReferenceService")]
+    monkeypatch.setattr(GRPOTrainer, "__init__", lambda *a, **k: pytest.fail("TRL was reached"))
+    for kwargs, line in cases:
+        with pytest.raises(ValueError, match=f"^CachedGRPOTrainer: {line}") as raised:
+            CachedGRPOTrainer(model=None, reward_funcs=count_numbers, args=_args(tmp_path, beta=beta), **kwargs)
+        assert "\n" not in str(raised.value)
+    if beta == 0.0:
+        monkeypatch.setattr(GRPOTrainer, "__init__", lambda *a, **k: None)
+        with caplog.at_level("WARNING", logger="dpocache.integrations.trl_grpo"):
+            CachedGRPOTrainer(model=None, reward_funcs=count_numbers, args=_args(tmp_path, beta=0.0),
+                              reference=model_dir, cache="eval", reference_max_tokens=64)
+        assert "beta=0, so no reference runs and reference, cache, reference_max_tokens is not used" in caplog.text
 
 
 def test_a_prompt_with_no_room_for_a_completion_is_refused_before_the_first_step(model_dir, tmp_path, monkeypatch):
@@ -297,15 +332,17 @@ def test_a_prompt_with_no_room_for_a_completion_is_refused_before_the_first_step
 
 
 def test_evaluation_uses_the_look_aside_cache_training_does_not(model_dir, tmp_path):
-    """cache='eval' (the default): sampled training completions are not stored; evaluation's
-    are, so an evaluation that samples the same completions again is answered from the cache."""
+    """cache='eval': sampled training completions are not stored; evaluation's are, so an
+    evaluation that samples the same completions again is answered from the cache. By default
+    (cache='never', as TRL samples in evaluation too) nothing is written. ``stats()`` counts
+    evaluation apart, and TRL's logs get the reference's seconds."""
     from dpocache.integrations.trl_grpo import CachedGRPOTrainer
 
     args = _args(tmp_path / "out", max_steps=1, per_device_eval_batch_size=8)
     trainer, _ = _run(CachedGRPOTrainer, model_dir, tmp_path, args=args, cache_dir=tmp_path / "cache",
-                      eval_dataset=_dataset(8))
+                      eval_dataset=_dataset(8), cache="eval")
     reference = trainer.dpocache_reference
-    assert reference.train.store is None and not (tmp_path / "cache").exists()
+    assert reference.train.store is None and not any((tmp_path / "cache").iterdir())  # made writable, empty
     counts = []
     for _ in range(2):
         torch.manual_seed(5)  # the same sampled completions both times
@@ -313,6 +350,16 @@ def test_evaluation_uses_the_look_aside_cache_training_does_not(model_dir, tmp_p
         counts.append((reference.eval.stats()["sequences"], reference.eval.stats()["cache_hits"]))
     assert reference.eval.store is not None and counts[0][0] == 32 and counts[0][1] < 32  # 8 prompts x 4
     assert counts[1] == (64, counts[0][1] + 32), counts  # the second evaluation: all from the cache
+    stats = reference.stats()
+    assert (stats["trainer_calls"], stats["sequences"], stats["cache_hits"]) == (1, 8, 0)  # training: 2 prompts x 4
+    assert (stats["eval"]["sequences"], stats["eval"]["cache_hits"]) == counts[1] and stats["eval"]["trainer_calls"]
+    assert _logged(trainer, "reference/seconds")[0] > 0
+    assert [r["eval_reference/seconds"] > 0 for r in trainer.state.log_history if "eval_loss" in r] == [True, True]
+
+    default, _ = _run(CachedGRPOTrainer, model_dir, tmp_path, args=args, cache_dir=tmp_path / "default",
+                      eval_dataset=_dataset(8))
+    default.evaluate()
+    assert default.dpocache_reference.stats()["eval"]["trainer_calls"] and not (tmp_path / "default").exists()
 
 
 @pytest.mark.slow

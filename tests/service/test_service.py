@@ -283,10 +283,46 @@ def test_shard_name_on_a_non_file_is_skipped(tiny_models, tmp_path, kind):
     assert len(service.store.corrupt) == 1 and "not a regular file" in service.store.corrupt[0]
 
 
-def test_token_budget_below_one_is_refused(tiny_models):
-    for bad in (0, -5):
-        with pytest.raises(ValueError, match=rf"^max_tokens must be at least 1; got {bad}$"):
-            ReferenceService(tiny_models["llama"], max_tokens=bad)
+BAD_OPTIONS = [  # (field, value, the line's start): each refused in one line naming the field
+    ("max_tokens", 0, "max_tokens must be a whole number of at least 1 (None: the device's budget); got 0"),
+    ("max_tokens", -5, "max_tokens must be a whole number of at least 1"),
+    ("max_tokens", "4096", "max_tokens must be a whole number of at least 1 (None: the device's budget); got '4096'"),
+    ("max_tokens", 2.5, "max_tokens must be a whole number"),
+    ("cache_memory_bytes", -1, "cache_memory_bytes must be a whole number of at least 0; got -1"),
+    ("temperature", "0.7", "temperature must be a finite number above 0 (the rollouts' sampling temperature; None: "
+                           "1); got '0.7'"),
+    ("temperature", float("nan"), "temperature must be a finite number above 0"),
+    ("temperature", True, "temperature must be a finite number above 0"),
+    ("layout", "grouped", "layout must be one of auto, padded, shared, packed; got 'grouped'"),
+    ("compile", "yes", "compile must be True or False; got 'yes'"),
+    ("stream", 1, "stream must be True or False; got 1"),
+]
+
+
+@pytest.mark.parametrize("field,value,line", BAD_OPTIONS, ids=[f"{f}={v!r}" for f, v, _ in BAD_OPTIONS])
+def test_each_bad_option_is_one_line_naming_it(tiny_models, model_dir, field, value, line):
+    """As keyword arguments of the constructor and of ``from_pretrained``, and as a
+    ``ServiceOptions``: refused before any model loads (``from_pretrained`` is not reached)."""
+    from dpocache.service import ServiceOptions
+
+    for make in (lambda: ReferenceService(tiny_models["llama"], **{field: value}),
+                 lambda: ReferenceService.from_pretrained(model_dir / "missing", **{field: value}),
+                 lambda: ServiceOptions(**{field: value})):
+        with pytest.raises(ValueError) as raised:
+            make()
+        assert str(raised.value).startswith(line) and "\n" not in str(raised.value)
+
+
+def test_loading_arguments_and_the_cache_dir_are_one_line_before_the_model_loads(model_dir, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for kwargs, line in ((dict(dtype="fp32"), "dtype must be one of auto, float32, bfloat16, float16 (or a "
+                                              "torch.dtype); got 'fp32'"),
+                         (dict(reference="policy"), "reference must be one of initial, base; got 'policy'"),
+                         (dict(cache_dir=afile / "sub"), f"cache_dir {afile / 'sub'}: cannot write there")):
+        with pytest.raises(ValueError) as raised:
+            ReferenceService.from_pretrained(model_dir, **kwargs)
+        assert str(raised.value).startswith(line), raised.value
 
 
 def test_cache_second_pass_runs_nothing(tiny_models, tmp_path):

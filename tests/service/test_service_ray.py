@@ -92,3 +92,48 @@ def test_more_cpu_replicas_than_the_cluster_has_cpus_is_one_line(local_ray, mode
     thread.join(60)
     assert outcome == ["num_replicas=3: each replica takes one CPU and the Ray cluster has 2; ask for at most 2, "
                        "or give Ray more (ray.init(num_cpus=...))"]
+
+
+def test_replicas_past_the_free_cpus_are_one_line_while_another_pool_holds_them(local_ray, model_dir, monkeypatch):
+    """A pool of 1 holds one of the 2 CPUs: a pool of 2 beside it would have waited for ever
+    for its second replica, saying nothing (the check counted the cluster's CPUs, not its free
+    ones). Once the first is shut down, its CPU is free again for the second."""
+    import threading
+
+    from dpocache.service import pool as pool_mod
+
+    monkeypatch.setattr(pool_mod, "FREED_WITHIN_S", 1.0)
+    holder = pool_mod.ReferencePool(model_dir, num_replicas=1, dtype="float32", device="cpu")
+    outcome = []
+
+    def start():
+        try:
+            outcome.append(pool_mod.ReferencePool(model_dir, num_replicas=2, dtype="float32", device="cpu"))
+        except ValueError as e:
+            outcome.append(str(e))
+
+    try:
+        thread = threading.Thread(target=start, daemon=True)
+        thread.start()
+        thread.join(60)
+        assert outcome == ["num_replicas=2: each replica takes one CPU and the Ray cluster has 1 of its 2 free (other "
+                           "actors hold the rest); ask for at most 1, or give Ray more (ray.init(num_cpus=...))"]
+    finally:
+        holder.shutdown()
+    second = pool_mod.ReferencePool(model_dir, num_replicas=2, dtype="float32", device="cpu")  # freed within 1 s
+    second.shutdown()
+
+
+def test_options_are_one_line_before_ray_or_a_replica_starts(model_dir, tmp_path, monkeypatch):
+    """Each was an ActorDiedError of 15-22 lines from the replica, 10-18 s later."""
+    from dpocache.service import pool as pool_mod
+
+    monkeypatch.setattr(pool_mod, "_import_ray", lambda: pytest.fail("Ray was reached"))
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for kwargs, line in ((dict(dtype="fp32"), "dtype must be one of auto"), (dict(temperature=0), "temperature must"),
+                         (dict(layout="grouped"), "layout must be one of"),
+                         (dict(cache_dir=afile / "sub"), "cache_dir "), (dict(num_replicas=0), "num_replicas must"),
+                         (dict(reference="policy"), "reference must be one of initial, base")):
+        with pytest.raises(ValueError, match=f"^{line}"):
+            pool_mod.ReferencePool(model_dir, **kwargs)
