@@ -434,7 +434,7 @@ def validate_device(device: str | None, flag: str | None = None) -> None:
     except (RuntimeError, ValueError):
         raise ConfigError(f"{flag}: '{device}' is not a device (cpu, cuda, cuda:N)") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"{flag} {device}: no CUDA device is available; use --device cpu")
+        raise ConfigError(f"{flag} {device}: no CUDA device is available; use cpu")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise ConfigError(f"{flag} {device}: only {torch.cuda.device_count()} CUDA devices")
 
@@ -615,6 +615,10 @@ def _coerce(dotted: str, annotation: Any, value: Any) -> Any:
         raise ConfigError(f"{dotted}: expected {getattr(base, '__name__', base)}, got {value!r}") from None
 
 
+# The fields that name files or directories: a leading ~ is the user's home.
+PATH_FIELDS = ("model.path", "model.ref_model", "data.train", "data.eval", "train.output_dir", "cache.dir")
+
+
 def _base_type(annotation: Any) -> Any:
     """``int | None`` -> ``int``."""
     args = typing.get_args(annotation)
@@ -636,7 +640,12 @@ def _set(cfg: Config, dotted: str, value: Any, aliases: dict[str, str] | None = 
         raise ConfigError(unknown_name(dotted, value, aliases))
     dotted = _resolve(dotted, aliases)
     section, name = dotted.split(".", 1)
-    setattr(getattr(cfg, section), name, _coerce(shown or dotted, types_[dotted], value))
+    value = _coerce(shown or dotted, types_[dotted], value)
+    if dotted in PATH_FIELDS and isinstance(value, str):
+        # A shell expands ~ at a word's start only (not in --cache-dir=~/x), and YAML never: a
+        # directory named '~' in the working directory is a trap for whoever removes it.
+        value = os.path.expanduser(value)
+    setattr(getattr(cfg, section), name, value)
 
 
 def apply_mapping(cfg: Config, mapping: dict, source: str) -> None:
@@ -670,9 +679,10 @@ def load_yaml(path: str | Path) -> dict:
     return data
 
 
-def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
-    """``["--optim.lr", "1e-6", "--resume", "--beta=0.2"]`` → ``[(optim.lr, 1e-6), (resume, true), (beta, 0.2)]``.
-    A flag followed by another flag (or nothing) is a boolean switch."""
+def parse_overrides(args: list[str]) -> list[tuple[str, str | None]]:
+    """``["--optim.lr", "1e-6", "--resume", "--beta=0.2"]`` → ``[(optim.lr, 1e-6), (resume, None), (beta, 0.2)]``.
+    A flag followed by another flag (or nothing) has no value (None): a switch, where its field
+    is a bool (``switch_value``)."""
     out = []
     i = 0
     while i < len(args):
@@ -687,10 +697,21 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
             value = args[i + 1]
             i += 2
         else:
-            value = "true"
+            value = None
             i += 1
         out.append((key, value))
     return out
+
+
+def switch_value(flag: str, annotation: Any, value: str | None) -> str:
+    """A flag's value as typed; a flag given without one is ``true`` where it is a switch (a bool),
+    else one line: a path flag followed by another flag had become the string 'true' (a run
+    written into ./true)."""
+    if value is not None:
+        return value
+    if _base_type(annotation) is not bool:
+        raise ConfigError(f"{flag} needs a value ({flag} VALUE); none was given before the next flag or the end")
+    return "true"
 
 
 def build_config(yaml_path: str | Path | None = None, overrides: list[str] | None = None,
@@ -708,6 +729,9 @@ def build_config(yaml_path: str | Path | None = None, overrides: list[str] | Non
         raise ConfigError(" | ".join(unknown))
     for key, value in pairs:
         dotted = _resolve(key, aliases)
+        if value is None and dotted == "train.push_to_hub":
+            value = "true"  # TRL's switch: _validate_hub's line says what dpocache's flag takes
+        value = switch_value(f"--{key}", field_types()[dotted], value)
         # a bad value is named by the flag as typed, and its field where the flag is a short one
         _set(cfg, key, value, aliases, shown=f"--{key}" + (f" ({dotted})" if key.replace("-", "_") != dotted else ""))
     return cfg

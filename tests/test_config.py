@@ -143,6 +143,18 @@ def test_resume_and_overwrite_together_are_refused():
     build_config(None, ["--resume"]).validate()
 
 
+def test_a_flag_without_its_value_is_one_line_and_a_switch_is_true():
+    """A value flag followed by another flag, or last, had become the string 'true': a run
+    written into ./true, a cache built in ./true."""
+    for args, flag in ((["--output-dir", "--max-steps", "1"], "--output-dir"), (["--model", "m", "--cache-dir"],
+                                                                               "--cache-dir"),
+                       (["--optim.lr", "--resume"], "--optim.lr"), (["--max-steps"], "--max-steps")):
+        with pytest.raises(ConfigError, match=rf"^{flag} needs a value \({flag} VALUE\)"):
+            build_config(None, args)
+    cfg = build_config(None, ["--resume", "--gradient-checkpointing", "--model", "m"])
+    assert cfg.train.resume is True and cfg.model.gradient_checkpointing is True and cfg.model.path == "m"
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["--loss", "sigmoid", "--loss.gamma", "2"], "gamma=2.0 is set, but the loss 'sigmoid' does not read it"),
     (["--loss", "ipo,sft", "--loss.label_smoothing", "0.2"], "none of the losses ipo, sft reads it"),
@@ -198,3 +210,24 @@ def test_distributed_backend_mistake_is_a_config_error_before_the_group_starts(m
     with pytest.raises(ConfigError, match=f"--distributed.backend {backend}: {fragment}"):
         init_distributed("cpu", backend)
     assert not dist.is_initialized()
+
+
+def test_a_leading_tilde_in_a_path_is_the_home_directory(tmp_path, monkeypatch):
+    """YAML and ``--flag=~/x`` (which no shell expands) had made a directory named '~' in the
+    working directory, and ``DPOCACHE_CACHE_DIR='~/x'`` (quoted) likewise."""
+    import os
+
+    from dpocache.cache.build import default_cache_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = tmp_path / "run.yaml"
+    config.write_text("model: {path: ~/sft}\ndata: {train: ~/prefs.jsonl}\ncache: {dir: ~/yamlcache}\n")
+    cfg = build_config(config, ["--output-dir=~/runs/x", "--ref-model", "~/ref"])
+    assert (cfg.model.path, cfg.data.train, cfg.cache.dir, cfg.train.output_dir, cfg.model.ref_model) == tuple(
+        os.path.join(str(tmp_path), p) for p in ("sft", "prefs.jsonl", "yamlcache", "runs/x", "ref"))
+    assert build_config(None, ["--model", "org/name"]).model.path == "org/name"  # a Hub id stays one
+    monkeypatch.setenv("DPOCACHE_CACHE_DIR", "~/envcache")
+    assert default_cache_dir() == tmp_path / "envcache"
+    monkeypatch.delenv("DPOCACHE_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", "~/xdg")
+    assert default_cache_dir() == tmp_path / "xdg" / "dpocache"

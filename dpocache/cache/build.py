@@ -64,9 +64,9 @@ def default_max_tokens(device: torch.device | str) -> int:
 def default_cache_dir() -> Path:
     """``$DPOCACHE_CACHE_DIR``, else ``$XDG_CACHE_HOME/dpocache``, else ``~/.cache/dpocache``."""
     if os.environ.get("DPOCACHE_CACHE_DIR"):
-        return Path(os.environ["DPOCACHE_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "dpocache"
+        return Path(os.environ["DPOCACHE_CACHE_DIR"]).expanduser()  # quoted in a shell, ~ reaches us as is
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
+    return Path(base).expanduser() / "dpocache"
 
 
 _ADAPTER_CONFIG_IGNORED = {"base_model_name_or_path", "inference_mode", "revision", "peft_version"}

@@ -45,7 +45,7 @@ from dpocache.cache.build import export_rows
 from dpocache.cache.store import CacheStore
 from dpocache.config import EXPORT_FORMATS as FORMATS
 from dpocache.data.pairs import TokenizedPair, read_rows
-from dpocache.runtime.preflight import UsageError
+from dpocache.runtime.preflight import UsageError, check_replaceable_dir
 
 # The column names of TRL 1.x DPOTrainer's precomputed reference (which it fills itself, see above).
 REF_CHOSEN, REF_REJECTED = "ref_chosen_logps", "ref_rejected_logps"
@@ -107,6 +107,7 @@ def _write_dataset(rows: list[dict], out: Path, fmt: str) -> None:
         with atomic_output(out) as tmp:
             dataset.to_parquet(str(tmp))
     else:
+        check_replaceable_dir(out, "out")  # the old directory is removed: only an earlier export's
         with atomic_output_dir(out) as tmp:  # a directory, written by datasets (it may be one that exists)
             dataset.save_to_disk(str(tmp))
 

@@ -7,7 +7,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dpocache.config import EXPORT_FORMATS, EXPORT_SUFFIXES, Config, build_config, help_text, parse_overrides
+from dpocache.config import (
+    EXPORT_FORMATS,
+    EXPORT_SUFFIXES,
+    Config,
+    build_config,
+    help_text,
+    parse_overrides,
+    switch_value,
+)
 from dpocache.models.hub_ids import resolve_model_path
 from dpocache.runtime.preflight import UsageError, check_data_path, check_model_dir
 
@@ -74,9 +82,10 @@ def parse_args(command: str, rest: list[str]) -> argparse.Namespace | None:
     for key, value in parse_overrides(rest):
         name = key.replace("-", "_")
         if name in OPTIONS[command]:
-            own[name] = _option_value(name, OPTIONS[command][name][0], value)
+            own[name] = _option_value(name, OPTIONS[command][name][0], switch_value(f"--{key}",
+                                                                                     OPTIONS[command][name][0], value))
         else:
-            overrides.append(f"--{key}={value}")
+            overrides.append(f"--{key}" if value is None else f"--{key}={value}")
     cfg = build_config(config, overrides, CACHE_ALIASES, tuple(OPTIONS[command]))  # a typo of either is suggested
     # A Hub id (org/name[@revision]) becomes its snapshot directory in the local Hugging Face cache.
     cfg.model.path, cfg.model.ref_model = resolve_model_path(cfg.model.path), resolve_model_path(cfg.model.ref_model)
@@ -124,7 +133,7 @@ def _option_value(name: str, type_: type, value: str):
             return value.lower() in ("true", "1", "yes", "on")
     else:
         try:
-            return type_(value)
+            return Path(value).expanduser() if type_ is Path else type_(value)
         except ValueError:
             pass
     raise UsageError(f"--{name.replace('_', '-')}: expected {type_.__name__}, got {value!r}")

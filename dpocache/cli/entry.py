@@ -19,6 +19,8 @@ import argparse
 import difflib
 import logging
 import os
+import select
+import signal
 import re
 import sys
 import traceback
@@ -132,6 +134,30 @@ def say(line: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``dpocache`` command; its exit status. A reader that closed stdout early (``dpocache
+    train --help | head -1``) ends it quietly, as it ends other Unix commands, not with a
+    BrokenPipeError traceback."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        if not _stdout_reader_gone():  # some other pipe or socket: not ours to hide
+            raise
+        # Python's own recipe: stdout to /dev/null, so the flush at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE  # what a shell reports for a command a closed pipe stopped
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reading end is closed (poll reports an error on it)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no fileno (a captured stdout), no poll
+        return False
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # -v is accepted anywhere: before the command, or among a command's own options.
     verbose = any(a in ("-v", "--verbose") for a in argv)

@@ -44,14 +44,19 @@ from dpocache.data.pairs import (
 from dpocache.runtime.preflight import check_model_dir, check_output, check_writable_dir, context_length
 
 
+def _user_path(text: str) -> Path:
+    """A path flag's value, ``~`` expanded (a shell leaves it in ``--out=~/x``)."""
+    return Path(text).expanduser()
+
+
 def add_score_parser(sub) -> None:
     s = sub.add_parser("score", help="per-token reference log-probs of prompts and their completions (JSONL out)")
     s.add_argument("--model", required=True,
                    help="reference model directory (for a PEFT adapter dir: base + adapter, the initial policy)")
     s.add_argument("--data", required=True, help="rows: prompt + completions (text or messages) or prompt_ids + "
                    "completion_ids; .jsonl/.json/.parquet/.csv")
-    s.add_argument("--out", type=Path, required=True, help="output JSONL, one line per row, in data order")
-    s.add_argument("--cache-dir", type=Path, default=None,
+    s.add_argument("--out", type=_user_path, required=True, help="output JSONL, one line per row, in data order")
+    s.add_argument("--cache-dir", type=_user_path, default=None,
                    help="look-aside cache (default: the reference cache root: $DPOCACHE_CACHE_DIR, else "
                    "$XDG_CACHE_HOME/dpocache, else ~/.cache/dpocache)")
     s.add_argument("--dtype", default="auto",
@@ -65,7 +70,7 @@ def add_score_parser(sub) -> None:
     s.add_argument("--temperature", type=float, default=1.0,
                    help="divide the logits by this before the log-softmax: the sampling temperature of "
                    "the rollouts, as GRPO/PPO trainers do for the reference (default 1: the model's own values)")
-    s.add_argument("--stats", type=Path, default=None, help="append the service's counters to this JSONL file")
+    s.add_argument("--stats", type=_user_path, default=None, help="append the service's counters to this JSONL file")
     s.add_argument("--stream-reference", action="store_true",
                    help="keep the model's decoder layers in host memory, each copied to the GPU as it runs "
                    "(docs/memory.md)")
@@ -142,6 +147,7 @@ def cmd_score(args) -> int:
     from dpocache.cache import default_cache_dir
     from dpocache.config import device_type, validate_device
     from dpocache.models.loading import load_tokenizer
+    from dpocache.models.hub_ids import resolve_model_path
     from dpocache.service.reference_service import ReferenceService
 
     # Before the rows are read and the model loads (torch's own error came from the model's move).
@@ -149,6 +155,7 @@ def cmd_score(args) -> int:
     if args.stream_reference and device_type(args.device) != "cuda":
         raise DataError("--stream-reference", None, f"streams weights from host memory to a GPU; this run's device is "
                         f"{device_type(args.device)}, where they are in host memory already")
+    args.model = resolve_model_path(args.model)  # a Hub id: its snapshot in the local cache, as cache build takes it
     if not Path(args.model).is_dir():
         raise DataError(f"--model {args.model}", None, "not a model directory")
     # Its config and weights now; its tokenizer below, if the rows are text (token ids need none).

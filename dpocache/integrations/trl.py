@@ -36,6 +36,7 @@ from safetensors import safe_open
 
 from dpocache.cache.build import BuildOptions, build_missing, default_cache_dir, namespace_for_dir
 from dpocache.cache.store import CacheStore
+from dpocache.config import ConfigError, validate_device
 from dpocache.data.columns import PairsView, TokenColumns
 from dpocache.data.pairs import TokenizedPair, example_key, unfit_pairs
 from dpocache.models.directories import reference_source
@@ -289,6 +290,21 @@ def _check_fixed_reference_data(args: Any, train_dataset: Any, eval_dataset: Any
                              "DPOTrainer for a vision-language model)")
 
 
+def _check_cache_options(dtype: Any, device: Any, max_tokens: Any) -> None:
+    """This trainer's own arguments, each named, before any model loads: a device this machine
+    lacks failed deep in torch once a value had to be computed."""
+    if dtype is not None and dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"CachedDPOTrainer: cache_dtype must be one of auto, {', '.join(DTYPES)} (None: the "
+                         f"precision of args); got {dtype!r}")
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ValueError(f"CachedDPOTrainer: cache_max_tokens must be a whole number of at least 1; "
+                         f"got {max_tokens!r}")
+    try:
+        validate_device(device, "cache_device")
+    except ConfigError as e:
+        raise ValueError(f"CachedDPOTrainer: {e}") from None
+
+
 class CachedDPOTrainer(DPOTrainer):
     """``DPOTrainer`` whose reference values come from dpocache's cache.
 
@@ -317,6 +333,7 @@ class CachedDPOTrainer(DPOTrainer):
         if getattr(args, "ld_alpha", None) is not None:
             raise ValueError("CachedDPOTrainer does not support ld_alpha yet (TRL folds it into the reference sums)")
         _check_fixed_reference_data(args, kwargs.get("train_dataset"), kwargs.get("eval_dataset"))
+        _check_cache_options(cache_dtype, cache_device, cache_max_tokens)
         if isinstance(ref_model, (str, Path)):
             raise ValueError("CachedDPOTrainer: ref_model must be a loaded model (TRL 1.16 loads none from a path); "
                              "pass the reference's directory as cache_reference=")

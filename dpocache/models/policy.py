@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import math
 from pathlib import Path
@@ -32,10 +33,11 @@ from dpocache.scoring.logprobs import CompletionLogProbs, decoder_layers
 
 
 def check_lora_settings(cfg: Config) -> None:
-    """LoRA fields that would be ignored, refused before any model loads: ``--lora.alpha`` (or
-    dropout, targets) without ``--lora-r`` trained every weight; ``--lora-r``, alpha or targets
-    with a PEFT adapter directory as ``--model`` trained the saved adapter as it was. An
-    adapter directory takes ``--lora.dropout`` (``set_lora_dropout``)."""
+    """LoRA fields that would be ignored or fail, refused before any model loads: ``--lora.alpha``
+    (or dropout, targets) without ``--lora-r`` trained every weight; ``--lora-r``, alpha or
+    targets with a PEFT adapter directory as ``--model`` trained the saved adapter as it was; a
+    target module the model does not have. An adapter directory takes ``--lora.dropout``
+    (``set_lora_dropout``)."""
     defaults = LoraConfig()
 
     def changed(*names: str) -> str:
@@ -50,6 +52,8 @@ def check_lora_settings(cfg: Config) -> None:
     elif cfg.lora.r == 0 and (flags := changed("alpha", "dropout", "target_modules")):
         raise ConfigError(f"{flags} set without {flag_name('lora.r')}: a rank of 0 trains every weight (no LoRA); "
                           "pass --lora-r N for a LoRA adapter")
+    elif cfg.lora.r > 0 and cfg.model.path:
+        check_lora_target_names(cfg.model.path, cfg.lora.target_modules)
 
 
 def set_lora_dropout(model: nn.Module, p: float) -> int:
@@ -239,13 +243,43 @@ def add_lora(model: nn.Module, cfg: Config) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
     targets = cfg.lora.target_modules
-    lora = LoraConfig(
-        r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout, task_type="CAUSAL_LM",
-        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
-    )
+    names = targets if targets == "all-linear" else [t.strip() for t in targets.split(",")]
+    if names != "all-linear":
+        check_lora_targets(model, names)
+    lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout, task_type="CAUSAL_LM",
+                      target_modules=names)
     model = get_peft_model(model, lora)
     init_lora_(model, cfg.train.seed)
     return model
+
+
+def check_lora_target_names(model_path: str | Path, target_modules: str) -> None:
+    """``check_lora_targets`` against the model at ``model_path`` built on the meta device from its
+    config: no weights are read, so a typo costs one line before any model loads."""
+    if target_modules == "all-linear":
+        return
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_path)))
+    check_lora_targets(model, [t.strip() for t in target_modules.split(",")])
+
+
+def check_lora_targets(model: nn.Module, targets: list[str]) -> None:
+    """Each of ``--lora.target_modules`` names modules of ``model`` as PEFT matches them (a
+    module's full name, or its last parts): a typo was PEFT's traceback after the model loaded,
+    and one typo in a list of several trained the others without a word."""
+    modules = [name for name, _ in model.named_modules() if name]
+    missing = [t for t in targets if not any(m == t or m.endswith("." + t) for m in modules)]
+    if missing:
+        leaves = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                         if not any(True for _ in m.children()) and getattr(m, "weight", None) is not None
+                         and getattr(m.weight, "ndim", 0) == 2 and not isinstance(m, nn.Embedding)})
+        close = difflib.get_close_matches(missing[0], leaves, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError(f"{flag_name('lora.target_modules')}: no module of the model is named "
+                          f"{', '.join(map(repr, missing))}{hint}; its linear layers are {', '.join(leaves)}, or "
+                          "all-linear")
 
 
 def init_lora_(model: nn.Module, seed: int) -> int:

@@ -318,6 +318,20 @@ def check_output(out: str | Path, flag: str, inputs: dict[str, str | Path | None
             raise UsageError(f"{flag} {out}: that would overwrite {name} {path}; write somewhere else")
     if not directory and target.is_dir():
         raise UsageError(f"{flag} {out}: a directory; name a file to write")
+    if directory:
+        check_replaceable_dir(out, flag)
+
+
+def check_replaceable_dir(out: str | Path, flag: str) -> None:
+    """A directory that ``datasets.save_to_disk`` output may replace: none yet, an empty one, or
+    one ``save_to_disk`` wrote (an earlier export). Replacing removes everything in it, so a
+    directory of anything else (a run, a model, the data) is refused."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{flag} {out}: a file; name a directory to write")
+    if path.is_dir() and any(path.iterdir()) and not any((path / m).is_file() for m in SAVED_DATASET_MARKERS):
+        raise UsageError(f"{flag} {out}: a directory that datasets' save_to_disk did not write, which the export "
+                         "would replace with everything in it; name a new or empty directory")
 
 
 def check_writable_dir(path: str | Path, flag: str) -> None:

@@ -10,6 +10,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from safetensors import SafetensorError
+
 from dpocache.config import Config, ConfigError, flag_name
 from dpocache.data.pairs import PreferenceData
 from dpocache.distributed.fsdp import (
@@ -21,6 +23,7 @@ from dpocache.distributed.process_group import (
 )
 from dpocache.models.checkpoint import (
     STATE_FILE,
+    checkpoints,
     latest_checkpoint,
     load_model_weights,
     load_trainer_state,
@@ -53,8 +56,8 @@ def check_resumable(cfg: Config, out: Path) -> ResumedFrom | None:
         return None
     try:
         state = json.loads((found / STATE_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None  # an unreadable state fails in resume() with its own message
+    except (OSError, ValueError) as e:
+        raise damaged_checkpoint(found, out, e) from None
     saved = state.get("config") or {}
     now = cfg.to_dict()
     fields = [f"{section}.{name}" for section in RESUME_FIXED_SECTIONS for name in now[section]]
@@ -73,6 +76,17 @@ def check_resumable(cfg: Config, out: Path) -> ResumedFrom | None:
                           "run continues the same training: pass the same values, or start a new run in another "
                           "--output-dir")
     return ResumedFrom(found, state.get("inputs") or {})
+
+
+def damaged_checkpoint(ckpt: Path, out: Path, error: BaseException) -> ConfigError:
+    """One line for a checkpoint that cannot be read (a file cut short or missing, its state not
+    JSON), naming the one before it, from which a run resumes once this one is moved away. The
+    checkpoint is left as it is: what is wrong with it is for its owner to see."""
+    older = [c for c in checkpoints(out) if c != ckpt]
+    what = str(error).splitlines()[0] if str(error) else type(error).__name__
+    hint = (f"; move it out of {ckpt.parent} to resume from {older[-1].name}, the one before it" if older
+            else "; no checkpoint before it: start again without --resume")
+    return ConfigError(f"--resume: {ckpt} cannot be read ({type(error).__name__}: {what}){hint}")
 
 
 def data_digest(data: PreferenceData) -> str:
@@ -127,12 +141,15 @@ def resume(run: Run) -> None:
         run.writer.rewind(0)  # the killed attempt's rows: this run logs them again
         return
     ckpt = Path(ckpt)
-    if is_sharded(run):
-        load_full_weights(ckpt, run.policy, run.env)
-        state = load_trainer_state(ckpt, GatheredOptimizer(run.policy, run.optimizer), run.scheduler)
-    else:
-        load_model_weights(ckpt, run.policy)
-        state = load_trainer_state(ckpt, run.optimizer, run.scheduler)
+    try:
+        if is_sharded(run):
+            load_full_weights(ckpt, run.policy, run.env)
+            state = load_trainer_state(ckpt, GatheredOptimizer(run.policy, run.optimizer), run.scheduler)
+        else:
+            load_model_weights(ckpt, run.policy)
+            state = load_trainer_state(ckpt, run.optimizer, run.scheduler)
+    except (OSError, ValueError, KeyError, SafetensorError) as e:  # cut short, edited, a file missing
+        raise damaged_checkpoint(ckpt, run.out, e) from None
     if run.scaler is not None and state.get("grad_scaler"):
         run.scaler.load_state_dict(state["grad_scaler"])  # the scale the run had reached, not 65536 again
     run.step = run.saved_step = state["step"]

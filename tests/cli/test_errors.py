@@ -212,6 +212,9 @@ CASES = {
     "keep no checkpoint": ((*TRAIN, "--train.save_total_limit", "0"), ["--train.save_total_limit", ">= 1"]),
     "verify negative samples": (("cache", "verify", *BUILD[2:], "--samples", "-3"), ["--samples", ">= 0"]),
     "loss of weight 0": ((*TRAIN, "--loss", "sigmoid:0"), ["--loss", "weight"]),
+    "a LoRA target module that is not one": ((*TRAIN, "--lora-r", "4", "--lora.target_modules", "qproj,v_proj"),
+                                             ["--lora.target_modules: no module of the model is named 'qproj' (did "
+                                              "you mean 'q_proj'?); its linear layers are"]),
     "cache info of a directory that is not there": (("cache", "info", "--cache-dir", "no-such-cache"),
                                                     ["--cache-dir no-such-cache", "no such directory"]),
     "not a parquet file": (with_data(BUILD, "broken.parquet"), ["broken.parquet", "parquet"]),
@@ -222,6 +225,11 @@ CASES = {
                                                  "--out", "model/model.safetensors", "--format", "safetensors",
                                                  "--cache-dir", "cache", "--device", "cpu"),
                                                 ["--out model/model.safetensors", "overwrite --model model"]),
+    # A datasets export replaces its directory: the folder holding the model and data was removed.
+    "cache export --format datasets into the folder of its inputs": (
+        ("cache", "export", "--model", "model", "--data", "data.jsonl", "--out", ".", "--format", "datasets",
+         "--cache-dir", "cache", "--device", "cpu"),
+        ["--out .: a directory that datasets' save_to_disk did not write", "name a new or empty directory"]),
     "score over its own data": (("score", "--model", "model", "--data", "data.jsonl", "--out", "data.jsonl",
                                  "--device", "cpu"), ["--out data.jsonl", "overwrite --data"]),
     "score into a directory": (("score", "--model", "model", "--data", "data.jsonl", "--out", "model",
@@ -393,3 +401,18 @@ def test_read_only_output_dir(work, tmp_path):
     finally:
         ro.chmod(0o755)
     assert "--output-dir" in line
+
+
+@pytest.mark.parametrize("command", [("train", "--help"), ("cache", "export", "--help")])
+def test_help_into_a_closed_pipe_ends_quietly(tmp_path, command):
+    """``dpocache train --help | head -1``: a reader gone before the help is written ended in a
+    BrokenPipeError traceback and exit 1; now nothing on stderr and 141 (128 + SIGPIPE), as a
+    shell reports for other commands a closed pipe stopped."""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the command writes
+    try:
+        proc = subprocess.run([sys.executable, "-m", "dpocache", *command], stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=120, cwd=tmp_path)
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (141, "")

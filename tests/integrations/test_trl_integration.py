@@ -309,9 +309,20 @@ def test_what_a_fixed_cache_cannot_serve_is_refused_before_any_model_loads(setup
             dict(args=_args(root / "x"), train_dataset=streamed),
         "eval_dataset\\['held'\\] has images; the reference cache scores text only":
             dict(args=_args(root / "x"), train_dataset=dataset, eval_dataset={"held": with_images}),
+        # Each was found late: a device assert deep in torch once a value had to be computed, and a
+        # "dtype must be one of" that did not say which argument.
+        "cache_dtype must be one of auto, float32, bfloat16, float16 \\(None: the precision of args\\); got 'fp16'":
+            dict(args=_args(root / "x"), train_dataset=dataset, cache_dtype="fp16"),
+        "cache_max_tokens must be a whole number of at least 1; got 0":
+            dict(args=_args(root / "x"), train_dataset=dataset, cache_max_tokens=0),
+        "cache_device: 'gpu' is not a device \\(cpu, cuda, cuda:N\\)":
+            dict(args=_args(root / "x"), train_dataset=dataset, cache_device="gpu"),
     }
+    if not torch.cuda.is_available():
+        cases["cache_device cuda: no CUDA device is available; use cpu"] = dict(
+            args=_args(root / "x"), train_dataset=dataset, cache_device="cuda")
     for message, kwargs in cases.items():
-        with pytest.raises(ValueError, match=f"^CachedDPOTrainer: {message}") as e:
+        with pytest.raises(ValueError, match=f"^CachedDPOTrainer: ({message})") as e:
             CachedDPOTrainer(model=str(model_dir), **kwargs)
         assert "\n" not in str(e.value)
 

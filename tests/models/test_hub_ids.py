@@ -119,3 +119,16 @@ def test_lora_from_a_hub_id_saves_an_adapter_naming_the_hub_id(hf_home, no_netwo
     run_training(*flags(str(out / "final"), train_jsonl, out2, tmp_path / "cache", "--max-steps", "1"))
     assert train_records(out2)[0]["step"] == 1
     assert COMMIT in run_json(out2)["reference"]["model"]
+
+
+def test_score_from_a_hub_id_offline(hf_home, no_network, tmp_path, base_model):
+    """``dpocache score --model org/tiny`` was refused as "not a model directory" where ``cache
+    build`` and ``ReferenceService.from_pretrained`` take the id; its lines equal the directory's."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt_ids": [5, 6, 7], "completion_ids": [[8, 9], [10]]}\n')
+    outs = {}
+    for model in ("org/tiny", str(base_model)):
+        out = outs[model] = tmp_path / f"{model.replace('/', '_')}.jsonl"
+        assert cli_main(["score", "--model", model, "--data", str(rows), "--out", str(out), "--device", "cpu",
+                         "--dtype", "float32", "--cache-dir", str(tmp_path / f"cache-{len(outs)}")]) == 0
+    assert outs["org/tiny"].read_text() == outs[str(base_model)].read_text() != ""

@@ -201,3 +201,36 @@ def test_resume_on_inputs_rewritten_in_place_is_refused_before_training(tmp_path
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--resume:" in err and fragment in err, err
     assert [r["step"] for r in train_records(out)] == [1, 2]
+
+
+@pytest.mark.parametrize("damage", ["weights cut short", "state not JSON", "optimizer missing"])
+def test_resume_from_a_damaged_checkpoint_is_one_line_naming_the_one_before(tmp_path, base_model, train_jsonl,
+                                                                           capsys, damage):
+    """A file of the newest checkpoint cut short, its state edited into bad JSON, or its
+    optimizer state removed: a SafetensorError, JSONDecodeError or FileNotFoundError traceback
+    before; now one line (exit 2) naming it and the checkpoint to resume from once it is moved
+    away, and that resume continues."""
+    import shutil
+
+    from dpocache.cli.entry import main
+
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    common = flags(base_model, train_jsonl, out, cache, "--max-steps", "4", "--save-steps", "2",
+                   "--train.save_total_limit", "2")
+    run_training(*common)
+    newest = out / "checkpoints" / "step-000004"
+    if damage == "weights cut short":
+        weights = newest / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:5])
+    elif damage == "state not JSON":
+        (newest / "trainer_state.json").write_text('{"step": 4,')
+    else:
+        (newest / "optimizer.safetensors").unlink()
+    capsys.readouterr()
+    assert main(["train", *common, "--max-steps", "5", "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"dpocache train: error: --resume: {newest} cannot be read (") and err.endswith(
+        f"); move it out of {newest.parent} to resume from step-000002, the one before it"), err
+    shutil.move(newest, tmp_path / "damaged")
+    run_training(*common, "--max-steps", "5", "--resume")
+    assert [r["step"] for r in train_records(out)] == [1, 2, 3, 4, 5]
