@@ -127,7 +127,7 @@ class TrainLoopConfig:
     layout: str = "auto"  # auto (packed where supported) | shared (prompt once per pair) | packed | padded
     grad_accum: int = 1  # micro-batches per optimizer step
     epochs: int = 1  # passes over the training data
-    max_steps: int | None = None  # optimizer steps; overrides epochs
+    max_steps: int | None = None  # optimizer steps; overrides epochs (0: evaluate only; unset: epochs)
     seed: int = 42  # data order and LoRA initialisation
     logging_steps: int = 10  # optimizer steps per metrics.jsonl row (and a row at each checkpoint)
     eval_steps: int | None = None  # None: evaluate at the start and the end only
@@ -329,7 +329,10 @@ def _validate_loss(loss: LossConfig) -> None:
         check_loss_values(spec)
         check_params_read(spec)
     except ValueError as e:
-        raise ConfigError(f"{flag_name('loss.name')} {loss.name!r}: {e}") from None
+        # A message about one of the loss's parameters names that flag, not --loss.
+        key = next((k for k in loss.params() if str(e).startswith((f"{k} ", f"{k}="))), None)
+        where = flag_name(f"loss.{key}") if key else f"{flag_name('loss.name')} {loss.name!r}"
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def _validate_data(data: DataConfig) -> None:
@@ -380,6 +383,8 @@ POSITIVE = ("train.batch_size", "train.grad_accum", "train.epochs", "train.loggi
             "cache.max_tokens", "cache.shard_size", "train.save_total_limit")
 NON_NEGATIVE = ("train.eval_steps", "train.save_steps", "train.max_steps",  # max_steps 0: evaluate only
                 "train.save_minutes", "optim.weight_decay", "optim.max_grad_norm")
+ZERO_MEANS = {"train.max_steps": "no training step: the step-0 evaluation only; unset: --epochs decides, which TRL "
+                                 "spells -1"}
 # Values torch.optim.AdamW and peft refuse only after the reference pass: [low, high) each.
 HALF_OPEN = {"optim.adam_beta1": (0.0, 1.0), "optim.adam_beta2": (0.0, 1.0), "lora.dropout": (0.0, 1.0)}
 
@@ -392,7 +397,7 @@ def _validate_counts(cfg: Config) -> None:
     for dotted in NON_NEGATIVE:
         value = _get(cfg, dotted)
         if value is not None and value < 0:
-            raise ConfigError(f"{flag_name(dotted)}: must be >= 0 (0: never), got {value}")
+            raise ConfigError(f"{flag_name(dotted)}: must be >= 0 (0: {ZERO_MEANS.get(dotted, 'never')}), got {value}")
     if cfg.lora.r < 0:
         raise ConfigError(f"{flag_name('lora.r')}: must be >= 0 (0: full fine-tuning), got {cfg.lora.r}")
     if not (math.isfinite(cfg.optim.lr) and cfg.optim.lr >= 0):

@@ -160,6 +160,8 @@ def test_a_flag_without_its_value_is_one_line_and_a_switch_is_true():
     (["--loss", "ipo,sft", "--loss.label_smoothing", "0.2"], "none of the losses ipo, sft reads it"),
     (["--loss", "simpo", "--loss.discopop_tau", "-5"], "discopop_tau is a param of discopop"),
     (["--loss.f_alpha_divergence_coef", "7"], "f_divergence_type is 'reverse_kl'"),
+    # A parameter's own flag is named, not --loss (loss.name) 'sigmoid'.
+    (["--loss.f_divergence_type", "kl"], "--loss.f_divergence_type: f_divergence_type must be one of"),
 ])
 def test_a_loss_param_no_loss_reads_is_refused(args, fragment):
     with pytest.raises(ConfigError, match=re.escape(fragment)):

@@ -219,6 +219,16 @@ def build_missing(
     return summary
 
 
+def check_namespace_dtype(namespace: Namespace, reference: ReferenceModel) -> None:
+    """The reference runs in the dtype its values are filed under: a store opened for one dtype
+    and a loader giving another (the Python API names the dtype twice) would file values of one
+    under the other's namespace, where every later run would read them as its own."""
+    if dtype_name(reference.dtype) != namespace.dtype:
+        raise ValueError(f"the reference runs in {dtype_name(reference.dtype)}, but the store's namespace is for "
+                         f"{namespace.dtype} (values are filed by the dtype they were computed in): load it in "
+                         f"{namespace.dtype}, or open the store under the namespace of {dtype_name(reference.dtype)}")
+
+
 def score_missing(
     store: CacheStore,
     pairs: Sequence[TokenizedPair],
@@ -236,6 +246,7 @@ def score_missing(
     todo = [by_key[k] for k in store.missing(by_key, per_token)]
     reference = load_reference() if todo else None
     if reference is not None:
+        check_namespace_dtype(store.namespace, reference)
         max_tokens = max_tokens or default_max_tokens(reference.device)
         reference.prepare(sum(p.unique_tokens for p in todo))  # --compile auto: compile if the pass repays it
     tokens, computed, skipped, non_finite = 0, 0, 0, []

@@ -123,7 +123,7 @@ def _command_name(argv: list[str]) -> tuple[str, ...]:
     for words in CONFIG_COMMANDS:
         if tuple(argv[:len(words)]) == words:
             return words
-    return tuple(argv[:1])
+    return tuple(argv[:1]) if argv[:1] and not argv[0].startswith("-") else ()  # "--bogus train": no command
 
 
 def say(line: str) -> None:

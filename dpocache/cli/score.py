@@ -42,6 +42,7 @@ from dpocache.data.pairs import (
     with_prefix,
 )
 from dpocache.runtime.preflight import check_model_dir, check_output, check_writable_dir, context_length
+from dpocache.runtime.signals import Interrupted
 
 
 def _user_path(text: str) -> Path:
@@ -90,6 +91,10 @@ def _tokenize(row: RawRow, tokenizer, prefix: list[int]) -> dict:
     ``tools`` and ``chat_template_kwargs``."""
     values, loc = row.values, row.location
     prompt, completions = values["prompt"], values.get("completions")
+    if "completions" not in values:
+        pair = " (a preference pair: give its chosen and rejected as completions: [...])" \
+            if {"chosen", "rejected"} <= set(values) else ""
+        raise DataError(loc, "completions", f"missing; the row has {', '.join(map(str, values))}{pair}")
     if not isinstance(completions, list) or not completions:
         raise DataError(loc, "completions", "expected a non-empty list")
     names = [f"completions[{k}]" for k in range(len(completions))]
@@ -237,7 +242,13 @@ def _score_rows(service, rows: list[RawRow], requests: list[dict], positions, ch
                                                       dynamic_ncols=True, disable=not progress) as bar:
         for start in range(0, len(positions), chunk_rows):
             chunk = positions[start:start + chunk_rows]
-            for i, values in zip(chunk, service.score([requests[i] for i in chunk])):
+            try:
+                scored = service.score([requests[i] for i in chunk])
+            except Interrupted as stop:  # the service flushed what it computed: say so, and how to go on
+                raise Interrupted(stop.signum, f"{start} of {len(positions)} rows were scored before it; every value "
+                                  f"computed is in the look-aside cache ({service.cache_dir}), and the same command "
+                                  "continues from them", stop.received_here) from None
+            for i, values in zip(chunk, scored):
                 f.write(json.dumps({
                     "index": rows[i].index, "token_logps": [v.tolist() for v in values],
                     "logps": [float(v.sum()) for v in values], "tokens": [v.numel() for v in values],

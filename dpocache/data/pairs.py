@@ -185,12 +185,21 @@ def _decode_error(location: str, e: UnicodeDecodeError) -> DataError:
     return DataError(location, None, f"not valid UTF-8 (byte 0x{e.object[e.start]:02x} at column {e.start + 1})")
 
 
+def json_problem(e: json.JSONDecodeError) -> str:
+    """What ``json`` found and where, in words: its "Invalid control character at" (a tab, or a
+    line cut in two inside a string) said "at at column N" and not what to do."""
+    msg = e.msg.removesuffix(" at")
+    if msg == "Invalid control character":
+        return f"a raw tab or line break inside a string at column {e.colno}: write it as \\t or \\n"
+    return f"{msg} at column {e.colno}"
+
+
 def _parse_json(location: str, text: str) -> Any:
     """``json.loads``, its failures as a ``DataError`` naming ``location``."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise DataError(location, None, f"malformed JSON ({e.msg} at column {e.colno})") from None
+        raise DataError(location, None, f"malformed JSON ({json_problem(e)})") from None
     except RecursionError:
         raise DataError(location, None, "JSON nested too deeply to read") from None
 
@@ -230,7 +239,7 @@ def _read_json(path: Path) -> list[RawRow]:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        raise DataError(f"{path}:{e.lineno}", None, f"malformed JSON ({e.msg} at column {e.colno})") from None
+        raise DataError(f"{path}:{e.lineno}", None, f"malformed JSON ({json_problem(e)})") from None
     except RecursionError:
         raise DataError(str(path), None, "JSON nested too deeply to read") from None
     if isinstance(obj, dict) and isinstance(obj.get("data"), list):
@@ -342,7 +351,7 @@ def check_text(location: str, field_name: str, value: Any) -> str:
     if not isinstance(value, str):
         raise DataError(location, field_name, f"expected a string or a list of messages, got {type(value).__name__}")
     if not value.strip():
-        raise DataError(location, field_name, "empty string")
+        raise DataError(location, field_name, "empty string" if not value else f"only whitespace ({value!r})")
     _check_encodable(location, field_name, value)
     if _written_messages(value):
         raise DataError(location, field_name, "a list of chat messages written as text (as datasets' to_csv writes "

@@ -283,6 +283,10 @@ def _unpickler_reason(message: str) -> str:
 
 # What datasets' save_to_disk leaves in a directory: state.json (a Dataset), dataset_dict.json (a DatasetDict).
 SAVED_DATASET_MARKERS = ("state.json", "dataset_dict.json")
+# A model directory's JSON files, never the data a --data directory's hint should name.
+MODEL_JSON_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                    "special_tokens_map.json", "adapter_config.json", "vocab.json", "added_tokens.json",
+                    "model.safetensors.index.json", "preprocessor_config.json")
 DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 
@@ -295,7 +299,11 @@ def check_data_path(path: str | Path | None, flag: str = "--data") -> None:
     if not path.exists():
         raise UsageError(f"{flag} {path}: no such file or directory")
     if path.is_dir() and not any((path / name).is_file() for name in SAVED_DATASET_MARKERS):
-        files = sorted(f.name for f in path.iterdir() if f.is_file() and f.suffix.lower() in DATA_FILE_SUFFIXES)
+        if (path / "config.json").is_file() and (_has_weights(path) or (path / "adapter_config.json").is_file()):
+            raise UsageError(f"{flag} {path}: a model directory (config.json and weights), not preference data; "
+                             "pass the data's .jsonl, .json, .parquet or .csv file")
+        files = sorted(f.name for f in path.iterdir() if f.is_file() and f.suffix.lower() in DATA_FILE_SUFFIXES
+                       and f.name not in MODEL_JSON_FILES)
         hint = "; pass a .jsonl, .json, .parquet or .csv file"
         if files:
             words = ("eval", "test", "val") if "eval" in flag else ("train",)  # the one the flag most likely meant
@@ -337,6 +345,8 @@ def check_replaceable_dir(out: str | Path, flag: str) -> None:
 def check_writable_dir(path: str | Path, flag: str) -> None:
     """Create ``path`` if needed and create (and remove) a file in it."""
     path = Path(path)
+    if path.exists() and not path.is_dir():  # mkdir's "File exists" did not say it is a file
+        raise UsageError(f"{flag} {path}: a file, not a directory; name a directory")
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path, prefix=".dpocache-probe-"):

@@ -40,14 +40,24 @@ def plot_run(output_dir: str | Path, out_file: str | Path | None = None) -> Path
     out_file = Path(out_file) if out_file else Path(output_dir) / "curves.png"
     # The user's mistakes before anything is drawn (each was a traceback, or for a directory
     # --out a file written beside it under another name).
+    if not Path(output_dir).is_dir():
+        raise UsageError(f"OUTPUT_DIR {output_dir}: no such directory (a training run's --output-dir)")
     if metrics.exists() and not metrics.is_file():
         raise UsageError(f"{metrics}: not a file (OUTPUT_DIR is a training run's output directory)")
+    if not metrics.exists():
+        raise UsageError(f"OUTPUT_DIR {output_dir}: no metrics.jsonl in it (a training run's --output-dir, once it "
+                         "has logged a step)")
     check_output(out_file, "--out", {"OUTPUT_DIR's metrics.jsonl": metrics})
+    if not out_file.parent.is_dir():
+        raise UsageError(f"--out {out_file}: no directory {out_file.parent} to write it in")
     kind = out_file.suffix[1:].lower()
     if kind and kind not in FigureCanvasBase.get_supported_filetypes():
         raise UsageError(f"--out {out_file}: matplotlib cannot write .{kind} files; name a .png, .pdf or .svg file")
+    records = read_metrics(output_dir)
+    if not records:
+        raise UsageError(f"OUTPUT_DIR {output_dir}: its metrics.jsonl has no rows yet; nothing to draw")
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    for ax, (title, series) in zip(axes.flat, panel_series(read_metrics(output_dir)).items()):
+    for ax, (title, series) in zip(axes.flat, panel_series(records).items()):
         for label, (steps, values) in series.items():
             ax.plot(steps, values, "o--" if label.startswith("eval") else "-", label=label)
         ax.set_title(title)

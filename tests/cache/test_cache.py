@@ -63,6 +63,20 @@ def test_namespace_depends_on_weights_and_dtype_only(tmp_path, model_dir, other_
     assert namespace_for_dir(copy, torch.float32, empty_root).id != ns.id
 
 
+def test_a_reference_in_another_dtype_than_the_namespace_is_refused_before_any_value(tmp_path, model_dir, data,
+                                                                                      reference):
+    """A store opened for float32 and a loader giving a bfloat16 reference (the Python API names
+    the dtype twice) filed bf16 values under the float32 namespace."""
+    from dpocache.models.reference import ReferenceModel
+
+    store = _store(tmp_path / "c", model_dir, torch.float32)
+    bf16 = ReferenceModel.from_pretrained(model_dir, "bfloat16", "cpu")
+    with pytest.raises(ValueError, match="^the reference runs in bfloat16, but the store's namespace is for float32"):
+        _build(store, data.pairs[:4], bf16)
+    assert store.missing({p.key: p for p in data.pairs[:4]}) and not list(store.dir.glob("*.safetensors"))
+    assert _build(store, data.pairs[:4], reference)[0].computed == 4  # the float32 one fills it
+
+
 def test_namespace_for_module_follows_the_weights(tiny_models, tokenizer):
     from dpocache.models.tiny import build_model
 

@@ -183,7 +183,12 @@ CASES = {
     "an empty directory as eval data": ((*TRAIN, "--eval-data", "empty"),
                                         ["--eval-data empty: a directory that datasets' save_to_disk did not write; "
                                          "pass a .jsonl, .json, .parquet or .csv file"]),
+    # Its hint had named the model's config.json as the data file meant.
+    "the model directory as data": (with_data(TRAIN, "model"),
+                                     ["--data model: a model directory (config.json and weights), not preference "
+                                      "data; pass the data's .jsonl, .json, .parquet or .csv file"]),
     "output dir under a file": ((*TRAIN[:-1], "a-file/run"), ["--output-dir a-file/run"]),
+    "output dir that is a file": ((*TRAIN[:-1], "a-file"), ["--output-dir a-file: a file, not a directory"]),
     "cache dir under a file": ((*BUILD[:-1], "a-file/cache"), ["--cache-dir a-file/cache"]),
     "question column": (with_data(BUILD, "question.jsonl"),
                         ["question.jsonl:1: field 'prompt': missing; the row has columns 'question', 'chosen', "
@@ -240,11 +245,12 @@ CASES = {
                                                      "--out", "o.jsonl", "--device", "cpu"),
                                                     ["--model no-tokenizer", "no tokenizer"]),
     "score --out under a file": (("score", "--model", "model", "--data", "score.jsonl", "--out", "a-file/o.jsonl",
-                                  "--device", "cpu"), ["--out a-file", "cannot write"]),
+                                  "--device", "cpu"), ["--out a-file: a file, not a directory"]),
     "score --stats a directory": (("score", "--model", "model", "--data", "score.jsonl", "--out", "o.jsonl",
                                    "--stats", "no-weights", "--device", "cpu"), ["--stats no-weights", "a directory"]),
     "score --cache-dir a file": (("score", "--model", "model", "--data", "score.jsonl", "--out", "o.jsonl",
-                                  "--cache-dir", "a-file", "--device", "cpu"), ["--cache-dir a-file", "cannot write"]),
+                                  "--cache-dir", "a-file", "--device", "cpu"),
+                                 ["--cache-dir a-file: a file, not a directory; name a directory"]),
     "score on a device that is not one": (("score", "--model", "model", "--data", "score.jsonl", "--out", "o.jsonl",
                                           "--device", "gpu"), ["--device", "'gpu'", "not a device"]),
     "score at temperature 0": (("score", "--model", "model", "--data", "score.jsonl", "--out", "o.jsonl",

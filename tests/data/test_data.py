@@ -138,7 +138,8 @@ GOOD = {"prompt": "sort the list", "chosen": " 1 2 3", "rejected": " 3 2 1"}
 MSGS = [{"role": "user", "content": "sort"}]
 BAD_ROWS = {
     "missing field": ({"prompt": "sort", "chosen": " 1 2"}, "rejected", "missing"),
-    "empty string": ({"prompt": "   ", "chosen": " 1", "rejected": " 2"}, "prompt", "empty string"),
+    "empty string": ({"prompt": "", "chosen": " 1", "rejected": " 2"}, "prompt", "empty string"),
+    "only whitespace": ({"prompt": "   ", "chosen": " 1", "rejected": " 2"}, "prompt", "only whitespace ('   ')"),
     "wrong type": ({"prompt": "sort", "chosen": 5, "rejected": " 2"}, "chosen", "expected a string"),
     "messages mixed with strings": ({"prompt": MSGS, "chosen": " 1", "rejected": " 2"}, "chosen", "mixes messages"),
     "message without content": (

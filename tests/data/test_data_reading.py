@@ -121,6 +121,17 @@ def test_unreadable_line_is_a_row_error_that_skip_invalid_skips(tmp_path, tokeni
     assert _keys(data) == _keys(_load(pref_rows[:3], tokenizer))
 
 
+def test_a_raw_tab_in_a_string_says_what_to_write(tmp_path, tokenizer, pref_rows):
+    """json's "Invalid control character at" read "malformed JSON (Invalid control character at at
+    column N)": neither what it is nor what to do."""
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(json.dumps(pref_rows[0]).encode() + b'\n{"prompt": "a\tb", "chosen": " x", "rejected": " y"}\n')
+    with pytest.raises(DataError) as err:
+        _load(path, tokenizer)
+    assert str(err.value) == (f"{path}:2: malformed JSON (a raw tab or line break inside a string at column 14: "
+                              "write it as \\t or \\n)")
+
+
 def test_csv_bad_byte_is_a_row_error_naming_the_column(tmp_path, tokenizer):
     path = tmp_path / "d.csv"
     path.write_bytes(b"prompt,chosen,rejected\nsort 3 1, 1 3, 3 1\nsort 2 1, 1 \xff2, 2 1\nsort 5 4, 4 5, 5 4\n")

@@ -141,7 +141,7 @@ def test_score_tokenizes_conversations_as_cache_build(plain_tok):
     ({"prompt": [{"role": "user", "content": "sort"}], "completions": [[{"role": "assistant", "content": None}]]},
      "completions[0][0]", "string 'role' and 'content'"),
     ({"prompt": "sort \ud800", "completions": [" 1"]}, "prompt", "lone surrogate"),
-    ({"prompt": "sort", "completions": [" 1", "  "]}, "completions[1]", "empty string"),
+    ({"prompt": "sort", "completions": [" 1", "  "]}, "completions[1]", "only whitespace ('  ')"),
 ])
 def test_score_rows_are_checked_as_cache_builds(plain_tok, values, field, reason):
     """A null content rendered as an empty message and scored (exit 0); a lone surrogate reached

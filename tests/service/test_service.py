@@ -9,6 +9,7 @@ and the completion, and a pad id that is also the EOS or BOS is refused without 
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import pytest
@@ -537,11 +538,45 @@ def test_score_cli_text_ids_and_resume(model_dir, tokenizer, tmp_path, capsys):
     assert "0 computed" in printed.out
 
 
+def test_score_cli_stopped_by_a_signal_says_what_it_kept_and_continues(model_dir, tmp_path, capsys, monkeypatch):
+    """Ctrl-C in the second of three chunks: "stopped by SIGINT" said nothing of what was kept.
+    The line counts the rows scored, names the cache, and the same command continues: the first
+    chunk's sequences come from the cache."""
+    import signal
+
+    from dpocache.data.pairs import write_jsonl
+
+    rows = [{"prompt_ids": [5, 6, 7 + i], "completion_ids": [[8, 9], [10 + i]]} for i in range(3)]
+    data, out, cache = write_jsonl(rows, tmp_path / "rows.jsonl"), tmp_path / "o.jsonl", tmp_path / "cache"
+    args = ["--model", model_dir, "--data", data, "--out", out, "--cache-dir", cache, "--dtype", "float32",
+            "--device", "cpu", "--chunk-rows", "1"]
+    score, calls = ReferenceService.score, []
+
+    def interrupted_second(self, requests):
+        calls.append(len(requests))
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return score(self, requests)
+
+    with monkeypatch.context() as m:
+        m.setattr(ReferenceService, "score", interrupted_second)
+        code, printed = _score_cli(args, capsys)
+    assert code == 130 and not out.exists()
+    assert printed.err.strip().splitlines()[-1] == (
+        f"dpocache: stopped by SIGINT: 1 of 3 rows were scored before it; every value computed is in the look-aside "
+        f"cache ({cache}), and the same command continues from them")
+    code, printed = _score_cli(args, capsys)
+    assert code == 0 and "(2 from the cache" in printed.out and len(out.read_text().splitlines()) == 3
+
+
 @pytest.mark.parametrize("row, message", [
     ({"prompt_ids": [1, 2], "completion_ids": [[3], [4, 100_000]]},
      "rows.jsonl:2: field 'completions[1]': token id 100000 is outside"),
     ({"prompt_ids": [], "completion_ids": [[3]]}, "rows.jsonl:2: field 'prompt_ids': empty prompt"),
     ({"prompt": "sort: 1", "completions": []}, "rows.jsonl:2: field 'completions': expected a non-empty list"),
+    # a DPO file given to score: its columns named, not "expected a non-empty list"
+    ({"prompt": "sort: 1", "chosen": " 1", "rejected": " 2"}, "rows.jsonl:2: field 'completions': missing; the row "
+     "has prompt, chosen, rejected (a preference pair: give its chosen and rejected as completions: [...])"),
     ({"prompt": "sort: 1", "completions": [" 1", ""]}, "rows.jsonl:2: field 'completions[1]': empty string"),
 ])
 def test_score_cli_bad_row_one_line(model_dir, tmp_path, capsys, row, message):

@@ -166,18 +166,27 @@ def test_plot_of_a_damaged_metrics_file_is_one_line(tmp_path, capsys, damage):
 
 
 @pytest.mark.parametrize("case", ["metrics not UTF-8", "metrics a directory", "--out of an unknown format",
-                                  "--out a directory"])
+                                  "--out a directory", "no metrics", "no rows", "--out in no directory"])
 def test_plot_mistake_is_one_line(tmp_path, capsys, case):
     """Each was a traceback with exit 1 (UnicodeDecodeError, IsADirectoryError, matplotlib's
-    ValueError), or, for --out a directory, a PNG written beside it under another name, exit 0."""
+    ValueError, FileNotFoundError naming no flag), or, for --out a directory, a PNG written beside
+    it under another name, and for no rows blank axes, exit 0."""
     metrics, args, fragments = tmp_path / "metrics.jsonl", [], ["metrics.jsonl"]
-    if case == "metrics not UTF-8":
+    if case == "no metrics":
+        fragments = [f"OUTPUT_DIR {tmp_path}: no metrics.jsonl in it"]
+    elif case == "no rows":
+        metrics.write_text("")
+        fragments = [f"OUTPUT_DIR {tmp_path}: its metrics.jsonl has no rows yet"]
+    elif case == "--out in no directory":
+        metrics.write_text('{"step": 1, "loss": 0.7}\n')
+        args, fragments = ["--out", str(tmp_path / "nodir" / "c.png")], [f"no directory {tmp_path / 'nodir'}"]
+    elif case == "metrics not UTF-8":
         metrics.write_bytes(b'{"step": 1, "loss": 0.7}\n{"step": 2, "loss": "\xff"}\n{"step": 3, "loss": 0.6}\n')
         fragments = [f"{metrics}", "UTF-8", "0xff"]
     elif case == "metrics a directory":
         metrics.mkdir()
         fragments = [f"{metrics}", "not a file"]
-    else:
+    elif case.startswith("--out"):
         metrics.write_text('{"step": 1, "loss": 0.7}\n')
         out = tmp_path / ("curves.txt" if case == "--out of an unknown format" else "pngs")
         if case == "--out a directory":
