@@ -19,9 +19,9 @@ import argparse
 import difflib
 import logging
 import os
+import re
 import select
 import signal
-import re
 import sys
 import traceback
 

@@ -151,8 +151,9 @@ def cmd_score(args) -> int:
     # does for its other commands: building the parser stays light.
     from dpocache.cache import default_cache_dir
     from dpocache.config import device_type, validate_device
-    from dpocache.models.loading import load_tokenizer
     from dpocache.models.hub_ids import resolve_model_path
+    from dpocache.models.loading import load_tokenizer
+    from dpocache.models.reference import DTYPES
     from dpocache.service.reference_service import ReferenceService
 
     # Before the rows are read and the model loads (torch's own error came from the model's move).
@@ -173,8 +174,6 @@ def cmd_score(args) -> int:
         check_output(args.stats, "--stats", {"--data": args.data, "--model": args.model, "--out": args.out})
         check_writable_dir(args.stats.parent, "--stats")
     check_writable_dir(args.cache_dir or default_cache_dir(), "--cache-dir")
-    from dpocache.models.reference import DTYPES
-
     # The flags' values before the rows are read (a large file takes a while to read).
     for flag, value in (("--chunk-rows", args.chunk_rows), ("--max-tokens", args.max_tokens)):
         if value is not None and value < 1:

@@ -39,10 +39,10 @@ from dpocache.cache.store import CacheStore
 from dpocache.config import ConfigError, validate_device
 from dpocache.data.columns import PairsView, TokenColumns
 from dpocache.data.pairs import TokenizedPair, example_key, unfit_pairs
+from dpocache.integrations.trl_signals import train_until_signal
 from dpocache.models.directories import reference_source
 from dpocache.models.loading import checkpoint_files
 from dpocache.models.reference import DTYPES, ReferenceModel, default_device, dtype_name, resolve_dtype
-from dpocache.integrations.trl_signals import train_until_signal
 from dpocache.runtime.preflight import model_context, model_vocab_size
 
 SUPPORTED_TRL = ("1.16.",)  # versions whose DPOTrainer internals this subclass was checked against

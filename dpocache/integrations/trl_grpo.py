@@ -20,11 +20,13 @@ The reference (``reference=``):
   through Ray: the trainer's process then holds no reference weights).
 
 With ``beta=0`` the trainer is ``GRPOTrainer`` as it is and loads no reference. The look-aside
-cache (``cache_dir``) is off by default for training's sampled completions (they rarely repeat)
-and on for evaluation; a service or pool given brings its own. A reference whose vocabulary or
-tokenizer differs from the policy's, or whose temperature differs from ``args.temperature``, and a
-dataset prompt that leaves a completion of ``max_completion_length`` no room in the reference's
-context, are refused at construction with one line.
+cache (``cache_dir``) is off by default (``cache``: sampled completions rarely repeat, in
+evaluation too); a service or pool given brings its own. ``train()`` takes stop signals as
+``dpocache train`` does (``trl_signals``): the running step finishes and is checkpointed. A
+reference whose vocabulary or tokenizer differs from the policy's, or whose temperature differs
+from ``args.temperature``, and a dataset prompt that leaves a completion of
+``max_completion_length`` no room in the reference's context, are refused at construction with
+one line.
 
 Needs ``pip install 'dpocache[trl]'`` (TRL 1.16); other versions fail at construction with one
 message, since this overrides TRL internals (``_get_per_token_logps_and_entropies``).
@@ -196,9 +198,11 @@ class CachedGRPOTrainer(GRPOTrainer):
         reference: ``None`` (TRL's reference: the policy's starting weights, or a PEFT policy's
             base), a model directory or Hub id, a ``ReferenceService`` or a ``ReferencePool``.
         cache_dir: the look-aside cache of a reference this trainer loads (default:
-            ``$DPOCACHE_CACHE_DIR``, else ``~/.cache/dpocache``). A service or pool given uses its own.
-        cache: which reference passes use it: ``eval`` (default: evaluation only; sampled
-            training completions rarely repeat), ``always`` or ``never``.
+            ``$DPOCACHE_CACHE_DIR``, else ``$XDG_CACHE_HOME/dpocache``, else ``~/.cache/dpocache``).
+            A service or pool given uses its own.
+        cache: which reference passes use it: ``never`` (default: TRL samples completions in
+            evaluation as in training, and a hit needs the same completion token for token),
+            ``eval`` (evaluation only) or ``always``.
         reference_dtype: ``float32``, ``bfloat16`` or ``float16`` of a reference this trainer
             loads. Default: TRL's: the policy's dtype, or bf16 / fp16 when ``args`` autocasts.
         reference_max_tokens: token slots per reference forward (default: the service's).

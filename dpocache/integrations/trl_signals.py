@@ -4,11 +4,12 @@ A ``transformers.Trainer`` installs no signal handlers: SIGTERM (Slurm, Kubernet
 SIGUSR1 (Slurm's ``--signal=USR1@SECONDS`` ahead of its time limit) and SIGHUP kill the process
 at once, and every step since the last checkpoint is lost. ``CachedDPOTrainer.train`` and
 ``CachedGRPOTrainer.train`` route them (and Ctrl-C's SIGINT) to ``runtime.signals``: the step
-that is running finishes, a checkpoint of it is saved (``output_dir/checkpoint-N``, what
-``save_strategy`` saves), no evaluation is started, and ``Interrupted`` is raised naming the
+that is running finishes, a checkpoint of it is saved (``output_dir/checkpoint-N``, whatever
+``save_strategy`` says), no evaluation is started, and ``Interrupted`` is raised naming the
 checkpoint; ``train(resume_from_checkpoint=True)`` continues from it. A signal on any process of a
 distributed run stops every process at the same step. A handler the caller installed for one of
-these signals is left as it is, and so is a signal set to be ignored.
+these signals is left as it is (Ray's SIGTERM handler, a bare ``sys.exit``, is not the caller's),
+and so is a signal set to be ignored.
 """
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ except ImportError as e:
 
 # What Python installs for SIGINT (KeyboardInterrupt) counts as untouched, as SIG_DFL does.
 _UNTOUCHED = (signal.SIG_DFL, signal.default_int_handler)
+
+
+def _replaceable(handler: Any) -> bool:
+    """A handler this may take over during training: Python's defaults, and the one ``ray.init``
+    installs for SIGTERM in the driver (``sys.exit``, at whatever point the signal lands: a
+    ``ReferencePool``'s trainer would lose its steps as if killed). The caller's own are kept."""
+    return handler in _UNTOUCHED or str(getattr(handler, "__module__", "")).startswith("ray.")
 
 
 def _agreed(signum: int, device: torch.device) -> int:
@@ -72,7 +80,7 @@ class StopAtStepEnd(TrainerCallback):
 def train_until_signal(trainer: Any, train: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``train(*args, **kwargs)`` (the trainer's ``Trainer.train``) with the stop signals routed
     to a ``StopAtStepEnd`` callback; ``Interrupted`` once a signal stopped it at a checkpoint."""
-    signals = tuple(s for s in STOP_SIGNALS if signal.getsignal(s) in _UNTOUCHED)
+    signals = tuple(s for s in STOP_SIGNALS if _replaceable(signal.getsignal(s)))
     with stop_signals(signals) as stop, stop.deferred():
         callback = StopAtStepEnd(stop)
         trainer.add_callback(callback)

@@ -336,7 +336,7 @@ def check_replaceable_dir(out: str | Path, flag: str) -> None:
     directory of anything else (a run, a model, the data) is refused."""
     path = Path(out)
     if path.exists() and not path.is_dir():
-        raise UsageError(f"{flag} {out}: a file; name a directory to write")
+        raise UsageError(f"{flag} {out}: a file, not a directory; name a directory")
     if path.is_dir() and any(path.iterdir()) and not any((path / m).is_file() for m in SAVED_DATASET_MARKERS):
         raise UsageError(f"{flag} {out}: a directory that datasets' save_to_disk did not write, which the export "
                          "would replace with everything in it; name a new or empty directory")

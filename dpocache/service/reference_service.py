@@ -176,9 +176,8 @@ class ServiceOptions:
                              f"got {self.cache_memory_bytes!r}")
         real = isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
         if self.temperature is not None and not (real and math.isfinite(self.temperature) and self.temperature > 0):
-            raise ValueError(f"temperature must be a finite number above 0 (the rollouts' sampling temperature; None: "
-                             f"1); "
-                             f"got {self.temperature!r}")
+            raise ValueError(f"temperature must be a finite number above 0 (the rollouts' sampling temperature; "
+                             f"None: 1); got {self.temperature!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {self.layout!r}")
         for name in ("compile", "stream"):

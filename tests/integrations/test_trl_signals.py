@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,9 +102,19 @@ def test_a_signal_saves_the_running_step_and_resuming_ends_as_an_uninterrupted_r
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
 
 
-def test_a_signal_after_the_last_step_saves_it(tmp_path, model_dir):
+def _ray_sigterm_handler(signum, frame):
+    sys.exit(signum)  # what ray.init installs in the driver (ray._private.worker's sigterm_handler)
+
+
+_ray_sigterm_handler.__module__ = "ray._private.worker"
+
+
+@pytest.mark.parametrize("handler", ["default", "ray's"])
+def test_a_signal_after_the_last_step_saves_it(tmp_path, model_dir, handler):
     """After the last step's end (here: in the callbacks at the end of training) the training is
-    complete; it is saved before stopping, so the caller's own save that a stop skips is not needed."""
+    complete; it is saved before stopping, so the caller's own save that a stop skips is not needed.
+    The SIGTERM handler ray.init leaves in the driver (a ReferencePool's trainer) is taken over
+    too: it exited at whatever point the signal landed."""
     from transformers import TrainerCallback
 
     from dpocache.runtime.signals import Interrupted
@@ -112,9 +123,15 @@ def test_a_signal_after_the_last_step_saves_it(tmp_path, model_dir):
         def on_train_end(self, args, state, control, **kwargs):
             os.kill(os.getpid(), signal.SIGTERM)
 
-    trainer = _grpo(model_dir, tmp_path / "run", [SignalAtEnd()])
-    with pytest.raises(Interrupted, match=f"step {STEPS} finished and saved in .*checkpoint-{STEPS};"):
-        trainer.train()
+    installed = signal.SIG_DFL if handler == "default" else _ray_sigterm_handler
+    previous = signal.signal(signal.SIGTERM, installed)
+    try:
+        trainer = _grpo(model_dir, tmp_path / "run", [SignalAtEnd()])
+        with pytest.raises(Interrupted, match=f"step {STEPS} finished and saved in .*checkpoint-{STEPS};"):
+            trainer.train()
+        assert signal.getsignal(signal.SIGTERM) is installed  # given back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     assert (tmp_path / "run" / f"checkpoint-{STEPS}" / "trainer_state.json").is_file()
 
 
