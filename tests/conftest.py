@@ -247,3 +247,19 @@ def world_of_one(tmp_path):
         yield DistEnv(rank=0, world_size=1, device=torch.device("cpu"))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _stop_signal_handlers_restored():
+    """Each test ends with the stop signals' handlers it started with. ``dpocache.cli.main`` ignores
+    them once a signal stopped it (``ignore_stop_signals``: a process that is exiting), which in a
+    test that calls it in-process would reach every later test of the worker, and, as an ignored
+    signal is inherited through exec, every subprocess it starts: a torchrun worker sent SIGUSR1
+    then went on as if nothing had arrived."""
+    from dpocache.runtime.signals import STOP_SIGNALS
+
+    before = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    yield
+    for signum, handler in before.items():
+        if handler is not None and signal.getsignal(signum) is not handler:
+            signal.signal(signum, handler)
