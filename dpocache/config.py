@@ -296,6 +296,12 @@ class ConfigError(ValueError):
     pass
 
 
+def whole_number(value: Any, least: int) -> bool:
+    """Whether ``value`` is an integer (Python's or numpy's; not a bool) of at least ``least``:
+    the check of every count an API argument gives (``max_tokens``, ``num_replicas``)."""
+    return hasattr(value, "__index__") and not isinstance(value, bool) and value >= least
+
+
 # ------------------------------------------------------------------------------- validation
 
 

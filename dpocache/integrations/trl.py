@@ -36,7 +36,7 @@ from safetensors import safe_open
 
 from dpocache.cache.build import BuildOptions, build_missing, default_cache_dir, namespace_for_dir
 from dpocache.cache.store import CacheStore
-from dpocache.config import ConfigError, validate_device
+from dpocache.config import ConfigError, validate_device, whole_number
 from dpocache.data.columns import PairsView, TokenColumns
 from dpocache.data.pairs import TokenizedPair, example_key, unfit_pairs
 from dpocache.integrations.trl_signals import train_until_signal
@@ -296,7 +296,7 @@ def _check_cache_options(dtype: Any, device: Any, max_tokens: Any) -> None:
     if dtype is not None and dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"CachedDPOTrainer: cache_dtype must be one of auto, {', '.join(DTYPES)} (None: the "
                          f"precision of args); got {dtype!r}")
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+    if max_tokens is not None and not whole_number(max_tokens, 1):
         raise ValueError(f"CachedDPOTrainer: cache_max_tokens must be a whole number of at least 1; "
                          f"got {max_tokens!r}")
     try:

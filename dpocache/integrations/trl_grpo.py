@@ -50,6 +50,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dpocache.cache.build import default_cache_dir, namespace_for_dir
+from dpocache.config import whole_number
 from dpocache.integrations.trl import check_trl_internals, named_datasets
 from dpocache.integrations.trl_signals import train_until_signal
 from dpocache.models.directories import reference_source
@@ -185,10 +186,8 @@ class ServiceReference:
             own = service.stats() if hasattr(service, "stats") else {}
             return {**own, "trainer_calls": self.calls[mode], "trainer_seconds": self.seconds[mode]}
 
-        evaluation = self._eval if self._eval is not None and self._eval is not self.train else None
-        return {**counters(self.train, "train"),
-                "eval": counters(evaluation, "eval") if evaluation is not None else
-                {"trainer_calls": self.calls["eval"], "trainer_seconds": self.seconds["eval"]}}
+        own_eval = self._eval if self._eval is not self.train else None  # None: not built, or the one service
+        return {**counters(self.train, "train"), "eval": counters(own_eval, "eval")}
 
 
 class CachedGRPOTrainer(GRPOTrainer):
@@ -335,10 +334,10 @@ class CachedGRPOTrainer(GRPOTrainer):
             raise ValueError(f"CachedGRPOTrainer: the reference service scores token ids only; TRL asked for "
                              f"{', '.join(extra) or 'entropies or an aux loss'}")
         mode = "train" if self.model.training else "eval"
-        start = time.perf_counter()
+        before = model.seconds[mode]
         logps = model.per_token_logps(input_ids, attention_mask, logits_to_keep, evaluating=mode == "eval")
         # In TRL's logs beside its own metrics: what the reference pass costs a step.
-        self._metrics[mode]["reference/seconds"].append(time.perf_counter() - start)
+        self._metrics[mode]["reference/seconds"].append(model.seconds[mode] - before)
         return logps, None, None
 
     # ----------------------------------------------------------------------------- checks
@@ -452,7 +451,7 @@ def _check_options(reference: Any, cache_dir: Any, cache: Any, dtype: Any, max_t
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"CachedGRPOTrainer: reference_dtype must be one of {', '.join(DTYPES)} (None: TRL's, the "
                          f"policy's dtype or args' bf16/fp16); got {dtype!r}")
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+    if max_tokens is not None and not whole_number(max_tokens, 1):
         raise ValueError(f"CachedGRPOTrainer: reference_max_tokens must be a whole number of at least 1 (None: the "
                          f"service's budget); got {max_tokens!r}")
     if not isinstance(stream, bool):

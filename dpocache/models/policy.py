@@ -244,8 +244,6 @@ def add_lora(model: nn.Module, cfg: Config) -> nn.Module:
 
     targets = cfg.lora.target_modules
     names = targets if targets == "all-linear" else [t.strip() for t in targets.split(",")]
-    if names != "all-linear":
-        check_lora_targets(model, names)
     lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout, task_type="CAUSAL_LM",
                       target_modules=names)
     model = get_peft_model(model, lora)

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from dpocache.config import with_fields
+from dpocache.config import whole_number, with_fields
 from dpocache.distributed.process_group import split_by_weight
 from dpocache.models.hub_ids import resolve_model_path
 from dpocache.runtime.preflight import check_model_dir, check_writable_dir
@@ -119,7 +119,7 @@ class ReferencePool:
         check_model_dir(resolve_model_path(str(path)), "path", tokenizer=False)
         if options.cache_dir is not None:
             check_writable_dir(options.cache_dir, "cache_dir")
-        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+        if not whole_number(num_replicas, 1):
             raise ValueError(f"num_replicas must be a whole number of at least 1; got {num_replicas!r}")
         ray = _import_ray()
         if not ray.is_initialized():

@@ -41,7 +41,7 @@ from dpocache.cache.build import default_max_tokens, namespace_for_dir, namespac
 from dpocache.cache.fingerprint import config_sha256
 from dpocache.cache.sequences import DEFAULT_MEMORY_BYTES, SequenceStore, sequence_key
 from dpocache.cache.store import Namespace
-from dpocache.config import with_fields
+from dpocache.config import whole_number, with_fields
 from dpocache.models.directories import REFERENCES, reference_source
 from dpocache.models.hub_ids import resolve_model_path
 from dpocache.models.reference import DTYPES, ReferenceModel, dtype_name, resolve_dtype
@@ -167,11 +167,10 @@ class ServiceOptions:
     def __post_init__(self) -> None:
         """Each field's type and range, named as the caller passes it, before any model loads (a
         ``ReferencePool`` checks here, not in each replica)."""
-        whole = lambda v: hasattr(v, "__index__") and not isinstance(v, bool)  # noqa: E731
-        if self.max_tokens is not None and not (whole(self.max_tokens) and self.max_tokens >= 1):
+        if self.max_tokens is not None and not whole_number(self.max_tokens, 1):
             raise ValueError(f"max_tokens must be a whole number of at least 1 (None: the device's budget); "
                              f"got {self.max_tokens!r}")
-        if not (whole(self.cache_memory_bytes) and self.cache_memory_bytes >= 0):
+        if not whole_number(self.cache_memory_bytes, 0):
             raise ValueError(f"cache_memory_bytes must be a whole number of at least 0; "
                              f"got {self.cache_memory_bytes!r}")
         real = isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
