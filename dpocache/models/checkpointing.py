@@ -89,6 +89,10 @@ log = logging.getLogger(__name__)
 KEEPS_PRODUCT = "dpocache_keeps_product"
 # Set on an nn.Linear given a forward of this module's (bf16_matmul leaves it alone).
 OWN_FORWARD = "dpocache_checkpoint_forward"
+# Set on an nn.Linear given ``compiled_unread_product_forward``: read by lora_fused while dynamo
+# traces, where a plain attribute is read alike by every torch (torch 2.11's dynamo did not find
+# the forward itself by identity, so the skipped products' LoRA layers took a slower path).
+COMPILED_UNREAD = "dpocache_compiled_unread_product"
 
 # The linear layers whose product no saved tensor of a checkpointed layer depends on, by decoder
 # layer class (the code that runs): the output projection added straight into the residual sum
@@ -277,6 +281,7 @@ def skip_unread_products_(model: nn.Module, names: tuple[str, ...], compiled: bo
         linear.forward = types.MethodType(compiled_unread_product_forward if compiled else unread_product_forward,
                                           linear)
         setattr(linear, OWN_FORWARD, True)
+        setattr(linear, COMPILED_UNREAD, compiled)
     log.info("activation checkpointing: the recompute skips the products of %s in %d decoder layers (the backward "
              "never reads them)", ", ".join(names), len(decoder_layers(model)))
     return [qualified[id(linear)] for linear in chosen]

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpocache.models.checkpoint_phases import current_phase
-from dpocache.models.checkpointing import KEEPS_PRODUCT, autocast_inputs, compiled_unread_product_forward, input_grad
+from dpocache.models.checkpointing import COMPILED_UNREAD, KEEPS_PRODUCT, autocast_inputs, input_grad
 from dpocache.scoring.layout_choice import LORA_CAST_ENV, LORA_CAST_MODES
 
 
@@ -89,17 +89,16 @@ def fused_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 
 def _traced_base(base: nn.Module) -> bool | None:
     """How a compiled layer traces ``base``'s product inside ``dpocache::lora_linear``: False for
-    a frozen ``nn.Linear`` with its own forward and no hooks, True for one whose product the
-    recompute skips (``compiled_unread_product_forward``); None for any other (a kept product, a
-    forward of ``bf16_matmul``'s, a hook that fetches streamed weights, a trained weight), which
-    keeps its own forward."""
+    a frozen ``nn.Linear`` with its class's forward and no hooks, True for one whose product the
+    recompute skips (``compiled_unread_product_forward``, marked ``COMPILED_UNREAD``); None for any
+    other (a kept product, a forward of ``bf16_matmul``'s, a hook that fetches streamed weights, a
+    trained weight), which keeps its own forward."""
     if type(base) is not nn.Linear or base._forward_hooks or base._forward_pre_hooks \
             or any(p.requires_grad for p in base.parameters()):
         return None
-    own = base.__dict__.get("forward")
-    if own is None:
-        return False
-    return True if getattr(own, "__func__", None) is compiled_unread_product_forward else None
+    if getattr(base, COMPILED_UNREAD, False):
+        return True
+    return False if base.__dict__.get("forward") is None else None
 
 
 @torch.library.custom_op("dpocache::lora_linear", mutates_args=())

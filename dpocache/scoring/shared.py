@@ -474,10 +474,13 @@ def shared_prompt_logps(lp: nn.Module, batch: SharedPromptBatch) -> torch.Tensor
 
 
 def sequence_sums(logps: torch.Tensor, batch: SharedPromptBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(M,)`` scored log-probs → (chosen sums ``(B,)``, rejected sums ``(B,)``), fp32."""
-    b = batch.num_pairs
-    sums = torch.zeros(2 * b, dtype=torch.float32, device=logps.device).index_add(0, batch.sequence, logps)  # (2B,)
-    return sums[:b], sums[b:]
+    """``(M,)`` scored log-probs → (chosen sums ``(B,)``, rejected sums ``(B,)``), fp32. Each
+    sequence's tokens are one run of ``logps`` (pair by pair, chosen then rejected), summed as a
+    segment: the same values in every run on a GPU too, where ``index_add``'s atomic additions
+    sum in no fixed order (and on a CPU the same values as its sequential sum)."""
+    lengths = torch.stack((batch.chosen_tokens, batch.rejected_tokens), dim=1).flatten()  # (2B,) run by run
+    sums = torch.segment_reduce(logps.float(), "sum", lengths=lengths.to(logps.device)).view(-1, 2)  # (B, 2)
+    return sums[:, 0], sums[:, 1]
 
 
 def split_per_token(logps: torch.Tensor, batch: SharedPromptBatch,

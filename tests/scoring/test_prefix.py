@@ -368,3 +368,24 @@ def test_packed_training_layout_packs_and_matches_padded(tokenizer, mixed_pairs)
         sums[name] = (out.chosen_logps.detach(), out.rejected_logps.detach())
     torch.testing.assert_close(sums["packed"], sums["padded"], rtol=1e-6, atol=1e-4)
     torch.testing.assert_close(grads["packed"], grads["padded"], rtol=1e-4, atol=1e-5)
+
+
+def test_sequence_sums_are_each_sequences_sum_in_token_order():
+    """Each pair's chosen and rejected sums (a completion may be empty) against a sum of each
+    sequence's values taken out by ``batch.sequence`` (within float rounding: torch sums in
+    another order); on a CPU bit for bit the sequential sum (``index_add``, as before); the
+    gradient the sum's weight for every token."""
+    torch.manual_seed(0)
+    pairs = [TokenizedPair(i, tuple(range(5, 5 + p)), tuple(range(9, 9 + c)), tuple(range(30, 30 + r)), f"k{i}")
+             for i, (p, c, r) in enumerate([(3, 40, 7), (1, 1, 0), (6, 300, 250), (2, 5, 1), (4, 0, 3)])]
+    batch = collate_shared(pairs, 0)
+    logps = (torch.randn(batch.sequence.shape[0]) * 3 - 2).requires_grad_()
+    chosen, rejected = sequence_sums(logps, batch)
+    n = len(pairs)
+    naive = torch.stack([logps[batch.sequence == s].sum() for s in range(2 * n)]).detach()
+    torch.testing.assert_close(torch.cat((chosen, rejected)).detach(), naive, rtol=1e-6, atol=1e-5)
+    sequential = torch.zeros(2 * n).index_add(0, batch.sequence, logps.detach())
+    assert torch.equal(torch.cat((chosen, rejected)).detach(), sequential)
+    assert rejected[1] == 0 and chosen[4] == 0
+    (chosen.sum() + 2 * rejected.sum()).backward()
+    assert torch.equal(logps.grad, torch.where(batch.sequence < n, 1.0, 2.0))
