@@ -26,11 +26,12 @@ Rows:
 - ``train-8b-lora``: DPO steps with LoRA (r 16, alpha 32, every linear layer, gradient
   checkpointing) on the same model and data (the first batch x steps pairs), against TRL's
   ``DPOTrainer`` with the same ``peft_config``; on a GPU dpocache's with ``--stream-base true
-  --resident-layers 10 --compile on`` (its frozen base in host memory but for 10 layers spread
-  among the others, each layer's forward compiled inside its checkpoint, whose recompute skips
-  the down projections' products, as every checkpointed LoRA run does; the dry run neither
-  streams nor compiles). ``--build-args``/``--train-args "--stream-base false ..."`` turn them off for an A/B
-  (later flags win); ``--variants`` runs dpocache's side once more per set of options after
+  --resident-layers 4 --turn-layers 8 --checkpoint-keep attention --compile on`` (its frozen
+  base in host memory but for 4 layers spread among the others, 8 kept through each turn, each
+  layer's forward compiled inside its checkpoint, whose recompute takes the attention's kept
+  output and skips the down projections' products, as every checkpointed LoRA run does; the dry
+  run neither streams nor compiles). ``--build-args``/``--train-args "--stream-base false ..."``
+  turn them off for an A/B (later flags win); ``--variants`` runs dpocache's side once more per set of options after
   every row, on the inputs already built, each against the row's own TRL run (an entry's leading
   ``DPOCACHE_NAME=VALUE`` words go to its worker's environment: ``"DPOCACHE_ROW_GROUPS=1"``).
 - ``train-1b-full``: full-parameter DPO steps of the 1.1B Llama of ``bench_vs_trl.py --config
@@ -148,17 +149,18 @@ class Shapes:
 
 
 # The 8B rows' memory targets (0.6x TRL's peak) lie below the bf16 weights both sides hold, so on
-# a GPU their frozen decoder layers stay in host memory (docs/memory.md). The LoRA row keeps 10 of
-# its 32 on the device, spread out, so its forward's copies hide behind more compute: the memory
-# its recompute no longer spends on the down projections' products, a quarter of the recompute's
-# matrix work, which it skips (at 4 pairs a step 13.0 GiB planned against a 14.8 GiB target, where
-# 6 resident with those products kept planned 13.1 and measured 12.8); it compiles each layer's forward inside its
-# checkpoint: its host time was as long as its device time on an H200, and compiled it took
-# 2.4-2.5x less host time on the CPU (docs/speed.md); its first steps compile, so it leaves two
-# out of the timing. It runs 8 pairs a step, dpocache's default: 4.5% more tokens a second than 4
-# on an H200, at 0.52x TRL's peak at the same batch (17.7 GiB; docs/benchmarks/gpu-suite-h200-20261127.md).
+# a GPU their frozen decoder layers stay in host memory (docs/memory.md). The LoRA row keeps each
+# layer's attention output through the recompute (no flash forward there), and spends the memory
+# it takes on fewer resident layers (4 of 32, spread out) and 8 kept through each turn: on an
+# H200 35.1% MFU at 18.9 GiB, where 10 resident without it ran 34.7% at 17.6 GiB (0.56x and 0.52x
+# of TRL's peak; docs/benchmarks/gpu-suite-h200-20261127-1850.md). Its recompute skips the down
+# projections' products, as every checkpointed LoRA run does. It compiles each layer's forward
+# inside its checkpoint (its host time was as long as its device time on an H200 before:
+# docs/speed.md), so its first steps compile and it leaves two out of the timing. It runs 8
+# pairs a step, dpocache's default.
 STREAMED_REFERENCE = ("--stream-reference", "true")
-STREAMED_LORA = ("--stream-base", "true", "--resident-layers", "10", "--compile", "on")
+STREAMED_LORA = ("--stream-base", "true", "--resident-layers", "4", "--turn-layers", "8", "--checkpoint-keep",
+                 "attention", "--compile", "on")
 
 GPU = Shapes(device="cuda", dtype="bfloat16", llama=LLAMA_8B, llama_dir="llama-8b", model_dtype="bfloat16",
              trl_8b_dtype="bfloat16", prompt_tokens=(200, 1200), completion_tokens=(100, 800), max_length=2048,

@@ -213,13 +213,16 @@ def test_build_args_reach_the_ref_8b_build_and_keep_parts_apart(tmp_path, monkey
 
 
 @pytest.mark.parametrize("ab", ["", "--compile off", "--skip-unread-products false", "--resident-layers 0",
-                                "--stream-base false --resident-layers 0", "--resident-layers 6 --turn-layers 8",
+                                "--stream-base false --resident-layers 0 --turn-layers 0 --checkpoint-keep none",
+                                "--resident-layers 6 --turn-layers 8",
                                 "--resident-layers 6 --checkpoint-keep down_proj --skip-unread-products false",
-                                "--resident-layers 0 --checkpoint-keep o_proj,q_proj", "--turn-layers 9"])
+                                "--resident-layers 0 --checkpoint-keep o_proj,q_proj", "--turn-layers 9",
+                                "--resident-layers 10 --turn-layers 0 --checkpoint-keep none"])
 def test_the_gpu_lora_rows_options_and_their_ab_flags_pass_the_configuration_checks(monkeypatch, ab):
     """The LoRA row's dpocache options on a GPU (streamed, resident layers, compiled), alone
     and with each A/B of the GPU sessions' plans
-    (docs/benchmarks/gpu-suite-h200-20261126-0556.md, gpu-suite-h200-20261126-1325.md), pass
+    (docs/benchmarks/gpu-suite-h200-20261126-0556.md, gpu-suite-h200-20261126-1325.md,
+    gpu-suite-h200-20261127-1850.md), pass
     every check ``train`` makes of its configuration before a model loads, on a machine that has
     CUDA (stood in here): a GPU call is not spent on a combination refused with one line."""
     import shlex
@@ -235,8 +238,10 @@ def test_the_gpu_lora_rows_options_and_their_ab_flags_pass_the_configuration_che
     cfg.validate(required=("model.path", "data.train"))
     streamed = "--stream-base false" not in ab
     assert cfg.model.stream_base is streamed and cfg.model.gradient_checkpointing and cfg.lora.r == 16
-    resident = int(ab.split("--resident-layers ")[1].split()[0]) if "--resident-layers" in ab else 10
+    resident = int(ab.split("--resident-layers ")[1].split()[0]) if "--resident-layers" in ab else 4
     assert cfg.model.resident_layers == resident
+    assert cfg.model.checkpoint_keep == (ab.split("--checkpoint-keep ")[1].split()[0] if "--checkpoint-keep" in ab
+                                         else "attention")
     assert cfg.model.skip_unread_products == ("--skip-unread-products false" not in ab)
     assert cfg.model.compile == ("off" if "--compile off" in ab else "on")
 
