@@ -18,7 +18,7 @@ from dpocache.cache.sequences import SequenceStore
 from dpocache.cache.probes import ProbeMemo
 from dpocache.cache.store import MANIFEST
 from dpocache.data.pairs import PreferenceData, load_preference_data
-from dpocache.data.token_store import token_stores
+from dpocache.data.token_store import PARTIAL_PREFIX, token_stores
 from dpocache.distributed.process_group import destroy, init_distributed
 from dpocache.distributed.sharded_reference import reference_loader
 from dpocache.models.directories import reference_source
@@ -216,8 +216,12 @@ def _print_token_stores(cache_dir: Path) -> None:
     """One line per token store (docs/data.md): its data file when written, pairs, tokens, size."""
     for store in token_stores(cache_dir):
         meta = store.get("meta")
-        what = (f"pairs {meta['pairs']}  tokens {meta['tokens']}  from {meta['source']}" if meta
-                else "incomplete (a build that did not finish: never read, removed by the next build)")
+        if meta:
+            what = f"pairs {meta['pairs']}  tokens {meta['tokens']}  from {meta['source']}"
+        elif store["path"].name.startswith(PARTIAL_PREFIX):
+            what = "partial (the chunks a build that stopped had tokenized: the next build of this data takes them)"
+        else:
+            what = "incomplete (a build that did not finish: never read, removed by the next build)"
         print(f"tokens/{store['path'].name}  {what}  size {_human_bytes(store['bytes'])}")
 
 

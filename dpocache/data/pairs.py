@@ -49,6 +49,7 @@ from __future__ import annotations
 import ast
 import csv
 import json
+import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -569,20 +570,39 @@ def tokenize_columns(
     max_prompt_length: int | None = None,
     skip_invalid: bool = False,
     show_progress: bool = True,
+    chunks: token_store.TokenizedChunks | None = None,
 ) -> tuple[TokenColumns, list[SkippedRow]]:
     """Validate, render and tokenize rows into columns. Bad rows raise ``DataError`` unless
-    ``skip_invalid``, in which case they are returned as ``SkippedRow``s."""
+    ``skip_invalid``, in which case they are returned as ``SkippedRow``s. ``chunks``: where each
+    chunk of ``ROWS_PER_CHUNK`` rows is kept as it is tokenized, and taken from where an earlier
+    build that stopped kept it (every row is rendered again: the checks come first)."""
     if max_length is not None and max_prompt_length is not None and max_prompt_length >= max_length:
         raise ValueError(f"max_prompt_length ({max_prompt_length}) must be below max_length ({max_length})")
     rendered, skipped = _render_rows(rows, tokenizer, skip_invalid)
     prefix, eos = special_prefix(tokenizer), tokenizer.eos_token_id
+    starts = range(0, len(rendered), ROWS_PER_CHUNK)
+    kept = {} if chunks is None else {start: done for start in starts if (done := chunks.load(
+        start, len(rendered[start:start + ROWS_PER_CHUNK]))) is not None}
+    resumed = sum(len(columns) + len(unfit) for columns, unfit in kept.values())
+    if kept and show_progress:
+        print(f"tokens: {resumed:,} of {len(rendered):,} rows were tokenized by a build that stopped; "
+              "tokenizing the rest", file=sys.stderr)
     parts, unfit = [], []
-    with tqdm(total=len(rendered), desc="tokenizing", unit="rows",
+    with tqdm(total=len(rendered), initial=resumed, desc="tokenizing", unit="rows",
               disable=not show_progress or len(rendered) < ROWS_PER_CHUNK) as bar:
-        for start in range(0, len(rendered), ROWS_PER_CHUNK):
+        for start in starts:
+            if start in kept:
+                columns, found = kept[start]
+                parts.append(columns)
+                unfit.extend(SkippedRow(*row) for row in found)
+                continue
             chunk = rendered[start:start + ROWS_PER_CHUNK]
+            found = []
             parts.append(_tokenize_chunk(chunk, tokenizer, prefix, eos, max_length, max_prompt_length,
-                                         skip_invalid, unfit))
+                                         skip_invalid, found))
+            if chunks is not None:
+                chunks.save(start, len(chunk), parts[-1], [(r.location, r.field, r.reason) for r in found])
+            unfit.extend(found)
             bar.update(len(chunk))
     return TokenColumns.concatenate(parts), skipped + unfit
 
@@ -666,9 +686,9 @@ def load_preference_data(
     tokenizers without a fast backend, are tokenized in memory). A store that cannot be written
     there raises the ``OSError``, unless ``cache_read_only`` (a command that only reads the
     cache): then the tokens stay in memory, with a line saying so."""
-    def tokenize() -> token_store.StoredTokens:
+    def tokenize(chunks: token_store.TokenizedChunks | None = None) -> token_store.StoredTokens:
         return _tokenize_source(source, tokenizer, max_length, max_prompt_length, skip_invalid, show_progress,
-                                columns)
+                                columns, chunks)
 
     key = None
     if cache_dir is not None and isinstance(source, (str, Path)) and Path(source).exists():
@@ -690,14 +710,15 @@ def _location(base: str, kind: str, where: int | str) -> str:
 
 
 def _tokenize_source(source: Any, tokenizer, max_length, max_prompt_length, skip_invalid: bool,
-                     show_progress: bool, columns: tuple[str | None, str, str]):
+                     show_progress: bool, columns: tuple[str | None, str, str],
+                     chunks: token_store.TokenizedChunks | None = None):
     """Read and tokenize ``source``: its columns, skipped rows and how its rows are located."""
     name, rows = read_rows(source)
     if not rows:
         raise DataError(name, None, "no rows")
     rows = map_columns(rows, columns)
     token_columns, skipped = tokenize_columns(rows, tokenizer, max_length, max_prompt_length, skip_invalid,
-                                              show_progress)
+                                              show_progress, chunks)
     kind = "row" if rows[0].location.rsplit(":", 1)[1].startswith("row ") else "line"
     return token_store.StoredTokens(token_columns, [(_where(s.location), s.field, s.reason) for s in skipped], kind)
 

@@ -17,10 +17,13 @@ rules. It leaves out what is checked after loading (the model's vocabulary and c
 
 Written atomically: into ``.tmp-<key>-<pid>/``, each file synced, then renamed into place; a
 process killed on the way leaves a temporary directory that nothing reads and the next build of
-that key removes. One process builds a key at a time (a lock file beside the store): the ranks
-of a job on one machine, or of several machines on a shared file system, wait for the first and
-then map what it wrote. An edited data file has a new key and gets a new store; the old one stays
-until ``dpocache cache`` housekeeping removes it.
+that key removes. While it tokenizes, a build keeps each finished chunk of rows in
+``.partial-<key>/`` (``TokenizedChunks``): a build stopped by a signal or a crash loses at most
+the chunk it was in, and the next build of the key tokenizes only the rest. One process builds a
+key at a time (a lock file beside the store): the ranks of a job on one machine, or of several
+machines on a shared file system, wait for the first and then map what it wrote. An edited data
+file has a new key and gets a new store; the old one stays until ``dpocache cache`` housekeeping
+removes it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import json
 import os
 import shutil
 import sys
+import zipfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib.metadata import version
@@ -43,6 +47,7 @@ from dpocache.data.columns import TokenColumns
 
 RULES = 1  # dpocache's tokenization rules: raise when a rule change changes the ids
 STORE_DIR = "tokens"
+PARTIAL_PREFIX = ".partial-"  # a build's tokenized chunks (TokenizedChunks), beside the stores
 _READ_CHUNK = 1 << 22
 
 
@@ -137,6 +142,59 @@ def _write(directory: Path, tokens: StoredTokens, source: str) -> None:
         os.fsync(f.fileno())
 
 
+class TokenizedChunks:
+    """The chunks of rows one build of a store has tokenized so far, on disk as each ends: in
+    ``directory`` (``.partial-<key>/``), chunk ``start`` of ``count`` rows as ``chunk-<start>-
+    <count>.npz`` (its ``TokenColumns``) and ``.json`` (its rows found unfit, written last: a
+    chunk without it is not read). The key covers what changes a chunk's ids, so a later build
+    of the key takes them as they are. Removed once the store is written. Where a chunk cannot
+    be written (a full disk) the build goes on without keeping the rest."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.saving = True
+
+    def _path(self, start: int, count: int, suffix: str) -> Path:
+        return self.directory / f"chunk-{start:010d}-{count}{suffix}"
+
+    def load(self, start: int, count: int) -> tuple[TokenColumns, list[tuple[str, str | None, str]]] | None:
+        """Chunk ``start`` of ``count`` rows as an earlier build kept it: its columns and its rows
+        found unfit (``(location, field, reason)``); None where there is none whole."""
+        try:
+            text = self._path(start, count, ".json").read_text(encoding="utf-8")
+            unfit = [(location, field_name, reason) for location, field_name, reason in json.loads(text)]
+            with np.load(self._path(start, count, ".npz"), allow_pickle=False) as arrays:
+                columns = TokenColumns(**{name: arrays[name] for name in TokenColumns.NAMES})
+        except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile):  # none, or not whole
+            return None
+        return (columns, unfit) if len(columns) + len(unfit) == count else None
+
+    def save(self, start: int, count: int, columns: TokenColumns, unfit: list[tuple[str, str | None, str]]) -> None:
+        """Keep chunk ``start`` of ``count`` rows: each file written whole, then renamed."""
+        if not self.saving:
+            return
+        arrays = {name: getattr(columns, name) for name in TokenColumns.NAMES}
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            _write_whole(self._path(start, count, ".npz"), lambda f: np.savez(f, **arrays))
+            _write_whole(self._path(start, count, ".json"), lambda f: f.write(json.dumps(unfit).encode()))
+        except OSError:  # the store's own write, next, names a full or read-only disk in one line
+            self.saving = False
+
+    def remove(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _write_whole(path: Path, write: Callable) -> None:
+    """``write(file)`` into a temporary file beside ``path``, synced, then renamed to ``path``."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 class StoreError(RuntimeError):
     """A store that fails its checks: it is removed and built again."""
 
@@ -185,10 +243,12 @@ def _building(lock, store: Path, show_progress: bool) -> Iterator[None]:
         fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def open_or_build(cache_dir: Path, key: str, source: str, build: Callable[[], StoredTokens],
+def open_or_build(cache_dir: Path, key: str, source: str, build: Callable[[TokenizedChunks | None], StoredTokens],
                   show_progress: bool = True, read_only: bool = False) -> StoredTokens:
-    """The store ``key`` under ``cache_dir``, built with ``build()`` and written first if there is
-    none (or none that passes its checks). A ``build()`` that raises writes nothing. A cache
+    """The store ``key`` under ``cache_dir``, built with ``build(chunks)`` and written first if
+    there is none (or none that passes its checks); ``chunks``: where the build keeps what it has
+    tokenized as it goes (``TokenizedChunks``), None where the cache cannot hold it. A
+    ``build`` that raises writes no store (its finished chunks stay for the next build). A cache
     directory that cannot hold the store (full, read-only) raises the ``OSError``, as the cache's
     own writes do, unless ``read_only`` (a command that only reads the cache): then it costs a
     line and the store, the tokens kept in memory."""
@@ -207,12 +267,12 @@ def open_or_build(cache_dir: Path, key: str, source: str, build: Callable[[], St
             raise
         print(f"tokens: no token store in {root} ({e.strerror or e}); the data is tokenized in memory, "
               "again at every start", file=sys.stderr)
-        return build()
+        return build(None)
     with lock, _building(lock, root / key, show_progress):
         return _build_locked(root, key, source, build, read_only)
 
 
-def _build_locked(root: Path, key: str, source: str, build: Callable[[], StoredTokens],
+def _build_locked(root: Path, key: str, source: str, build: Callable[[TokenizedChunks | None], StoredTokens],
                   read_only: bool) -> StoredTokens:
     final = root / key
     if (final / "meta.json").exists():
@@ -222,14 +282,17 @@ def _build_locked(root: Path, key: str, source: str, build: Callable[[], StoredT
             pass
     for stale in [*root.glob(f".tmp-{key}-*"), final]:  # killed builds and a store that failed its checks
         shutil.rmtree(stale, ignore_errors=True)
-    tokens = build()
+    chunks = TokenizedChunks(root / f"{PARTIAL_PREFIX}{key}")
+    tokens = build(chunks)
     tmp = root / f".tmp-{key}-{os.getpid()}"
     try:
         _write(tmp, tokens, source)
         os.rename(tmp, final)
         _sync_dir(root)
+        chunks.remove()
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        chunks.remove()  # the tokens are whole in memory; a full disk gets its space back
         if not read_only:
             raise
         print(f"tokens: the token store could not be written in {root} ({e.strerror or e}); the data stays in "

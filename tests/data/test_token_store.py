@@ -1,5 +1,6 @@
 """The token store: the same ids and keys as tokenizing every prompt + completion whole, on every
-data format and tokenizer; one build per key, memory-mapped after; a killed build never read."""
+data format and tokenizer; one build per key, memory-mapped after; a killed build never read, and
+the chunks a stopped build tokenized taken by the next."""
 
 from __future__ import annotations
 
@@ -188,7 +189,8 @@ def test_a_build_killed_while_writing_is_never_read(tmp_path, make_rows):
     killed = _child(tmp_path, "kill", path, cache)
     killed.communicate(timeout=120)
     assert killed.returncode == -signal.SIGKILL
-    assert [p.name[:5] for p in (cache / STORE_DIR).iterdir() if p.is_dir()] == [".tmp-"]
+    # the build's tokenized chunks beside it, which the next build takes
+    assert sorted(p.name[:5] for p in (cache / STORE_DIR).iterdir() if p.is_dir()) == [".part", ".tmp-"]
     expected = load_preference_data(path, build_tokenizer(), show_progress=False)
     again = _child(tmp_path, "load", path, cache)
     out, err = again.communicate(timeout=120)
@@ -196,7 +198,7 @@ def test_a_build_killed_while_writing_is_never_read(tmp_path, make_rows):
     assert out.split() == [str(len(expected)), expected.pairs[len(expected) - 1].key.hex()]
     assert len((tmp_path / "built.log").read_text().split()) == 2  # the killed build, then a whole new one
     assert [p.name[:5] for p in (cache / STORE_DIR).iterdir() if p.is_dir()] != [".tmp-"]
-    assert not any(p.name.startswith(".tmp-") for p in (cache / STORE_DIR).iterdir())
+    assert not any(p.name.startswith((".tmp-", ".partial-")) for p in (cache / STORE_DIR).iterdir())
 
 
 def test_processes_started_together_tokenize_once(tmp_path, make_rows):
@@ -215,11 +217,13 @@ def test_cache_info_lists_token_stores(tmp_path, make_rows, capsys):
 
     path, _, cache, data = _build_once(tmp_path, make_rows)
     (cache / STORE_DIR / ".tmp-0123-99").mkdir()  # as a killed build leaves it
+    (cache / STORE_DIR / ".partial-0123").mkdir()  # and its tokenized chunks
     assert main(["cache", "info", "--cache-dir", str(cache)]) == 0
     out = capsys.readouterr().out
     tokens = len(data.pairs.columns.ids)
     assert f"pairs {len(data)}  tokens {tokens}  from {path}" in out
     assert "tokens/.tmp-0123-99  incomplete" in out
+    assert "tokens/.partial-0123  partial (the chunks a build that stopped had tokenized" in out
 
 
 def test_a_cache_dir_that_cannot_hold_a_store(tmp_path, make_rows, capsys):
@@ -263,3 +267,92 @@ def test_a_store_missing_a_file_is_tokenized_again(tmp_path, make_rows, capsys):
     again = load_preference_data(path, tok, show_progress=False, cache_dir=cache)
     assert "unreadable" in capsys.readouterr().err and _as_tuples(again) == expected
     assert (store / "bounds.npy").exists()
+
+
+
+_TOKENIZE_CHUNK = pairs_module._tokenize_chunk
+
+
+def _stop_at_chunk(monkeypatch, stop: int = 0) -> list[int]:
+    """Chunks of 10 rows, the ``stop``-th tokenized raising ``KeyboardInterrupt`` (a stop signal
+    turned into an exception; 0: none); returns the list each tokenized chunk's row count goes into."""
+    calls = []
+
+    def tokenize_chunk(chunk, *args):
+        if len(calls) + 1 == stop:
+            raise KeyboardInterrupt
+        calls.append(len(chunk))
+        return _TOKENIZE_CHUNK(chunk, *args)
+
+    monkeypatch.setattr(pairs_module, "ROWS_PER_CHUNK", 10)
+    monkeypatch.setattr(pairs_module, "_tokenize_chunk", tokenize_chunk)
+    return calls
+
+
+def test_a_build_stopped_while_tokenizing_keeps_its_chunks_and_the_next_tokenizes_the_rest(tmp_path, make_rows,
+                                                                                            monkeypatch, capsys):
+    """A build stopped in its fourth chunk of 10 rows keeps the three before; the next build
+    tokenizes the fourth and fifth only, says so, and gives the pairs, keys and rows found unfit
+    (one in a kept chunk, one in a new one) of tokenizing in memory; the chunks go once the store
+    is written."""
+    real_finish = pairs_module._finish_pair
+
+    def finish(row, *args):  # rows 3 and 33 unfit, as a pair past every limit is
+        if row.index in (3, 33):
+            raise DataError(row.location, "prompt", "unfit here")
+        return real_finish(row, *args)
+
+    monkeypatch.setattr(pairs_module, "_finish_pair", finish)
+    path = write_jsonl(make_rows(45, seed=7), tmp_path / "d.jsonl")
+    tok, cache = build_tokenizer(), tmp_path / "cache"
+    expected = load_preference_data(path, tok, show_progress=False, skip_invalid=True)  # in memory, no store
+    calls = _stop_at_chunk(monkeypatch, stop=4)
+    with pytest.raises(KeyboardInterrupt):
+        load_preference_data(path, tok, show_progress=False, skip_invalid=True, cache_dir=cache)
+    assert calls == [10, 10, 10]
+    (partial,) = [p for p in (cache / STORE_DIR).iterdir() if p.is_dir()]
+    assert partial.name.startswith(".partial-") and len(list(partial.glob("*.json"))) == 3
+    calls = _stop_at_chunk(monkeypatch)
+    data = load_preference_data(path, tok, show_progress=True, skip_invalid=True, cache_dir=cache)
+    assert calls == [10, 5]
+    err = capsys.readouterr().err
+    assert "tokens: 30 of 45 rows were tokenized by a build that stopped; tokenizing the rest" in err
+    assert _as_tuples(data) == _as_tuples(expected)
+    assert [str(s) for s in data.skipped] == [str(s) for s in expected.skipped] == [
+        f"{path}:4: field 'prompt': unfit here", f"{path}:34: field 'prompt': unfit here"]
+    assert not partial.exists() and len(_stores(cache)) == 1
+
+
+def test_a_damaged_chunk_is_tokenized_again(tmp_path, make_rows, monkeypatch):
+    """A kept chunk whose array file is cut short, or whose list of unfit rows is not there (a
+    build stopped between its two files), is tokenized again; the others are taken."""
+    path = write_jsonl(make_rows(40, seed=8), tmp_path / "d.jsonl")
+    tok, cache = build_tokenizer(), tmp_path / "cache"
+    expected = load_preference_data(path, tok, show_progress=False)
+    _stop_at_chunk(monkeypatch, stop=4)
+    with pytest.raises(KeyboardInterrupt):
+        load_preference_data(path, tok, show_progress=False, cache_dir=cache)
+    (partial,) = [p for p in (cache / STORE_DIR).iterdir() if p.is_dir()]
+    first, second, _ = sorted(partial.glob("*.npz"))
+    first.write_bytes(first.read_bytes()[:100])
+    second.with_suffix(".json").unlink()
+    calls = _stop_at_chunk(monkeypatch)
+    data = load_preference_data(path, tok, show_progress=False, cache_dir=cache)
+    assert calls == [10, 10, 10]  # the first two again, and the fourth
+    assert _as_tuples(data) == _as_tuples(expected)
+
+
+def test_chunks_that_cannot_be_kept_leave_the_build_as_it_was(tmp_path, make_rows, monkeypatch, capsys):
+    """A chunk whose file cannot be written (a full disk that frees up later) is not kept, says
+    nothing (the store's own write names a disk that stays full), and the store is written."""
+    from dpocache.data import token_store
+
+    def full(path, write):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(token_store, "_write_whole", full)
+    _stop_at_chunk(monkeypatch)
+    path = write_jsonl(make_rows(25, seed=9), tmp_path / "d.jsonl")
+    data = load_preference_data(path, build_tokenizer(), show_progress=False, cache_dir=tmp_path / "cache")
+    assert _as_tuples(data) == _as_tuples(load_preference_data(path, build_tokenizer(), show_progress=False))
+    assert len(_stores(tmp_path / "cache")) == 1 and capsys.readouterr().err == ""
