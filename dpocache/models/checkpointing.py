@@ -90,8 +90,9 @@ KEEPS_PRODUCT = "dpocache_keeps_product"
 # Set on an nn.Linear given a forward of this module's (bf16_matmul leaves it alone).
 OWN_FORWARD = "dpocache_checkpoint_forward"
 # Set on an nn.Linear given ``compiled_unread_product_forward``: read by lora_fused while dynamo
-# traces, where a plain attribute is read alike by every torch (torch 2.11's dynamo did not find
-# the forward itself by identity, so the skipped products' LoRA layers took a slower path).
+# traces, where a plain attribute reads alike under every torch. Told by the forward's identity
+# instead, the skipped products' LoRA layers did not take dpocache::lora_linear on an H200 under
+# torch 2.11 (docs/benchmarks/gpu-suite-h200-20261127-1850.md).
 COMPILED_UNREAD = "dpocache_compiled_unread_product"
 
 # The linear layers whose product no saved tensor of a checkpointed layer depends on, by decoder

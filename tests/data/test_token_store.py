@@ -269,7 +269,6 @@ def test_a_store_missing_a_file_is_tokenized_again(tmp_path, make_rows, capsys):
     assert (store / "bounds.npy").exists()
 
 
-
 _TOKENIZE_CHUNK = pairs_module._tokenize_chunk
 
 

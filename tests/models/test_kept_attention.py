@@ -202,10 +202,9 @@ def test_flash_serves_gpus_in_half_precision_only():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_kept_attention_on_a_gpu_trains_as_the_recompute(tokenizer, pairs):
     """On CUDA under bf16 autocast through flash attention's own operations: the same values
-    (the forward is the same kernels, and each sequence's sum a segment's in a fixed order:
-    ``index_add``'s atomic sums, in no fixed order, are the one source of the last bits an H200
-    found apart that the code shows),
-    gradients within 1% (a GPU's attention backward sums in no fixed order)."""
+    (the forward is the same kernels, and each sequence's sum a segment's in a fixed order; an
+    H200 found them apart in their last bits while they were ``index_add``'s atomic sums, in no
+    fixed order), gradients within 1% (a GPU's attention backward sums in no fixed order)."""
     pad = tokenizer.pad_token_id
     runs = []
     for keep in ((), ("attention",)):
