@@ -479,8 +479,11 @@ def sequence_sums(logps: torch.Tensor, batch: SharedPromptBatch) -> tuple[torch.
     segment: the same values in every run on a GPU too, where ``index_add``'s atomic additions
     sum in no fixed order (and on a CPU the same values as its sequential sum)."""
     lengths = torch.stack((batch.chosen_tokens, batch.rejected_tokens), dim=1).flatten()  # (2B,) run by run
-    sums = torch.segment_reduce(logps.float(), "sum", lengths=lengths.to(logps.device)).view(-1, 2)  # (B, 2)
-    return sums[:, 0], sums[:, 1]
+    # unsafe: without the checks that lengths are whole and sum to M, each an .item() (on a GPU a
+    # wait for the device); the batch's own counts are its scored tokens, by construction.
+    sums = torch.segment_reduce(logps.float(), "sum", lengths=lengths.to(logps.device), unsafe=True)
+    by_pair = sums.view(-1, 2)  # (B, 2): chosen, rejected
+    return by_pair[:, 0], by_pair[:, 1]
 
 
 def split_per_token(logps: torch.Tensor, batch: SharedPromptBatch,

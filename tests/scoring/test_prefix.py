@@ -373,8 +373,8 @@ def test_packed_training_layout_packs_and_matches_padded(tokenizer, mixed_pairs)
 def test_sequence_sums_are_each_sequences_sum_in_token_order():
     """Each pair's chosen and rejected sums (a completion may be empty) against a sum of each
     sequence's values taken out by ``batch.sequence`` (within float rounding: torch sums in
-    another order); on a CPU bit for bit the sequential sum (``index_add``, as before); the
-    gradient the sum's weight for every token."""
+    another order); on a CPU bit for bit the sequential sum (``index_add``, as before); no
+    host synchronisation; the gradient the sum's weight for every token."""
     torch.manual_seed(0)
     pairs = [TokenizedPair(i, tuple(range(5, 5 + p)), tuple(range(9, 9 + c)), tuple(range(30, 30 + r)), f"k{i}")
              for i, (p, c, r) in enumerate([(3, 40, 7), (1, 1, 0), (6, 300, 250), (2, 5, 1), (4, 0, 3)])]
@@ -387,5 +387,8 @@ def test_sequence_sums_are_each_sequences_sum_in_token_order():
     sequential = torch.zeros(2 * n).index_add(0, batch.sequence, logps.detach())
     assert torch.equal(torch.cat((chosen, rejected)).detach(), sequential)
     assert rejected[1] == 0 and chosen[4] == 0
+    with torch.profiler.profile() as prof:  # no .item(): on a GPU each is a wait for the device
+        sequence_sums(logps, batch)
+    assert not {e.name for e in prof.events()} & {"aten::item", "aten::_local_scalar_dense"}
     (chosen.sum() + 2 * rejected.sum()).backward()
     assert torch.equal(logps.grad, torch.where(batch.sequence < n, 1.0, 2.0))
