@@ -34,6 +34,20 @@ import torch
 from torch import Tensor
 
 
+def completion_sums(flat: Tensor, chosen_tokens: Tensor, rejected_tokens: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-token values of ``B`` pairs' completions, ``flat (M,)`` pair after pair, chosen then
+    rejected (``chosen_tokens``/``rejected_tokens (B,)`` of them) → each completion's sum,
+    (chosen ``(B,)``, rejected ``(B,)``), in ``flat``'s dtype. Each run summed as a segment, in a
+    fixed order: on a GPU the same values in every run, where ``index_add``'s atomic additions
+    have none (on a CPU the same values as its sequential sum). ``unsafe``: without the checks
+    that the counts are whole and sum to ``M``, each an ``.item()`` (on a GPU a wait for the
+    device); the callers' counts are their values' by construction."""
+    counts = torch.stack((chosen_tokens, rejected_tokens), dim=1).flatten()  # (2B,) c0, r0, c1, r1, ...
+    sums = torch.segment_reduce(flat, "sum", lengths=counts.to(flat.device, non_blocking=True), unsafe=True)
+    by_pair = sums.view(-1, 2)  # (B, 2): chosen, rejected
+    return by_pair[:, 0], by_pair[:, 1]
+
+
 def stored(dtype: torch.dtype, counts: str | None = None, optional: bool = False) -> dict:
     """Field metadata: the cache stores the field as ``dtype``; ``counts`` names the per-pair
     count field of a per-token field (stored as one flat tensor, pair after pair)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dpocache.data.values import PairValues
+from dpocache.data.values import PairValues, completion_sums
 
 
 def wpo_sums(lp: PairValues, log_sum_sq_probs: Tensor) -> tuple[Tensor, Tensor]:
@@ -30,13 +30,5 @@ def wpo_sums(lp: PairValues, log_sum_sq_probs: Tensor) -> tuple[Tensor, Tensor]:
     if log_sum_sq_probs.dim() == 2:
         sq = log_sum_sq_probs.sum(-1)  # (2B,)
     else:
-        device = log_sum_sq_probs.device
-        counts = torch.stack([lp.chosen_tokens, lp.rejected_tokens], 1).reshape(-1)  # (2B,) c0, r0, c1, r1, ...
-        segment = torch.arange(2 * b, device=device)
-        owner = (segment % 2) * b + segment // 2  # segment 2i -> row i (chosen), 2i+1 -> row B + i (rejected)
-        # The index's length given (M, the values'): else it is read back from the device (a wait).
-        index = owner.repeat_interleave(counts.to(device, non_blocking=True),
-                                        output_size=log_sum_sq_probs.shape[0])  # (M,)
-        sq = torch.zeros(2 * b, dtype=log_sum_sq_probs.dtype, device=log_sum_sq_probs.device).index_add(
-            0, index, log_sum_sq_probs)
+        sq = torch.cat(completion_sums(log_sum_sq_probs, lp.chosen_tokens, lp.rejected_tokens))  # (2B,)
     return lp.chosen_logps.detach() - sq[:b], lp.rejected_logps.detach() - sq[b:]

@@ -43,6 +43,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from dpocache.data.pairs import TokenizedPair
+from dpocache.data.values import completion_sums
 from dpocache.scoring import packing
 from dpocache.scoring.attention import FLEX_BLOCK, SequenceRows, is_causal, is_flex, row_multiple
 from dpocache.scoring.layout_choice import (
@@ -474,16 +475,9 @@ def shared_prompt_logps(lp: nn.Module, batch: SharedPromptBatch) -> torch.Tensor
 
 
 def sequence_sums(logps: torch.Tensor, batch: SharedPromptBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(M,)`` scored log-probs → (chosen sums ``(B,)``, rejected sums ``(B,)``), fp32. Each
-    sequence's tokens are one run of ``logps`` (pair by pair, chosen then rejected), summed as a
-    segment: the same values in every run on a GPU too, where ``index_add``'s atomic additions
-    sum in no fixed order (and on a CPU the same values as its sequential sum)."""
-    lengths = torch.stack((batch.chosen_tokens, batch.rejected_tokens), dim=1).flatten()  # (2B,) run by run
-    # unsafe: without the checks that lengths are whole and sum to M, each an .item() (on a GPU a
-    # wait for the device); the batch's own counts are its scored tokens, by construction.
-    sums = torch.segment_reduce(logps.float(), "sum", lengths=lengths.to(logps.device), unsafe=True)
-    by_pair = sums.view(-1, 2)  # (B, 2): chosen, rejected
-    return by_pair[:, 0], by_pair[:, 1]
+    """``(M,)`` scored log-probs → (chosen sums ``(B,)``, rejected sums ``(B,)``), fp32: each
+    sequence's tokens are one run of ``logps`` (``data.values.completion_sums``)."""
+    return completion_sums(logps.float(), batch.chosen_tokens, batch.rejected_tokens)
 
 
 def split_per_token(logps: torch.Tensor, batch: SharedPromptBatch,
