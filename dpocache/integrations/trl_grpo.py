@@ -58,6 +58,7 @@ from dpocache.models.hub_ids import resolve_model_path
 from dpocache.models.reference import DTYPES, ReferenceModel, dtype_name, resolve_dtype
 from dpocache.runtime.preflight import check_writable_dir
 from dpocache.scoring.layout_choice import BF16_MATMUL_ENV
+from dpocache.scoring.logprobs import unwrap_causal_lm
 from dpocache.service.reference_service import (
     ReferenceService,
     ServiceOptions,
@@ -116,6 +117,17 @@ def _policy_arithmetic_kept():
 
 
 @torch.no_grad()
+def _loaded_from(service: Any) -> Path | None:
+    """The local directory the model of a ``ReferenceService`` given was loaded from (its
+    config's ``name_or_path``); None for a model built in memory, a Hub id, or a pool (its
+    models live in its replicas)."""
+    model = getattr(getattr(service, "reference", None), "model", None)
+    if not isinstance(model, torch.nn.Module):
+        return None
+    name = getattr(getattr(unwrap_causal_lm(model), "config", None), "name_or_path", "")
+    return Path(name) if name and Path(name).is_dir() else None
+
+
 def _adapter_is_identity(model: Any) -> bool:
     """Whether a PEFT model's outputs equal its base's (a fresh adapter: LoRA's B starts at 0), on a
     few tokens, within rounding. Only then is TRL's reference (a frozen copy of the adapter as it
@@ -265,6 +277,9 @@ class CachedGRPOTrainer(GRPOTrainer):
     def _build_reference(self, reference: Any, dtype_name_: str | None, max_tokens: int | None,
                          stream: bool = False) -> ServiceReference:
         if reference is not None and not isinstance(reference, (str, Path)):
+            loaded_from = _loaded_from(reference)
+            if loaded_from is not None:  # its vocabulary size alone misses a tokenizer of the same size
+                self._check_tokenizer(loaded_from)
             return ServiceReference(reference, f"{type(reference).__name__} given, at temperature "
                                                f"{self.temperature:g}")
         dtype = self._reference_dtype(dtype_name_)

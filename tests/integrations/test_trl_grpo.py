@@ -214,16 +214,20 @@ def _swapped_tokenizer(model_dir: Path, out: Path) -> Path:
 
 
 def test_mistakes_are_refused_before_the_first_step_in_one_line(model_dir, tmp_path, tokenizer):
-    """Another tokenizer, another vocabulary, another temperature: a ValueError naming what
-    differs, at construction."""
+    """Another tokenizer (a directory, or a service loaded from one), another vocabulary,
+    another temperature: a ValueError naming what differs, at construction."""
     from dpocache.integrations.trl_grpo import CachedGRPOTrainer
     from dpocache.models.tiny import build_model
     from dpocache.service import ReferenceService
 
     wider = ReferenceService(build_model("llama", tokenizer, vocab_size=len(tokenizer) + 64), temperature=TEMPERATURE)
+    other = _swapped_tokenizer(model_dir, tmp_path / "other-tokenizer")
     cases = {
         "reference's tokenizer .* differs from the policy's: 5\\d\\d tokens against 5\\d\\d, first difference":
-            _swapped_tokenizer(model_dir, tmp_path / "other-tokenizer"),
+            other,
+        # a service given, loaded from that directory: the same vocabulary size, so only its tokenizer tells
+        "reference's tokenizer .*other-tokenizer.* differs from the policy's":
+            ReferenceService.from_pretrained(other, "float32", "cpu", temperature=TEMPERATURE),
         "reference's vocabulary has 5\\d\\d tokens, the policy's 5\\d\\d": wider,
         "ReferenceService divides its logits by temperature 1, the trainer by args.temperature=0.7":
             ReferenceService.from_pretrained(model_dir, "float32", "cpu"),
