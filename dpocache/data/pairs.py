@@ -581,8 +581,11 @@ def tokenize_columns(
     rendered, skipped = _render_rows(rows, tokenizer, skip_invalid)
     prefix, eos = special_prefix(tokenizer), tokenizer.eos_token_id
     starts = range(0, len(rendered), ROWS_PER_CHUNK)
-    kept = {} if chunks is None else {start: done for start in starts if (done := chunks.load(
-        start, len(rendered[start:start + ROWS_PER_CHUNK]))) is not None}
+    kept = {}  # start -> (columns, unfit) of the chunks a stopped build kept
+    for start in starts if chunks is not None else ():
+        done = chunks.load(start, min(ROWS_PER_CHUNK, len(rendered) - start))
+        if done is not None:
+            kept[start] = done
     resumed = sum(len(columns) + len(unfit) for columns, unfit in kept.values())
     if kept and show_progress:
         print(f"tokens: {resumed:,} of {len(rendered):,} rows were tokenized by a build that stopped; "

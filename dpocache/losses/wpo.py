@@ -11,7 +11,6 @@ policy alone: the reference's cached values are not involved, and the cache does
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from dpocache.data.values import PairValues, completion_sums
@@ -29,6 +28,7 @@ def wpo_sums(lp: PairValues, log_sum_sq_probs: Tensor) -> tuple[Tensor, Tensor]:
     b = lp.chosen_logps.shape[0]
     if log_sum_sq_probs.dim() == 2:
         sq = log_sum_sq_probs.sum(-1)  # (2B,)
+        sq_chosen, sq_rejected = sq[:b], sq[b:]
     else:
-        sq = torch.cat(completion_sums(log_sum_sq_probs, lp.chosen_tokens, lp.rejected_tokens))  # (2B,)
-    return lp.chosen_logps.detach() - sq[:b], lp.rejected_logps.detach() - sq[b:]
+        sq_chosen, sq_rejected = completion_sums(log_sum_sq_probs, lp.chosen_tokens, lp.rejected_tokens)
+    return lp.chosen_logps.detach() - sq_chosen, lp.rejected_logps.detach() - sq_rejected
