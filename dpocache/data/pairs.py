@@ -50,9 +50,10 @@ import ast
 import csv
 import json
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -61,6 +62,7 @@ from dpocache.data import token_store
 from dpocache.data.columns import PairsView, TokenColumns
 from dpocache.data.keys import KEY_BYTES, example_key  # noqa: F401 (public names here)
 from dpocache.data.tokenize import continuation_ids, tokenize_continuations  # noqa: F401 (a public name here)
+from dpocache.runtime.signals import Interrupted
 
 STANDARD_COLUMNS = ("prompt", "chosen", "rejected")
 TEMPLATE_COLUMNS = ("tools", "chat_template_kwargs")  # per-row chat-template inputs, kept by map_columns
@@ -592,7 +594,8 @@ def tokenize_columns(
               "tokenizing the rest", file=sys.stderr)
     parts, unfit = [], []
     with tqdm(total=len(rendered), initial=resumed, desc="tokenizing", unit="rows",
-              disable=not show_progress or len(rendered) < ROWS_PER_CHUNK) as bar:
+              disable=not show_progress or len(rendered) < ROWS_PER_CHUNK) as bar, \
+            _saying_what_is_kept(chunks, resumed, len(rendered)) as saved:
         for start in starts:
             if start in kept:
                 columns, found = kept[start]
@@ -605,9 +608,25 @@ def tokenize_columns(
                                          skip_invalid, found))
             if chunks is not None:
                 chunks.save(start, len(chunk), parts[-1], [(r.location, r.field, r.reason) for r in found])
+                saved.append(len(chunk))
             unfit.extend(found)
             bar.update(len(chunk))
     return TokenColumns.concatenate(parts), skipped + unfit
+
+
+@contextmanager
+def _saying_what_is_kept(chunks: token_store.TokenizedChunks | None, resumed: int, total: int) -> Iterator[list[int]]:
+    """A stop signal while tokenizing stops at once (``Interrupted``): its line then says how many
+    of the ``total`` rows are kept for the next build (``resumed`` kept before, the sizes of the
+    chunks saved since appended to the list yielded), so a user sees the stop lost little."""
+    saved: list[int] = []
+    try:
+        yield saved
+    except Interrupted as stop:
+        if chunks is not None and chunks.saving and not stop.message:
+            stop.message = (f"{resumed + sum(saved):,} of {total:,} rows tokenized are kept in {chunks.directory}; "
+                            "the next build tokenizes the rest")
+        raise
 
 
 def _tokenize_chunk(chunk: list[tuple[RawRow, _RenderedRow]], tokenizer, prefix: list[int], eos: int | None,

@@ -21,6 +21,7 @@ from dpocache.data.pairs import DataError, load_preference_data, write_jsonl
 from dpocache.data.token_store import STORE_DIR
 from dpocache.data.tokenize import tokenize_continuations
 from dpocache.models.tiny import CHAT_TEMPLATE, build_tokenizer
+from dpocache.runtime.signals import Interrupted
 
 REPO = Path(__file__).resolve().parents[2]
 _TOOLS = [{"name": "sort_list", "description": "sort numbers", "parameters": {"type": "object"}}]
@@ -273,13 +274,13 @@ _TOKENIZE_CHUNK = pairs_module._tokenize_chunk
 
 
 def _stop_at_chunk(monkeypatch, stop: int = 0) -> list[int]:
-    """Chunks of 10 rows, the ``stop``-th tokenized raising ``KeyboardInterrupt`` (a stop signal
-    turned into an exception; 0: none); returns the list each tokenized chunk's row count goes into."""
+    """Chunks of 10 rows, the ``stop``-th tokenized raising ``Interrupted`` (what SIGTERM raises
+    while tokenizing; 0: none); returns the list each tokenized chunk's row count goes into."""
     calls = []
 
     def tokenize_chunk(chunk, *args):
         if len(calls) + 1 == stop:
-            raise KeyboardInterrupt
+            raise Interrupted(signal.SIGTERM)
         calls.append(len(chunk))
         return _TOKENIZE_CHUNK(chunk, *args)
 
@@ -290,10 +291,11 @@ def _stop_at_chunk(monkeypatch, stop: int = 0) -> list[int]:
 
 def test_a_build_stopped_while_tokenizing_keeps_its_chunks_and_the_next_tokenizes_the_rest(tmp_path, make_rows,
                                                                                             monkeypatch, capsys):
-    """A build stopped in its fourth chunk of 10 rows keeps the three before; the next build
-    tokenizes the fourth and fifth only, says so, and gives the pairs, keys and rows found unfit
-    (one in a kept chunk, one in a new one) of tokenizing in memory; the chunks go once the store
-    is written."""
+    """A build stopped in its fourth chunk of 10 rows keeps the three before, and its stop says so;
+    the next build, stopped in its second chunk, takes them, keeps one more and says so; the
+    third tokenizes the fifth only, says so, and gives the pairs, keys and rows found unfit (one
+    in a kept chunk, one in a new one) of tokenizing in memory; the chunks go once the store is
+    written."""
     real_finish = pairs_module._finish_pair
 
     def finish(row, *args):  # rows 3 and 33 unfit, as a pair past every limit is
@@ -306,16 +308,22 @@ def test_a_build_stopped_while_tokenizing_keeps_its_chunks_and_the_next_tokenize
     tok, cache = build_tokenizer(), tmp_path / "cache"
     expected = load_preference_data(path, tok, show_progress=False, skip_invalid=True)  # in memory, no store
     calls = _stop_at_chunk(monkeypatch, stop=4)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(Interrupted) as stopped:
         load_preference_data(path, tok, show_progress=False, skip_invalid=True, cache_dir=cache)
     assert calls == [10, 10, 10]
     (partial,) = [p for p in (cache / STORE_DIR).iterdir() if p.is_dir()]
     assert partial.name.startswith(".partial-") and len(list(partial.glob("*.json"))) == 3
+    kept = f"rows tokenized are kept in {partial}; the next build tokenizes the rest"
+    assert str(stopped.value) == f"stopped by SIGTERM: 30 of 45 {kept}"
+    calls = _stop_at_chunk(monkeypatch, stop=2)
+    with pytest.raises(Interrupted) as stopped:
+        load_preference_data(path, tok, show_progress=False, skip_invalid=True, cache_dir=cache)
+    assert calls == [10] and str(stopped.value) == f"stopped by SIGTERM: 40 of 45 {kept}"
     calls = _stop_at_chunk(monkeypatch)
     data = load_preference_data(path, tok, show_progress=True, skip_invalid=True, cache_dir=cache)
-    assert calls == [10, 5]
+    assert calls == [5]
     err = capsys.readouterr().err
-    assert "tokens: 30 of 45 rows were tokenized by a build that stopped; tokenizing the rest" in err
+    assert "tokens: 40 of 45 rows were tokenized by a build that stopped; tokenizing the rest" in err
     assert _as_tuples(data) == _as_tuples(expected)
     assert [str(s) for s in data.skipped] == [str(s) for s in expected.skipped] == [
         f"{path}:4: field 'prompt': unfit here", f"{path}:34: field 'prompt': unfit here"]
@@ -329,7 +337,7 @@ def test_a_damaged_chunk_is_tokenized_again(tmp_path, make_rows, monkeypatch):
     tok, cache = build_tokenizer(), tmp_path / "cache"
     expected = load_preference_data(path, tok, show_progress=False)
     _stop_at_chunk(monkeypatch, stop=4)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(Interrupted):
         load_preference_data(path, tok, show_progress=False, cache_dir=cache)
     (partial,) = [p for p in (cache / STORE_DIR).iterdir() if p.is_dir()]
     first, second, _ = sorted(partial.glob("*.npz"))
