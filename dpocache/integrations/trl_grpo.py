@@ -116,16 +116,19 @@ def _policy_arithmetic_kept():
             os.environ[BF16_MATMUL_ENV] = before
 
 
-@torch.no_grad()
-def _loaded_from(service: Any) -> Path | None:
-    """The local directory the model of a ``ReferenceService`` given was loaded from (its
-    config's ``name_or_path``); None for a model built in memory, a Hub id, or a pool (its
-    models live in its replicas)."""
+def _loaded_from(service: Any) -> tuple[Path, ...]:
+    """The local directories the model of a ``ReferenceService`` or ``ReferencePool`` given was
+    loaded from, where its tokenizer may be saved: a service's model's config ``name_or_path``; a
+    pool's ``model_dir`` (an adapter directory, then its base); none for a model built in memory."""
+    model_dir = getattr(service, "model_dir", None)  # a ReferencePool: its models live in its replicas
+    if isinstance(model_dir, Path) and model_dir.is_dir():
+        base, _ = reference_source(model_dir)
+        return (model_dir, Path(base))
     model = getattr(getattr(service, "reference", None), "model", None)
     if not isinstance(model, torch.nn.Module):
-        return None
+        return ()
     name = getattr(getattr(unwrap_causal_lm(model), "config", None), "name_or_path", "")
-    return Path(name) if name and Path(name).is_dir() else None
+    return (Path(name),) if name and Path(name).is_dir() else ()
 
 
 def _adapter_is_identity(model: Any) -> bool:
@@ -278,8 +281,8 @@ class CachedGRPOTrainer(GRPOTrainer):
                          stream: bool = False) -> ServiceReference:
         if reference is not None and not isinstance(reference, (str, Path)):
             loaded_from = _loaded_from(reference)
-            if loaded_from is not None:  # its vocabulary size alone misses a tokenizer of the same size
-                self._check_tokenizer(loaded_from)
+            if loaded_from:  # its vocabulary size alone misses a tokenizer of the same size
+                self._check_tokenizer(*loaded_from)
             return ServiceReference(reference, f"{type(reference).__name__} given, at temperature "
                                                f"{self.temperature:g}")
         dtype = self._reference_dtype(dtype_name_)

@@ -104,9 +104,10 @@ class ReferencePool:
     (``max_task_retries``); if Ray gives up, the pool sends the share to another replica.
     Either way every request is answered exactly once, in request order.
 
-    Each replica loads ``path`` as ``ReferenceService.from_pretrained(path, dtype, device,
-    reference, options)`` does; ``options`` (a ``ServiceOptions``, or its fields as keywords)
-    travels to every replica as one record.
+    Each replica loads ``path`` (``model_dir``: a Hub id resolved to its local directory) as
+    ``ReferenceService.from_pretrained(path, dtype, device, reference, options)`` does;
+    ``options`` (a ``ServiceOptions``, or its fields as keywords) travels to every replica as
+    one record.
     """
 
     def __init__(self, path: str | Path, num_replicas: int = 2, max_restarts: int = 3, max_task_retries: int = 3,
@@ -116,7 +117,8 @@ class ReferencePool:
         options = with_fields(ServiceOptions, options, fields)  # each field checked here, not in each replica
         check_loading(dtype, reference)
         loading = {"dtype": dtype, "device": device, "reference": reference}
-        check_model_dir(resolve_model_path(str(path)), "path", tokenizer=False)
+        self.model_dir = Path(resolve_model_path(str(path))).expanduser()  # what each replica loads
+        check_model_dir(self.model_dir, "path", tokenizer=False)
         if options.cache_dir is not None:
             check_writable_dir(options.cache_dir, "cache_dir")
         if not whole_number(num_replicas, 1):

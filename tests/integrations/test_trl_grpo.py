@@ -369,7 +369,8 @@ def test_evaluation_uses_the_look_aside_cache_training_does_not(model_dir, tmp_p
 @pytest.mark.slow
 def test_reference_pool_in_another_process_equals_grpotrainer(trl_full, model_dir, tmp_path):
     """A ReferencePool (a Ray replica in its own process): TRL's values; one at another
-    temperature is refused before TRL loads anything."""
+    temperature, and one whose directory's tokenizer is not the policy's (the same size, two
+    tokens swapped), are refused before TRL loads anything."""
     ray = pytest.importorskip("ray")
     from dpocache.integrations.trl_grpo import CachedGRPOTrainer
     from dpocache.service import ReferencePool
@@ -379,6 +380,11 @@ def test_reference_pool_in_another_process_equals_grpotrainer(trl_full, model_di
         pool = ReferencePool(model_dir, num_replicas=1, dtype="float32", device="cpu", temperature=TEMPERATURE)
         ours = _run(CachedGRPOTrainer, model_dir, tmp_path, steps=2, reference=pool)
         _assert_equal_to_trl(ours, trl_full, steps=2)
+        # the policy's tokenizer, not the pool's: the vocabulary sizes agree, only the tokenizers tell
+        other = _swapped_tokenizer(model_dir, tmp_path / "other-tokenizer")
+        pools = re.escape(f"reference's tokenizer ({model_dir}) differs from the policy's")
+        with pytest.raises(ValueError, match=pools):
+            _run(CachedGRPOTrainer, other, tmp_path, reference=pool, train=False)
         pool.temperature = 1.0  # as a pool built without temperature= says
         with pytest.raises(ValueError, match="ReferencePool divides its logits by temperature 1, the trainer"):
             _run(CachedGRPOTrainer, model_dir, tmp_path, reference=pool, train=False)
