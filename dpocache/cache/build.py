@@ -15,6 +15,7 @@ import math
 import os
 import random
 import resource
+import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -23,9 +24,18 @@ from typing import Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from dpocache.cache.concurrent_builds import SharedBuild, shared_build
 from dpocache.cache.fingerprint import FingerprintMemo, default_memo_path, model_dir_fingerprint, module_fingerprint
 from dpocache.cache.sequences import SUBDIR as SEQUENCES
-from dpocache.cache.store import DEFAULT_SHARD_PAIRS, MANIFEST, CacheError, CacheStore, CorruptShard, Namespace
+from dpocache.cache.store import (
+    DEFAULT_SHARD_PAIRS,
+    MANIFEST,
+    CacheError,
+    CacheStore,
+    CorruptShard,
+    Namespace,
+    ShardWriter,
+)
 from dpocache.config import with_fields
 from dpocache.data.pairs import TokenizedPair
 from dpocache.data.values import PairValues
@@ -229,6 +239,63 @@ def check_namespace_dtype(namespace: Namespace, reference: ReferenceModel) -> No
                          f"{namespace.dtype}, or open the store under the namespace of {dtype_name(reference.dtype)}")
 
 
+@dataclass
+class _Scoring:
+    """One pass's batches scored into a shard writer, and its counts: pairs ``computed`` (those
+    with a NaN or inf among them, listed in ``non_finite`` and not stored), ``skipped`` (written
+    by another build in this directory since the pass began) and the real ``tokens`` scored."""
+
+    reference: ReferenceModel | None
+    store: CacheStore
+    options: BuildOptions
+    max_tokens: int | None
+    start: float
+    computed: int = 0
+    skipped: int = 0
+    tokens: int = 0
+    non_finite: list[TokenizedPair] = field(default_factory=list)
+
+    def score(self, batch: Sequence[TokenizedPair], laid, writer: ShardWriter) -> None:
+        """Score the pairs of ``batch`` the store lacks (``laid``: the whole batch laid out ahead)."""
+        per_token, pad_id = self.options.per_token, self.options.pad_id
+        # A build running at once in this directory may have written these since: each flush
+        # and exchange (concurrent_builds) adopts its shards, so they are not computed twice.
+        scored = [p for p in batch if not self.store.has(p.key, per_token)]
+        self.skipped += len(batch) - len(scored)
+        if not scored:
+            return
+        whole = laid if len(scored) == len(batch) else None
+        values = score_batch(self.reference, scored, pad_id, self.max_tokens, whole)
+        scored, values, bad = _finite_only(scored, values)
+        self.non_finite += bad
+        if scored:
+            writer.add([p.key for p in scored], values if per_token else values.sums_only())
+        self.computed += len(scored) + len(bad)
+        self.tokens += sum(p.unique_tokens for p in scored)
+
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(1e-9, time.perf_counter() - self.start)
+
+
+def _score_shared(shared: SharedBuild, batches: list[list[TokenizedPair]], scoring: _Scoring, writer: ShardWriter,
+                  bar: tqdm, stop: StopRequest) -> None:
+    """Score ``batches`` chunk by chunk as ``shared`` hands them out (each claimed from the other
+    builds running at once in this directory), until done or ``stop``."""
+    if shared.slot and scoring.options.show_progress:
+        print("cache: another build of this cache is running: they split the pairs (each claims a chunk before "
+              "scoring it)", file=sys.stderr)
+    with contextlib.closing(shared.chunks(batches)) as chunks:
+        for chunk in chunks:
+            shared.exchange(writer, scoring.store)
+            for batch, laid in laid_out_ahead(scoring.reference, chunk, scoring.options.pad_id, scoring.max_tokens):
+                if stop:
+                    return
+                scoring.score(batch, laid, writer)
+                bar.update(len(batch))
+                bar.set_postfix(tok_s=f"{scoring.tokens_per_s():.0f}", refresh=False)
+            shared.exchange(writer, scoring.store)  # before its claim is let go
+
+
 def score_missing(
     store: CacheStore,
     pairs: Sequence[TokenizedPair],
@@ -242,53 +309,35 @@ def score_missing(
     what a stop means (``build_distributed`` first agrees on it with the other ranks)."""
     start = time.perf_counter()
     by_key = unique_pairs(pairs)
-    per_token, pad_id, max_tokens = options.per_token, options.pad_id, options.max_tokens
+    per_token, max_tokens = options.per_token, options.max_tokens
     todo = [by_key[k] for k in store.missing(by_key, per_token)]
     reference = load_reference() if todo else None
     if reference is not None:
         check_namespace_dtype(store.namespace, reference)
         max_tokens = max_tokens or default_max_tokens(reference.device)
         reference.prepare(sum(p.unique_tokens for p in todo))  # --compile auto: compile if the pass repays it
-    tokens, computed, skipped, non_finite = 0, 0, 0, []
+    scoring = _Scoring(reference, store, options, max_tokens, start)
     if todo:
         writer = store.writer(options.shard_pairs, options.flush_seconds, update_manifest)
         bar = tqdm(total=len(todo), unit="pairs", desc="reference log-probs", disable=not options.show_progress,
                    dynamic_ncols=True)
         # A signal only sets ``stop`` here: a batch is scored and added whole, never half.
-        with stop.deferred():
+        with stop.deferred(), shared_build(store.dir, stop, enabled=update_manifest) as shared:
             try:
-                batches = reference_batches(reference, todo, max_tokens)
-                for batch, laid in laid_out_ahead(reference, batches, pad_id, max_tokens):
-                    if stop:
-                        break
-                    # A build running at once in this directory may have written these since: each
-                    # flush adopts its shards (CacheStore.write_manifest), so they are not computed twice.
-                    scored = [p for p in batch if not store.has(p.key, per_token)]
-                    skipped += len(batch) - len(scored)
-                    if scored:
-                        values = score_batch(reference, scored, pad_id, max_tokens,
-                                             laid if len(scored) == len(batch) else None)
-                        scored, values, bad = _finite_only(scored, values)
-                        non_finite += bad
-                        if scored:
-                            writer.add([p.key for p in scored], values if per_token else values.sums_only())
-                        computed += len(scored) + len(bad)
-                        tokens += sum(p.unique_tokens for p in scored)
-                    bar.update(len(batch))
-                    bar.set_postfix(tok_s=f"{tokens / max(1e-9, time.perf_counter() - start):.0f}", refresh=False)
+                _score_shared(shared, reference_batches(reference, todo, max_tokens), scoring, writer, bar, stop)
             finally:
                 # Whatever was computed before a signal or an error is kept.
                 writer.flush()
                 bar.close()
-    if non_finite:
-        raise CacheError(_non_finite_message(non_finite, computed, store))
+    if scoring.non_finite:
+        raise CacheError(_non_finite_message(scoring.non_finite, scoring.computed, store))
     seconds = time.perf_counter() - start
     device = reference.device if reference is not None else None
     return BuildSummary(
         # Pairs another build wrote while this one ran count as reused.
-        pairs=len(pairs), unique=len(by_key), computed=computed, reused=len(by_key) - len(todo) + skipped,
-        tokens=tokens,
-        seconds=seconds, tokens_per_s=tokens / seconds if tokens else 0.0, peak_memory_bytes=peak_memory_bytes(device),
+        pairs=len(pairs), unique=len(by_key), computed=scoring.computed,
+        reused=len(by_key) - len(todo) + scoring.skipped, tokens=scoring.tokens, seconds=seconds,
+        tokens_per_s=scoring.tokens / seconds if scoring.tokens else 0.0, peak_memory_bytes=peak_memory_bytes(device),
         cache_dir=str(store.dir), namespace=store.namespace.id,
         forward_passes=reference.forward_passes if reference is not None else 0,
         corrupt_shards=[str(c) for c in store.corrupt], interrupted=stop.signum or 0,

@@ -1,0 +1,146 @@
+"""Builds running at once on one cache namespace split the work (``dpocache.cache.concurrent_builds``):
+each holds its own slot and starts at its own place, and skips what the others have written."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dpocache.cache import CacheStore, namespace_for_dir
+from dpocache.cache import concurrent_builds
+from dpocache.cache.concurrent_builds import shared_build, start_fraction, start_index, starting_at
+from dpocache.runtime.signals import StopRequest
+
+
+class _Pair:
+    def __init__(self, i: int):
+        self.key = i.to_bytes(16, "big")
+
+
+def _batches(n: int) -> list[list[_Pair]]:
+    return [[_Pair(i)] for i in range(n)]
+
+
+def test_each_new_slot_starts_in_the_middle_of_the_longest_stretch_not_started():
+    assert [start_fraction(s) for s in range(8)] == [0, 1 / 2, 1 / 4, 3 / 4, 1 / 8, 5 / 8, 3 / 8, 7 / 8]
+    assert starting_at(list(range(8)), 0) == list(range(8))
+    assert starting_at(list(range(8)), 1) == [4, 5, 6, 7, 0, 1, 2, 3]
+    assert starting_at(list(range(8)), 3) == [6, 7, 0, 1, 2, 3, 4, 5]
+    assert starting_at([7], 1) == [7] and starting_at([], 5) == [] and start_index(0, 3) == 0
+
+
+def test_a_slot_is_held_until_its_build_ends_and_then_free(tmp_path):
+    with shared_build(tmp_path) as first:
+        assert not first.others_running()
+        with shared_build(tmp_path) as second, shared_build(tmp_path) as third:
+            assert (first.slot, second.slot, third.slot) == (0, 1, 2)
+            assert first.others_running() and third.others_running()
+        with shared_build(tmp_path) as again:
+            assert again.slot == 1  # the second's, free again
+    with shared_build(tmp_path) as alone:
+        assert alone.slot == 0 and not alone.others_running()
+
+
+def test_a_directory_that_cannot_hold_the_claims_builds_as_if_alone(tmp_path):
+    (tmp_path / "ns").write_text("a file where the namespace directory would be")
+    with shared_build(tmp_path / "ns") as shared, shared_build(tmp_path, enabled=False) as rank:
+        for build in (shared, rank):
+            assert build.slot == 0 and not build.others_running()
+            assert [len(c) for c in build.chunks(_batches(5))] == [5]  # one chunk, nothing claimed
+
+
+def test_a_chunk_another_build_holds_comes_last_and_once_it_is_let_go(tmp_path, monkeypatch):
+    """Eight batches in four chunks: the first build's claim on its first chunk sends the second
+    (starting at the middle) round the other three first; the held chunk comes once released."""
+    monkeypatch.setattr(concurrent_builds, "CHUNKS", 4)
+    monkeypatch.setattr(concurrent_builds, "WAIT_POLL_S", 0.01)
+    batches = _batches(8)
+    firsts = lambda chunk: [batch[0].key[-1] for batch in chunk]  # noqa: E731
+    with shared_build(tmp_path) as first, shared_build(tmp_path, StopRequest()) as second:
+        mine = first.chunks(batches)
+        assert firsts(next(mine)) == [0, 1]  # claimed while the first build scores it
+        theirs = second.chunks(batches)
+        assert [firsts(next(theirs)) for _ in range(3)] == [[4, 5], [6, 7], [2, 3]]
+        mine.close()  # the first build is done with it: the claim goes
+        assert firsts(next(theirs)) == [0, 1]
+        assert next(theirs, None) is None
+
+
+def test_a_stop_signal_ends_the_wait_for_a_held_chunk(tmp_path, monkeypatch):
+    monkeypatch.setattr(concurrent_builds, "CHUNKS", 2)
+    monkeypatch.setattr(concurrent_builds, "WAIT_POLL_S", 0.01)
+    stop = StopRequest()
+    with shared_build(tmp_path) as first, shared_build(tmp_path, stop) as second:
+        mine = first.chunks(_batches(2))
+        next(mine)
+        theirs = second.chunks(_batches(2))
+        assert len(next(theirs)) == 1  # the one chunk not held
+        stop.signum = 15
+        assert next(theirs, None) is None  # not a wait for ever
+        mine.close()
+
+
+def test_the_claims_go_with_the_last_build(tmp_path):
+    with shared_build(tmp_path) as first:
+        with shared_build(tmp_path) as second:
+            list(second.chunks(_batches(3)))
+        assert list((tmp_path / ".builds").glob("claim-*")), "kept while another build runs"
+        list(first.chunks(_batches(3)))
+    assert not list((tmp_path / ".builds").glob("claim-*"))
+
+
+_BUILD_TOGETHER = """
+import sys, time
+from pathlib import Path
+import torch
+from dpocache.cache import CacheStore, build, build_missing, namespace_for_dir
+from dpocache.models.loading import load_tokenizer
+from dpocache.data.pairs import load_preference_data
+from dpocache.models.reference import ReferenceModel
+model, data, cache, me, other = sys.argv[1:]
+pairs = load_preference_data(data, load_tokenizer(model), show_progress=False).pairs
+reference = ReferenceModel.from_pretrained(model, "float32", device="cpu")
+store = CacheStore(cache, namespace_for_dir(model, torch.float32, Path(cache))).open(repair=True)
+real_score = build.score_batch
+def slow_score(*args):  # each batch slower than a flush and a refresh: the two runs overlap throughout
+    time.sleep(0.1)
+    return real_score(*args)
+build.score_batch = slow_score
+Path(me).touch()  # both have loaded everything before either scores
+deadline = time.monotonic() + 300
+while not Path(other).exists():
+    assert time.monotonic() < deadline, "the other build never started"
+    time.sleep(0.01)
+summary = build_missing(store, pairs, lambda: reference, shard_pairs=2, max_tokens=64, show_progress=True)
+print("computed", summary.computed, "reused", summary.reused)
+"""
+
+
+@pytest.mark.slow
+def test_two_builds_started_together_split_the_pairs(tmp_path, model_dir, pref_jsonl, data):
+    """Two processes building the same 48 pairs into one cache at the same moment: the second
+    says so, and together they compute each pair about once, where before each computed all 48."""
+    cache = tmp_path / "cache"
+    ready = [tmp_path / "a.ready", tmp_path / "b.ready"]
+    procs = [subprocess.Popen([sys.executable, "-c", _BUILD_TOGETHER, str(model_dir), str(pref_jsonl), str(cache),
+                               str(ready[i]), str(ready[1 - i])], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for i in range(2)]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outputs]
+    counts = [tuple(map(int, re.fullmatch(r"computed (\d+) reused (\d+)", out.strip()).groups()))
+              for out, _ in outputs]
+    unique = len({p.key for p in data.pairs})
+    assert all(computed + reused == unique for computed, reused in counts)
+    computed = [c for c, _ in counts]
+    # each pair once (a batch twice at most, where a build that started alone had not flushed yet
+    # what the other reaches next), where each computed all 48 before
+    assert min(computed) > 0 and sum(computed) <= unique + 3, counts
+    second = "cache: another build of this cache is running: they split the pairs (each claims a chunk"
+    assert sum(second in err for _, err in outputs) == 1
+    store = CacheStore(cache, namespace_for_dir(model_dir, torch.float32, Path(cache))).open()
+    assert all(p.key in store for p in data.pairs)
