@@ -188,21 +188,31 @@ def _decode_error(location: str, e: UnicodeDecodeError) -> DataError:
     return DataError(location, None, f"not valid UTF-8 (byte 0x{e.object[e.start]:02x} at column {e.start + 1})")
 
 
-def json_problem(e: json.JSONDecodeError) -> str:
+def json_problem(e: json.JSONDecodeError, one_line: bool = False) -> str:
     """What ``json`` found and where, in words: its "Invalid control character at" (a tab, or a
-    line cut in two inside a string) said "at at column N" and not what to do."""
+    line cut in two inside a string) said "at at column N" and not what to do; where the text
+    stops before its JSON does, it named what it expected next, not that the text was cut short
+    (``one_line``: a JSON Lines line, where a record spread over lines is cut the same way)."""
     msg = e.msg.removesuffix(" at")
     if msg == "Invalid control character":
         return f"a raw tab or line break inside a string at column {e.colno}: write it as \\t or \\n"
+    if msg == "Unterminated string starting" or 0 < len(e.doc.rstrip()) <= e.pos:
+        where = f"inside a string opened at column {e.colno}" if msg.startswith("Unterminated") else (
+            f"at column {e.colno}")
+        if one_line:
+            return (f"the line ends {where} before its JSON does: cut short, or a record written over several "
+                    "lines; JSON Lines holds one record a line")
+        return f"the text ends {where} before its JSON does: cut short"
     return f"{msg} at column {e.colno}"
 
 
-def _parse_json(location: str, text: str) -> Any:
-    """``json.loads``, its failures as a ``DataError`` naming ``location``."""
+def _parse_json(location: str, text: str, one_line: bool = False) -> Any:
+    """``json.loads``, its failures as a ``DataError`` naming ``location`` (``one_line``: a JSON
+    Lines line, without its line break)."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise DataError(location, None, f"malformed JSON ({json_problem(e)})") from None
+        raise DataError(location, None, f"malformed JSON ({json_problem(e, one_line)})") from None
     except RecursionError:
         raise DataError(location, None, "JSON nested too deeply to read") from None
 
@@ -223,7 +233,8 @@ def _read_jsonl(path: Path) -> list[RawRow]:
             if not line.strip():
                 continue
             try:
-                rows.append(RawRow(len(rows), location, _parse_json(location, line)))
+                # without its line break: a line cut short reads as such, wherever it is in the file
+                rows.append(RawRow(len(rows), location, _parse_json(location, line.rstrip("\r\n"), one_line=True)))
             except DataError as e:
                 rows.append(RawRow(len(rows), location, None, e))
     return rows

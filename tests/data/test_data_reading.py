@@ -132,6 +132,23 @@ def test_a_raw_tab_in_a_string_says_what_to_write(tmp_path, tokenizer, pref_rows
                               "write it as \\t or \\n)")
 
 
+@pytest.mark.parametrize("last", [False, True], ids=["followed", "last-without-break"])
+def test_a_line_cut_short_says_so_wherever_it_is(tmp_path, tokenizer, pref_rows, last):
+    """A line that stops before its JSON does (cut short, or a record spread over lines) reads
+    the same with or without a line break after it: json saw the break as a raw control
+    character in a string ("write it as \\n") or named the column after it."""
+    good = json.dumps(pref_rows[0]).encode() + b"\n"
+    cases = {b'{"prompt": "a", "chosen": " b", "rejected": " c"': "the line ends at column 49",
+             b'{"prompt": "sort 3': "the line ends inside a string opened at column 12"}
+    for cut, where in cases.items():
+        path = tmp_path / "d.jsonl"
+        path.write_bytes(good + cut + (b"" if last else b"\n" + good))
+        with pytest.raises(DataError) as err:
+            _load(path, tokenizer)
+        assert str(err.value) == (f"{path}:2: malformed JSON ({where} before its JSON does: cut short, or a record "
+                                  "written over several lines; JSON Lines holds one record a line)")
+
+
 def test_csv_bad_byte_is_a_row_error_naming_the_column(tmp_path, tokenizer):
     path = tmp_path / "d.csv"
     path.write_bytes(b"prompt,chosen,rejected\nsort 3 1, 1 3, 3 1\nsort 2 1, 1 \xff2, 2 1\nsort 5 4, 4 5, 5 4\n")
