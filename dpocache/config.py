@@ -669,8 +669,14 @@ def apply_mapping(cfg: Config, mapping: dict, source: str) -> None:
         if isinstance(value, dict) and key in _sections():
             for sub, v in value.items():
                 _set_from(cfg, f"{key}.{sub}", v, source)
-        else:
+        elif not _empty_section(key, value):
             _set_from(cfg, key, value, source)
+
+
+def _empty_section(key: Any, value: Any) -> bool:
+    """A section with nothing under it (``optim:`` with its every field commented out), which
+    YAML reads as null: it sets nothing."""
+    return value is None and key in _sections()
 
 
 def _set_from(cfg: Config, dotted: str, value: Any, source: str, aliases: dict[str, str] | None = None) -> None:
@@ -847,6 +853,12 @@ def _unknown_keys(mapping: dict) -> list[str]:
         if isinstance(value, dict) and key in _sections():
             problems += [unknown_name(f"{key}.{sub}", v, yaml=True) for sub, v in value.items()
                          if _resolve(f"{key}.{sub}") not in field_types()]
+        elif _empty_section(key, value):
+            continue
+        elif key in _sections() and _resolve(key) not in field_types():
+            fields = [name for name in field_types() if name.startswith(f"{key}.")][:2]
+            problems.append(f"'{key}' is a section: its fields go under it, indented (such as {', '.join(fields)}); "
+                            f"got the value {value!r}")
         elif isinstance(value, dict) and _resolve(key) not in field_types():
             # A section's name, misspelt: its fields are then not the question.
             close = difflib.get_close_matches(str(key), _sections(), n=1)

@@ -105,9 +105,20 @@ def test_a_commands_short_flags_are_suggested():
                                                  "unknown field 'optim.schedul'; did you mean 'optim.schedule'?"),
     ("bata: 0.2\n", "unknown field 'bata'; did you mean 'beta'?"),
     ("1: x\n", "unknown field '1'; see --help for the fields"),  # not a string: named, not a traceback
+    # a section given a value: it was "unknown field 'train'; did you mean 'data.train'?"
+    ("train: runs/z\n", "'train' is a section: its fields go under it, indented (such as train.output_dir, "
+                        "train.batch_size); got the value 'runs/z'"),
 ])
 def test_config_file_keys_that_set_nothing_are_named_with_the_file(tmp_path, text, expected):
     assert message(yaml_text=text, tmp_path=tmp_path) == f"{tmp_path / 'config.yaml'}: {expected}"
+
+
+def test_a_section_with_every_field_commented_out_sets_nothing(tmp_path):
+    """``optim:`` alone (YAML's null) was "unknown field 'optim'; did you mean 'optim.lr'?"."""
+    path = tmp_path / "config.yaml"
+    path.write_text("optim:\n  # lr: 1.0e-6\ntrain:\n  batch_size: 4\n")
+    cfg = build_config(str(path), [])
+    assert cfg.optim == build_config(None, []).optim and cfg.train.batch_size == 4
 
 
 def test_a_mapping_under_a_field_is_a_wrong_value_not_an_unknown_section(tmp_path):
