@@ -566,9 +566,18 @@ def _render_rows(rows: list[RawRow], tokenizer, skip_invalid: bool) -> tuple[lis
             rendered.append((row, _render(row, tokenizer)))
         except DataError as e:
             if not skip_invalid:
-                raise
+                raise _with_skip_hint(e) if rendered or isinstance(e, LacksValues) else e
             skipped.append(SkippedRow(e.location, e.field, e.reason))
     return rendered, skipped
+
+
+SKIP_HINT = "fix or drop the row; --skip-invalid skips such rows"
+
+
+def _with_skip_hint(e: DataError) -> DataError:
+    """A bad row after good ones, or one without values other rows have, has a problem of its
+    own, not the file's: say what to do."""
+    return e if "--skip-invalid" in e.reason else DataError(e.location, e.field, f"{e.reason} ({SKIP_HINT})")
 
 
 def _where(location: str) -> int:
@@ -801,15 +810,24 @@ def unfit_pairs(columns: TokenColumns, vocab_size: int | None, context: int | No
 def map_columns(rows: list[RawRow], columns: tuple[str | None, str, str] = STANDARD_COLUMNS) -> list[RawRow]:
     """Rows with their (prompt, chosen, rejected) columns under the standard names; a row whose
     columns do not fit gets an ``error`` naming every missing field and the flags that map them."""
-    out = []
+    out, missing, mapped = [], [], False
     for row in rows:
         if row.error is not None or not isinstance(row.values, dict):
             out.append(row)  # reported as it is by validation
             continue
         try:
             out.append(replace(row, values=_mapped(row, columns)))
+            mapped = True
+        except MissingFields as e:
+            missing.append(len(out))
+            out.append(replace(row, error=e))
         except DataError as e:
             out.append(replace(row, error=e))
+    for i in missing if mapped else ():  # other rows have the columns: this row lacks its values
+        e = out[i].error
+        what = f"{_missing_names(e.missing, columns)} missing, where other rows have them" if len(e.missing) > 1 \
+            else "missing, where other rows have it"
+        out[i] = replace(out[i], error=LacksValues(e.location, e.field, what))
     return out
 
 
@@ -858,6 +876,24 @@ def _missing_fields(values: dict, columns: tuple[str | None, str, str]) -> list[
     return missing
 
 
+class LacksValues(DataError):
+    """A row without values of columns other rows have: the row's problem, not the mapping's."""
+
+
+class MissingFields(DataError):
+    """A row without the columns of ``missing`` (standard names: prompt, chosen, rejected)."""
+
+    def __init__(self, location: str, field_name: str | None, reason: str, missing: list[str]):
+        super().__init__(location, field_name, reason)
+        self.missing = missing
+
+
+def _missing_names(missing: list[str], columns: tuple[str | None, str, str]) -> str:
+    """``fields 'chosen', 'rejected'``: the missing columns by their names in the file."""
+    names = dict(zip(STANDARD_COLUMNS, columns))
+    return "fields " + ", ".join(repr(names[m]) for m in missing)
+
+
 def _missing_error(row: RawRow, columns: tuple[str | None, str, str], missing: list[str]) -> DataError:
     """Every missing field in one error, with the row's columns and every mapping flag to pass:
     a data set of question/good/bad columns took three runs to map, one field at a time."""
@@ -875,8 +911,8 @@ def _missing_error(row: RawRow, columns: tuple[str | None, str, str], missing: l
     if missing == ["prompt"]:
         reason += " (or --data.prompt_field none: chosen and rejected hold the prompt)"
     if len(missing) == 1:
-        return DataError(row.location, names[missing[0]], f"missing; {reason}")
-    return DataError(row.location, None, f"fields {', '.join(repr(names[m]) for m in missing)} missing; {reason}")
+        return MissingFields(row.location, names[missing[0]], f"missing; {reason}", missing)
+    return MissingFields(row.location, None, f"{_missing_names(missing, columns)} missing; {reason}", missing)
 
 
 def write_jsonl(rows: Iterable[dict], path: str | Path) -> Path:

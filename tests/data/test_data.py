@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 
 import pytest
 
@@ -168,6 +169,34 @@ def test_bad_row_error_names_file_line_and_field(tmp_path, tokenizer, case):
     assert f"{path}:2" in msg, msg
     assert f"'{field}'" in msg, msg
     assert reason in msg, msg
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["after-good-rows", "first-row"])
+def test_a_row_without_values_other_rows_have_is_the_rows_problem_not_the_mapping(tmp_path, tokenizer, first):
+    """Row 2 of 3 (or row 1) lacks 'rejected' or both completions while the others have them: the
+    message said to map a column ("pass --data.rejected_field COLUMN"), which every other row
+    has; it says to fix or drop the row, as a skipped row's reason says what it lacks."""
+    hint = "(fix or drop the row; --skip-invalid skips such rows)"
+    cases = {"rejected": ({"prompt": "sort", "chosen": " 1 2"}, "field 'rejected': missing, where other rows have it"),
+             "both": ({"prompt": "sort"}, "fields 'chosen', 'rejected' missing, where other rows have them")}
+    for row, said in cases.values():
+        path = write_jsonl([row, GOOD, GOOD] if first else [GOOD, row, GOOD], tmp_path / "d.jsonl")
+        line = 1 if first else 2
+        with pytest.raises(DataError) as err:
+            _load(path, tokenizer)
+        assert str(err.value) == f"{path}:{line}: {said} {hint}"
+        assert [str(s) for s in _load(path, tokenizer, skip_invalid=True).skipped] == [f"{path}:{line}: {said}"]
+    # a row's own empty completion after good rows says the same; in a file's first row it is said as before
+    path = write_jsonl([GOOD, {**GOOD, "chosen": ""}], tmp_path / "d.jsonl")
+    with pytest.raises(DataError, match=re.escape(f"{path}:2: field 'chosen': empty string {hint}")):
+        _load(path, tokenizer)
+    path = write_jsonl([{**GOOD, "chosen": ""}, GOOD], tmp_path / "d.jsonl")
+    with pytest.raises(DataError, match=re.escape(f"{path}:1: field 'chosen': empty string") + "$"):
+        _load(path, tokenizer)
+    # no row has the column: the mapping is the question, as before
+    path = write_jsonl([{"prompt": "sort", "chosen": " 1 2", "bad": " 2 1"}] * 2, tmp_path / "d.jsonl")
+    with pytest.raises(DataError, match="field 'rejected': missing; the row has columns .*--data.rejected_field bad"):
+        _load(path, tokenizer)
 
 
 def test_csv_error_names_the_line(tmp_path, tokenizer):

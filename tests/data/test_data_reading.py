@@ -129,7 +129,7 @@ def test_a_raw_tab_in_a_string_says_what_to_write(tmp_path, tokenizer, pref_rows
     with pytest.raises(DataError) as err:
         _load(path, tokenizer)
     assert str(err.value) == (f"{path}:2: malformed JSON (a raw tab or line break inside a string at column 14: "
-                              "write it as \\t or \\n)")
+                              "write it as \\t or \\n) (fix or drop the row; --skip-invalid skips such rows)")
 
 
 @pytest.mark.parametrize("last", [False, True], ids=["followed", "last-without-break"])
@@ -146,7 +146,8 @@ def test_a_line_cut_short_says_so_wherever_it_is(tmp_path, tokenizer, pref_rows,
         with pytest.raises(DataError) as err:
             _load(path, tokenizer)
         assert str(err.value) == (f"{path}:2: malformed JSON ({where} before its JSON does: cut short, or a record "
-                                  "written over several lines; JSON Lines holds one record a line)")
+                                  "written over several lines; JSON Lines holds one record a line) (fix or drop the "
+                                  "row; --skip-invalid skips such rows)")
 
 
 def test_csv_bad_byte_is_a_row_error_naming_the_column(tmp_path, tokenizer):
