@@ -809,7 +809,8 @@ def unfit_pairs(columns: TokenColumns, vocab_size: int | None, context: int | No
 
 def map_columns(rows: list[RawRow], columns: tuple[str | None, str, str] = STANDARD_COLUMNS) -> list[RawRow]:
     """Rows with their (prompt, chosen, rejected) columns under the standard names; a row whose
-    columns do not fit gets an ``error`` naming every missing field and the flags that map them."""
+    columns do not fit gets an ``error`` naming every missing field and the flags that map them,
+    or, where other rows have those columns, a ``LacksValues`` (the row lacks its values)."""
     out, missing, mapped = [], [], False
     for row in rows:
         if row.error is not None or not isinstance(row.values, dict):

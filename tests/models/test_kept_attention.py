@@ -127,22 +127,24 @@ def test_with_kept_products_too_and_without_the_down_projections_product(tokeniz
 def test_a_layer_compiled_inside_its_checkpoint_keeps_its_attention(tokenizer, pairs, flash_calls):
     """``LayerCheckpoint``'s compiled layer (a streamed base under ``--compile on``): the kept
     attention is one opaque operation in the graph, no graph break, the flash forward runs once
-    per layer and group, and the values are the compiled recompute's exactly, the gradients
-    within float rounding (the two recompute graphs fuse their kernels differently)."""
+    per layer and group, and the values and gradients are the eager recompute's within float
+    rounding (eager, the kept attention equals the recompute bit for bit: the test above; one
+    compiled model here, not two, keeps the test within the suite's time)."""
     from torch._dynamo.utils import counters
 
     pad = tokenizer.pad_token_id
+    want = _step(*_lora_model(tokenizer, ())[:2], pairs, pad, bf16=False)
     torch._dynamo.reset()
-    want = _step(*_lora_model(tokenizer, (), compiled=True)[:2], pairs, pad, bf16=False)
     breaks = sum(counters["graph_break"].values())
     model, scorer, _ = _lora_model(tokenizer, ("attention",), compiled=True)
     flash_calls.clear()
     got = _step(model, scorer, pairs, pad, bf16=False)
     assert sum(counters["graph_break"].values()) == breaks
     assert flash_calls == ["kept"] * (len(decoder_layers(model)) * ROW_GROUPS)
-    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
-    for name in want[2]:
-        torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+    for name, grad in want[2].items():  # the compiler's rounding, as the streamed compiled tests allow
+        torch.testing.assert_close(got[2][name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item())
 
 
 def test_outside_a_checkpointed_call_it_is_the_rows_attention_and_keeps_nothing(tokenizer, pairs, monkeypatch):
