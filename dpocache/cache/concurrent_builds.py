@@ -46,13 +46,17 @@ WAIT_POLL_S = 0.2  # how often a build waiting for another's chunk looks again (
 Batch = Sequence["TokenizedPair"]
 
 
+NO_LOCK = -1  # a lock file this process cannot open (a directory another user made): go on without
+
+
 def _try_lock(path: Path) -> int | None:
-    """An open descriptor of ``path`` holding its exclusive lock, or None where another holds it
-    (or the file cannot be opened)."""
+    """An open descriptor of ``path`` holding its exclusive lock; None where another holds it;
+    ``NO_LOCK`` where the file cannot be opened (the build goes on as if it held it: waiting for
+    a lock it can never take would stop it for good)."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError:
-        return None
+        return NO_LOCK
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -83,7 +87,7 @@ class SharedBuild:
             fd = _try_lock(self.directory / name)
             if fd is None:
                 return True
-            os.close(fd)  # free: this probe held it a moment
+            _release(fd)  # free: this probe held it a moment
         return False
 
     def exchange(self, writer: ShardWriter, store: CacheStore) -> None:
@@ -169,12 +173,17 @@ def shared_build(namespace_dir: Path, stop: StopRequest | None = None, enabled: 
     yield SharedBuild(directory, MAX_SLOTS, stop)  # holds no slot file: every held one is another's
 
 
+def _release(fd: int) -> None:
+    if fd != NO_LOCK:
+        os.close(fd)  # releases its lock
+
+
 @contextlib.contextmanager
 def _released(fd: int) -> Iterator[None]:
     try:
         yield
     finally:
-        os.close(fd)  # releases its lock
+        _release(fd)
 
 
 def start_fraction(slot: int) -> float:

@@ -3,9 +3,11 @@ each holds its own slot and starts at its own place, and skips what the others h
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -83,6 +85,30 @@ def test_a_stop_signal_ends_the_wait_for_a_held_chunk(tmp_path, monkeypatch):
         stop.signum = 15
         assert next(theirs, None) is None  # not a wait for ever
         mine.close()
+
+
+def test_claims_this_process_cannot_open_are_gone_without(tmp_path, monkeypatch):
+    """A .builds directory another user made (not writable here): each chunk comes at once,
+    where waiting for a lock it can never take would stop the build for good."""
+    monkeypatch.setattr(concurrent_builds, "CHUNKS", 4)
+    monkeypatch.setattr(concurrent_builds, "WAIT_POLL_S", 0.01)
+    real_open = os.open
+
+    def refused(path, *args):
+        if "claim-" in str(path):
+            raise PermissionError(13, "Permission denied")
+        return real_open(path, *args)
+
+    monkeypatch.setattr(concurrent_builds.os, "open", refused)
+    stop = StopRequest()
+    timer = threading.Timer(5.0, lambda: setattr(stop, "signum", 15))  # ends a wait that would never end
+    timer.start()
+    try:
+        with shared_build(tmp_path, stop) as shared:
+            assert len(list(shared.chunks(_batches(8)))) == 4
+    finally:
+        timer.cancel()
+    assert not stop
 
 
 def test_the_claims_go_with_the_last_build(tmp_path):
