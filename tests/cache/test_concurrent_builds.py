@@ -1,5 +1,6 @@
 """Builds running at once on one cache namespace split the work (``dpocache.cache.concurrent_builds``):
-each holds its own slot and starts at its own place, and skips what the others have written."""
+each claims a chunk before scoring it, starts at its own slot's place, and skips what the others
+have written."""
 
 from __future__ import annotations
 
@@ -13,8 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dpocache.cache import CacheStore, namespace_for_dir
-from dpocache.cache import concurrent_builds
+from dpocache.cache import CacheStore, concurrent_builds, namespace_for_dir
 from dpocache.cache.concurrent_builds import shared_build, start_fraction, start_index, starting_at
 from dpocache.runtime.signals import StopRequest
 
