@@ -163,6 +163,16 @@ def resume(run: Run) -> None:
         print(f"resumed from {ckpt} at step {run.step}", file=sys.stderr)
         saved = state.get("global_batch")
         if saved is not None and saved != global_batch(run):
-            print(f"warning: the global batch was {saved} and is now {global_batch(run)} (batch_size x grad_accum x "
-                  f"world_size); steps after {run.step} take different pairs than the first run would have",
-                  file=sys.stderr)
+            print(other_batch_warning(run.step, saved, global_batch(run)), file=sys.stderr)
+
+
+def other_batch_warning(step: int, saved: int, now: int) -> str:
+    """What a resume at ``step`` under another global batch does to the data: it goes on from
+    ``step x now`` pairs into the run's order, where the first run had trained ``step x saved``."""
+    trained, here = step * saved, step * now
+    change = (f"pairs {here:,} to {trained - 1:,} of the data's order are trained again" if now < saved else
+              f"pairs {trained:,} to {here - 1:,} of the data's order are skipped")
+    return (f"warning: the global batch was {saved} and is now {now} (batch_size x grad_accum x world_size): the "
+            f"first run had trained {trained:,} pairs by step {step}, this one goes on from pair {here:,}, so "
+            f"{change}, and its steps and learning-rate schedule are those of a batch of {now}; keep the product at "
+            f"{saved} to continue exactly")

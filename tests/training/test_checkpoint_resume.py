@@ -158,6 +158,24 @@ def test_resume_with_other_settings_is_refused_before_loading(tmp_path, base_mod
     assert [r["step"] for r in train_records(out)] == [1, 2, 3]
 
 
+def test_a_resume_under_another_global_batch_says_which_pairs_it_trains_again(tmp_path, base_model, train_jsonl,
+                                                                              capsys):
+    """Two steps of 4 pairs, resumed with batches of 2: the resume goes on from pair 4 of the
+    order (step 2 x 2), so pairs 4 to 7 are trained again (seen in its first logged epoch);
+    it said only that the steps "take different pairs"."""
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    run_training(*flags(base_model, train_jsonl, out, cache, "--max-steps", "2", "--save-steps", "2"))
+    capsys.readouterr()
+    run_training(*flags(base_model, train_jsonl, out, cache, "--max-steps", "3", "--batch-size", "2", "--resume"))
+    err = capsys.readouterr().err
+    assert ("warning: the global batch was 4 and is now 2 (batch_size x grad_accum x world_size): the first run had "
+            "trained 8 pairs by step 2, this one goes on from pair 4, so pairs 4 to 7 of the data's order are trained "
+            "again, and its steps and learning-rate schedule are those of a batch of 2; keep the product at 4 to "
+            "continue exactly") in err
+    first, resumed = train_records(out)[1:3]
+    assert resumed["epoch"] < first["epoch"]  # the data's position went back: 6 pairs in, after 8
+
+
 @pytest.mark.parametrize("rewrite", ["data rows", "data order", "model weights"])
 def test_resume_on_inputs_rewritten_in_place_is_refused_before_training(tmp_path, base_model, train_jsonl,
                                                                           monkeypatch, capsys, rewrite):
