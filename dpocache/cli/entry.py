@@ -30,7 +30,7 @@ from dpocache.data.pairs import DataError
 from dpocache.runtime.allocator import configure_cpu_allocator, configure_cuda_allocator
 from dpocache.runtime.console import quiet_libraries
 from dpocache.runtime.preflight import UsageError
-from dpocache.runtime.signals import Interrupted, ignore_stop_signals, stop_signals
+from dpocache.runtime.signals import Interrupted, ignore_stop_signals, stop_signals, stop_with_the_launcher
 
 DESCRIPTION = ("dpocache computes the DPO reference log-probabilities of a preference data set once, keeps them in "
                "a verified on-disk cache, and trains policies on them without running the reference model again.")
@@ -186,6 +186,7 @@ def _main(argv: list[str] | None) -> int:
         configure_cuda_allocator()
         # SIGTERM/SIGINT while loading end here at once; builds and training stop at safe points.
         with stop_signals():
+            stop_with_the_launcher()
             if args.command == "cache":
                 from dpocache.cli.cache_args import parse_args
 

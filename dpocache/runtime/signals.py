@@ -29,11 +29,15 @@ atomic, so it never leaves a torn one.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
 import signal
+import sys
 import threading
 from typing import Iterator
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 class Interrupted(BaseException):
@@ -98,6 +102,26 @@ class StopRequest:
     def check(self, message: str = "") -> None:
         if self.signum is not None:
             raise self.interrupted(message)
+
+
+def stop_with_the_launcher() -> None:
+    """Under ``torchrun``: SIGTERM to this worker when its launcher (the agent, its parent) ends,
+    however it ends. A SIGUSR1 the agent was not told to handle (no ``--signals-to-handle ...,
+    SIGUSR1``) ends the agent at once and left its workers training on their own, writing to the
+    output directory of a job that looked finished; now they stop at their next safe point, as
+    for a SIGTERM the agent forwards. Linux only (``prctl(PR_SET_PDEATHSIG)``); elsewhere a no-op."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it ended before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
 
 
 def ignore_stop_signals() -> None:

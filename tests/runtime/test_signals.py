@@ -9,12 +9,14 @@ fraction, or right after a given optimizer step. No test depends on timing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from train_fixtures import (  # noqa: F401  (fixtures are used by name; one_thread is autouse)
@@ -238,6 +240,49 @@ def test_an_ignored_sighup_stays_ignored():
             assert signal.getsignal(signal.SIGUSR1) is not signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, before)
+
+
+_LAUNCHER = """
+import subprocess, sys, time
+worker = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+print(worker.pid, flush=True)
+time.sleep(120)
+"""
+
+_WORKER = """
+import sys, time
+from pathlib import Path
+from dpocache.runtime.signals import stop_signals, stop_with_the_launcher
+with stop_signals() as stop:
+    stop_with_the_launcher()
+    with stop.deferred():
+        Path(sys.argv[1]).write_text("ready")
+        deadline = time.monotonic() + 60
+        while not stop and time.monotonic() < deadline:
+            time.sleep(0.01)
+        Path(sys.argv[1]).write_text(f"stopped by {stop.signum}")
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
+def test_a_torchrun_worker_stops_when_its_launcher_ends(tmp_path):
+    """torchrun's agent killed outright (a SIGUSR1 it was not told to handle ends it at once):
+    its worker gets SIGTERM and stops at its safe point, where it trained on unsupervised, to
+    the end, writing to the output directory of a job that looked finished."""
+    said = tmp_path / "worker.txt"
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, _WORKER, str(said)], stdout=subprocess.PIPE,
+                                text=True, env=dict(os.environ, TORCHELASTIC_RUN_ID="test"))
+    worker = int(launcher.stdout.readline())
+    deadline = time.monotonic() + 60
+    while not said.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    launcher.kill()
+    launcher.wait()
+    while said.read_text() == "ready" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert said.read_text() == f"stopped by {int(signal.SIGTERM)}"
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(worker, signal.SIGKILL)  # only where the test failed
 
 
 # ------------------------------------------------------------------------------ training
