@@ -139,8 +139,18 @@ def check_rows(rows: list[RawRow], requests: list[dict], model: str | Path) -> N
         try:
             check_request(i, request, vocab, context)
         except RequestError as e:
-            field = "prompt_ids" if e.completion is None else f"completions[{e.completion}]"
-            raise DataError(row.location, field, e.reason) from None
+            raise DataError(row.location, _field_of(row, e), e.reason) from None
+
+
+def _field_of(row: RawRow, e) -> str:
+    """The row's own field a ``RequestError`` is about: ``completion_ids[1]`` in a row of ids,
+    ``completions[1]`` in a row of text (its ids are its tokenized text)."""
+    ids = isinstance(row.values, dict) and "prompt_ids" in row.values
+    if e.completion is not None:
+        return f"{'completion_ids' if ids else 'completions'}[{e.completion}]"
+    if e.reason.startswith("completion_ids"):
+        return "completion_ids"
+    return "prompt_ids" if ids else "prompt"
 
 
 # -------------------------------------------------------------------------------- command

@@ -570,8 +570,11 @@ def test_score_cli_stopped_by_a_signal_says_what_it_kept_and_continues(model_dir
 
 
 @pytest.mark.parametrize("row, message", [
+    # a row of ids is named by its own fields (it was 'completions[1]', and 'prompt_ids' for an empty list)
     ({"prompt_ids": [1, 2], "completion_ids": [[3], [4, 100_000]]},
-     "rows.jsonl:2: field 'completions[1]': token id 100000 is outside"),
+     "rows.jsonl:2: field 'completion_ids[1]': token id 100000 is outside"),
+    ({"prompt_ids": [1, 2], "completion_ids": []},
+     "rows.jsonl:2: field 'completion_ids': completion_ids must be a non-empty list"),
     ({"prompt_ids": [], "completion_ids": [[3]]}, "rows.jsonl:2: field 'prompt_ids': empty prompt"),
     ({"prompt": "sort: 1", "completions": []}, "rows.jsonl:2: field 'completions': expected a non-empty list"),
     # a DPO file given to score: its columns named, not "expected a non-empty list"
