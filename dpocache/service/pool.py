@@ -21,6 +21,7 @@ from dpocache.service.reference_service import (
     ServiceOptions,
     check_loading,
     check_request,
+    check_requests,
     forward_output,
     forward_requests,
     scored_rows,
@@ -142,7 +143,7 @@ class ReferencePool:
         """As ``ReferenceService.score``, over the replicas."""
         ray = self._ray
         n = len(self._replicas())
-        for i, r in enumerate(requests):  # here, so that an error names the caller's request index
+        for i, r in enumerate(check_requests(requests)):  # here, so that an error names the caller's request index
             check_request(i, r, self.vocab_size, self.context)
         shares = [sorted(s) for s in split_by_weight(list(range(len(requests))), n, tiebreak=lambda i: i,
                                                      weight=lambda i: request_tokens(requests[i])) if s]

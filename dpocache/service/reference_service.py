@@ -85,6 +85,14 @@ def _ids(value: Any, request: int, completion: int | None, what: str) -> tuple[i
     return tuple(operator.index(t) for t in value)
 
 
+def check_requests(requests: Any) -> Sequence[Request]:
+    """``score``'s argument: a list of requests; one request alone (a dict) was read as a list of
+    its keys, each "expected {...}"."""
+    if isinstance(requests, dict):
+        raise TypeError("score takes a list of requests; got one request (a dict): pass [request]")
+    return requests
+
+
 def check_request(index: int, request: Any, vocab_size: int, context: int | None) -> tuple[tuple[int, ...], list]:
     """``(prompt ids, [completion ids, ...])`` of a valid request; else ``RequestError``."""
     if not isinstance(request, dict) or "prompt_ids" not in request or "completion_ids" not in request:
@@ -295,7 +303,7 @@ class ReferenceService:
 
     def _score(self, requests: Sequence[Request]) -> list[list[torch.Tensor]]:
         start = time.perf_counter()
-        checked = [check_request(i, r, self.vocab_size, self.context) for i, r in enumerate(requests)]
+        checked = [check_request(i, r, self.vocab_size, self.context) for i, r in enumerate(check_requests(requests))]
         results: list[list[torch.Tensor | None]] = [[None] * len(c) for _, c in checked]
         if self.store is not None:
             self._follow_weights()
@@ -505,6 +513,8 @@ def forward_requests(input_ids: torch.Tensor, max_req_tokens: int, pad_id: int,
     """torchforge's ``(G, T)`` batch as requests (rows with the same prompt in one request), and
     per row ``(request, completion)`` or None for a row with no response token. Padding is
     ``pad_id`` (refused if in ``special_ids``, the model's BOS/EOS), or where ``attention_mask`` is 0."""
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a (G, T) tensor of token ids; got {type(input_ids).__name__}")
     if input_ids.dim() != 2 or not 0 < max_req_tokens < input_ids.shape[1]:
         raise ValueError(f"input_ids must be (G, T) with 0 < max_req_tokens < T; got {tuple(input_ids.shape)} "
                          f"and max_req_tokens={max_req_tokens}")

@@ -480,6 +480,19 @@ def test_bad_requests_get_one_line(tiny_models, mutate, message):
     assert service.stats()["forward_passes"] == 0  # checked before anything runs
 
 
+def test_a_request_alone_or_a_list_for_a_tensor_is_named_as_such(tiny_models):
+    """One request not in a list was read as the list of its keys ("request 0: expected {...}");
+    ``forward`` given a list raised "'list' object has no attribute 'dim'"."""
+    service = ReferenceService(tiny_models["llama"])
+    (request,) = make_requests(1, 2, seed=16)
+    with pytest.raises(TypeError, match=r"^score takes a list of requests; got one request \(a dict\): pass "
+                                        r"\[request\]$"):
+        service.score(request)
+    with pytest.raises(TypeError, match="^input_ids must be a \\(G, T\\) tensor of token ids; got list$"):
+        service.forward([[1, 5, 6, 7, 8, 9]], 4, 0)
+    assert service.stats()["forward_passes"] == 0
+
+
 def test_numpy_token_ids_are_token_ids(tiny_models):
     """A rollout's ids often come as numpy arrays or numpy ints; they were refused."""
     import numpy as np
