@@ -119,6 +119,10 @@ def to_request(row: RawRow, tokenizer, prefix: list[int]) -> dict:
     if not isinstance(values, dict):
         raise DataError(row.location, None, f"expected an object, got {type(values).__name__}")
     if "prompt_ids" in values or "completion_ids" in values:
+        text = [name for name in ("prompt", "completions") if name in values]
+        if text:  # which to score would be a guess: the ids won without a word
+            raise DataError(row.location, None, f"both token ids (prompt_ids, completion_ids) and text "
+                            f"({', '.join(text)}): give one or the other")
         return {"prompt_ids": values.get("prompt_ids"), "completion_ids": values.get("completion_ids")}
     if "prompt" not in values:
         raise DataError(row.location, "prompt", "missing (give prompt + completions, or prompt_ids + completion_ids)")

@@ -235,7 +235,8 @@ def _building(lock, store: Path, show_progress: bool) -> Iterator[None]:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         if show_progress:
-            print(f"tokens: waiting for another process tokenizing the data ({store})", file=sys.stderr)
+            print(f"tokens: waiting for another process tokenizing the data (another rank of this job, or another "
+                  f"command): {store}", file=sys.stderr)
         fcntl.flock(lock, fcntl.LOCK_EX)
     try:
         yield

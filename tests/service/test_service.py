@@ -589,6 +589,10 @@ def test_score_cli_stopped_by_a_signal_says_what_it_kept_and_continues(model_dir
     ({"prompt_ids": [1, 2], "completion_ids": []},
      "rows.jsonl:2: field 'completion_ids': completion_ids must be a non-empty list"),
     ({"prompt_ids": [], "completion_ids": [[3]]}, "rows.jsonl:2: field 'prompt_ids': empty prompt"),
+    # ids and text in one row: the ids were scored without a word
+    ({"prompt_ids": [1, 2], "completion_ids": [[3]], "prompt": "x", "completions": ["y"]},
+     "rows.jsonl:2: both token ids (prompt_ids, completion_ids) and text (prompt, completions): give one or the "
+     "other"),
     ({"prompt": "sort: 1", "completions": []}, "rows.jsonl:2: field 'completions': expected a non-empty list"),
     # a DPO file given to score: its columns named, not "expected a non-empty list"
     ({"prompt": "sort: 1", "chosen": " 1", "rejected": " 2"}, "rows.jsonl:2: field 'completions': missing; the row "
