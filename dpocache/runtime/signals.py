@@ -123,7 +123,6 @@ def stop_with_the_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-
 def ignore_stop_signals() -> None:
     """For a process that is exiting because of a stop signal: a repeated one (torchrun sends
     SIGTERM to the workers still running once one has exited) must not cut the exit short."""
