@@ -4,7 +4,8 @@ time limit) and SIGHUP (a closed SSH session) stop a cache build or a training r
 point, after what was computed is saved, instead of killing the process mid-work (SIGUSR1's and
 SIGHUP's default action kills at once). Under torchrun the agent forwards SIGTERM, SIGINT and
 SIGHUP to the workers; SIGUSR1 only with ``--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1``
-(torchrun's own flag; without it SIGUSR1's default action ends the agent itself).
+(torchrun's own flag; without it SIGUSR1's default action ends the agent itself, and each worker
+then gets SIGTERM: ``stop_with_the_launcher``).
 
     with stop_signals() as stop:          # handlers installed; the previous ones restored after
         load_things()                     # a signal here raises Interrupted at once (nothing to save)
