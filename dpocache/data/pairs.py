@@ -575,9 +575,9 @@ SKIP_HINT = "fix or drop the row; --skip-invalid skips such rows"
 
 
 def _with_skip_hint(e: DataError) -> DataError:
-    """A bad row after good ones, or one without values other rows have, has a problem of its
+    """A bad row after good ones, or one without values (``LacksValues``), has a problem of its
     own, not the file's: say what to do."""
-    return e if "--skip-invalid" in e.reason else DataError(e.location, e.field, f"{e.reason} ({SKIP_HINT})")
+    return DataError(e.location, e.field, f"{e.reason} ({SKIP_HINT})")
 
 
 def _where(location: str) -> int:
@@ -615,7 +615,7 @@ def tokenize_columns(
     parts, unfit = [], []
     with tqdm(total=len(rendered), initial=resumed, desc="tokenizing", unit="rows",
               disable=not show_progress or len(rendered) < ROWS_PER_CHUNK) as bar, \
-            _saying_what_is_kept(chunks, resumed, len(rendered)) as saved:
+            _saying_what_is_kept(chunks, len(rendered)):
         for start in starts:
             if start in kept:
                 columns, found = kept[start]
@@ -628,23 +628,20 @@ def tokenize_columns(
                                          skip_invalid, found))
             if chunks is not None:
                 chunks.save(start, len(chunk), parts[-1], [(r.location, r.field, r.reason) for r in found])
-                saved.append(len(chunk))
             unfit.extend(found)
             bar.update(len(chunk))
     return TokenColumns.concatenate(parts), skipped + unfit
 
 
 @contextmanager
-def _saying_what_is_kept(chunks: token_store.TokenizedChunks | None, resumed: int, total: int) -> Iterator[list[int]]:
+def _saying_what_is_kept(chunks: token_store.TokenizedChunks | None, total: int) -> Iterator[None]:
     """A stop signal while tokenizing stops at once (``Interrupted``): its line then says how many
-    of the ``total`` rows are kept for the next build (``resumed`` kept before, the sizes of the
-    chunks saved since appended to the list yielded), so a user sees the stop lost little."""
-    saved: list[int] = []
+    of the ``total`` rows are kept for the next build, so a user sees the stop lost little."""
     try:
-        yield saved
+        yield
     except Interrupted as stop:
-        if chunks is not None and chunks.saving and not stop.message:
-            stop.message = (f"{resumed + sum(saved):,} of {total:,} rows tokenized are kept in {chunks.directory}; "
+        if chunks is not None and chunks.rows_kept and not stop.message:
+            stop.message = (f"{chunks.rows_kept:,} of {total:,} rows tokenized are kept in {chunks.directory}; "
                             "the next build tokenizes the rest")
         raise
 
@@ -845,8 +842,7 @@ def _mapped(row: RawRow, columns: tuple[str | None, str, str]) -> dict:
     if nulls:  # the column is there without a value: "missing" sent users to map a column the row has
         what = "null, not a completion" if len(nulls) == 1 else \
             f"fields {', '.join(map(repr, nulls))} null, not completions"
-        raise DataError(row.location, nulls[0] if len(nulls) == 1 else None,
-                        f"{what} (fix or drop the row; --skip-invalid skips such rows)")
+        raise LacksValues(row.location, nulls[0] if len(nulls) == 1 else None, what)
     missing = _missing_fields(values, columns)
     if missing:
         raise _missing_error(row, columns, missing)
@@ -878,7 +874,8 @@ def _missing_fields(values: dict, columns: tuple[str | None, str, str]) -> list[
 
 
 class LacksValues(DataError):
-    """A row without values of columns other rows have: the row's problem, not the mapping's."""
+    """A row without values of its columns (null), or of columns other rows have: the row's
+    problem, not the mapping's."""
 
 
 class MissingFields(DataError):

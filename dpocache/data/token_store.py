@@ -153,6 +153,7 @@ class TokenizedChunks:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.saving = True
+        self.rows_kept = 0  # rows of the chunks on disk whole: loaded, or saved by this build
 
     def _path(self, start: int, count: int, suffix: str) -> Path:
         return self.directory / f"chunk-{start:010d}-{count}{suffix}"
@@ -167,7 +168,10 @@ class TokenizedChunks:
                 columns = TokenColumns(**{name: arrays[name] for name in TokenColumns.NAMES})
         except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile):  # none, or not whole
             return None
-        return (columns, unfit) if len(columns) + len(unfit) == count else None
+        if len(columns) + len(unfit) != count:
+            return None
+        self.rows_kept += count
+        return columns, unfit
 
     def save(self, start: int, count: int, columns: TokenColumns, unfit: list[tuple[str, str | None, str]]) -> None:
         """Keep chunk ``start`` of ``count`` rows: each file written whole, then renamed."""
@@ -180,6 +184,8 @@ class TokenizedChunks:
             _write_whole(self._path(start, count, ".json"), lambda f: f.write(json.dumps(unfit).encode()))
         except OSError:  # the store's own write, next, names a full or read-only disk in one line
             self.saving = False
+            return
+        self.rows_kept += count
 
     def remove(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
