@@ -282,8 +282,9 @@ def _score_shared(shared: SharedBuild, batches: list[list[TokenizedPair]], scori
     """Score ``batches`` chunk by chunk as ``shared`` hands them out (each claimed from the other
     builds running at once in this directory), until done or ``stop``."""
     if shared.slot and scoring.options.show_progress:
-        print("cache: another build of this cache is running: they split the pairs (each claims a chunk before "
-              "scoring it)", file=sys.stderr)
+        cpu = " and the CPU's threads" if shared.cpu_threads is not None else ""
+        bar.write(f"cache: another build of this cache is running: they split the pairs (each claims a chunk "
+                  f"before scoring it){cpu}", file=sys.stderr)  # above the bar, not after it
     with contextlib.closing(shared.chunks(batches)) as chunks:
         for chunk in chunks:
             shared.exchange(writer, scoring.store)
@@ -322,7 +323,8 @@ def score_missing(
         bar = tqdm(total=len(todo), unit="pairs", desc="reference log-probs", disable=not options.show_progress,
                    dynamic_ncols=True)
         # A signal only sets ``stop`` here: a batch is scored and added whole, never half.
-        with stop.deferred(), shared_build(store.dir, stop, enabled=update_manifest) as shared:
+        on_cpu = torch.device(reference.device).type == "cpu"
+        with stop.deferred(), shared_build(store.dir, stop, enabled=update_manifest, on_cpu=on_cpu) as shared:
             try:
                 _score_shared(shared, reference_batches(reference, todo, max_tokens), scoring, writer, bar, stop)
             finally:

@@ -4,6 +4,7 @@ is in ``dpocache.cache``."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -111,26 +112,28 @@ def cmd_build(args) -> int:
 
 
 def _print_build_summary(args, s, store: CacheStore, dtype: torch.dtype, data: PreferenceData) -> None:
+    # With --json, stdout holds the JSON object alone (for jq, json.load), the lines go to stderr.
+    say = functools.partial(print, file=sys.stderr if args.json else sys.stdout)
     for bad in s.corrupt_shards:
         print(store.describe_corrupt(bad, "not loaded"), file=sys.stderr)
     ranks = f" on {s.world_size} ranks" if s.world_size > 1 else ""
-    print(f"pairs {s.pairs} (unique {s.unique}): computed {s.computed}{ranks}, reused {s.reused}")
-    print(f"rows: {data.truncated} truncated to max_length={args.max_length}, {data.identical} with chosen == "
-          f"rejected, {len(data.skipped)} skipped")
-    print(f"tokens {s.tokens} in {s.seconds:.1f} s ({s.tokens_per_s:.0f} tokens/s), "
-          f"peak memory {_human_bytes(s.peak_memory_bytes)}"
-          + (" (largest rank)" if s.world_size > 1 else ""))
-    print(f"cache {s.cache_dir} (dtype {dtype_name(dtype)}, {len(store)} pairs stored, "
-          f"{_human_bytes(store.size_bytes())})")
+    say(f"pairs {s.pairs} (unique {s.unique}): computed {s.computed}{ranks}, reused {s.reused}")
+    say(f"rows: {data.truncated} truncated to max_length={args.max_length}, {data.identical} with chosen == "
+        f"rejected, {len(data.skipped)} skipped")
+    say(f"tokens {s.tokens} in {s.seconds:.1f} s ({s.tokens_per_s:.0f} tokens/s), "
+        f"peak memory {_human_bytes(s.peak_memory_bytes)}"
+        + (" (largest rank)" if s.world_size > 1 else ""))
+    say(f"cache {s.cache_dir} (dtype {dtype_name(dtype)}, {len(store)} pairs stored, "
+        f"{_human_bytes(store.size_bytes())})")
     if s.kernels and s.kernels["used"] == "liger":
-        print(f"kernels: Liger's {', '.join(s.kernels['applied'])}")
+        say(f"kernels: Liger's {', '.join(s.kernels['applied'])}")
     if s.streamed:
-        print(f"streamed: {s.streamed['layers']} decoder layers from host memory ({s.streamed['host_gib']:.2f} GiB "
-              f"page-locked) through {s.streamed['slots']} slots on the device ({s.streamed['device_gib']:.2f} GiB)")
-        print(describe_transfers(s.streamed["transfers"]))
+        say(f"streamed: {s.streamed['layers']} decoder layers from host memory ({s.streamed['host_gib']:.2f} GiB "
+            f"page-locked) through {s.streamed['slots']} slots on the device ({s.streamed['device_gib']:.2f} GiB)")
+        say(describe_transfers(s.streamed["transfers"]))
         pace = describe_pace(s.streamed["transfers"], s.seconds, training=False)
         if pace:
-            print(pace)
+            say(pace)
     if args.json:
         out = s.to_json()
         out.update(skipped=len(data.skipped), truncated=data.truncated, identical=data.identical)

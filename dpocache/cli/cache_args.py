@@ -22,7 +22,7 @@ from dpocache.runtime.preflight import UsageError, check_data_path, check_model_
 # Each command's own options, which are not configuration: name -> (type, default, help).
 OPTIONS = {
     "build": {"per_token": (bool, False, "also store per-token log-probs"),
-              "json": (bool, False, "print the summary as one JSON object on the last line")},
+              "json": (bool, False, "print the summary as one JSON object on stdout (its lines go to stderr)")},
     "info": {},
     "verify": {"samples": (int, 32, "pairs recomputed and compared with the cache"),
                "seed": (int, 0, "which pairs are sampled")},

@@ -120,6 +120,47 @@ def test_the_claims_go_with_the_last_build(tmp_path):
     assert not list((tmp_path / ".builds").glob("claim-*"))
 
 
+class _Writer:
+    flushes = 0
+
+    def flush(self):
+        self.flushes += 1
+
+
+class _Store:
+    def refresh(self):
+        pass
+
+
+def test_builds_on_a_cpu_share_its_threads_and_take_them_back(tmp_path):
+    """Each build runs on its share of the threads it started with while others run (two builds
+    each on every core's threads wait on each other), and on all of them again once alone."""
+    before = torch.get_num_threads()
+    writer, store = _Writer(), _Store()
+    try:
+        torch.set_num_threads(4)
+        with shared_build(tmp_path, on_cpu=True) as first:
+            first.exchange(writer, store)
+            assert torch.get_num_threads() == 4 and writer.flushes == 0
+            with shared_build(tmp_path, on_cpu=True), shared_build(tmp_path, on_cpu=True):
+                first.exchange(writer, store)
+                assert torch.get_num_threads() == 1 and writer.flushes == 1  # 4 // 3
+            with shared_build(tmp_path, on_cpu=True) as second:
+                second.exchange(writer, store)
+                assert torch.get_num_threads() == 2
+            first.exchange(writer, store)
+            assert torch.get_num_threads() == 4  # alone again
+            with shared_build(tmp_path, on_cpu=True):
+                first.exchange(writer, store)
+                assert torch.get_num_threads() == 2
+        assert torch.get_num_threads() == 4, "the threads it started with, after the build"
+        with shared_build(tmp_path) as on_gpu, shared_build(tmp_path):
+            on_gpu.exchange(writer, store)
+            assert torch.get_num_threads() == 4, "a build on a GPU leaves the CPU's threads alone"
+    finally:
+        torch.set_num_threads(before)
+
+
 _BUILD_TOGETHER = """
 import sys, time
 from pathlib import Path

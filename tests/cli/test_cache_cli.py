@@ -32,12 +32,13 @@ def cache_args(command, model_dir, data, cache_dir, *extra):
 
 @pytest.fixture
 def build(cli, model_dir):
-    """``cache build --json`` → the summary printed on stdout's last line."""
+    """``cache build --json`` → the summary: stdout holds its JSON object alone (for ``jq``), the
+    summary's lines go to stderr."""
 
-    def run(data, cache_dir, *extra, expect_rc=0):
+    def run(data, cache_dir, *extra):
         rc, out, err = cli(*cache_args("build", model_dir, data, cache_dir, "--json", *extra))
-        assert rc == expect_rc, err
-        summary = json.loads(out.strip().splitlines()[-1])
+        assert rc == 0, err
+        summary = json.loads(out)
         summary["stderr"] = err
         return summary
 
@@ -62,6 +63,7 @@ def test_build_reuses_by_content(tmp_path, build, model_dir, pref_rows, pref_jso
     first = build(pref_jsonl, cache)
     assert SUMMARY_KEYS <= first.keys()
     assert (first["computed"], first["reused"]) == (len(pref_rows), 0)
+    assert f"pairs {len(pref_rows)} (unique {len(pref_rows)}): computed {len(pref_rows)}, reused 0" in first["stderr"]
     assert first["tokens"] > 0 and first["tokens_per_s"] > 0
     assert first["namespace"] == namespace_for_dir(model_dir, torch.float32, cache).id
     assert first["cache_dir"] == str(cache / first["namespace"])

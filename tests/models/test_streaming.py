@@ -289,11 +289,11 @@ def test_a_streamed_cache_build_says_what_it_copied(cli, model_path, pref_jsonl,
     rc, out, err = cli("cache", "build", "--model", model_path, "--data", pref_jsonl, "--cache-dir", tmp_path,
                        "--stream-reference", "true", "--json")
     assert rc == 0, err
-    summary = json.loads(out.strip().splitlines()[-1])
+    summary = json.loads(out)  # stdout holds the JSON alone, the summary's lines go to stderr
     streamed, transfers = summary["streamed"], summary["streamed"]["transfers"]
     assert transfers["copies"] >= summary["forward_passes"] * streamed["layers"]
     assert transfers["copy_s"] > 0 and transfers["stall_s"] is None
-    line = next(x for x in out.splitlines() if x.startswith("copied "))
+    line = next(x for x in err.splitlines() if x.startswith("copied "))
     assert line.startswith(f"copied {transfers['copies']} layers, ") and "GiB/s" in line
     assert "waited" not in line and "run dry" not in line  # on a GPU only
 
