@@ -150,10 +150,9 @@ def _field_of(row: RawRow, e) -> str:
     """The row's own field a ``RequestError`` is about: ``completion_ids[1]`` in a row of ids,
     ``completions[1]`` in a row of text (its ids are its tokenized text)."""
     ids = isinstance(row.values, dict) and "prompt_ids" in row.values
-    if e.completion is not None:
-        return f"{'completion_ids' if ids else 'completions'}[{e.completion}]"
-    if e.reason.startswith("completion_ids"):
-        return "completion_ids"
+    if e.field == "completion_ids":
+        name = "completion_ids" if ids else "completions"
+        return name if e.completion is None else f"{name}[{e.completion}]"
     return "prompt_ids" if ids else "prompt"
 
 

@@ -60,28 +60,30 @@ SUMMED = ("calls", "requests", "sequences", "cache_hits", "duplicates", "forward
 
 
 class RequestError(ValueError):
-    """A bad request: names the request and, where it is one completion's fault, its index."""
+    """A bad request: names the request and, where it is one completion's fault, its index;
+    ``field`` the request's field at fault (``prompt_ids``, ``completion_ids``; None: the request)."""
 
-    def __init__(self, request: int, completion: int | None, reason: str):
+    def __init__(self, request: int, completion: int | None, reason: str, field: str | None = None):
         self.request, self.completion, self.reason = request, completion, reason
+        self.field = field if field is not None or completion is None else "completion_ids"
         where = f"request {request}" + (f", completion {completion}" if completion is not None else "")
         super().__init__(f"{where}: {reason}")
 
 
-def _ids(value: Any, request: int, completion: int | None, what: str) -> tuple[int, ...]:
+def _ids(value: Any, request: int, completion: int | None, what: str, field: str | None = None) -> tuple[int, ...]:
     """Token ids from a list or tuple of integers (Python's or numpy's), a 1-D tensor or a numpy
     array; bools and floats are refused, naming what was found."""
     if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy":
         value = value.tolist()
     if not isinstance(value, (list, tuple)):
         raise RequestError(request, completion, f"{what} must be a list of token ids (ints), got "
-                                                f"{type(value).__name__}")
+                                                f"{type(value).__name__}", field)
     bad = next((t for t in value if type(t).__name__ in ("bool", "bool_") or not hasattr(t, "__index__")), None)
     if bad is not None:
         raise RequestError(request, completion, f"{what} must be a list of token ids (ints), got a "
-                                                f"{type(bad).__name__} ({bad!r})")
+                                                f"{type(bad).__name__} ({bad!r})", field)
     if not value:
-        raise RequestError(request, completion, f"empty {what}")
+        raise RequestError(request, completion, f"empty {what}", field)
     return tuple(operator.index(t) for t in value)
 
 
@@ -97,15 +99,16 @@ def check_request(index: int, request: Any, vocab_size: int, context: int | None
     """``(prompt ids, [completion ids, ...])`` of a valid request; else ``RequestError``."""
     if not isinstance(request, dict) or "prompt_ids" not in request or "completion_ids" not in request:
         raise RequestError(index, None, "expected {'prompt_ids': [...], 'completion_ids': [[...], ...]}")
-    prompt = _ids(request["prompt_ids"], index, None, "prompt")
+    prompt = _ids(request["prompt_ids"], index, None, "prompt", "prompt_ids")
     completions = request["completion_ids"]
     if isinstance(completions, torch.Tensor) or type(completions).__module__ == "numpy":
         completions = completions.tolist()
     if not isinstance(completions, (list, tuple)) or not completions:
-        raise RequestError(index, None, "completion_ids must be a non-empty list of token-id lists")
+        raise RequestError(index, None, "completion_ids must be a non-empty list of token-id lists", "completion_ids")
     if min(prompt) < 0 or max(prompt) >= vocab_size:
         bad = next(t for t in prompt if t < 0 or t >= vocab_size)
-        raise RequestError(index, None, f"prompt token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+        raise RequestError(index, None, f"prompt token id {bad} is outside the vocabulary (0..{vocab_size - 1})",
+                           "prompt_ids")
     out = []
     for k, c in enumerate(completions):
         c = _ids(c, index, k, "completion")
