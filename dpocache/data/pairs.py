@@ -58,7 +58,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from dpocache.data import token_store
+from dpocache.data import sources, token_store
 from dpocache.data.columns import PairsView, TokenColumns
 from dpocache.data.keys import KEY_BYTES, example_key  # noqa: F401 (public names here)
 from dpocache.data.tokenize import continuation_ids, tokenize_continuations  # noqa: F401 (a public name here)
@@ -167,17 +167,27 @@ def read_rows(source: Any) -> tuple[str, list[RawRow]]:
     name = source_name(source)
     if isinstance(source, (list, tuple)) or _is_hf_dataset(source):
         return name, [RawRow(i, f"{name}:row {i}", r) for i, r in enumerate(source)]
+    files = sources.data_files(source)  # several: a pattern, or a folder of data files
+    if files is not None:
+        rows = []
+        for file in files:  # each row named by its own file and line (or row)
+            rows += [replace(row, index=len(rows) + i) for i, row in enumerate(_read_file(file))]
+        return name, rows
     path = Path(source)
     if not path.exists():
         raise FileNotFoundError(f"{name}: no such file or directory")
     if path.is_dir():
         return name, _read_hf_dir(path)
+    return name, _read_file(path)
+
+
+def _read_file(path: Path) -> list[RawRow]:
     suffix = path.suffix.lower()
     readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet, ".csv": _read_csv}
     if suffix not in readers:
-        raise DataError(name, None, f"unknown file type '{suffix}'; expected one of {sorted(readers)} "
+        raise DataError(str(path), None, f"unknown file type '{suffix}'; expected one of {sorted(readers)} "
                         "or a directory written by datasets.save_to_disk")
-    return name, readers[suffix](path)
+    return readers[suffix](path)
 
 
 def _is_hf_dataset(obj: Any) -> bool:
@@ -399,10 +409,15 @@ def _common_prefix_len(a: Sequence, b: Sequence) -> int:
     return n
 
 
-def _split_implicit(location: str, chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
-    """Implicit prompt: the longest common prefix of chosen and rejected is the prompt."""
+def _split_implicit(location: str, chosen: Any, rejected: Any, text_prompt: bool = False) -> tuple[Any, Any, Any]:
+    """Implicit prompt: the longest common prefix of chosen and rejected is the prompt.
+    ``text_prompt``: the row's prompt is text beside these conversations, and not used."""
     if _is_messages(chosen) and _is_messages(rejected):
         n = _common_prefix_len(chosen, rejected)
+        if n == 0 and text_prompt:
+            raise DataError(location, "prompt", "text, where chosen and rejected are conversations; such rows are "
+                            "read as TRL reads them, the messages both conversations start with being the prompt, "
+                            "but these share no first message: give the prompt as messages too")
         if n == 0:
             raise DataError(location, "chosen", "implicit prompt: chosen and rejected share no first message")
         return chosen[:n], chosen[n:], rejected[n:]
@@ -471,6 +486,11 @@ def _render(row: RawRow, tokenizer) -> _RenderedRow:
     prompt, chosen, rejected = values.get("prompt"), values["chosen"], values["rejected"]
     if prompt is None:
         prompt, chosen, rejected = _split_implicit(loc, chosen, rejected)
+    elif isinstance(prompt, str) and _is_messages(chosen) and _is_messages(rejected):
+        # A text prompt beside conversations that hold it (Tulu 3's preference mixtures: the user's
+        # turn in chosen and rejected, and again as text): the prompt is the messages both start
+        # with, as TRL 1.16's maybe_extract_prompt reads such rows and open-instruct trains them.
+        prompt, chosen, rejected = _split_implicit(loc, chosen, rejected, text_prompt=True)
     kinds = {name: _is_messages(v) for name, v in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected))}
     if all(kinds.values()):
         prompt_text, (chosen_text, rejected_text) = render_conversation(
@@ -730,9 +750,10 @@ def load_preference_data(
                                 columns, chunks)
 
     key = None
-    if cache_dir is not None and isinstance(source, (str, Path)) and Path(source).exists():
+    if cache_dir is not None and isinstance(source, (str, Path)) and (Path(source).exists()
+                                                                    or sources.is_pattern(source)):
         settings = {"max_length": max_length, "max_prompt_length": max_prompt_length, "columns": list(columns)}
-        key = token_store.store_key(Path(source), tokenizer, settings)
+        key = token_store.store_key(Path(source), tokenizer, settings, sources.data_files(source))
     tokens = token_store.open_or_build(Path(cache_dir), key, str(source), tokenize, show_progress,
                                        cache_read_only) if key else tokenize()
     name = source_name(source)
@@ -745,7 +766,19 @@ def load_preference_data(
 
 
 def _location(base: str, kind: str, where: int | str) -> str:
-    return f"{base}:{'row ' if kind == 'row' else ''}{where}"
+    """A row's location: ``base`` and its line or row, or ``where`` itself (a source of several
+    files, where it names the file)."""
+    return where if isinstance(where, str) else f"{base}:{'row ' if kind == 'row' else ''}{where}"
+
+
+def _pair_location(base: str, tokens: token_store.StoredTokens, i: int) -> str:
+    """Where pair ``i`` of ``tokens`` was read: in a source of several files, its own file's."""
+    where = int(tokens.columns.where[i])
+    if not tokens.files:
+        return _location(base, tokens.location_kind, where)
+    row = int(tokens.columns.rows[i])
+    name = next(name for name, first in reversed(tokens.files) if first <= row)
+    return _location(str(sources.root_of(base) / name), tokens.location_kind, where)
 
 
 def _tokenize_source(source: Any, tokenizer, max_length, max_prompt_length, skip_invalid: bool,
@@ -759,7 +792,22 @@ def _tokenize_source(source: Any, tokenizer, max_length, max_prompt_length, skip
     token_columns, skipped = tokenize_columns(rows, tokenizer, max_length, max_prompt_length, skip_invalid,
                                               show_progress, chunks)
     kind = "row" if rows[0].location.rsplit(":", 1)[1].startswith("row ") else "line"
-    return token_store.StoredTokens(token_columns, [(_where(s.location), s.field, s.reason) for s in skipped], kind)
+    files = _files_read(source, rows)
+    # A source of several files keeps each skipped row's whole location: its file's name is in it.
+    located = [(s.location if files else _where(s.location), s.field, s.reason) for s in skipped]
+    return token_store.StoredTokens(token_columns, located, kind, files=files)
+
+
+def _files_read(source: Any, rows: list[RawRow]) -> list[tuple[str, int]]:
+    """A source of several files: each file's name below the source's folder, and its first row."""
+    if not isinstance(source, (str, Path)) or sources.data_files(source) is None:
+        return []
+    root, files = sources.root_of(source), []
+    for row in rows:
+        name = str(Path(row.location.rsplit(":", 1)[0]).relative_to(root))
+        if not files or files[-1][0] != name:
+            files.append((name, row.index))
+    return files
 
 
 def _fitting(name: str, base: str, tokens, skipped: list[SkippedRow], skip_invalid: bool, context: int | None,
@@ -769,7 +817,7 @@ def _fitting(name: str, base: str, tokens, skipped: list[SkippedRow], skip_inval
     keep = np.ones(len(columns), bool)
     for problem in unfit_pairs(columns, vocab_size, context, max_length):
         for i, reason in problem:
-            err = DataError(_location(base, tokens.location_kind, int(columns.where[i])), None, reason)
+            err = DataError(_pair_location(base, tokens, i), None, reason)
             if not skip_invalid:
                 raise err
             skipped.append(SkippedRow(err.location, err.field, err.reason))

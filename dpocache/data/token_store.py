@@ -9,11 +9,12 @@ checksums). Numpy's ``.npy`` rather than Arrow: the columns are flat integer arr
 nested types, and measured on 20,000 pairs it opens, reads and writes faster without pyarrow's
 memory in the process (docs/benchmarks/scale-cpu-2core-20261125.md).
 
-The key (``store_key``) covers the data file's bytes and suffix, the tokenizer (its full
-definition, chat template and special tokens), the length limits, the column mapping, the
-versions of transformers and tokenizers, and ``RULES``, the version of dpocache's tokenization
-rules. It leaves out what is checked after loading (the model's vocabulary and context) and
-``--skip-invalid`` (the store lists the invalid rows; a run without the flag refuses the first).
+The key (``store_key``) covers the data file's bytes and suffix (a source of several files: each
+one's name and bytes, in reading order), the tokenizer (its full definition, chat template and
+special tokens), the length limits, the column mapping, the versions of transformers and
+tokenizers, and ``RULES``, the version of dpocache's tokenization rules. It leaves out what is
+checked after loading (the model's vocabulary and context) and ``--skip-invalid`` (the store
+lists the invalid rows; a run without the flag refuses the first).
 
 Written atomically: into ``.tmp-<key>-<pid>/``, each file synced, then renamed into place; a
 process killed on the way leaves a temporary directory that nothing reads and the next build of
@@ -54,13 +55,15 @@ _READ_CHUNK = 1 << 22
 @dataclass
 class StoredTokens:
     """What a store holds: the columns, the rows skipped as invalid (``(where, field, reason)``,
-    ``where`` being the line or "row N" after the source's name), and how rows are located
-    (``"line"`` or ``"row"``)."""
+    ``where`` being the line or "row N" after the source's name, or the whole location in a
+    source of several files), how rows are located (``"line"`` or ``"row"``), and a source of
+    several files' ``files``: each one's name (below the source's folder) and its first row."""
 
     columns: TokenColumns
     skipped: list[tuple[str, str | None, str]] = field(default_factory=list)
     location_kind: str = "line"
     path: Path | None = None  # the store's directory; None for columns held in memory
+    files: list[tuple[str, int]] = field(default_factory=list)
 
 
 def _digest_file(h, path: Path) -> None:
@@ -69,10 +72,15 @@ def _digest_file(h, path: Path) -> None:
             h.update(chunk)
 
 
-def source_digest(path: Path) -> str:
-    """BLAKE2b of the data's bytes: a file's, or a directory's files with their relative names."""
+def source_digest(path: Path, files: list[Path] | None = None) -> str:
+    """BLAKE2b of the data's bytes: a file's, a directory's files with their relative names, or
+    those of ``files`` (a source of several data files) with their names."""
     h = hashlib.blake2b(digest_size=16)
-    if path.is_dir():
+    if files is not None:
+        for file in files:
+            h.update(file.name.encode() + b"\0")
+            _digest_file(h, file)
+    elif path.is_dir():
         for file in sorted(p for p in path.rglob("*") if p.is_file()):
             h.update(str(file.relative_to(path)).encode() + b"\0")
             _digest_file(h, file)
@@ -97,13 +105,15 @@ def tokenizer_digest(tokenizer) -> str | None:
     return h.hexdigest()
 
 
-def store_key(source: Path, tokenizer, settings: dict[str, Any]) -> str | None:
+def store_key(source: Path, tokenizer, settings: dict[str, Any], files: list[Path] | None = None) -> str | None:
     """The store's name for ``source`` tokenized by ``tokenizer`` under ``settings`` (the length
-    limits and column mapping); None where the tokenizer cannot be keyed."""
+    limits and column mapping); None where the tokenizer cannot be keyed. ``files``: the data
+    files ``source`` names (a pattern, or a folder of them: ``dpocache.data.sources``)."""
     tok = tokenizer_digest(tokenizer)
     if tok is None:
         return None
-    inputs = {"rules": RULES, "data": source_digest(source), "suffix": source.suffix.lower(), "tokenizer": tok,
+    suffix = (files[0] if files else source).suffix.lower()
+    inputs = {"rules": RULES, "data": source_digest(source, files), "suffix": suffix, "tokenizer": tok,
               "transformers": version("transformers"), "tokenizers": version("tokenizers"), **settings}
     return hashlib.blake2b(json.dumps(inputs, sort_keys=True).encode(), digest_size=16).hexdigest()
 
@@ -135,7 +145,8 @@ def _write(directory: Path, tokens: StoredTokens, source: str) -> None:
         os.fsync(f.fileno())
     checksums["skipped.jsonl"] = _checksum(directory / "skipped.jsonl")
     meta = {"rules": RULES, "source": source, "pairs": len(tokens.columns), "tokens": int(len(tokens.columns.ids)),
-            "skipped": len(tokens.skipped), "location_kind": tokens.location_kind, "checksums": checksums}
+            "skipped": len(tokens.skipped), "location_kind": tokens.location_kind, "files": tokens.files,
+            "checksums": checksums}
     with open(directory / "meta.json", "w", encoding="utf-8") as f:  # last: a directory with it is complete
         json.dump(meta, f, indent=1)
         f.flush()
@@ -230,7 +241,8 @@ def _open_checked(directory: Path, verify: bool) -> StoredTokens:
                          f"{meta['pairs']} and {meta['tokens']}")
     with open(directory / "skipped.jsonl", encoding="utf-8") as f:
         skipped = [(r["where"], r["field"], r["reason"]) for r in map(json.loads, f)]
-    return StoredTokens(columns, skipped, meta["location_kind"], directory)
+    files = [(name, first) for name, first in meta.get("files", [])]
+    return StoredTokens(columns, skipped, meta["location_kind"], directory, files)
 
 
 @contextmanager

@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from dpocache.data.sources import SourceError, data_files, is_pattern, is_saved_dataset
 from dpocache.models.hub_ids import local_base_dir
 
 # The weight files dpocache.cache.fingerprint hashes (its WEIGHT_SUFFIXES; a test keeps the two
@@ -281,36 +282,23 @@ def _unpickler_reason(message: str) -> str:
     return reason.split(". Please", 1)[0].rstrip(".")
 
 
-# What datasets' save_to_disk leaves in a directory: state.json (a Dataset), dataset_dict.json (a DatasetDict).
-SAVED_DATASET_MARKERS = ("state.json", "dataset_dict.json")
-# A model directory's JSON files, never the data a --data directory's hint should name.
-MODEL_JSON_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                    "special_tokens_map.json", "adapter_config.json", "vocab.json", "added_tokens.json",
-                    "model.safetensors.index.json", "preprocessor_config.json")
-DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
-
-
 def check_data_path(path: str | Path | None, flag: str = "--data") -> None:
-    """A data path that exists, and a directory only where ``datasets.save_to_disk`` wrote it
-    (for one holding data files, the refusal names the file the flag most likely meant)."""
+    """A data path that names data: a file, a ``datasets.save_to_disk`` directory, or several
+    data files of one kind and split (a folder of them, or a glob pattern:
+    ``dpocache.data.sources``); not a model directory."""
     if path is None:
         return
-    path = Path(path)
-    if not path.exists():
+    if not Path(path).exists() and not is_pattern(path):
         raise UsageError(f"{flag} {path}: no such file or directory")
-    if path.is_dir() and not any((path / name).is_file() for name in SAVED_DATASET_MARKERS):
-        if (path / "config.json").is_file() and (_has_weights(path) or (path / "adapter_config.json").is_file()):
-            raise UsageError(f"{flag} {path}: a model directory (config.json and weights), not preference data; "
-                             "pass the data's .jsonl, .json, .parquet or .csv file")
-        files = sorted(f.name for f in path.iterdir() if f.is_file() and f.suffix.lower() in DATA_FILE_SUFFIXES
-                       and f.name not in MODEL_JSON_FILES)
-        hint = "; pass a .jsonl, .json, .parquet or .csv file"
-        if files:
-            words = ("eval", "test", "val") if "eval" in flag else ("train",)  # the one the flag most likely meant
-            likely = next((f for f in files if any(w in f.lower() for w in words)), files[0])
-            hint = f"; it holds {', '.join(files[:4])}{', ...' if len(files) > 4 else ''}: pass one, as {flag} " \
-                   f"{path / likely}"
-        raise UsageError(f"{flag} {path}: a directory that datasets' save_to_disk did not write{hint}")
+    path = Path(path)
+    if path.is_dir() and not is_saved_dataset(path) and (path / "config.json").is_file() and (
+            _has_weights(path) or (path / "adapter_config.json").is_file()):
+        raise UsageError(f"{flag} {path}: a model directory (config.json and weights), not preference data; "
+                         "pass the data's .jsonl, .json, .parquet or .csv file, or a folder of them")
+    try:
+        data_files(path)
+    except SourceError as e:
+        raise UsageError(f"{flag} {e}") from None
 
 
 def check_output(out: str | Path, flag: str, inputs: dict[str, str | Path | None], directory: bool = False) -> None:
@@ -337,7 +325,7 @@ def check_replaceable_dir(out: str | Path, flag: str) -> None:
     path = Path(out)
     if path.exists() and not path.is_dir():
         raise UsageError(f"{flag} {out}: a file, not a directory; name a directory")
-    if path.is_dir() and any(path.iterdir()) and not any((path / m).is_file() for m in SAVED_DATASET_MARKERS):
+    if path.is_dir() and any(path.iterdir()) and not is_saved_dataset(path):
         raise UsageError(f"{flag} {out}: a directory that datasets' save_to_disk did not write, which the export "
                          "would replace with everything in it; name a new or empty directory")
 

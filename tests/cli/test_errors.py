@@ -175,18 +175,22 @@ CASES = {
     "Liger's kernels on a CPU, cache build": ((*BUILD, "--kernels", "liger"),
                                               ["--kernels (model.kernels) liger", "CUDA only"]),
     "kernels typo": ((*TRAIN, "--kernels", "ligre"), ["--kernels (model.kernels)", "auto, liger, none", "'ligre'"]),
-    "a directory of data files": (with_data(TRAIN, "files"),
-                                  ["--data files: a directory that datasets' save_to_disk did not write; it holds "
-                                   "eval.jsonl, train.jsonl: pass one, as --data files/train.jsonl"]),
-    "a directory of data files as eval data": ((*TRAIN, "--eval-data", "files"),
-                                               ["--eval-data files: a directory", "as --eval-data files/eval.jsonl"]),
+    # Several data files of one split are read as one data set (tests/data/test_data_sources.py); of two, refused.
+    "a directory of two splits' files": (with_data(TRAIN, "files"),
+                                         ["--data files: holds the splits train, eval; name the one to read with its "
+                                          "pattern: 'files/train.jsonl' (train), 'files/eval.jsonl' (eval)"]),
+    "a directory of two splits' files as eval data": ((*TRAIN, "--eval-data", "files"),
+                                                      ["--eval-data files: holds the splits train, eval"]),
     "an empty directory as eval data": ((*TRAIN, "--eval-data", "empty"),
-                                        ["--eval-data empty: a directory that datasets' save_to_disk did not write; "
-                                         "pass a .jsonl, .json, .parquet or .csv file"]),
+                                        ["--eval-data empty: no data file (.jsonl, .json, .parquet or .csv) in this "
+                                         "directory, nor a data set datasets' save_to_disk wrote"]),
+    "a pattern that matches no file": (with_data(BUILD, "nothing-*.jsonl"),
+                                       ["--data nothing-*.jsonl: no file matches this pattern"]),
     # Its hint had named the model's config.json as the data file meant.
     "the model directory as data": (with_data(TRAIN, "model"),
                                      ["--data model: a model directory (config.json and weights), not preference "
-                                      "data; pass the data's .jsonl, .json, .parquet or .csv file"]),
+                                      "data; pass the data's .jsonl, .json, .parquet or .csv file, or a folder of "
+                                      "them"]),
     "output dir under a file": ((*TRAIN[:-1], "a-file/run"), ["--output-dir a-file/run"]),
     "output dir that is a file": ((*TRAIN[:-1], "a-file"), ["--output-dir a-file: a file, not a directory"]),
     "cache dir under a file": ((*BUILD[:-1], "a-file/cache"), ["--cache-dir a-file/cache"]),

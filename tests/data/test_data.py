@@ -132,6 +132,25 @@ def test_implicit_prompt_conversations_equal_the_explicit_row(tokenizer):
     assert a.key == b.key
 
 
+def test_a_text_prompt_beside_conversations_that_hold_it_is_their_shared_messages(tokenizer):
+    """Tulu 3's preference mixtures (the seeds' data): ``prompt`` the user's turn as text,
+    ``chosen`` and ``rejected`` whole conversations starting with it. As TRL 1.16 reads them
+    (``maybe_extract_prompt``) and open-instruct trains them, the prompt is the messages both
+    start with; the text is not used. Each row equals its explicit conversational row."""
+    prompt, chosen, rejected = _conversation_row()
+    turns = prompt + [{"role": "assistant", "content": "3 2 1"}, {"role": "user", "content": "again, sorted"}]
+    rows, explicit = [], []
+    for shared in (prompt, turns):  # one turn, and several (the text prompt is then the last)
+        rows.append({"id": "x", "source": "s", "prompt": shared[-1]["content"], "chosen": shared + chosen,
+                     "rejected": shared + rejected})
+        explicit.append({"prompt": shared, "chosen": chosen, "rejected": rejected})
+    got, want = _load(rows, tokenizer).pairs, _load(explicit, tokenizer).pairs
+    for a, b in zip(got, want):
+        assert (a.prompt_ids, a.chosen_ids, a.rejected_ids, a.key) == (b.prompt_ids, b.chosen_ids, b.rejected_ids,
+                                                                        b.key)
+    assert got[0].key != got[1].key
+
+
 # ------------------------------------------------------------------------------------ errors
 
 
@@ -143,6 +162,12 @@ BAD_ROWS = {
     "only whitespace": ({"prompt": "   ", "chosen": " 1", "rejected": " 2"}, "prompt", "only whitespace ('   ')"),
     "wrong type": ({"prompt": "sort", "chosen": 5, "rejected": " 2"}, "chosen", "expected a string"),
     "messages mixed with strings": ({"prompt": MSGS, "chosen": " 1", "rejected": " 2"}, "chosen", "mixes messages"),
+    "a text prompt beside one conversation": ({"prompt": "sort", "chosen": MSGS, "rejected": " 2"}, "prompt",
+                                              "mixes messages"),
+    "a text prompt beside conversations without it": (
+        {"prompt": "sort", "chosen": [{"role": "assistant", "content": "1"}],
+         "rejected": [{"role": "assistant", "content": "2"}]}, "prompt", "share no first message: give the prompt as "
+                                                                         "messages too"),
     "message without content": (
         {"prompt": [{"role": "user"}], "chosen": [{"role": "assistant", "content": "1"}],
          "rejected": [{"role": "assistant", "content": "2"}]}, "prompt[0]", "content"),
