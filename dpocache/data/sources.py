@@ -6,9 +6,10 @@ mixture is four parquet shards, ``data/train-0000k-of-00004.parquet``): a direct
 them (its data files found in every folder below it, hidden ones aside) or a glob pattern
 (``'data/train-*.parquet'``, quoted so that the shell leaves it to dpocache). Their rows are
 read file by file in the order of the files' names, as ``datasets.load_dataset`` reads the
-shards of a split. A directory whose files name more than one split (``train-*`` and
-``test-*``, or ``train/`` and ``test/`` folders, Hugging Face's conventions) is refused with
-the pattern of each: which split a flag means is the user's to say.
+shards of a split. A directory is read whole where its files all name one split by Hugging
+Face's conventions (``train-*`` files, or a ``train/`` folder) or it holds one file; files of
+several splits, or files that name none (a working directory's data, held-out data and runs'
+metrics), are refused with a pattern to pass: which files a flag means is the user's to say.
 """
 
 from __future__ import annotations
@@ -101,12 +102,21 @@ def split_of(file: Path, root: Path) -> str | None:
 
 
 def _one_split(root: Path, files: list[Path]) -> None:
-    splits = sorted({s for s in (split_of(f, root) for f in files) if s is not None}, key=SPLITS.index)
+    """A folder is read whole where it holds one data file, or files that all name one split: a
+    folder of other files (a working directory: data, held-out data, runs' metrics) would be
+    read as one data set by accident."""
+    found = {split_of(f, root) for f in files}
+    splits = sorted(found - {None}, key=SPLITS.index)
     if len(splits) > 1:
         patterns = ", ".join(f"'{_pattern(str(root), [f for f in files if split_of(f, root) == s])}' ({s})"
                              for s in splits)
         raise SourceError(f"{root}: holds the splits {', '.join(splits)}; name the one to read with its pattern: "
                           f"{patterns}")
+    if None in found and len(files) > 1:
+        names = [str(f.relative_to(root)) for f in files]
+        raise SourceError(f"{root}: holds {', '.join(names[:4])}{', ...' if len(names) > 4 else ''}, not the files "
+                          f"of one split (train-*, test-*, as the Hub names them): pass one, as {root / names[0]}, or "
+                          f"a pattern naming the ones to read, as '{_pattern(str(root), files)}'")
 
 
 def _pattern(source: str, files: list[Path], suffix: str | None = None) -> str:

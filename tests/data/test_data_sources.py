@@ -71,9 +71,9 @@ def test_a_pair_the_model_cannot_take_is_named_by_its_own_file(tmp_path, tokeniz
                           (".parquet", lambda part, path: pq.write_table(pa.Table.from_pylist(part), path))):
         folder = tmp_path / suffix[1:]
         folder.mkdir()
-        write(rows[:3], folder / f"part-a{suffix}")
-        write(rows[3:], folder / f"part-b{suffix}")
-        where = f"{folder / f'part-b{suffix}'}:{'row 1' if suffix == '.parquet' else '2'}: "
+        write(rows[:3], folder / f"train-0{suffix}")
+        write(rows[3:], folder / f"train-1{suffix}")
+        where = f"{folder / f'train-1{suffix}'}:{'row 1' if suffix == '.parquet' else '2'}: "
         for _ in range(2):  # tokenized, then from the token store
             with pytest.raises(DataError) as err:
                 _load(folder, tokenizer, context=64, cache_dir=tmp_path / "cache")
@@ -112,10 +112,22 @@ def test_files_of_several_splits_or_kinds_are_refused_with_a_pattern_for_each(tm
         data_files(folders)
     assert [f.name for f in data_files(folders / "train")] == ["0000.jsonl"]
 
+    # A working directory: its data, held-out data and a run's metrics are not one data set.
+    work = tmp_path / "work"
+    (work / "runs" / "a").mkdir(parents=True)
+    for name in ("prefs.jsonl", "held.jsonl", "runs/a/metrics.jsonl"):
+        write_jsonl(rows, work / name)
+    with pytest.raises(SourceError) as err:
+        data_files(work)
+    assert str(err.value) == (f"{work}: holds held.jsonl, prefs.jsonl, runs/a/metrics.jsonl, not the files of one "
+                              f"split (train-*, test-*, as the Hub names them): pass one, as {work / 'held.jsonl'}, "
+                              f"or a pattern naming the ones to read, as '{work / '**' / '*.jsonl'}'")
+    assert len(data_files(work / "runs")) == 1  # one file: read whole
+
     mixed = tmp_path / "mixed"
     mixed.mkdir()
-    write_jsonl(rows, mixed / "a.jsonl")
-    (mixed / "b.json").write_text(json.dumps(rows))
+    write_jsonl(rows, mixed / "train-a.jsonl")
+    (mixed / "train-b.json").write_text(json.dumps(rows))
     with pytest.raises(SourceError, match=r"several kinds \(\.json, \.jsonl\): name the ones to read"):
         data_files(mixed)
     with pytest.raises(SourceError, match="no file matches this pattern"):
