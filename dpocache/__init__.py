@@ -16,7 +16,7 @@ __getattr__, __dir__, __all__ = lazy_surface(__name__, {
     "dpocache.config": ["Config", "ConfigError", "build_config"],
     "dpocache.data.pairs": ["load_preference_data", "PreferenceData", "TokenizedPair", "DataError"],
     "dpocache.data.values": ["PairValues"],
-    "dpocache.cache.store": ["CacheStore", "Namespace", "CacheError"],
+    "dpocache.cache.store": ["CacheStore", "Namespace", "CacheError", "MissingReferenceError"],
     "dpocache.cache.build": ["build_missing", "BuildOptions", "BuildSummary", "namespace_for_dir", "verify"],
     "dpocache.models.reference": ["ReferenceModel"],
     "dpocache.scoring.logprobs": ["CompletionLogProbs"],
