@@ -813,6 +813,10 @@ def _closest(key: str, value: Any, names: dict[str, str], options: tuple[str, ..
         pool = {n: n for n in [*names, *options]}
         query = key
     pool.update({t: t for t in TRL_NAMES})
+    # The start of one field's name (--out for --output-dir), as argparse would take it.
+    started = [n for n in pool if len(query) >= 3 and n.rsplit(".", 1)[-1].startswith(query)]
+    if len({names.get(pool[n], pool[n]) for n in started}) == 1:
+        return pool[min(started, key=len)]
     found = difflib.get_close_matches(query, pool, n=5, cutoff=0.6)
     if not found:
         return None

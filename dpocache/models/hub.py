@@ -21,5 +21,5 @@ def push_folder(folder: Path, repo_id: str) -> str:
     except Exception as e:  # network, auth and permission errors all come as different types
         raise HubError(f"could not push {folder} to the Hub repo '{repo_id}': {type(e).__name__}: {e}. "
                        f"The checkpoint is saved locally in {folder}; push it later with "
-                       f"`huggingface-cli upload {repo_id} {folder}`.") from None
+                       f"`hf upload {repo_id} {folder}`.") from None
     return str(info)

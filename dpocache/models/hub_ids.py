@@ -6,7 +6,7 @@ The cache layout (``huggingface_hub``'s): ``$HF_HUB_CACHE`` (default ``$HF_HOME/
 holding a commit hash), ``snapshots/<commit>/`` (the files, as links into ``blobs/``) and
 ``blobs/<digest>``. A revision is a branch or tag name (looked up in ``refs/``, default
 ``main``) or a commit hash. A model not in the cache fails at once, in one line that names the
-id and the directory looked in; downloading is left to ``huggingface-cli download``.
+id and the directory looked in; downloading is left to ``hf download``.
 """
 
 from __future__ import annotations
@@ -68,12 +68,12 @@ def resolve(spec: str) -> ResolvedModel:
     else:
         raise ModelNotCachedError(f"--model {spec}: no such directory, and revision '{revision}' of {repo_id} is "
                                   f"not in the local Hugging Face cache ({repo_dir}); download it with "
-                                  f"`huggingface-cli download {repo_id} --revision {revision}`")
+                                  f"`hf download {repo_id} --revision {revision}`")
     snapshot = repo_dir / "snapshots" / commit
     if not (snapshot / "config.json").is_file():
         raise ModelNotCachedError(f"--model {spec}: no such directory, and {repo_id} at {commit[:12]} is not in the "
                                   f"local Hugging Face cache "
-                                  f"({snapshot} has no config.json); download it with `huggingface-cli download "
+                                  f"({snapshot} has no config.json); download it with `hf download "
                                   f"{repo_id} --revision {revision}`")
     return ResolvedModel(snapshot, repo_id, revision, commit)
 

@@ -337,7 +337,7 @@ def format_table(rows: list[PlanRow], device_gib: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m dpocache.models.memory_plan",
+    parser = argparse.ArgumentParser(prog="python -m dpocache.memory_plan",
                                      description="Per-device memory of the reference pass and of training.")
     parser.add_argument("--config", type=Path, action="append",
                         help="a model's config.json (repeatable; default: Llama 3.1 8B and 70B)")

@@ -164,3 +164,11 @@ def test_usage_md_answers_every_trl_name():
     text = (REPO / "docs" / "usage.md").read_text(encoding="utf-8")
     section = text.split("## Coming from TRL", 1)[1].split("\n## ", 1)[0]
     assert not [name for name in TRL_NAMES if f"`{name}`" not in section]
+
+
+@pytest.mark.parametrize("typed, meant", [("--out", "--output-dir"), ("--max-len", "--max-length"),
+                                          ("--epoch", "--epochs")])
+def test_the_start_of_one_flags_name_is_answered_with_that_flag(typed, meant):
+    """As argparse takes a flag's start: --out was answered with --lora.dropout (closer by
+    difflib's ratio than the much longer --output-dir)."""
+    assert message(typed, "2").endswith(f"did you mean {meant}?")
