@@ -1,7 +1,7 @@
 """GRPO with TRL's trainer and dpocache's reference, nothing downloaded: ``CachedGRPOTrainer`` is
 TRL 1.16's ``GRPOTrainer`` whose reference pass goes through dpocache's ``ReferenceService``
-(each group's prompt run once, completion positions only). With its defaults (20 steps) about 7 s
-on a 2-core CPU, 15 s with ``--ray`` (2026-11-25; needs ``pip install 'dpocache[trl]'``, and
+(each group's prompt run once, completion positions only). With its defaults (20 steps) about 10 s
+on a 2-core CPU, 18 s with ``--ray``, imports included (2026-11-28; needs ``pip install 'dpocache[trl]'``, and
 ``'dpocache[trl,ray]'`` for ``--ray``). tests/integrations/test_trl_grpo.py runs it.
 
 The task is the demo's (``dpocache.training.demo``): the prompt is a list of numbers, a good
