@@ -18,8 +18,8 @@ the values are the same whoever computes them, and a shard is named by its conte
 
 Builds on a CPU also share its threads: each runs on its share of the threads it started with
 (``torch.get_num_threads``) while others run, and on all of them again once it runs alone. Two
-builds each running every core's thread wait on each other's (a step took several times as
-long as alone), where each on half the cores scores as fast as the two halves of one build.
+builds each running every core's threads wait on each other's; sharing them, two builds at
+once end about when one alone would (measured in docs/cache.md).
 
     with shared_build(store.dir, stop) as shared:
         for chunk in shared.chunks(batches):   # each claimed while the loop body runs
