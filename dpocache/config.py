@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import importlib.util
 import inspect
+import itertools
 import math
 import os
 import re
@@ -24,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from dpocache.data.sources import pattern_naming
 from dpocache.runtime.allocator import ENV as CPU_ALLOCATOR_ENV
 from dpocache.runtime.allocator import MODES as CPU_ALLOCATOR_MODES
 from dpocache.scoring.layout_choice import (
@@ -705,7 +707,8 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str | None]]:
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument '{arg}' (options are --key value)")
+            raise ConfigError(_expanded_pattern(out[-1] if out else None, args[i:]) or
+                              f"unexpected argument '{arg}' (options are --key value)")
         key = arg[2:]
         if "=" in key:
             key, value = key.split("=", 1)
@@ -718,6 +721,19 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str | None]]:
             i += 1
         out.append((key, value))
     return out
+
+
+def _expanded_pattern(flag: tuple[str, str | None] | None, rest: list[str]) -> str | None:
+    """What to say where a flag's value is followed by more files: the shell expanded an unquoted
+    pattern (``--data data/train-*.parquet``) into them; None otherwise."""
+    if flag is None or flag[1] is None:
+        return None
+    files = [flag[1], *itertools.takewhile(lambda a: not a.startswith("--"), rest)]
+    if not all(Path(f).is_file() for f in files):
+        return None
+    shown = ", ".join(files[:2]) + (", ..." if len(files) > 2 else "")
+    return (f"--{flag[0]} got {len(files)} files ({shown}): the shell expanded an unquoted pattern into them; quote "
+            f"it, and dpocache reads the files it names as one data set: --{flag[0]} '{pattern_naming(files)}'")
 
 
 def switch_value(flag: str, annotation: Any, value: str | None) -> str:

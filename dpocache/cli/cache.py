@@ -53,7 +53,7 @@ def _load_data(args, tokenizer, verbose: bool = True, source: str | None = None)
                                 cache_dir=args.cache_dir or default_cache_dir(),
                                 cache_read_only=args.cache_command != "build")  # verify and export only read it
     if data.skipped and verbose:
-        print(f"skipped {len(data.skipped)} invalid rows:", file=sys.stderr)
+        print(f"skipped {len(data.skipped)} invalid row{'s' if len(data.skipped) != 1 else ''}:", file=sys.stderr)
         for s in data.skipped[:20]:
             print(f"  {s}", file=sys.stderr)
         if len(data.skipped) > 20:

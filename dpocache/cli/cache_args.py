@@ -124,6 +124,12 @@ def export_format(fmt: str | None, out: Path, with_ids: bool) -> str:
     if with_ids and fmt != "keys":
         raise UsageError(f"--with-ids: only --format keys (the cache's own table) holds token ids; drop --with-ids "
                          f"or --format {fmt}")
+    written = ".jsonl" if fmt == "keys" else next((x for x, f in EXPORT_SUFFIXES.items() if f == fmt), None)
+    named = out.suffix.lower()
+    if named in EXPORT_SUFFIXES and written is not None and named != written:
+        # a .parquet file of JSON lines: readers fail on it ("Parquet magic bytes not found")
+        raise UsageError(f"--out {out}: --format {fmt} writes a {written} file; name it so, or pass the format its "
+                         f"name says (--format {EXPORT_SUFFIXES[named]})")
     return fmt
 
 

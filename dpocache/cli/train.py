@@ -100,7 +100,7 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     print(describe_data(info["data"]))
     if info.get("resumed_from"):
         print(f"resumed from {info['resumed_from']['checkpoint']} (step {info['resumed_from']['step']})")
-    print(f"done: {final['step']} steps; model in {final['output']}")
+    print(f"done: {final['step']} step{'s' if final['step'] != 1 else ''}; model in {final['output']}")
     compiled = describe_compiled(info.get("policy", {}))
     if compiled:
         print(compiled)

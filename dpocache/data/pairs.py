@@ -47,6 +47,7 @@ every later call (``dpocache.data.token_store``).
 from __future__ import annotations
 
 import ast
+import bisect
 import csv
 import json
 import sys
@@ -413,11 +414,21 @@ def _split_implicit(location: str, chosen: Any, rejected: Any, text_prompt: bool
     """Implicit prompt: the longest common prefix of chosen and rejected is the prompt.
     ``text_prompt``: the row's prompt is text beside these conversations, and not used."""
     if _is_messages(chosen) and _is_messages(rejected):
+        for name, messages in (("chosen", chosen), ("rejected", rejected)):
+            _check_messages(location, name, messages)  # indices as in the row, before the split
         n = _common_prefix_len(chosen, rejected)
+        if n and n == min(len(chosen), len(rejected)):
+            # One is the start of the other, or both the same (an answer given twice): as TRL's
+            # extract_prompt, the last message they share is an answer in each.
+            n -= 1
+            if n == 0:
+                shorter = "chosen" if len(chosen) <= len(rejected) else "rejected"
+                raise DataError(location, shorter, "one message, which the other completion starts with: no prompt "
+                                "before the answers")
         if n == 0 and text_prompt:
             raise DataError(location, "prompt", "text, where chosen and rejected are conversations; such rows are "
-                            "read as TRL reads them, the messages both conversations start with being the prompt, "
-                            "but these share no first message: give the prompt as messages too")
+                            "read as their messages both start with, but these share no first message: give the "
+                            "prompt as messages too")
         if n == 0:
             raise DataError(location, "chosen", "implicit prompt: chosen and rejected share no first message")
         return chosen[:n], chosen[n:], rejected[n:]
@@ -758,27 +769,40 @@ def load_preference_data(
                                        cache_read_only) if key else tokenize()
     name = source_name(source)
     base = str(Path(source)) if isinstance(source, (str, Path)) else name
-    skipped = [SkippedRow(_location(base, tokens.location_kind, where), f, reason)
-               for where, f, reason in tokens.skipped]
-    if skipped and not skip_invalid:
-        raise DataError(skipped[0].location, skipped[0].field, skipped[0].reason)
-    return _fitting(name, base, tokens, skipped, skip_invalid, context, max_length, vocab_size)
+    locate = _Locator(base, tokens)
+    skipped = [SkippedRow(locate(where), f, reason) for where, f, reason in tokens.skipped]
+    if skipped and not skip_invalid:  # a store tokenized with --skip-invalid, read without it
+        raise DataError(skipped[0].location, skipped[0].field, f"{skipped[0].reason} ({SKIP_HINT})")
+    return _fitting(name, locate, tokens, skipped, skip_invalid, context, max_length, vocab_size)
 
 
-def _location(base: str, kind: str, where: int | str) -> str:
-    """A row's location: ``base`` and its line or row, or ``where`` itself (a source of several
-    files, where it names the file)."""
-    return where if isinstance(where, str) else f"{base}:{'row ' if kind == 'row' else ''}{where}"
+class _Locator:
+    """Names a row of ``tokens`` by where it is now: ``base`` (the source as given on this run,
+    whichever name a store was built under) and its line or row, in a source of several files
+    its own file's (the store's files are those the source names now, in order: the key covers
+    their names and bytes)."""
 
+    def __init__(self, base: str, tokens: token_store.StoredTokens) -> None:
+        self.base, self.kind = base, tokens.location_kind
+        self.files = sources.data_files(base) if tokens.files else None
+        self.firsts = [first for _, first in tokens.files]
 
-def _pair_location(base: str, tokens: token_store.StoredTokens, i: int) -> str:
-    """Where pair ``i`` of ``tokens`` was read: in a source of several files, its own file's."""
-    where = int(tokens.columns.where[i])
-    if not tokens.files:
-        return _location(base, tokens.location_kind, where)
-    row = int(tokens.columns.rows[i])
-    name = next(name for name, first in reversed(tokens.files) if first <= row)
-    return _location(str(sources.root_of(base) / name), tokens.location_kind, where)
+    def __call__(self, where: int | list[int] | str) -> str:
+        """``where``: the line or row; in a source of several files ``[file, line or row]`` (or a
+        location in words)."""
+        base = self.base
+        if isinstance(where, str):
+            return where
+        if isinstance(where, (list, tuple)):
+            base, where = str(self.files[where[0]]), where[1]
+        return f"{base}:{'row ' if self.kind == 'row' else ''}{where}"
+
+    def pair(self, columns: TokenColumns, i: int) -> str:
+        """Where pair ``i`` of ``columns`` was read."""
+        where = int(columns.where[i])
+        if not self.files:
+            return self(where)
+        return self([bisect.bisect_right(self.firsts, int(columns.rows[i])) - 1, where])
 
 
 def _tokenize_source(source: Any, tokenizer, max_length, max_prompt_length, skip_invalid: bool,
@@ -793,31 +817,41 @@ def _tokenize_source(source: Any, tokenizer, max_length, max_prompt_length, skip
                                               show_progress, chunks)
     kind = "row" if rows[0].location.rsplit(":", 1)[1].startswith("row ") else "line"
     files = _files_read(source, rows)
-    # A source of several files keeps each skipped row's whole location: its file's name is in it.
-    located = [(s.location if files else _where(s.location), s.field, s.reason) for s in skipped]
-    return token_store.StoredTokens(token_columns, located, kind, files=files)
+    number = {name: k for k, (name, _) in enumerate(files)}
+
+    def where(location: str) -> int | list[int] | str:
+        # In a source of several files, [the file's number, its line or row]: named by the
+        # file's path when read (_Locator), whatever the source was called when stored. A row
+        # a stopped build found unfit under another name for the files keeps its location.
+        file = location.rpartition(":")[0]
+        if not files:
+            return _where(location)
+        return [number[file], _where(location)] if file in number else location
+
+    return token_store.StoredTokens(token_columns, [(where(s.location), s.field, s.reason) for s in skipped], kind,
+                                    files=[(Path(name).name, first) for name, first in files])
 
 
 def _files_read(source: Any, rows: list[RawRow]) -> list[tuple[str, int]]:
-    """A source of several files: each file's name below the source's folder, and its first row."""
+    """A source of several files: each file's path as read and its first row; [] for one file."""
     if not isinstance(source, (str, Path)) or sources.data_files(source) is None:
         return []
-    root, files = sources.root_of(source), []
+    files = []
     for row in rows:
-        name = str(Path(row.location.rsplit(":", 1)[0]).relative_to(root))
-        if not files or files[-1][0] != name:
-            files.append((name, row.index))
+        file = row.location.rpartition(":")[0]
+        if not files or files[-1][0] != file:
+            files.append((file, row.index))
     return files
 
 
-def _fitting(name: str, base: str, tokens, skipped: list[SkippedRow], skip_invalid: bool, context: int | None,
-             max_length: int | None, vocab_size: int | None) -> PreferenceData:
+def _fitting(name: str, locate: _Locator, tokens, skipped: list[SkippedRow], skip_invalid: bool,
+             context: int | None, max_length: int | None, vocab_size: int | None) -> PreferenceData:
     """The data with pairs the model cannot take (``unfit_pairs``) raised, or skipped with ``skip_invalid``."""
     columns = tokens.columns
     keep = np.ones(len(columns), bool)
     for problem in unfit_pairs(columns, vocab_size, context, max_length):
         for i, reason in problem:
-            err = DataError(_pair_location(base, tokens, i), None, reason)
+            err = DataError(locate.pair(columns, i), None, reason)
             if not skip_invalid:
                 raise err
             skipped.append(SkippedRow(err.location, err.field, err.reason))

@@ -88,8 +88,10 @@ def _is_data_file(file: Path, root: Path) -> bool:
 def _one_kind(source: str, files: list[Path]) -> None:
     suffixes = sorted({f.suffix.lower() for f in files})
     if len(suffixes) > 1:
-        raise SourceError(f"{source}: holds data files of several kinds ({', '.join(suffixes)}): name the ones to "
-                          f"read, as '{_pattern(source, files, suffix=suffixes[0])}'")
+        most = max(suffixes, key=lambda x: sum(f.suffix.lower() == x for f in files))
+        verb = "names" if is_pattern(source) else "holds"
+        raise SourceError(f"{source}: {verb} data files of several kinds ({', '.join(suffixes)}): name the ones to "
+                          f"read, as '{_pattern(source, files, suffix=most)}'")
 
 
 def split_of(file: Path, root: Path) -> str | None:
@@ -131,6 +133,17 @@ def _pattern(source: str, files: list[Path], suffix: str | None = None) -> str:
     return str(Path(source) / "**" / f"*{files[0].suffix}")
 
 
-def describe(files: list[Path]) -> str:
-    """``3 files (data/train-00000-of-00003.parquet, ...)``, for a line that names the source."""
-    return f"{len(files)} files ({files[0]}{', ...' if len(files) > 1 else ''})"
+def pattern_naming(files: list[str | Path]) -> str:
+    """A glob pattern naming ``files``, for a message."""
+    files = [Path(f) for f in files]
+    return _pattern(str(Path(*_common_parts(files))), files)
+
+
+def _common_parts(files: list[Path]) -> tuple[str, ...]:
+    parts = files[0].parent.parts
+    for f in files[1:]:
+        n = 0
+        while n < min(len(parts), len(f.parent.parts)) and parts[n] == f.parent.parts[n]:
+            n += 1
+        parts = parts[:n]
+    return parts or (".",)

@@ -55,9 +55,9 @@ _READ_CHUNK = 1 << 22
 @dataclass
 class StoredTokens:
     """What a store holds: the columns, the rows skipped as invalid (``(where, field, reason)``,
-    ``where`` being the line or "row N" after the source's name, or the whole location in a
-    source of several files), how rows are located (``"line"`` or ``"row"``), and a source of
-    several files' ``files``: each one's name (below the source's folder) and its first row."""
+    ``where`` being the line or row number after the source's name, in a source of several
+    files ``[file number, line or row]``), how rows are located (``"line"`` or ``"row"``), and a
+    source of several files' ``files``: each one's name and first row, in reading order."""
 
     columns: TokenColumns
     skipped: list[tuple[str, str | None, str]] = field(default_factory=list)

@@ -29,7 +29,7 @@ import logging
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from safetensors import safe_open
@@ -288,6 +288,20 @@ def _check_fixed_reference_data(args: Any, train_dataset: Any, eval_dataset: Any
         if "image" in columns or "images" in columns:
             raise ValueError(f"CachedDPOTrainer: {name} has images; the reference cache scores text only (use "
                              "DPOTrainer for a vision-language model)")
+        _check_prompt_kind(name, dataset, columns)
+
+
+def _check_prompt_kind(name: str, dataset: Any, columns: Sequence[str]) -> None:
+    """A text prompt beside conversations that hold it (Tulu 3's preference mixtures): TRL 1.16's
+    DPOTrainer extracts a prompt only from rows without one, and stopped on these with "can only
+    concatenate str (not "list") to str" deep in its tokenization."""
+    if not {"prompt", "chosen"} <= set(columns) or not len(dataset):
+        return
+    row = dataset[0]
+    if isinstance(row["prompt"], str) and isinstance(row["chosen"], list):
+        raise ValueError(f"CachedDPOTrainer: {name} gives the prompt as text and chosen as messages (as Tulu 3's "
+                         "preference mixtures do), which TRL's DPOTrainer cannot tokenize; take the prompt from the "
+                         f"messages first: {name}.map(trl.maybe_extract_prompt)")
 
 
 def _check_cache_options(dtype: Any, device: Any, max_tokens: Any) -> None:

@@ -311,7 +311,9 @@ def check_output(out: str | Path, flag: str, inputs: dict[str, str | Path | None
             continue
         source = Path(path).resolve()
         if target == source or (source.is_dir() and source in target.parents):
-            raise UsageError(f"{flag} {out}: that would overwrite {name} {path}; write somewhere else")
+            # a new file in an input folder (the data's files, read as one data set) is no overwrite
+            what = "overwrite" if target == source or target.exists() else "write into"
+            raise UsageError(f"{flag} {out}: that would {what} {name} {path}; write somewhere else")
     if not directory and target.is_dir():
         raise UsageError(f"{flag} {out}: a directory; name a file to write")
     if directory:

@@ -289,7 +289,8 @@ def _load_data(cfg: Config, source: str, tokenizer, env: DistEnv) -> PreferenceD
                                 columns=cfg.data.columns(), context=model_context(cfg.model.path),
                                 vocab_size=model_vocab_size(cfg.model.path), cache_dir=cache_dir_of(cfg))
     if data.skipped and env.is_main:
-        print(f"{source}: skipped {len(data.skipped)} invalid rows, first: {data.skipped[0]}", file=sys.stderr)
+        n = len(data.skipped)
+        print(f"{source}: skipped {n} invalid row{'s' if n != 1 else ''}, first: {data.skipped[0]}", file=sys.stderr)
     return data
 
 

@@ -191,15 +191,20 @@ def test_a_jsonl_name_gives_one_schema_with_or_without_format(exported, model_di
     assert {"key", "chosen_logps", "prompt_ids"} <= set(json.loads(ids.read_text().splitlines()[0]))
 
 
-@pytest.mark.parametrize("extra, words", [
-    ((), ["--out", "ref.json", "pass --format"]),
-    (("--format", "parquet", "--with-ids"), ["--with-ids", "--format keys"]),
+@pytest.mark.parametrize("out, extra, words", [
+    ("ref.json", (), ["--out", "ref.json", "pass --format"]),
+    ("ref.json", ("--format", "parquet", "--with-ids"), ["--with-ids", "--format keys"]),
+    # JSON lines in a file named .parquet: readers failed on it ("Parquet magic bytes not found")
+    ("keys.parquet", ("--format", "keys"), ["--out", "keys.parquet: --format keys writes a .jsonl file",
+                                            "(--format parquet)"]),
+    ("ref.jsonl", ("--format", "parquet"), ["ref.jsonl: --format parquet writes a .parquet file"]),
 ])
-def test_export_format_mistakes_are_one_line(exported, model_dir, pref_jsonl, capsys, extra, words):
+def test_export_format_mistakes_are_one_line(exported, model_dir, pref_jsonl, capsys, out, extra, words):
     root, _ = exported
-    code = main(_cache_args("export", model_dir, pref_jsonl, root / "cache", "--out", root / "ref.json", *extra))
+    code = main(_cache_args("export", model_dir, pref_jsonl, root / "cache", "--out", root / out, *extra))
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and all(w in err for w in words), err
+    assert not (root / out).exists()
 
 
 def test_a_full_disk_under_a_safetensors_export_is_one_line(exported, model_dir, pref_jsonl, capsys, monkeypatch):

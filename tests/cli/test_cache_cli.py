@@ -281,3 +281,16 @@ def test_killed_build_resumes_where_it_stopped(tmp_path, build, cli, model_dir, 
     a = export(cli, model_dir, data, killed_cache, tmp_path / "a.jsonl")
     b = export(cli, model_dir, data, fresh_cache, tmp_path / "b.jsonl")
     assert a == b
+
+
+def test_python_m_dpocache_runs_beside_a_folder_named_dpocache(tmp_path):
+    """From the folder that holds a clone named dpocache (``cd ~; torchrun -m dpocache ...``),
+    that clone's folder, found first on the path, was imported as an empty namespace package
+    under the editable install's import hook: "cannot import name '__version__' from 'dpocache'
+    (unknown location)". The install puts the repository on the path instead (pyproject.toml)."""
+    (tmp_path / "dpocache").mkdir()
+    (tmp_path / "dpocache" / "README.md").write_text("a clone of the repository\n")
+    (tmp_path / "cache").mkdir()
+    proc = subprocess.run([sys.executable, "-m", "dpocache", "cache", "info", "--cache-dir", "cache"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -74,6 +74,8 @@ def work(tmp_path_factory, model_dir, pref_rows) -> Path:
     shutil.copy(root / "data.jsonl", root / "files" / "train.jsonl")
     shutil.copy(root / "data.jsonl", root / "files" / "eval.jsonl")
     (root / "empty").mkdir()
+    (root / "shards").mkdir()  # one split's files, read as one data set
+    shutil.copy(root / "data.jsonl", root / "shards" / "train-00000-of-00001.jsonl")
     write_jsonl([{"prompt": r["prompt"], "completions": [r["chosen"], r["rejected"]]} for r in pref_rows],
                 root / "score.jsonl")  # rows as score reads them
     (root / "broken.parquet").write_bytes(b"PAR1 but nothing else")
@@ -234,6 +236,12 @@ CASES = {
                                                  "--out", "model/model.safetensors", "--format", "safetensors",
                                                  "--cache-dir", "cache", "--device", "cpu"),
                                                 ["--out model/model.safetensors", "overwrite --model model"]),
+    # a new file among the data's files: it would be read as data by the next run (not "overwrite")
+    "cache export into the folder of the data's files": (("cache", "export", "--model", "model", "--data", "shards",
+                                                          "--out", "shards/ref.jsonl", "--cache-dir", "cache",
+                                                          "--device", "cpu"),
+                                                         ["--out shards/ref.jsonl: that would write into --data "
+                                                          "shards; write somewhere else"]),
     # A datasets export replaces its directory: the folder holding the model and data was removed.
     "cache export --format datasets into the folder of its inputs": (
         ("cache", "export", "--model", "model", "--data", "data.jsonl", "--out", ".", "--format", "datasets",

@@ -172,3 +172,17 @@ def test_the_start_of_one_flags_name_is_answered_with_that_flag(typed, meant):
     """As argparse takes a flag's start: --out was answered with --lora.dropout (closer by
     difflib's ratio than the much longer --output-dir)."""
     assert message(typed, "2").endswith(f"did you mean {meant}?")
+
+
+def test_files_after_a_flags_value_are_a_pattern_the_shell_expanded(tmp_path):
+    """--data data/train-*.parquet unquoted reaches dpocache as several files: said so, with the
+    pattern to quote (it was "unexpected argument '...'")."""
+    shards = [tmp_path / "data" / f"train-0000{k}-of-00003.parquet" for k in range(3)]
+    shards[0].parent.mkdir()
+    for shard in shards:
+        shard.write_bytes(b"")
+    assert message("--data", *map(str, shards)) == (
+        f"--data got 3 files ({shards[0]}, {shards[1]}, ...): the shell expanded an unquoted pattern into them; "
+        f"quote it, and dpocache reads the files it names as one data set: --data "
+        f"'{tmp_path / 'data' / 'train*.parquet'}'")
+    assert message("--data", str(shards[0]), "extra") == "unexpected argument 'extra' (options are --key value)"

@@ -151,6 +151,22 @@ def test_a_text_prompt_beside_conversations_that_hold_it_is_their_shared_message
     assert got[0].key != got[1].key
 
 
+def test_conversations_one_the_start_of_the_other_end_the_prompt_a_message_early_as_trl(tokenizer):
+    """chosen and rejected the same conversation (an answer given twice: Tulu's mixtures have
+    such rows) or one the start of the other: as TRL's extract_prompt, the last message they
+    share is an answer in each, so the row is kept (counted with chosen == rejected), where it
+    stopped the build with "empty list of messages"."""
+    prompt, chosen, _ = _conversation_row()
+    longer = chosen + [{"role": "user", "content": "and again"}, {"role": "assistant", "content": "1 2 3"}]
+    for implicit in ({"chosen": prompt + chosen, "rejected": prompt + chosen},
+                     {"prompt": "the user's text", "chosen": prompt + chosen, "rejected": prompt + chosen}):
+        data = _load([implicit, {"prompt": prompt, "chosen": chosen, "rejected": chosen}], tokenizer)
+        assert data.pairs[0].key == data.pairs[1].key and data.identical == 2
+    data = _load([{"chosen": prompt + chosen, "rejected": prompt + longer},
+                  {"prompt": prompt, "chosen": chosen, "rejected": longer}], tokenizer)
+    assert data.pairs[0].key == data.pairs[1].key
+
+
 # ------------------------------------------------------------------------------------ errors
 
 
@@ -162,6 +178,16 @@ BAD_ROWS = {
     "only whitespace": ({"prompt": "   ", "chosen": " 1", "rejected": " 2"}, "prompt", "only whitespace ('   ')"),
     "wrong type": ({"prompt": "sort", "chosen": 5, "rejected": " 2"}, "chosen", "expected a string"),
     "messages mixed with strings": ({"prompt": MSGS, "chosen": " 1", "rejected": " 2"}, "chosen", "mixes messages"),
+    # messages named as in the row (the implicit prompt's split came first: rejected[1] was 'rejected[0]')
+    "a message without content in an implicit row": (
+        {"chosen": MSGS + [{"role": "assistant", "content": "1"}], "rejected": MSGS + [{"role": "assistant"}]},
+        "rejected[1]", "content"),
+    "an empty conversation beside a text prompt": (
+        {"prompt": "sort", "chosen": [], "rejected": MSGS + [{"role": "assistant", "content": "2"}]}, "chosen",
+        "empty list of messages"),
+    "a conversation that is the other's prompt": (
+        {"chosen": MSGS, "rejected": MSGS + [{"role": "assistant", "content": "2"}]}, "chosen",
+        "one message, which the other completion starts with: no prompt before the answers"),
     "a text prompt beside one conversation": ({"prompt": "sort", "chosen": MSGS, "rejected": " 2"}, "prompt",
                                               "mixes messages"),
     "a text prompt beside conversations without it": (

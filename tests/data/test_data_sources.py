@@ -63,6 +63,30 @@ def test_a_bad_row_is_named_by_its_own_file_and_row_from_the_token_store_too(tmp
     assert len(_stores(tmp_path / "cache")) == 1
 
 
+def test_rows_are_named_by_the_files_as_given_on_this_run_whatever_the_store_was_built_under(tmp_path, tokenizer,
+                                                                                             make_rows):
+    """One store serves the folder, its data/ folder and a pattern (its key is the files' names
+    and bytes): each run names a row by the path it was given, and a moved folder by its new one."""
+    rows = make_rows(9, seed=27)
+    rows[7]["rejected"] = ""  # shard 2, its row 1
+    rows[4]["prompt"] = "sort " * 80  # shard 1, its row 1: past a context of 64
+    hub = _hub_folder(tmp_path / "hub", rows)
+    cache = tmp_path / "cache"
+    for source in (hub, hub / "data", str(hub / "data" / "train-*.parquet")):
+        with pytest.raises(DataError) as err:  # from the store built by the first --skip-invalid run
+            _load(source, tokenizer, cache_dir=cache)
+        assert str(err.value) == (f"{hub / 'data' / 'train-00002-of-00003.parquet'}:row 1: field 'rejected': empty "
+                                  "string (fix or drop the row; --skip-invalid skips such rows)")
+        data = _load(source, tokenizer, skip_invalid=True, cache_dir=cache, context=64)
+        assert [s.location for s in data.skipped] == [f"{hub / 'data' / f'train-0000{k}-of-00003.parquet'}:row 1"
+                                                      for k in (2, 1)]
+    moved = hub.rename(tmp_path / "moved")
+    data = _load(moved, tokenizer, skip_invalid=True, cache_dir=cache, context=64)
+    assert [s.location for s in data.skipped] == [f"{moved / 'data' / f'train-0000{k}-of-00003.parquet'}:row 1"
+                                                  for k in (2, 1)]
+    assert len(_stores(cache)) == 1
+
+
 def test_a_pair_the_model_cannot_take_is_named_by_its_own_file(tmp_path, tokenizer, make_rows):
     """The checks made after loading (the model's context) locate a pair by its source row."""
     rows = make_rows(6, seed=23)

@@ -302,6 +302,9 @@ def test_what_a_fixed_cache_cannot_serve_is_refused_before_any_model_loads(setup
     monkeypatch.setattr(DPOTrainer, "__init__", lambda *a, **k: pytest.fail("TRL was reached"))
     streamed = IterableDataset.from_generator(lambda: iter([{"prompt": "a", "chosen": " b", "rejected": " c"}]))
     with_images = Dataset.from_list([{"prompt": "a", "chosen": " b", "rejected": " c", "images": [None]}])
+    user = [{"role": "user", "content": "a"}]
+    tulu = Dataset.from_list([{"prompt": "a", "chosen": user + [{"role": "assistant", "content": "b"}],
+                               "rejected": user + [{"role": "assistant", "content": "c"}]}])
     cases = {
         "sync_ref_model=True would copy the policy into the reference during training \\(TR-DPO\\)":
             dict(args=_args(root / "x", sync_ref_model=True), train_dataset=dataset),
@@ -309,6 +312,11 @@ def test_what_a_fixed_cache_cannot_serve_is_refused_before_any_model_loads(setup
             dict(args=_args(root / "x"), train_dataset=streamed),
         "eval_dataset\\['held'\\] has images; the reference cache scores text only":
             dict(args=_args(root / "x"), train_dataset=dataset, eval_dataset={"held": with_images}),
+        # TRL's own: "can only concatenate str (not "list") to str", deep in its tokenization
+        "train_dataset gives the prompt as text and chosen as messages \\(as Tulu 3's preference mixtures do\\), "
+        "which TRL's DPOTrainer cannot tokenize; take the prompt from the messages first: "
+        "train_dataset.map\\(trl.maybe_extract_prompt\\)":
+            dict(args=_args(root / "x"), train_dataset=tulu),
         # Each was found late: a device assert deep in torch once a value had to be computed, and a
         # "dtype must be one of" that did not say which argument.
         "cache_dtype must be one of auto, float32, bfloat16, float16 \\(None: the precision of args\\); got 'fp16'":
