@@ -833,15 +833,19 @@ def _tokenize_source(source: Any, tokenizer, max_length, max_prompt_length, skip
 
 
 def _files_read(source: Any, rows: list[RawRow]) -> list[tuple[str, int]]:
-    """A source of several files: each file's path as read and its first row; [] for one file."""
-    if not isinstance(source, (str, Path)) or sources.data_files(source) is None:
+    """A source of several files: each file's path as read and its first row (a file without
+    rows: the next one's, so that numbering the files counts it too); [] for one file."""
+    files = sources.data_files(source) if isinstance(source, (str, Path)) else None
+    if files is None:
         return []
-    files = []
+    starts: dict[str, int] = {}
     for row in rows:
-        file = row.location.rpartition(":")[0]
-        if not files or files[-1][0] != file:
-            files.append((file, row.index))
-    return files
+        starts.setdefault(row.location.rpartition(":")[0], row.index)
+    firsts, first = [], len(rows)
+    for file in reversed(files):
+        first = starts.get(str(file), first)
+        firsts.append(first)
+    return [(str(file), first) for file, first in zip(files, reversed(firsts))]
 
 
 def _fitting(name: str, locate: _Locator, tokens, skipped: list[SkippedRow], skip_invalid: bool,

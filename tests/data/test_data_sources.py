@@ -80,11 +80,17 @@ def test_rows_are_named_by_the_files_as_given_on_this_run_whatever_the_store_was
         data = _load(source, tokenizer, skip_invalid=True, cache_dir=cache, context=64)
         assert [s.location for s in data.skipped] == [f"{hub / 'data' / f'train-0000{k}-of-00003.parquet'}:row 1"
                                                       for k in (2, 1)]
+    # A shard without rows still counts among the files: the rows after it keep their own.
+    pq.write_table(pa.Table.from_pylist(rows[:3]).slice(0, 0), hub / "data" / "train-00000-of-00003.parquet")
+    data = _load(hub, tokenizer, skip_invalid=True, cache_dir=cache, context=64)
+    assert len(data) == 4 and [s.location for s in data.skipped] == [
+        f"{hub / 'data' / f'train-0000{k}-of-00003.parquet'}:row 1" for k in (2, 1)]
+    pq.write_table(pa.Table.from_pylist(rows[:3]), hub / "data" / "train-00000-of-00003.parquet")
     moved = hub.rename(tmp_path / "moved")
     data = _load(moved, tokenizer, skip_invalid=True, cache_dir=cache, context=64)
     assert [s.location for s in data.skipped] == [f"{moved / 'data' / f'train-0000{k}-of-00003.parquet'}:row 1"
                                                   for k in (2, 1)]
-    assert len(_stores(cache)) == 1
+    assert len(_stores(cache)) == 2  # the one of the three shards, and the one with the first shard empty
 
 
 def test_a_pair_the_model_cannot_take_is_named_by_its_own_file(tmp_path, tokenizer, make_rows):
