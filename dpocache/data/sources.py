@@ -44,19 +44,6 @@ def is_pattern(source: str | Path) -> bool:
     return bool(_GLOB_CHARS.search(str(source))) and not Path(source).exists()
 
 
-def root_of(source: str | Path) -> Path:
-    """The folder a source of several files names them below: the directory, or a pattern's
-    leading folders, those without a wildcard."""
-    if not is_pattern(source):
-        return Path(source)
-    parts = []
-    for part in Path(source).parts:
-        if _GLOB_CHARS.search(part):
-            break
-        parts.append(part)
-    return Path(*parts) if parts else Path(".")
-
-
 def data_files(source: str | Path) -> list[Path] | None:
     """The files ``source`` names when it names several (a pattern, or a directory of data files),
     in reading order; None for one file or a ``save_to_disk`` directory. ``SourceError`` where it
