@@ -732,8 +732,9 @@ def _expanded_pattern(flag: tuple[str, str | None] | None, rest: list[str]) -> s
     if not all(Path(f).is_file() for f in files):
         return None
     shown = ", ".join(files[:2]) + (", ..." if len(files) > 2 else "")
-    return (f"--{flag[0]} got {len(files)} files ({shown}): the shell expanded an unquoted pattern into them; quote "
-            f"it, and dpocache reads the files it names as one data set: --{flag[0]} '{pattern_naming(files)}'")
+    return (f"--{flag[0]} takes one path and got {len(files)} files ({shown}), as the shell expands an unquoted "
+            f"pattern: quote the pattern, and dpocache reads the files it names as one data set, as --{flag[0]} "
+            f"'{pattern_naming(files)}'")
 
 
 def switch_value(flag: str, annotation: Any, value: str | None) -> str:

@@ -182,7 +182,7 @@ def test_files_after_a_flags_value_are_a_pattern_the_shell_expanded(tmp_path):
     for shard in shards:
         shard.write_bytes(b"")
     assert message("--data", *map(str, shards)) == (
-        f"--data got 3 files ({shards[0]}, {shards[1]}, ...): the shell expanded an unquoted pattern into them; "
-        f"quote it, and dpocache reads the files it names as one data set: --data "
+        f"--data takes one path and got 3 files ({shards[0]}, {shards[1]}, ...), as the shell expands an unquoted "
+        f"pattern: quote the pattern, and dpocache reads the files it names as one data set, as --data "
         f"'{tmp_path / 'data' / 'train*.parquet'}'")
     assert message("--data", str(shards[0]), "extra") == "unexpected argument 'extra' (options are --key value)"
