@@ -185,15 +185,15 @@ def shared_build(namespace_dir: Path, stop: StopRequest | None = None, enabled: 
     if not enabled:
         yield SharedBuild(None, 0)
         return
-    for slot in range(MAX_SLOTS):
-        fd = _try_lock(directory / f"slot-{slot}.lock")
-        if fd is not None:
-            with _released(fd), _threads_kept(on_cpu) as threads:
-                shared = SharedBuild(directory, slot, stop, threads)
-                yield shared
-                shared.tidy()
-            return
     with _threads_kept(on_cpu) as threads:
+        for slot in range(MAX_SLOTS):
+            fd = _try_lock(directory / f"slot-{slot}.lock")
+            if fd is not None:
+                with _released(fd):
+                    shared = SharedBuild(directory, slot, stop, threads)
+                    yield shared
+                    shared.tidy()
+                return
         yield SharedBuild(directory, MAX_SLOTS, stop, threads)  # holds no slot file: every held one is another's
 
 

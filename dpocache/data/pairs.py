@@ -756,23 +756,24 @@ def load_preference_data(
     tokenizers without a fast backend, are tokenized in memory). A store that cannot be written
     there raises the ``OSError``, unless ``cache_read_only`` (a command that only reads the
     cache): then the tokens stay in memory, with a line saying so."""
+    path = isinstance(source, (str, Path))
+    files = sources.data_files(source) if path else None  # several: resolved once, for the key and the names
+
     def tokenize(chunks: token_store.TokenizedChunks | None = None) -> token_store.StoredTokens:
         return _tokenize_source(source, tokenizer, max_length, max_prompt_length, skip_invalid, show_progress,
-                                columns, chunks)
+                                columns, chunks, files)
 
     key = None
-    if cache_dir is not None and isinstance(source, (str, Path)) and (Path(source).exists()
-                                                                    or sources.is_pattern(source)):
+    if cache_dir is not None and path and (files is not None or Path(source).exists()):
         settings = {"max_length": max_length, "max_prompt_length": max_prompt_length, "columns": list(columns)}
-        key = token_store.store_key(Path(source), tokenizer, settings, sources.data_files(source))
+        key = token_store.store_key(Path(source), tokenizer, settings, files)
     tokens = token_store.open_or_build(Path(cache_dir), key, str(source), tokenize, show_progress,
                                        cache_read_only) if key else tokenize()
     name = source_name(source)
-    base = str(Path(source)) if isinstance(source, (str, Path)) else name
-    locate = _Locator(base, tokens)
+    locate = _Locator(str(Path(source)) if path else name, tokens, files)
     skipped = [SkippedRow(locate(where), f, reason) for where, f, reason in tokens.skipped]
     if skipped and not skip_invalid:  # a store tokenized with --skip-invalid, read without it
-        raise DataError(skipped[0].location, skipped[0].field, f"{skipped[0].reason} ({SKIP_HINT})")
+        raise _with_skip_hint(DataError(skipped[0].location, skipped[0].field, skipped[0].reason))
     return _fitting(name, locate, tokens, skipped, skip_invalid, context, max_length, vocab_size)
 
 
@@ -782,9 +783,9 @@ class _Locator:
     its own file's (the store's files are those the source names now, in order: the key covers
     their names and bytes)."""
 
-    def __init__(self, base: str, tokens: token_store.StoredTokens) -> None:
-        self.base, self.kind = base, tokens.location_kind
-        self.files = sources.data_files(base) if tokens.files else None
+    def __init__(self, base: str, tokens: token_store.StoredTokens, files: list[Path] | None) -> None:
+        """``files``: those the source names now (``sources.data_files``); None for one file."""
+        self.base, self.kind, self.files = base, tokens.location_kind, files
         self.firsts = [first for _, first in tokens.files]
 
     def __call__(self, where: int | list[int] | str) -> str:
@@ -807,8 +808,9 @@ class _Locator:
 
 def _tokenize_source(source: Any, tokenizer, max_length, max_prompt_length, skip_invalid: bool,
                      show_progress: bool, columns: tuple[str | None, str, str],
-                     chunks: token_store.TokenizedChunks | None = None):
-    """Read and tokenize ``source``: its columns, skipped rows and how its rows are located."""
+                     chunks: token_store.TokenizedChunks | None = None, files: list[Path] | None = None):
+    """Read and tokenize ``source``: its columns, skipped rows and how its rows are located
+    (``files``: the data files it names, where it names several)."""
     name, rows = read_rows(source)
     if not rows:
         raise DataError(name, None, "no rows")
@@ -816,26 +818,25 @@ def _tokenize_source(source: Any, tokenizer, max_length, max_prompt_length, skip
     token_columns, skipped = tokenize_columns(rows, tokenizer, max_length, max_prompt_length, skip_invalid,
                                               show_progress, chunks)
     kind = "row" if rows[0].location.rsplit(":", 1)[1].startswith("row ") else "line"
-    files = _files_read(source, rows)
-    number = {name: k for k, (name, _) in enumerate(files)}
+    firsts = _files_read(files, rows)
+    number = {file: k for k, (file, _) in enumerate(firsts)}
 
     def where(location: str) -> int | list[int] | str:
         # In a source of several files, [the file's number, its line or row]: named by the
         # file's path when read (_Locator), whatever the source was called when stored. A row
         # a stopped build found unfit under another name for the files keeps its location.
         file = location.rpartition(":")[0]
-        if not files:
+        if not firsts:
             return _where(location)
         return [number[file], _where(location)] if file in number else location
 
     return token_store.StoredTokens(token_columns, [(where(s.location), s.field, s.reason) for s in skipped], kind,
-                                    files=[(Path(name).name, first) for name, first in files])
+                                    files=[(Path(name).name, first) for name, first in firsts])
 
 
-def _files_read(source: Any, rows: list[RawRow]) -> list[tuple[str, int]]:
-    """A source of several files: each file's path as read and its first row (a file without
+def _files_read(files: list[Path] | None, rows: list[RawRow]) -> list[tuple[str, int]]:
+    """A source of several ``files``: each file's path as read and its first row (a file without
     rows: the next one's, so that numbering the files counts it too); [] for one file."""
-    files = sources.data_files(source) if isinstance(source, (str, Path)) else None
     if files is None:
         return []
     starts: dict[str, int] = {}
