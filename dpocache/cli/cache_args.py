@@ -88,7 +88,8 @@ def parse_args(command: str, rest: list[str]) -> argparse.Namespace | None:
             overrides.append(f"--{key}" if value is None else f"--{key}={value}")
     cfg = build_config(config, overrides, CACHE_ALIASES, tuple(OPTIONS[command]))  # a typo of either is suggested
     # A Hub id (org/name[@revision]) becomes its snapshot directory in the local Hugging Face cache.
-    cfg.model.path, cfg.model.ref_model = resolve_model_path(cfg.model.path), resolve_model_path(cfg.model.ref_model)
+    cfg.model.path = resolve_model_path(cfg.model.path)
+    cfg.model.ref_model = resolve_model_path(cfg.model.ref_model, "--ref-model")
     if command != "info":
         # The paths first: they need no imports, and a wrong --model must not wait for torch.
         if cfg.model.path:

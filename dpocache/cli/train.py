@@ -72,7 +72,8 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
         raise UsageError(f"{config}: no such config file (the first argument, if any, is a YAML file)")
     cfg = build_config(config, rest)
     # A Hub id (org/name[@revision]) becomes its snapshot directory in the local Hugging Face cache.
-    cfg.model.path, cfg.model.ref_model = resolve_model_path(cfg.model.path), resolve_model_path(cfg.model.ref_model)
+    cfg.model.path = resolve_model_path(cfg.model.path)
+    cfg.model.ref_model = resolve_model_path(cfg.model.ref_model, "--ref-model")
     # The model directories first: checking them needs no imports, and a wrong --model must
     # not wait for torch (which validate imports), let alone for a model to load.
     check_model_dirs(cfg)

@@ -235,7 +235,8 @@ class CachedGRPOTrainer(GRPOTrainer):
         given = _check_options(reference, cache_dir, cache, reference_dtype, reference_max_tokens, reference_stream)
         if args is None or args.beta == 0.0:  # GRPOTrainer as it is: no reference pass at all
             if given:
-                log.warning("CachedGRPOTrainer: beta=0, so no reference runs and %s is not used", ", ".join(given))
+                log.warning("CachedGRPOTrainer: beta=0, so no reference runs and %s %s not used", ", ".join(given),
+                            "is" if len(given) == 1 else "are")
             super().__init__(model, reward_funcs, args, *rest, **kwargs)
             return
         _check_arguments(args, reference, cache_dir, cache)
@@ -326,7 +327,7 @@ class CachedGRPOTrainer(GRPOTrainer):
         """The reference's local directory: ``reference``, or where TRL reads its own from."""
         given = str(reference) if reference is not None else get_config_model_id(self.model.config)
         what = "reference" if reference is not None else "model.config._name_or_path (TRL's reference)"
-        path = resolve_model_path(given) if given else given
+        path = resolve_model_path(given, f"CachedGRPOTrainer: {what}") if given else given
         if not path or not Path(path).expanduser().is_dir():
             raise ValueError(f"CachedGRPOTrainer: {what} is {given!r}, not a model directory or a Hub id in the local "
                              "cache; pass reference= the directory of the policy's starting weights, a "
@@ -484,6 +485,9 @@ def _check_options(reference: Any, cache_dir: Any, cache: Any, dtype: Any, max_t
     if not loads and cache_dir is not None:
         raise ValueError("CachedGRPOTrainer: cache_dir applies to a reference this trainer loads; a "
                          f"{type(reference).__name__} given uses its own (its cache_dir option)")
+    if loads and cache == "never" and cache_dir is not None:  # else the directory would go unused, unsaid
+        raise ValueError("CachedGRPOTrainer: cache_dir is where cache='eval' or cache='always' keeps the look-aside "
+                         "cache, and cache is 'never' (the default): pass cache='eval' or 'always', or no cache_dir")
     if loads and cache != "never":
         try:  # the cache is written at the first evaluation or step: a bad directory is said now
             check_writable_dir(Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir(),

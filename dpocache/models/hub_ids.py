@@ -53,8 +53,9 @@ def parse_model_id(spec: str) -> tuple[str, str] | None:
     return m.group("repo"), m.group("revision") or "main"
 
 
-def resolve(spec: str) -> ResolvedModel:
-    """Resolve a Hub id from the local cache; raises ``ModelNotCachedError`` (one line)."""
+def resolve(spec: str, name: str = "--model") -> ResolvedModel:
+    """Resolve a Hub id from the local cache; raises ``ModelNotCachedError``, one line naming
+    ``name``: the flag or argument that gave the id."""
     parsed = parse_model_id(spec)
     if parsed is None:
         raise ValueError(f"{spec!r} is not a Hub model id (org/name[@revision])")
@@ -66,24 +67,25 @@ def resolve(spec: str) -> ResolvedModel:
     elif _COMMIT.match(revision):
         commit = revision
     else:
-        raise ModelNotCachedError(f"--model {spec}: no such directory, and revision '{revision}' of {repo_id} is "
+        raise ModelNotCachedError(f"{name} {spec}: no such directory, and revision '{revision}' of {repo_id} is "
                                   f"not in the local Hugging Face cache ({repo_dir}); download it with "
                                   f"`hf download {repo_id} --revision {revision}`")
     snapshot = repo_dir / "snapshots" / commit
     if not (snapshot / "config.json").is_file():
-        raise ModelNotCachedError(f"--model {spec}: no such directory, and {repo_id} at {commit[:12]} is not in the "
+        raise ModelNotCachedError(f"{name} {spec}: no such directory, and {repo_id} at {commit[:12]} is not in the "
                                   f"local Hugging Face cache "
                                   f"({snapshot} has no config.json); download it with `hf download "
                                   f"{repo_id} --revision {revision}`")
     return ResolvedModel(snapshot, repo_id, revision, commit)
 
 
-def resolve_model_path(spec: str | None) -> str | None:
+def resolve_model_path(spec: str | None, name: str = "--model") -> str | None:
     """``spec`` unchanged when it is None, a local path or not a Hub id; else the local snapshot
-    directory of the Hub id (the one call the commands make where the model path is read)."""
+    directory of the Hub id (the one call the commands make where the model path is read).
+    ``name``: the flag or argument that gave it, named where the id is not in the cache."""
     if spec is None or parse_model_id(spec) is None:
         return spec
-    return str(resolve(spec).path)
+    return str(resolve(spec, name).path)
 
 
 def snapshot_repo(path: str | Path) -> tuple[str, str] | None:

@@ -118,7 +118,8 @@ class ReferencePool:
         options = with_fields(ServiceOptions, options, fields)  # each field checked here, not in each replica
         check_loading(dtype, reference)
         loading = {"dtype": dtype, "device": device, "reference": reference}
-        self.model_dir = Path(resolve_model_path(str(path))).expanduser()  # what each replica loads
+        # what each replica loads
+        self.model_dir = Path(resolve_model_path(str(path), "ReferencePool: path")).expanduser()
         check_model_dir(self.model_dir, "path", tokenizer=False)
         if options.cache_dir is not None:
             check_writable_dir(options.cache_dir, "cache_dir")
@@ -132,35 +133,54 @@ class ReferencePool:
         resources = _replica_resources(ray, num_replicas, device)
         actor = ray.remote(_Replica).options(max_restarts=max_restarts, max_task_retries=max_task_retries, **resources)
         self.replicas = [actor.remote(str(path), loading, options, _exit_once) for _ in range(num_replicas)]
+        self.max_restarts = max_restarts
+        self.died: dict[int, str] = {}  # replica index -> the first line of Ray's error: out of restarts
         _, self.vocab_size, self.context, self.special_ids = ray.get([r.ready.remote() for r in self.replicas])[0]
 
-    def _replicas(self) -> list:
+    def _live(self) -> list[int]:
+        """The indices of the replicas still alive; refused in one line where none is."""
         if not self.replicas:
             raise RuntimeError("this ReferencePool was shut down; start a new one")
-        return self.replicas
+        live = [i for i in range(len(self.replicas)) if i not in self.died]
+        if not live:
+            reason = next(iter(self.died.values()))
+            raise RuntimeError(f"every replica of this ReferencePool died and Ray's restarts (max_restarts="
+                               f"{self.max_restarts}) are spent ({reason}); start a new one")
+        return live
+
+    def _died(self, replica: int, error: BaseException) -> None:
+        """Ray gave up on this replica: its actor is dead for good, not one task of it lost."""
+        if isinstance(error, self._ray.exceptions.ActorDiedError):
+            self.died.setdefault(replica, str(error).strip().splitlines()[0] if str(error).strip() else
+                                 type(error).__name__)
 
     def score(self, requests: Sequence[Request]) -> list[list[torch.Tensor]]:
-        """As ``ReferenceService.score``, over the replicas."""
+        """As ``ReferenceService.score``, over the replicas alive."""
         ray = self._ray
-        n = len(self._replicas())
-        for i, r in enumerate(check_requests(requests)):  # here, so that an error names the caller's request index
+        live = self._live()
+        requests = check_requests(requests)
+        for i, r in enumerate(requests):  # here, so that an error names the caller's request index
             check_request(i, r, self.vocab_size, self.context)
-        shares = [sorted(s) for s in split_by_weight(list(range(len(requests))), n, tiebreak=lambda i: i,
+        shares = [sorted(s) for s in split_by_weight(list(range(len(requests))), len(live), tiebreak=lambda i: i,
                                                      weight=lambda i: request_tokens(requests[i])) if s]
         submit = lambda r, s: self.replicas[r].score.remote([requests[i] for i in shares[s]])  # noqa: E731
-        # ref -> (replica, share, tries); share s starts on replica s
-        pending = {submit(s, s): (s, s, 0) for s in range(len(shares))}
+        # ref -> (replica, share, tries); share s starts on the s-th replica alive
+        pending = {submit(live[s], s): (live[s], s, 0) for s in range(len(shares))}
         results: list = [None] * len(requests)
         while pending:
             (ref,), _ = ray.wait(list(pending), num_returns=1)
             r, s, tries = pending.pop(ref)
             try:
                 values = ray.get(ref)
-            except ray.exceptions.RayActorError:
-                # Ray's own restarts and task retries are spent: the share goes to the next replica.
-                if tries + 1 >= n:
-                    raise
-                pending[submit((r + 1) % n, s)] = ((r + 1) % n, s, tries + 1)
+            except ray.exceptions.RayActorError as e:
+                # Ray's own restarts and task retries are spent: the share goes to the next replica alive.
+                self._died(r, e)
+                live = self._live()  # one line where none is left
+                if tries + 1 >= len(self.replicas):
+                    raise RuntimeError(f"requests {shares[s][0]}..{shares[s][-1]} failed on every replica of this "
+                                       f"ReferencePool: {str(e).strip().splitlines()[0]}") from e
+                later = [i for i in live if i > r] or live
+                pending[submit(later[0], s)] = (later[0], s, tries + 1)
                 continue
             for i, v in zip(shares[s], values):
                 results[i] = v
@@ -173,12 +193,24 @@ class ReferencePool:
         return forward_output(scored_rows(self.score, requests, rows), rows, input_ids, max_req_tokens)
 
     def stats(self) -> dict:
-        """Summed counters, with each replica's under ``replicas`` (a restarted replica's start
-        from zero)."""
-        parts = self._ray.get([r.stats.remote() for r in self._replicas()])
-        return {**summed_stats(parts), "replicas": parts}
+        """Summed counters of the replicas alive, with each replica's under ``replicas`` (a
+        restarted replica's start from zero; one that died for good is ``{"died": reason}``)."""
+        ray = self._ray
+        asked = {i: self.replicas[i].stats.remote() for i in self._live()}
+        parts: list[dict] = []
+        for i in range(len(self.replicas)):
+            if i in asked:
+                try:
+                    parts.append(ray.get(asked[i]))
+                    continue
+                except ray.exceptions.RayActorError as e:
+                    self._died(i, e)
+            parts.append({"died": self.died.get(i, "unavailable")})
+        return {**summed_stats([p for p in parts if "died" not in p]), "replicas": parts}
 
     def shutdown(self) -> None:
+        """Ends the replicas (Ray itself, started by the first pool where none ran, stays up for
+        later pools: ``ray.shutdown()`` ends it)."""
         for r in self.replicas:
             self._ray.kill(r)
         self.replicas = []

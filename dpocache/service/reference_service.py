@@ -53,6 +53,7 @@ from dpocache.scoring.logprobs import scored_positions, unwrap_causal_lm
 log = logging.getLogger(__name__)
 
 Request = dict  # {"prompt_ids": [int, ...], "completion_ids": [[int, ...], ...]}
+EXPECTED = "{'prompt_ids': [...], 'completion_ids': [[...], ...]}"
 
 # Counters that add up over calls and over replicas (the others are derived or maxima).
 SUMMED = ("calls", "requests", "sequences", "cache_hits", "duplicates", "forward_passes", "forward_sequences",
@@ -73,12 +74,19 @@ class RequestError(ValueError):
 def _ids(value: Any, request: int, completion: int | None, what: str, field: str | None = None) -> tuple[int, ...]:
     """Token ids from a list or tuple of integers (Python's or numpy's), a 1-D tensor or a numpy
     array; bools and floats are refused, naming what was found."""
+    if (isinstance(value, torch.Tensor) or type(value).__module__ == "numpy") and getattr(value, "ndim", 1) != 1:
+        raise RequestError(request, completion, f"{what} must be a 1-D tensor or list of token ids, got a "
+                                                f"{value.ndim}-D {type(value).__name__} of shape {tuple(value.shape)}",
+                           field)
     if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy":
         value = value.tolist()
     if not isinstance(value, (list, tuple)):
         raise RequestError(request, completion, f"{what} must be a list of token ids (ints), got "
                                                 f"{type(value).__name__}", field)
     bad = next((t for t in value if type(t).__name__ in ("bool", "bool_") or not hasattr(t, "__index__")), None)
+    if isinstance(bad, (list, tuple)):
+        raise RequestError(request, completion, f"{what} must be one flat list of token ids (ints), got a list of "
+                                                f"lists ({bad!r}, ...)", field)
     if bad is not None:
         raise RequestError(request, completion, f"{what} must be a list of token ids (ints), got a "
                                                 f"{type(bad).__name__} ({bad!r})", field)
@@ -92,13 +100,20 @@ def check_requests(requests: Any) -> Sequence[Request]:
     its keys, each "expected {...}"."""
     if isinstance(requests, dict):
         raise TypeError("score takes a list of requests; got one request (a dict): pass [request]")
-    return requests
+    if isinstance(requests, (str, bytes)) or not hasattr(requests, "__iter__"):
+        raise TypeError(f"score takes a list of requests, each {EXPECTED}; got {type(requests).__name__}")
+    return requests if isinstance(requests, (list, tuple)) else list(requests)
 
 
 def check_request(index: int, request: Any, vocab_size: int, context: int | None) -> tuple[tuple[int, ...], list]:
     """``(prompt ids, [completion ids, ...])`` of a valid request; else ``RequestError``."""
-    if not isinstance(request, dict) or "prompt_ids" not in request or "completion_ids" not in request:
-        raise RequestError(index, None, "expected {'prompt_ids': [...], 'completion_ids': [[...], ...]}")
+    if not isinstance(request, dict):
+        raise RequestError(index, None, f"expected {EXPECTED}, got {type(request).__name__}")
+    missing = [key for key in ("prompt_ids", "completion_ids") if key not in request]
+    if missing:  # a misspelled key is the usual cause: the keys it has are named
+        has = ", ".join(repr(k) for k in request) or "no key"
+        raise RequestError(index, None, f"no {' and no '.join(repr(k) for k in missing)} (it has {has}); expected "
+                                        f"{EXPECTED}", missing[0])
     prompt = _ids(request["prompt_ids"], index, None, "prompt", "prompt_ids")
     completions = request["completion_ids"]
     if isinstance(completions, torch.Tensor) or type(completions).__module__ == "numpy":
@@ -272,7 +287,8 @@ class ReferenceService:
         base + that adapter (``reference="base"``: the bare base), as in ``dpocache train``."""
         options = with_fields(ServiceOptions, options, fields)  # one line naming a bad field
         check_loading(dtype, reference)
-        path = resolve_model_path(str(path))  # a Hub id: its snapshot in the local cache
+        # a Hub id: its snapshot in the local cache
+        path = resolve_model_path(str(path), "ReferenceService.from_pretrained: path")
         check_model_dir(path, "path", tokenizer=False)  # one line, not transformers' traceback
         base, adapter = reference_source(path, reference)
         if options.cache_dir is not None:

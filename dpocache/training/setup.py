@@ -120,7 +120,8 @@ def hold_output_dir_for_job(cfg: Config, env: DistEnv) -> OutputDirLock | None:
 
 def _setup(cfg: Config, env: DistEnv) -> Run:
     check_same_settings_on_every_rank(cfg, env)  # as given: a Hub id resolves to each machine's own cache
-    cfg.model.path, cfg.model.ref_model = resolve_model_path(cfg.model.path), resolve_model_path(cfg.model.ref_model)
+    cfg.model.path = resolve_model_path(cfg.model.path)
+    cfg.model.ref_model = resolve_model_path(cfg.model.ref_model, "--ref-model")
     if cfg.distributed.fsdp and env.enabled and cfg.lora.r > 0:
         raise ConfigError("--fsdp (distributed.fsdp) with LoRA is not supported: "
                           "LoRA trains few parameters, use DDP (no --fsdp)")

@@ -269,7 +269,10 @@ def test_the_trainers_own_arguments_are_refused_before_trl_whatever_beta(model_d
              (dict(reference_stream="yes"), "reference_stream must be True or False"),
              (dict(cache="eval", cache_dir=afile / "sub"),
               rf"cache_dir {sub}: cannot write there \(.*\) \(cache='eval' writes the look-aside cache there\)$"),
-             (dict(reference=object()), "reference must be None, a model directory or Hub id, a ReferenceService")]
+             (dict(reference=object()), "reference must be None, a model directory or Hub id, a ReferenceService"),
+             # a directory given and never written: the default cache is 'never'
+             (dict(cache_dir=tmp_path / "cache"), r"cache_dir is where cache='eval' or cache='always' keeps the "
+                                                  r"look-aside cache, and cache is 'never' \(the default\)")]
     monkeypatch.setattr(GRPOTrainer, "__init__", lambda *a, **k: pytest.fail("TRL was reached"))
     for kwargs, line in cases:
         with pytest.raises(ValueError, match=f"^CachedGRPOTrainer: {line}") as raised:
@@ -280,7 +283,7 @@ def test_the_trainers_own_arguments_are_refused_before_trl_whatever_beta(model_d
         with caplog.at_level("WARNING", logger="dpocache.integrations.trl_grpo"):
             CachedGRPOTrainer(model=None, reward_funcs=count_numbers, args=_args(tmp_path, beta=0.0),
                               reference=model_dir, cache="eval", reference_max_tokens=64)
-        assert "beta=0, so no reference runs and reference, cache, reference_max_tokens is not used" in caplog.text
+        assert "beta=0, so no reference runs and reference, cache, reference_max_tokens are not used" in caplog.text
 
 
 def test_a_prompt_with_no_room_for_a_completion_is_refused_before_the_first_step(model_dir, tmp_path, monkeypatch):
@@ -335,7 +338,7 @@ def test_a_prompt_with_no_room_for_a_completion_is_refused_before_the_first_step
         assert all(b >= n for b, n in zip(bounds, lengths)), (bounds, lengths)
 
 
-def test_evaluation_uses_the_look_aside_cache_training_does_not(model_dir, tmp_path):
+def test_evaluation_uses_the_look_aside_cache_training_does_not(model_dir, tmp_path, monkeypatch):
     """cache='eval': sampled training completions are not stored; evaluation's are, so an
     evaluation that samples the same completions again is answered from the cache. By default
     (cache='never', as TRL samples in evaluation too) nothing is written. ``stats()`` counts
@@ -360,8 +363,8 @@ def test_evaluation_uses_the_look_aside_cache_training_does_not(model_dir, tmp_p
     assert _logged(trainer, "reference/seconds")[0] > 0
     assert [r["eval_reference/seconds"] > 0 for r in trainer.state.log_history if "eval_loss" in r] == [True, True]
 
-    default, _ = _run(CachedGRPOTrainer, model_dir, tmp_path, args=args, cache_dir=tmp_path / "default",
-                      eval_dataset=_dataset(8))
+    monkeypatch.setenv("DPOCACHE_CACHE_DIR", str(tmp_path / "default"))
+    default, _ = _run(CachedGRPOTrainer, model_dir, tmp_path, args=args, eval_dataset=_dataset(8))
     default.evaluate()
     assert default.dpocache_reference.stats()["eval"]["trainer_calls"] and not (tmp_path / "default").exists()
 

@@ -90,7 +90,19 @@ def test_train_with_a_missing_id_exits_2_in_one_line_at_once(hf_home, no_network
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
     rc = cli_main(["train", *flags("org/absent", train_jsonl, tmp_path / "run", tmp_path / "cache")])
     err = capsys.readouterr().err.strip()
-    assert rc == 2 and len(err.splitlines()) == 1 and "org/absent" in err, err
+    assert rc == 2 and len(err.splitlines()) == 1 and "--model org/absent: no such directory" in err, err
+    # the reference's id is named by its own flag
+    rc = cli_main(["train", *flags("org/tiny", train_jsonl, tmp_path / "run2", tmp_path / "cache"),
+                   "--ref-model", "org/absent"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "--ref-model org/absent: no such directory" in err, err
+
+
+def test_the_python_api_names_its_own_argument_for_a_missing_id(hf_home, no_network):
+    from dpocache import ReferenceService
+
+    with pytest.raises(ModelNotCachedError, match=r"^ReferenceService.from_pretrained: path org/absent: no such"):
+        ReferenceService.from_pretrained("org/absent")
 
 
 def test_snapshot_repo_reads_the_cache_layout(tmp_path):

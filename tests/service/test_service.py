@@ -464,7 +464,16 @@ def test_peft_policy_adapter_off(tiny_models, tokenizer, tmp_path):
     (lambda rs: rs[1]["completion_ids"][1].append(100_000), "request 1, completion 1: token id 100000 is outside"),
     (lambda rs: rs[0]["prompt_ids"].append(-1), "request 0: prompt token id -1 is outside"),
     (lambda rs: rs[1]["completion_ids"][0].extend([20] * 600), "request 1, completion 0: prompt + completion is"),
-    (lambda rs: rs[0].pop("completion_ids"), "request 0: expected"),
+    (lambda rs: rs[0].pop("completion_ids"), "request 0: no 'completion_ids' (it has 'prompt_ids'); expected "
+                                             "{'prompt_ids': [...], 'completion_ids': [[...], ...]}"),
+    (lambda rs: rs[1].update(prompt=rs[1].pop("prompt_ids")), "request 1: no 'prompt_ids' (it has "
+                                                              "'completion_ids', 'prompt'); expected"),
+    (lambda rs: rs.__setitem__(1, [1, 2]), "request 1: expected {'prompt_ids': [...], 'completion_ids': [[...], "
+                                           "...]}, got list"),
+    (lambda rs: rs[0].update(prompt_ids=torch.tensor([rs[0]["prompt_ids"]])),
+     "request 0: prompt must be a 1-D tensor or list of token ids, got a 2-D Tensor of shape (1, "),
+    (lambda rs: rs[1]["completion_ids"].__setitem__(0, [rs[1]["completion_ids"][0]]),
+     "request 1, completion 0: completion must be one flat list of token ids (ints), got a list of lists"),
     (lambda rs: rs[0]["prompt_ids"].append(2.0), "request 0: prompt must be a list of token ids (ints), got a float"),
     (lambda rs: rs[1]["completion_ids"][0].append(True), "request 1, completion 0: completion must be a list of "
                                                           "token ids (ints), got a bool"),
@@ -488,9 +497,13 @@ def test_a_request_alone_or_a_list_for_a_tensor_is_named_as_such(tiny_models):
     with pytest.raises(TypeError, match=r"^score takes a list of requests; got one request \(a dict\): pass "
                                         r"\[request\]$"):
         service.score(request)
+    with pytest.raises(TypeError, match=r"^score takes a list of requests, each \{'prompt_ids': \[...\], "
+                                        r"'completion_ids': \[\[...\], ...\]\}; got NoneType$"):
+        service.score(None)
     with pytest.raises(TypeError, match="^input_ids must be a \\(G, T\\) tensor of token ids; got list$"):
         service.forward([[1, 5, 6, 7, 8, 9]], 4, 0)
     assert service.stats()["forward_passes"] == 0
+    assert len(service.score(iter([request]))) == 1  # any iterable of requests, a generator too
 
 
 def test_numpy_token_ids_are_token_ids(tiny_models):

@@ -67,6 +67,18 @@ def test_replica_killed_mid_call_answers_everything_once(local_ray, model_dir, t
         # Every request answered once: the replicas' counters (one restarted from zero) add up
         # to at most the requests asked, and the answers are complete and in order.
         assert pool.stats()["requests"] <= len(requests)
+        # A replica dead for good (Ray's restarts spent): the one alive answers everything, and
+        # the counters name the dead one (they raised Ray's ActorDiedError).
+        ray.kill(pool.replicas[1], no_restart=True)
+        assert _same(pool.score(requests), expected)
+        stats = pool.stats()
+        assert pool.died.keys() == {1} and "died" in stats["replicas"][1] and stats["requests"] > 0
+        # none alive: one line, not Ray's multi-line error
+        ray.kill(pool.replicas[0], no_restart=True)
+        for call in (lambda: pool.score(requests), pool.stats):
+            with pytest.raises(RuntimeError, match=r"^every replica of this ReferencePool died and Ray's restarts "
+                                                   r"\(max_restarts=3\) are spent \(.+\); start a new one$"):
+                call()
     finally:
         pool.shutdown()
 
