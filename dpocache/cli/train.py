@@ -8,7 +8,14 @@ import sys
 from pathlib import Path
 
 from dpocache.models.hub_ids import resolve_model_path
-from dpocache.runtime.preflight import UsageError, check_data_path, check_model_dir, check_writable_dir, disk_errors
+from dpocache.runtime.preflight import (
+    UsageError,
+    check_data_path,
+    check_model_dir,
+    check_run_dir,
+    check_writable_dir,
+    disk_errors,
+)
 from dpocache.runtime.run_lock import check_output_dir_free
 
 TRAIN_USAGE = """usage: dpocache train [CONFIG.yaml] [--key value ...]
@@ -134,8 +141,12 @@ def check_train_paths(cfg) -> None:
 
     check_data_path(cfg.data.train, "--data")
     check_data_path(cfg.data.eval, "--eval-data")
+    cache_dir = cfg.cache.dir or default_cache_dir()
+    check_run_dir(cfg.train.output_dir, "--output-dir", {"--model": cfg.model.path, "--ref-model": cfg.model.ref_model,
+                                                          "--data": cfg.data.train, "--eval-data": cfg.data.eval,
+                                                          "--cache-dir": cache_dir})
     check_writable_dir(cfg.train.output_dir, "--output-dir")
-    check_writable_dir(cfg.cache.dir or default_cache_dir(), "--cache-dir")
+    check_writable_dir(cache_dir, "--cache-dir")
 
 
 def describe_reference(ref: dict) -> str:

@@ -332,6 +332,31 @@ def check_replaceable_dir(out: str | Path, flag: str) -> None:
                          "would replace with everything in it; name a new or empty directory")
 
 
+def check_run_dir(out: str | Path, flag: str, inputs: dict[str, str | Path | None]) -> None:
+    """A training run's output directory: not an input (``inputs``: flag -> path: the models,
+    the data, the cache) nor inside one, and not inside a model directory or another run (its
+    ``final/`` or a checkpoint), where the run's files would mix with theirs. A directory that
+    holds the inputs (``--output-dir .``) is fine."""
+    target = Path(out).expanduser().resolve()
+    for name, path in inputs.items():
+        if path is None:
+            continue
+        source = Path(path).expanduser().resolve()
+        if source.is_dir() and (target == source or source in target.parents):
+            where = "is" if target == source else "is inside"
+            raise UsageError(f"{flag} {out}: {where} {name} {path}, where the run's files would mix with it; "
+                             "name a directory of its own")
+    for folder in [target, *target.parents]:
+        if not folder.is_dir():
+            continue
+        if (folder / "config.json").is_file() and (_has_weights(folder) or (folder / "adapter_config.json").is_file()):
+            where = "a model directory" if folder == target else f"inside the model directory {folder}"
+            raise UsageError(f"{flag} {out}: {where}, where the run's files would mix with the model's; name a "
+                             "directory of its own")
+        if folder != target and (folder / "run.json").is_file() and (folder / "metrics.jsonl").is_file():
+            raise UsageError(f"{flag} {out}: inside the run in {folder}; name a directory of its own")
+
+
 def check_writable_dir(path: str | Path, flag: str) -> None:
     """Create ``path`` if needed and create (and remove) a file in it."""
     path = Path(path)

@@ -35,7 +35,7 @@ def save(run: Run) -> None:
         optimizer = GatheredOptimizer(run.policy, run.optimizer, full_optimizer_state(run.policy, run.optimizer))
     if run.env.is_main:
         extra = {"config": run.cfg.to_dict(), "epoch": run.step / run.steps_per_epoch,
-                 "world_size": run.env.world_size, "global_batch": global_batch(run),
+                 "world_size": run.env.world_size, "global_batch": global_batch(run), "total_steps": run.total_steps,
                  "inputs": run.inputs, "step0_audit": run.info["reference"].get("step0_audit")}
         if run.scaler is not None:
             extra["grad_scaler"] = run.scaler.state_dict()

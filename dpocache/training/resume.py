@@ -150,6 +150,8 @@ def resume(run: Run) -> None:
             state = load_trainer_state(ckpt, run.optimizer, run.scheduler)
     except (OSError, ValueError, KeyError, SafetensorError) as e:  # cut short, edited, a file missing
         raise damaged_checkpoint(ckpt, run.out, e) from None
+    if state.get("total_steps") not in (None, run.total_steps):
+        _follow_new_schedule(run, state["step"], state["total_steps"])
     if run.scaler is not None and state.get("grad_scaler"):
         run.scaler.load_state_dict(state["grad_scaler"])  # the scale the run had reached, not 65536 again
     run.step = run.saved_step = state["step"]
@@ -164,6 +166,23 @@ def resume(run: Run) -> None:
         saved = state.get("global_batch")
         if saved is not None and saved != global_batch(run):
             print(other_batch_warning(run.step, saved, global_batch(run)), file=sys.stderr)
+
+
+def _follow_new_schedule(run: Run, step: int, saved_total: int) -> None:
+    """A resume with another step count (``--max-steps``, ``--epochs``, or the batch): the
+    learning-rate schedule is stretched over the new count. The optimizer's state holds the
+    rate the old schedule set for the next step; the new one's is set instead, so every
+    resumed step follows one schedule, and the jump is said."""
+    scheduler = run.scheduler
+    before = [group["lr"] for group in run.optimizer.param_groups]
+    for group, base, rate in zip(run.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * rate(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in run.optimizer.param_groups]
+    if run.env.is_main:
+        print(f"warning: the run had {saved_total} steps and now has {run.total_steps} (--max-steps, --epochs or "
+              f"the batch changed): the learning-rate schedule is spread over "
+              f"{run.total_steps} steps from here, so step {step + 1} trains at {scheduler._last_lr[0]:.4g} where the "
+              f"first run's would have trained at {before[0]:.4g}", file=sys.stderr)
 
 
 def other_batch_warning(step: int, saved: int, now: int) -> str:

@@ -74,6 +74,9 @@ def work(tmp_path_factory, model_dir, pref_rows) -> Path:
     shutil.copy(root / "data.jsonl", root / "files" / "train.jsonl")
     shutil.copy(root / "data.jsonl", root / "files" / "eval.jsonl")
     (root / "empty").mkdir()
+    (root / "earlier-run" / "checkpoints").mkdir(parents=True)  # what a run leaves
+    (root / "earlier-run" / "run.json").write_text("{}")
+    (root / "earlier-run" / "metrics.jsonl").write_text("")
     (root / "shards").mkdir()  # one split's files, read as one data set
     shutil.copy(root / "data.jsonl", root / "shards" / "train-00000-of-00001.jsonl")
     write_jsonl([{"prompt": r["prompt"], "completions": [r["chosen"], r["rejected"]]} for r in pref_rows],
@@ -270,6 +273,15 @@ CASES = {
     "score in a dtype that is not one": (("score", "--model", "model", "--data", "score.jsonl", "--out", "o.jsonl",
                                           "--dtype", "fp32", "--device", "cpu"),
                                          ["--dtype: must be one of auto, float32, bfloat16, float16; got 'fp32'"]),
+    # A run's files beside a model's, another run's or the cache's: each was written, exit 0.
+    "train into the model directory": ((*TRAIN[:-1], "model"),
+                                       ["--output-dir model: is --model model, where the run's files would mix"]),
+    "train into the cache": ((*TRAIN[:-1], "cache/run"), ["--output-dir cache/run: is inside --cache-dir cache"]),
+    "train into another model's directory": ((*TRAIN[:-1], "no-tokenizer/run"),
+                                             ["--output-dir no-tokenizer/run: inside the model directory",
+                                              "name a directory of its own"]),
+    "train into another run": ((*TRAIN[:-1], "earlier-run/checkpoints/step-1"),
+                               ["--output-dir earlier-run/checkpoints/step-1: inside the run in", "earlier-run"]),
     "token ids beyond the model's vocabulary": (("cache", "build", "--model", "small-vocab", *BUILD[4:]),
                                                 ["data.jsonl:1", "outside the model's vocabulary", "vocab_size 8"]),
 }

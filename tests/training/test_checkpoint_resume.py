@@ -176,6 +176,24 @@ def test_a_resume_under_another_global_batch_says_which_pairs_it_trains_again(tm
     assert resumed["epoch"] < first["epoch"]  # the data's position went back: 6 pairs in, after 8
 
 
+def test_a_resume_with_more_steps_follows_the_new_schedule_from_its_first_step(tmp_path, base_model, train_jsonl,
+                                                                             capsys):
+    """Two steps of a 2-step run, resumed with --max-steps 4: steps 3 and 4 train at the rates a
+    4-step run has there. The first resumed step trained at the rate the optimizer's state held
+    (the old schedule's, 0 past its end) and the later ones jumped to the new one, unsaid."""
+    out, fresh, cache = tmp_path / "run", tmp_path / "fresh", tmp_path / "cache"
+    run_training(*flags(base_model, train_jsonl, fresh, cache, "--max-steps", "4"))
+    run_training(*flags(base_model, train_jsonl, out, cache, "--max-steps", "2", "--save-steps", "2"))
+    capsys.readouterr()
+    run_training(*flags(base_model, train_jsonl, out, cache, "--max-steps", "4", "--resume"))
+    err = capsys.readouterr().err
+    lrs = {r["step"]: r["lr"] for r in train_records(fresh)}
+    assert [r["lr"] for r in train_records(out)][2:] == [lrs[3], lrs[4]] and lrs[3] > 0
+    assert (f"warning: the run had 2 steps and now has 4 (--max-steps, --epochs or the batch changed): the "
+            f"learning-rate schedule is spread over 4 steps from here, so step 3 trains at {lrs[3]:.4g} where the "
+            f"first run's would have trained at 0") in err, err
+
+
 @pytest.mark.parametrize("rewrite", ["data rows", "data order", "model weights"])
 def test_resume_on_inputs_rewritten_in_place_is_refused_before_training(tmp_path, base_model, train_jsonl,
                                                                           monkeypatch, capsys, rewrite):
