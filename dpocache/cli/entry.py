@@ -211,7 +211,10 @@ def _main(argv: list[str] | None) -> int:
         # Under torchrun every rank stops; rank 0 speaks for them unless the signal was this rank's alone.
         rank = int(os.environ.get("RANK", "0"))
         if rank == 0 or stop.received_here:
-            say(f"dpocache{f' (rank {rank})' if rank else ''}: {stop}")
+            # torchrun ends the other ranks with SIGTERM when one exits: not necessarily the scheduler's
+            launcher = ("; under torchrun a SIGTERM also comes when another rank exits: see its line"
+                        if stop.signum == signal.SIGTERM and "TORCHELASTIC_RUN_ID" in os.environ else "")
+            say(f"dpocache{f' (rank {rank})' if rank else ''}: {stop}{launcher}")
         return stop.exit_code
     except Exception as err:
         if not lost_peer(err):

@@ -38,6 +38,9 @@ import threading
 from typing import Iterator
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
+# What a stop that no safe point described says: it came where nothing was being computed (a
+# load, a check) or after the work was saved, so the same command goes on from there.
+NOTHING_LOST = "nothing computed was lost; run the same command again to go on"
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -83,7 +86,7 @@ class StopRequest:
             self.signum = signum
         if not self._deferring:
             self._handled = True
-            raise Interrupted(signum)
+            raise Interrupted(signum, NOTHING_LOST)
 
     @contextlib.contextmanager
     def deferred(self) -> Iterator["StopRequest"]:
@@ -154,4 +157,4 @@ def stop_signals(signals: tuple[int, ...] = STOP_SIGNALS) -> Iterator[StopReques
             # None: a handler installed from C, which Python cannot reinstall; the default is closest.
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
     if stop.signum is not None and not stop._handled:
-        raise stop.interrupted()
+        raise stop.interrupted(NOTHING_LOST)

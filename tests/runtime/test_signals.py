@@ -130,14 +130,16 @@ def test_stop_signals_defers_raises_and_restores_handlers():
                     os.kill(os.getpid(), signal.SIGINT)  # a second signal does not escalate
                     assert stop.signum == signal.SIGTERM  # recorded, nothing raised yet
                 # Acted on by nobody inside the block: raised on leaving it.
-        assert caught.value.exit_code == 143 and str(caught.value) == "stopped by SIGTERM"
+        assert caught.value.exit_code == 143
+        assert str(caught.value) == ("stopped by SIGTERM: nothing computed was lost; run the same command again to "
+                                     "go on")
         assert signal.getsignal(signal.SIGTERM) is mine
 
         with pytest.raises(Interrupted) as caught:
             with stop_signals():
                 os.kill(os.getpid(), signal.SIGINT)  # outside a deferred block: at once
                 raise AssertionError("not reached")
-        assert caught.value.exit_code == 130
+        assert caught.value.exit_code == 130 and str(caught.value).startswith("stopped by SIGINT: nothing computed")
         assert signal.getsignal(signal.SIGINT) is before_int
     finally:
         signal.signal(signal.SIGTERM, before)
@@ -470,3 +472,29 @@ def test_checkpoints_sort_by_step_number(tmp_path):
     assert latest_checkpoint(tmp_path).name == "step-1000000"
     # Pruning kept the newest two by number (by name, step-1000000 would have gone first).
     assert [p.name for p in checkpoints(tmp_path)] == ["step-999999", "step-1000000"]
+
+
+def test_a_sigterm_under_torchrun_names_the_launcher_as_a_sender(monkeypatch, capsys):
+    """torchrun ends the other ranks with SIGTERM when one exits (a rank refused the output
+    directory): a rank's bare "stopped by SIGTERM" read as the scheduler's doing."""
+    from dpocache.cli import train as train_cli
+    from dpocache.runtime.signals import NOTHING_LOST, STOP_SIGNALS
+
+    def stopped(*args, **kwargs):
+        raise Interrupted(signal.SIGTERM, NOTHING_LOST)
+
+    monkeypatch.setattr(train_cli, "run", stopped)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    try:  # main ignores the stop signals on its way out: this worker's tests need them back
+        assert main(["train", "--model", "m", "--data", "d"]) == 143
+        assert capsys.readouterr().err.strip() == (
+            "dpocache (rank 1): stopped by SIGTERM: nothing computed was lost; run the same command again to go on; "
+            "under torchrun a SIGTERM also comes when another rank exits: see its line")
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+        assert main(["train", "--model", "m", "--data", "d"]) == 143
+        assert capsys.readouterr().err.strip().endswith("to go on")
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
