@@ -278,10 +278,12 @@ class _Scoring:
 
 
 def _score_shared(shared: SharedBuild, batches: list[list[TokenizedPair]], scoring: _Scoring, writer: ShardWriter,
-                  bar: tqdm, stop: StopRequest) -> None:
+                  bar: tqdm, stop: StopRequest, siblings: int = 0) -> None:
     """Score ``batches`` chunk by chunk as ``shared`` hands them out (each claimed from the other
-    builds running at once in this directory), until done or ``stop``."""
-    if shared.slot and scoring.options.show_progress:
+    builds running at once in this directory), until done or ``stop``. ``siblings``: the other
+    ranks of this build, which hold slots too but are not other builds."""
+    others = shared.slot if not siblings else max(0, shared.others_running() - siblings)
+    if others and scoring.options.show_progress:
         cpu = " and the CPU's threads" if shared.cpu_threads is not None else ""
         bar.write(f"cache: another build of this cache is running: they split the pairs (each claims a chunk "
                   f"before scoring it){cpu}", file=sys.stderr)  # above the bar, not after it
@@ -304,10 +306,15 @@ def score_missing(
     stop: StopRequest,
     options: BuildOptions,
     update_manifest: bool = True,
+    siblings: int | None = 0,
 ) -> BuildSummary:
     """``build_missing``'s work, stopping when ``stop`` is set: the summary then counts the pairs
     computed (and flushed) before the signal, and ``interrupted`` names it. The caller decides
-    what a stop means (``build_distributed`` first agrees on it with the other ranks)."""
+    what a stop means (``build_distributed`` first agrees on it with the other ranks).
+    ``siblings``: the other ranks of a distributed build (each scoring its own share, claiming
+    its chunks from other builds in the directory as one process does, the CPU's threads left
+    as torchrun set them); None: a share that claims nothing (a sharded reference's ranks run
+    every forward together, and one waiting for another build's chunk would hold up the rest)."""
     start = time.perf_counter()
     by_key = unique_pairs(pairs)
     per_token, max_tokens = options.per_token, options.max_tokens
@@ -324,9 +331,11 @@ def score_missing(
                    dynamic_ncols=True)
         # A signal only sets ``stop`` here: a batch is scored and added whole, never half.
         on_cpu = torch.device(reference.device).type == "cpu"
-        with stop.deferred(), shared_build(store.dir, stop, enabled=update_manifest, on_cpu=on_cpu) as shared:
+        with stop.deferred(), shared_build(store.dir, stop, enabled=siblings is not None,
+                                           on_cpu=on_cpu and siblings == 0) as shared:
             try:
-                _score_shared(shared, reference_batches(reference, todo, max_tokens), scoring, writer, bar, stop)
+                _score_shared(shared, reference_batches(reference, todo, max_tokens), scoring, writer, bar, stop,
+                              siblings or 0)
             finally:
                 # Whatever was computed before a signal or an error is kept.
                 writer.flush()
@@ -474,10 +483,13 @@ def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_refere
     options = replace(options, show_progress=options.show_progress and env.is_main)
     local, error = None, None
     try:
-        def build_share(load):
-            return score_missing(store, mine, load, stop, options, update_manifest=not env.enabled)
+        sharded = options.sharded and env.enabled
 
-        if options.sharded and env.enabled:
+        def build_share(load):
+            return score_missing(store, mine, load, stop, options, update_manifest=not env.enabled,
+                                 siblings=None if sharded else env.world_size - 1)
+
+        if sharded:
             local = build_share_sharded(build_share, load_reference, bool(todo_keys), options.pad_id)
         else:
             local = build_share(load_reference)

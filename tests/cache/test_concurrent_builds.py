@@ -169,7 +169,8 @@ from dpocache.cache import CacheStore, build, build_missing, namespace_for_dir
 from dpocache.models.loading import load_tokenizer
 from dpocache.data.pairs import load_preference_data
 from dpocache.models.reference import ReferenceModel
-model, data, cache, me, other = sys.argv[1:]
+model, data, cache, me, other, rank = sys.argv[1:]
+rank = rank == "rank"
 pairs = load_preference_data(data, load_tokenizer(model), show_progress=False).pairs
 reference = ReferenceModel.from_pretrained(model, "float32", device="cpu")
 store = CacheStore(cache, namespace_for_dir(model, torch.float32, Path(cache))).open(repair=True)
@@ -183,20 +184,32 @@ deadline = time.monotonic() + 300
 while not Path(other).exists():
     assert time.monotonic() < deadline, "the other build never started"
     time.sleep(0.01)
-summary = build_missing(store, pairs, lambda: reference, shard_pairs=2, max_tokens=64, show_progress=True)
+if rank:  # one rank of a distributed build of two whose share is every pair (no process group needed)
+    from dpocache.cache.build import BuildOptions, score_missing
+    from dpocache.runtime.signals import stop_signals
+    with stop_signals() as stop:
+        summary = score_missing(store, pairs, lambda: reference, stop,
+                                BuildOptions(shard_pairs=2, max_tokens=64, show_progress=True),
+                                update_manifest=False, siblings=1)
+else:
+    summary = build_missing(store, pairs, lambda: reference, shard_pairs=2, max_tokens=64, show_progress=True)
 print("computed", summary.computed, "reused", summary.reused)
 """
 
 
 @pytest.mark.slow
-def test_two_builds_started_together_split_the_pairs(tmp_path, model_dir, pref_jsonl, data):
+@pytest.mark.parametrize("second", ["one process", "rank"])
+def test_two_builds_started_together_split_the_pairs(tmp_path, model_dir, pref_jsonl, data, second):
     """Two processes building the same 48 pairs into one cache at the same moment: the second
-    says so, and together they compute each pair about once, where before each computed all 48."""
+    says so, and together they compute each pair about once, where before each computed all 48.
+    A rank of a torchrun build beside a build of one process likewise: the rank took no part in
+    the claims (a torchrun build and one beside it computed 3,000 + 1,727 of 3,000 pairs)."""
     cache = tmp_path / "cache"
     ready = [tmp_path / "a.ready", tmp_path / "b.ready"]
+    kinds = ["one process", second]
     procs = [subprocess.Popen([sys.executable, "-c", _BUILD_TOGETHER, str(model_dir), str(pref_jsonl), str(cache),
-                               str(ready[i]), str(ready[1 - i])], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for i in range(2)]
+                               str(ready[i]), str(ready[1 - i]), "rank" if kinds[i] == "rank" else "-"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     outputs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outputs]
     counts = [tuple(map(int, re.fullmatch(r"computed (\d+) reused (\d+)", out.strip()).groups()))
@@ -207,7 +220,8 @@ def test_two_builds_started_together_split_the_pairs(tmp_path, model_dir, pref_j
     # each pair once (a batch twice at most, where a build that started alone had not flushed yet
     # what the other reaches next), where each computed all 48 before
     assert min(computed) > 0 and sum(computed) <= unique + 3, counts
-    second = "cache: another build of this cache is running: they split the pairs (each claims a chunk"
-    assert sum(second in err for _, err in outputs) == 1
+    said = "cache: another build of this cache is running: they split the pairs (each claims a chunk"
+    # a rank counts one build beside it as its sibling rank: said by the build of one process alone
+    assert sum(said in err for _, err in outputs) == 1 or (second == "rank" and said not in outputs[1][1])
     store = CacheStore(cache, namespace_for_dir(model_dir, torch.float32, Path(cache))).open()
     assert all(p.key in store for p in data.pairs)
