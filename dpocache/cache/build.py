@@ -51,6 +51,7 @@ from dpocache.distributed.sharded_reference import build_share_sharded
 from dpocache.models.directories import reference_source
 from dpocache.models.reference import ReferenceModel, dtype_name
 from dpocache.runtime.lookahead import ahead
+from dpocache.runtime.preflight import UsageError, unwritable
 from dpocache.runtime.signals import StopRequest, stop_signals
 from dpocache.scoring.layout_choice import PADDED
 from dpocache.scoring.layouts import budget_batches
@@ -479,6 +480,11 @@ def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_refere
     if differing:
         raise CacheError("ranks disagree on which pairs the cache lacks: every rank must load the same data with the "
                          "same tokenizer and length limits, and see the same cache directory")
+    read_only = unwritable(store.root) if todo_keys else None
+    if read_only is not None:  # every rank alike: each sees the same directory and the same pairs missing
+        raise UsageError(f"--cache-dir {store.root}: cannot write there ({read_only}), and {len(todo_keys)} of the "
+                         f"{len(by_key)} pairs are not in it; build them into a cache that can be written "
+                         "(dpocache cache build --cache-dir DIR), then read from that one")
     mine = split_by_tokens([by_key[k] for k in todo_keys], env.world_size)[env.rank]
     options = replace(options, show_progress=options.show_progress and env.is_main)
     local, error = None, None

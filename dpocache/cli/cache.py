@@ -28,12 +28,14 @@ from dpocache.models.loading import load_tokenizer
 from dpocache.models.reference import ReferenceModel, default_device, dtype_name, resolve_dtype
 from dpocache.runtime.preflight import (
     UsageError,
+    check_cache_dir,
     check_output,
     check_writable_dir,
     disk_errno,
     disk_errors,
     model_context,
     model_vocab_size,
+    unwritable,
 )
 
 
@@ -51,7 +53,8 @@ def _load_data(args, tokenizer, verbose: bool = True, source: str | None = None)
                                 args.skip_invalid, show_progress=verbose, columns=cfg.data.columns(),
                                 context=model_context(args.model), vocab_size=model_vocab_size(args.model),
                                 cache_dir=args.cache_dir or default_cache_dir(),
-                                cache_read_only=args.cache_command != "build")  # verify and export only read it
+                                # verify and export only read the cache; a build, one mounted read-only
+                                cache_read_only=args.cache_command != "build" or cache_unwritable(args))
     if data.skipped and verbose:
         print(f"skipped {len(data.skipped)} invalid row{'s' if len(data.skipped) != 1 else ''}:", file=sys.stderr)
         for s in data.skipped[:20]:
@@ -61,12 +64,17 @@ def _load_data(args, tokenizer, verbose: bool = True, source: str | None = None)
     return data
 
 
+def cache_unwritable(args) -> bool:
+    """The cache directory exists and cannot be written (a team's cache mounted read-only)."""
+    return unwritable(args.cache_dir or default_cache_dir()) is not None
+
+
 def _open_store(args, device, open_now: bool = True, verbose: bool = True) -> tuple[CacheStore, torch.dtype]:
     dtype = resolve_dtype(args.dtype, device)
     if args.dtype == "auto" and verbose:
         print(f"dtype: {dtype_name(dtype)} (auto, chosen for {device.type})", file=sys.stderr)
     cache_dir = args.cache_dir or default_cache_dir()
-    reading = args.cache_command != "build"  # verify and export only read the cache
+    reading = args.cache_command != "build" or cache_unwritable(args)  # verify and export only read the cache
     store = CacheStore(cache_dir, namespace_for_dir(args.model, dtype, cache_dir, args.reference, read_only=reading))
     store.rehash = args.cache_command == "verify"  # verify looks for damage: every shard hashed again, memo or not
     if open_now:
@@ -298,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
     if args.cache_command != "build" and int(os.environ.get("RANK", "0")) != 0:
         return 0  # only build shares its work across torchrun's ranks; the others run once, on rank 0
     if args.cache_command == "build":
-        check_writable_dir(args.cache_dir or default_cache_dir(), "--cache-dir")
+        check_cache_dir(args.cache_dir or default_cache_dir())  # read-only: nothing to build, or one line
     if args.cache_command == "export":
         check_output(args.out, "--out", {"--data": args.data, "--model": args.model, "--tokenizer": args.tokenizer},
                      directory=args.format == "datasets")

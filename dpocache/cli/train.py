@@ -10,6 +10,7 @@ from pathlib import Path
 from dpocache.models.hub_ids import resolve_model_path
 from dpocache.runtime.preflight import (
     UsageError,
+    check_cache_dir,
     check_data_path,
     check_model_dir,
     check_run_dir,
@@ -146,7 +147,7 @@ def check_train_paths(cfg) -> None:
                                                           "--data": cfg.data.train, "--eval-data": cfg.data.eval,
                                                           "--cache-dir": cache_dir})
     check_writable_dir(cfg.train.output_dir, "--output-dir")
-    check_writable_dir(cache_dir, "--cache-dir")
+    check_cache_dir(cache_dir)  # read-only: read from, the pairs it lacks refused (cache.build)
 
 
 def describe_reference(ref: dict) -> str:

@@ -357,6 +357,32 @@ def check_run_dir(out: str | Path, flag: str, inputs: dict[str, str | Path | Non
             raise UsageError(f"{flag} {out}: inside the run in {folder}; name a directory of its own")
 
 
+def unwritable(path: str | Path) -> str | None:
+    """Why an existing directory cannot be written (a read-only mount, no permission), or None:
+    it can, or it does not exist yet (``check_writable_dir`` says whether it can be made)."""
+    path = Path(path)
+    if not path.is_dir():
+        return None
+    try:
+        with tempfile.TemporaryFile(dir=path, prefix=".dpocache-probe-"):
+            pass
+    except OSError as e:
+        if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return e.strerror or str(e)
+    return None
+
+
+def check_cache_dir(path: str | Path, flag: str = "--cache-dir") -> bool:
+    """A cache directory for a command that writes what the cache lacks: whether it is
+    read-only. One that exists and cannot be written is read from (a team's cache, shared
+    read-only); the pairs it lacks are refused once known (``cache.build``). Any other
+    directory must be one that can be made and written."""
+    if unwritable(path) is not None:
+        return True
+    check_writable_dir(path, flag)
+    return False
+
+
 def check_writable_dir(path: str | Path, flag: str) -> None:
     """Create ``path`` if needed and create (and remove) a file in it."""
     path = Path(path)

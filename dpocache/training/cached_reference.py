@@ -23,6 +23,7 @@ from dpocache.distributed.sharded_reference import reference_loader
 from dpocache.losses.ld_dpo import ld_values
 from dpocache.models.directories import adapter_base_dir, reference_source
 from dpocache.models.reference import dtype_name
+from dpocache.runtime.preflight import unwritable
 from dpocache.training import audit
 from dpocache.training.resume import ResumedFrom
 from dpocache.training.state import Run, write_run_json
@@ -45,7 +46,8 @@ def prepare_reference(cfg: Config, env: DistEnv, dtype: torch.dtype, spec, token
     ref_path = cfg.model.ref_model or cfg.model.path
     ref_dir, adapter = reference_source(ref_path, cfg.model.reference)
     cache_dir = cache_dir_of(cfg)
-    store = CacheStore(cache_dir, namespace_for_dir(ref_path, dtype, cache_dir, cfg.model.reference))
+    store = CacheStore(cache_dir, namespace_for_dir(ref_path, dtype, cache_dir, cfg.model.reference,
+                                                    read_only=unwritable(cache_dir) is not None))
     if resumed_from is not None:
         resumed_from.check_namespace(cfg, store.namespace.id)
     pairs = train_data.pairs + (eval_data.pairs if eval_data else [])

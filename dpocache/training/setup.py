@@ -52,7 +52,7 @@ from dpocache.models.policy import (
 )
 from dpocache.models.reference import dtype_name, resolve_dtype
 from dpocache.models.streaming import check_streamed_layers
-from dpocache.runtime.preflight import UsageError, model_context, model_vocab_size
+from dpocache.runtime.preflight import UsageError, model_context, model_vocab_size, unwritable
 from dpocache.runtime.run_lock import OutputDirLock, hold_output_dir
 from dpocache.scoring.compiling import compile_layers, compiler_mark
 from dpocache.scoring.layout_choice import CAUSAL, LayoutChoice
@@ -288,7 +288,8 @@ def _load_data(cfg: Config, source: str, tokenizer, env: DistEnv) -> PreferenceD
     data = load_preference_data(source, tokenizer, cfg.data.max_length, cfg.data.max_prompt_length,
                                 cfg.data.skip_invalid, show_progress=env.is_main and cfg.train.progress,
                                 columns=cfg.data.columns(), context=model_context(cfg.model.path),
-                                vocab_size=model_vocab_size(cfg.model.path), cache_dir=cache_dir_of(cfg))
+                                vocab_size=model_vocab_size(cfg.model.path), cache_dir=cache_dir_of(cfg),
+                                cache_read_only=unwritable(cache_dir_of(cfg)) is not None)  # a read-only cache
     if data.skipped and env.is_main:
         n = len(data.skipped)
         print(f"{source}: skipped {n} invalid row{'s' if n != 1 else ''}, first: {data.skipped[0]}", file=sys.stderr)

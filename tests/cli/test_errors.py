@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -431,6 +432,46 @@ def test_read_only_output_dir(work, tmp_path):
     finally:
         ro.chmod(0o755)
     assert "--output-dir" in line
+
+
+def _read_only_mounts() -> bool:
+    """Whether this machine lets a user namespace bind-mount a directory read-only (what a team's
+    cache shared read-only is), without root."""
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)
+    return probe.returncode == 0
+
+
+def _on_read_only(directory: Path, *args, cwd: Path) -> subprocess.CompletedProcess:
+    """``python -m dpocache ARGS`` with ``directory`` mounted read-only over itself."""
+    command = " ".join(shlex.quote(str(a)) for a in (sys.executable, "-m", "dpocache", *args))
+    script = f'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec {command}'
+    return subprocess.run(["unshare", "-rm", "bash", "-c", script, str(directory)], cwd=cwd, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, **QUIET})
+
+
+@pytest.mark.skipif(not _read_only_mounts(), reason="no user namespaces to mount a directory read-only")
+def test_a_read_only_cache_is_read_and_its_missing_pairs_are_one_line(work, tmp_path):
+    """A team's cache mounted read-only: training on pairs it holds reads it (it was refused:
+    "--cache-dir ...: cannot write there"); pairs it lacks are one line before the model loads,
+    from train and cache build alike."""
+    rows = (work / "data.jsonl").read_text().splitlines()
+    (tmp_path / "most.jsonl").write_text("\n".join(rows[:-3]) + "\n")
+    cache = tmp_path / "cache"
+    common = ("--model", work / "model", "--dtype", "float32", "--device", "cpu", "--cache-dir", cache)
+    built = dpocache("cache", "build", "--data", tmp_path / "most.jsonl", *common, cwd=tmp_path)
+    assert built.returncode == 0, built.stderr
+    ran = _on_read_only(cache, "train", "--data", tmp_path / "most.jsonl", *common, "--output-dir", tmp_path / "run",
+                        "--max-steps", "1", cwd=tmp_path)
+    assert ran.returncode == 0 and f"(0 computed, {len(rows) - 3} reused)" in ran.stdout, ran.stderr
+    for command in (("train", "--output-dir", tmp_path / "run2"), ("cache", "build")):
+        proc = _on_read_only(cache, *command, "--data", work / "data.jsonl", *common, cwd=tmp_path)
+        line = [x for x in proc.stderr.splitlines() if x.strip() and not x.startswith("tokens: ")]
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(line) == 1, proc.stderr
+        assert line[0].endswith(f"--cache-dir {cache}: cannot write there (Read-only file system), and 3 of the "
+                                f"{len(rows)} pairs are not in it; build them into a cache that can be written "
+                                "(dpocache cache build --cache-dir DIR), then read from that one"), line[0]
 
 
 @pytest.mark.parametrize("command", [("train", "--help"), ("cache", "export", "--help")])
