@@ -534,7 +534,9 @@ def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_refere
         streamed=local.streamed if local else None,  # this rank's (each rank streams alike)
     )
     if signum:
-        raise stop.interrupted(interrupted_message(summary), signum=int(signum))
+        stopped = stop.interrupted(interrupted_message(summary), signum=int(signum))
+        stopped.summary = summary  # for a caller that reports it (cache build --json)
+        raise stopped
     return summary
 
 

@@ -26,6 +26,7 @@ from dpocache.models.directories import reference_source
 from dpocache.models.kernels import kernels_for
 from dpocache.models.loading import load_tokenizer
 from dpocache.models.reference import ReferenceModel, default_device, dtype_name, resolve_dtype
+from dpocache.runtime.signals import Interrupted
 from dpocache.runtime.preflight import (
     UsageError,
     check_cache_dir,
@@ -111,7 +112,12 @@ def cmd_build(args) -> int:
                                 kernels=args.kernels, stream=args.stream_reference)
         options = BuildOptions(pad_id=tokenizer.pad_token_id or 0, per_token=args.per_token,
                                max_tokens=args.max_tokens, shard_pairs=args.shard_size, sharded=args.fsdp)
-        summary = build_distributed(store, pairs, load, env, options)
+        try:
+            summary = build_distributed(store, pairs, load, env, options)
+        except Interrupted as stopped:
+            if args.json and env.is_main and stopped.summary is not None:
+                _print_json(stopped.summary, data)  # what was computed before the signal, its "interrupted" set
+            raise
         if env.is_main:
             _print_build_summary(args, summary, store, dtype, data)
     finally:
@@ -143,9 +149,13 @@ def _print_build_summary(args, s, store: CacheStore, dtype: torch.dtype, data: P
         if pace:
             say(pace)
     if args.json:
-        out = s.to_json()
-        out.update(skipped=len(data.skipped), truncated=data.truncated, identical=data.identical)
-        print(json.dumps(out))
+        _print_json(s, data)
+
+
+def _print_json(s, data: PreferenceData) -> None:
+    out = s.to_json()
+    out.update(skipped=len(data.skipped), truncated=data.truncated, identical=data.identical)
+    print(json.dumps(out), flush=True)
 
 
 def describe_transfers(t: dict) -> str:

@@ -52,6 +52,7 @@ class Interrupted(BaseException):
         self.signum = signum
         self.message = message
         self.received_here = received_here  # False: another rank received it, this one stopped with it
+        self.summary = None  # what the stopped work had done, where it has a summary (a cache build's)
 
     @property
     def exit_code(self) -> int:

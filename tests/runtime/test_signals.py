@@ -210,10 +210,14 @@ def test_sigusr1_and_sighup_stop_a_build_safely(tmp_path, model_dir, make_rows, 
     cache, report = tmp_path / "cache", tmp_path / "seen"
     args = _cache_args(model_dir, data, cache, "--max-tokens", "1")
     seen = 0
-    for name, fraction in (("SIGUSR1", "0.3"), ("SIGHUP", "0.5")):
-        proc = signalled(SIGNAL_AT_PROGRESS, args, SIGNAL_AT_FRACTION=fraction, SIGNAL_NAME=name,
+    for name, fraction, extra in (("SIGUSR1", "0.3", []), ("SIGHUP", "0.5", ["--json"])):
+        proc = signalled(SIGNAL_AT_PROGRESS, [*args, *extra], SIGNAL_AT_FRACTION=fraction, SIGNAL_NAME=name,
                          SIGNAL_REPORT=str(report))
         assert "run the same command again" in assert_one_line_stop(proc, name)
+        if extra:  # --json: the JSON of what was done before the stop on stdout (it printed nothing)
+            stopped = json.loads(proc.stdout)
+            assert stopped["interrupted"] == signal.SIGHUP and stopped["computed"] == int(report.read_text())
+            assert stopped["reused"] == seen
         seen += int(report.read_text())
         stored, manifest = _stored_pairs(model_dir, cache)
         assert stored == manifest["pairs"] == seen
