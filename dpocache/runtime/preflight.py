@@ -82,12 +82,19 @@ def _adapter_base(path: Path, flag: str) -> Path | None:
     return base
 
 
+def _relative(path: str | Path) -> str:
+    """Where a relative path was looked for: the working directory, not a config file's folder
+    (a job script run from elsewhere finds nothing)."""
+    return "" if Path(path).expanduser().is_absolute() else f" in the working directory {Path.cwd()}"
+
+
 def check_model_dir(path: str | Path, flag: str = "--model", tokenizer: bool = True) -> Path:
     """A local Hugging Face model (or PEFT adapter) directory with weights, a config and, if
     ``tokenizer``, tokenizer files (in it or, for an adapter, in its base)."""
     path = Path(path)
     if not path.exists():
-        raise UsageError(f"{flag} {path}: no such directory (a local Hugging Face model directory is expected)")
+        raise UsageError(f"{flag} {path}: no such directory{_relative(path)} (a local Hugging Face model directory "
+                         "is expected)")
     if not path.is_dir():
         raise UsageError(f"{flag} {path}: not a directory (a Hugging Face model directory is expected)")
     base = _adapter_base(path, flag)
@@ -289,7 +296,7 @@ def check_data_path(path: str | Path | None, flag: str = "--data") -> None:
     if path is None:
         return
     if not Path(path).exists() and not is_pattern(path):
-        raise UsageError(f"{flag} {path}: no such file or directory")
+        raise UsageError(f"{flag} {path}: no such file or directory{_relative(path)}")
     path = Path(path)
     if path.is_dir() and not is_saved_dataset(path) and (path / "config.json").is_file() and (
             _has_weights(path) or (path / "adapter_config.json").is_file()):

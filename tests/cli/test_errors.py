@@ -112,7 +112,7 @@ def with_data(args: tuple, data: str) -> tuple:
 # name -> (arguments, what the line must contain)
 MODEL_PATH_CASES = {
     "train: nonexistent model": (("train", "--model", "no/such/dir", "--data", "data.jsonl"),
-                                 ["--model no/such/dir", "no such directory"]),
+                                 ["--model no/such/dir", "no such directory in the working directory "]),
     "build: nonexistent model": (("cache", "build", "--model", "no/such/dir", "--data", "data.jsonl"),
                                  ["--model no/such/dir", "no such directory"]),
     "train: no weights": (("train", "--model", "no-weights", "--data", "data.jsonl"),
@@ -131,6 +131,9 @@ CASES = {
     "cache subcommand typo": (("cache", "biuld"), ["invalid choice: 'biuld'", "did you mean 'build'?"]),
     "no such command": (("zzz",), ["invalid choice: 'zzz'"]),
     "cache build without --data": (("cache", "build", "--model", "model"), ["--data"]),
+    "a data file not in the working directory": (("cache", "build", "--model", "model", "--data", "absent.jsonl"),
+                                                 ["--data absent.jsonl: no such file or directory in the working "
+                                                  "directory "]),
     "config file missing": (("train", "nope.yaml", "--model", "model"), ["nope.yaml"]),
     "unknown flag": ((*TRAIN, "--bogus", "1"), ["unknown flag --bogus (config field 'bogus'); see --help"]),
     "unknown flag, cache build": ((*BUILD, "--bogus", "1"), ["bogus"]),
