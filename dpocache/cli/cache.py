@@ -26,7 +26,6 @@ from dpocache.models.directories import reference_source
 from dpocache.models.kernels import kernels_for
 from dpocache.models.loading import load_tokenizer
 from dpocache.models.reference import ReferenceModel, default_device, dtype_name, resolve_dtype
-from dpocache.runtime.signals import Interrupted
 from dpocache.runtime.preflight import (
     UsageError,
     check_cache_dir,
@@ -38,6 +37,7 @@ from dpocache.runtime.preflight import (
     model_vocab_size,
     unwritable,
 )
+from dpocache.runtime.signals import Interrupted
 
 
 def _human_bytes(n: float) -> str:
