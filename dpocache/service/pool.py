@@ -210,7 +210,17 @@ class ReferencePool:
 
     def shutdown(self) -> None:
         """Ends the replicas (Ray itself, started by the first pool where none ran, stays up for
-        later pools: ``ray.shutdown()`` ends it)."""
+        later pools: ``ray.shutdown()`` ends it); later calls are refused in one line. ``close``
+        is the same (``ReferenceService``'s name), and ``with ReferencePool(...) as pool:`` ends
+        them on leaving."""
         for r in self.replicas:
             self._ray.kill(r)
         self.replicas = []
+
+    close = shutdown
+
+    def __enter__(self) -> "ReferencePool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -21,6 +21,7 @@ reference endpoint: a ``(G, T)`` batch of left-padded prompts and right-padded r
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
@@ -258,6 +259,7 @@ class ReferenceService:
         if temperature is not None and self.reference.temperature != temperature:
             raise ValueError(f"temperature={temperature:g}, but the ReferenceModel given divides its logits by "
                              f"{self.reference.temperature:g}: build it with ReferenceModel(..., temperature=...)")
+        self.device = torch.device(self.reference.device)
         config = unwrap_causal_lm(self.reference.model).config.get_text_config()
         self.vocab_size = int(config.vocab_size)
         self.context = context_length(config.to_dict())
@@ -318,7 +320,32 @@ class ReferenceService:
         Each tensor is the caller's own (editing it in place changes no later answer). Calls
         from several threads run one after another."""
         with self._lock:
+            self._check_open()
             return self._score(requests)
+
+    def close(self) -> None:
+        """Let the model go (a GPU's memory with it, once nothing else holds it: a PEFT policy's
+        base stays the policy's) and refuse later calls in one line; ``stats()`` still answers.
+        The look-aside cache needs nothing: each call flushed it. Closing twice does nothing;
+        ``with ReferenceService.from_pretrained(...) as service:`` closes it on leaving."""
+        with self._lock:
+            if self.reference is None:
+                return
+            on_gpu = self.device.type == "cuda"
+            self.reference, self.store = None, None
+            gc.collect()
+            if on_gpu:
+                torch.cuda.empty_cache()
+
+    def __enter__(self) -> "ReferenceService":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.reference is None:
+            raise RuntimeError("this ReferenceService was closed; start a new one")
 
     def _score(self, requests: Sequence[Request]) -> list[list[torch.Tensor]]:
         start = time.perf_counter()
@@ -353,6 +380,7 @@ class ReferenceService:
         16 samples per tensor covers. The look-aside cache moves to the namespace of the weights
         as they are now, hashed in full. Without a ``cache_dir`` there is nothing to move."""
         with self._lock:
+            self._check_open()
             if self.store is not None:
                 self._weights = None  # unequal to any signature: _follow_weights re-hashes
                 self._follow_weights()
@@ -472,7 +500,7 @@ class ReferenceService:
         seconds (in forward passes), score_seconds (whole calls), peak_memory_bytes,
         avg_sequence_length, tokens_per_s."""
         s = dict(self._counts)
-        s["peak_memory_bytes"] = peak_memory_bytes(self.reference.device)
+        s["peak_memory_bytes"] = peak_memory_bytes(self.device)
         return _derived(s)
 
     def reset_stats(self) -> None:

@@ -506,6 +506,24 @@ def test_a_request_alone_or_a_list_for_a_tensor_is_named_as_such(tiny_models):
     assert len(service.score(iter([request]))) == 1  # any iterable of requests, a generator too
 
 
+def test_a_closed_service_refuses_calls_in_one_line_and_still_counts(tokenizer):
+    """``close`` (and leaving a ``with`` block) lets the model go; a later call is one line, not
+    an AttributeError from deep inside, and the counters stay readable."""
+    import weakref
+
+    requests = make_requests(2, 2, seed=17)
+    with ReferenceService(build_model("llama", tokenizer, seed=0)) as service:
+        service.score(requests)
+        model = weakref.ref(service.reference.model)
+    assert model() is None  # nothing holds the model once closed
+    for call in (lambda: service.score(requests), lambda: service.forward(torch.ones(1, 4, dtype=torch.long), 2, 0),
+                 service.weights_changed):
+        with pytest.raises(RuntimeError, match=r"^this ReferenceService was closed; start a new one$"):
+            call()
+    assert service.stats()["requests"] == 2
+    service.close()  # twice: nothing
+
+
 def test_numpy_token_ids_are_token_ids(tiny_models):
     """A rollout's ids often come as numpy arrays or numpy ints; they were refused."""
     import numpy as np

@@ -32,8 +32,7 @@ def test_pool_equals_one_service(local_ray, model_dir):
 
     requests = make_requests(9, 4, seed=21)
     expected = ReferenceService.from_pretrained(model_dir, dtype="float32", device="cpu").score(requests)
-    pool = ReferencePool(model_dir, num_replicas=2, dtype="float32", device="cpu")
-    try:
+    with ReferencePool(model_dir, num_replicas=2, dtype="float32", device="cpu") as pool:  # shut down on leaving
         assert _same(pool.score(requests), expected)
         stats = pool.stats()
         assert len(stats["replicas"]) == 2 and all(s["requests"] > 0 for s in stats["replicas"])  # both worked
@@ -42,8 +41,7 @@ def test_pool_equals_one_service(local_ray, model_dir):
             bad = make_requests(6, 2, seed=1)
             bad[4]["completion_ids"][1] = []
             pool.score(bad)
-    finally:
-        pool.shutdown()
+    pool.close()  # as shutdown, and a second time does nothing
     for call in (lambda: pool.score(requests), pool.stats):  # not an IndexError, not all-zero counters
         with pytest.raises(RuntimeError, match="was shut down"):
             call()
