@@ -193,5 +193,7 @@ def describe_data(data: dict) -> str:
     repeated = data.get("train_repeated_per_epoch", 0)
     steps = (f"; {data['steps_per_epoch']} steps per epoch, the last filled up with {repeated} of the epoch's first "
              "pairs" if repeated else "")
+    held_out = f"; {data['eval_pairs']} held-out pairs" if data.get("eval_pairs") else ""
     return (f"data: {data['train_pairs']} training pairs ({data.get('train_truncated', 0)} truncated, "
-            f"{data.get('train_identical', 0)} with chosen == rejected, {data['train_skipped']} skipped){steps}")
+            f"{data.get('train_identical', 0)} with chosen == rejected, {data['train_skipped']} skipped){steps}"
+            f"{held_out}")

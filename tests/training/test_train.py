@@ -617,6 +617,8 @@ def test_summary_shows_the_eval_before_and_after_and_where_a_run_resumed(tmp_pat
                 f"{after['eval/rewards/margins']:.3f}")
 
     assert line(start, evals[1]) in first and "resumed from" not in first
+    held_out = len(eval_jsonl.read_text().splitlines())
+    assert f"skipped); {held_out} held-out pairs\n" in first  # the data line counts them too
     assert line(start, end) in resumed  # the first attempt's step 0, kept in metrics.jsonl
     assert f"resumed from {out / 'checkpoints' / 'step-000002'} (step 2)" in resumed
 
