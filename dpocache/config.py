@@ -392,7 +392,8 @@ POSITIVE = ("train.batch_size", "train.grad_accum", "train.epochs", "train.loggi
 NON_NEGATIVE = ("train.eval_steps", "train.save_steps", "train.max_steps",  # max_steps 0: evaluate only
                 "train.save_minutes", "optim.weight_decay", "optim.max_grad_norm")
 ZERO_MEANS = {"train.max_steps": "no training step: the step-0 evaluation only; unset: --epochs decides, which TRL "
-                                 "spells -1"}
+                                 "spells -1",
+              "train.eval_steps": "at the start and the end only, as unset"}
 # Values torch.optim.AdamW and peft refuse only after the reference pass: [low, high) each.
 HALF_OPEN = {"optim.adam_beta1": (0.0, 1.0), "optim.adam_beta2": (0.0, 1.0), "lora.dropout": (0.0, 1.0)}
 
@@ -596,6 +597,10 @@ def field_types() -> dict[str, Any]:
     return out
 
 
+# Fields given as comma-separated names, which a YAML file may also give as a list of names.
+LIST_FIELDS = ("lora.target_modules",)
+
+
 def _coerce(dotted: str, annotation: Any, value: Any) -> Any:
     """Turn ``value`` (a YAML scalar or a command-line string) into the field's type."""
     optional = type(None) in typing.get_args(annotation)
@@ -604,6 +609,8 @@ def _coerce(dotted: str, annotation: Any, value: Any) -> Any:
         if optional:
             return None
         raise ConfigError(f"{dotted}: cannot be empty")
+    if dotted in LIST_FIELDS and isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return ",".join(value)  # as PEFT and TRL configs write it: [q_proj, v_proj]
     if isinstance(value, (dict, list)):
         # A YAML list or mapping where a scalar belongs: str() would accept it silently, int()
         # and float() raise TypeError.

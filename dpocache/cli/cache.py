@@ -22,6 +22,7 @@ from dpocache.data.pairs import PreferenceData, load_preference_data
 from dpocache.data.token_store import PARTIAL_PREFIX, token_stores
 from dpocache.distributed.process_group import destroy, init_distributed
 from dpocache.distributed.sharded_reference import reference_loader
+from dpocache.losses.registry import parse_loss_spec
 from dpocache.models.directories import reference_source
 from dpocache.models.kernels import kernels_for
 from dpocache.models.loading import load_tokenizer
@@ -99,6 +100,9 @@ def cmd_build(args) -> int:
     (``build_distributed``); rank 0 prints the totals."""
     env = init_distributed(args.device)
     try:
+        if env.is_main and not parse_loss_spec(args.cfg.loss.name, **args.cfg.loss.params()).needs_reference:
+            print(f"note: the loss '{args.cfg.loss.name}' reads no reference: a training with it reads nothing of "
+                  "this cache (other losses on the same model and data do)", file=sys.stderr)
         base, adapter = reference_source(args.model, args.reference)
         kernels_for(args.kernels, env.device, base)  # --kernels liger for a family Liger lacks: said before the data
         tokenizer = load_tokenizer(args.tokenizer)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from dpocache.models.hub_ids import resolve_model_path
+from dpocache.runtime.console import three_places
 from dpocache.runtime.preflight import (
     UsageError,
     check_cache_dir,
@@ -184,8 +185,8 @@ def describe_eval(before: dict | None, after: dict) -> str:
     the first update and at the end (the end alone when no eval row was logged before)."""
     parts = []
     for name, key in (("reward accuracy", "eval/rewards/accuracies"), ("margin", "eval/rewards/margins")):
-        end = f"{after.get(key, float('nan')):.3f}"
-        parts.append(f"{name} {before[key]:.3f} -> {end}" if before and key in before else f"{name} {end}")
+        end = three_places(after.get(key, float("nan")))
+        parts.append(f"{name} {three_places(before[key])} -> {end}" if before and key in before else f"{name} {end}")
     return "eval: " + ", ".join(parts)
 
 

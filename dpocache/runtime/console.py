@@ -4,7 +4,8 @@ transformers, datasets and the Hugging Face Hub print progress bars of their own
 weights", "Writing model shards", "Map") and warnings between dpocache's; ``quiet_libraries``
 turns them off through the environment variables each library reads at import, before any of
 them is imported, so torchrun's workers (which inherit the environment) are quiet too. With
-``-v`` they stay on. A variable the user set is left as it is.
+``-v`` they stay on. A variable the user set is left as it is. ``three_places`` writes a
+summary's figures.
 """
 
 from __future__ import annotations
@@ -30,3 +31,10 @@ def quiet_libraries(verbose: bool = False) -> None:
         os.environ.setdefault(name, value)
     for module in QUIET_MODULES:
         warnings.filterwarnings("ignore", module=rf"{module}(\..*)?$")
+
+
+def three_places(x: float) -> str:
+    """``x`` to 3 decimals; a value that rounds to zero is 0.000 whatever its sign (a margin of
+    -1e-9 at step 0, where the policy is the reference, read -0.000)."""
+    text = f"{x:.3f}"
+    return text[1:] if text == "-0.000" else text

@@ -16,6 +16,7 @@ from pathlib import Path
 from dpocache.config import Config, build_config
 from dpocache.data.pairs import write_jsonl
 from dpocache.models.tiny import save_tiny_model
+from dpocache.runtime.console import three_places
 from dpocache.training.loop import train
 from dpocache.training.metrics import read_metrics
 from dpocache.training.plot import plot_run
@@ -88,8 +89,8 @@ def _print_table(r: dict, cfg: Config) -> None:
     print()
     print("dpocache demo: DPO on a sorting task (tiny Llama, built offline)")
     print(f"  {'held-out':<24}{'before':>10}{'after':>10}")
-    print(f"  {'reward accuracy':<24}{r['accuracy_before']:>10.3f}{r['accuracy_after']:>10.3f}")
-    print(f"  {'reward margin':<24}{r['margin_before']:>10.3f}{r['margin_after']:>10.3f}")
+    print(f"  {'reward accuracy':<24}{three_places(r['accuracy_before']):>10}{three_places(r['accuracy_after']):>10}")
+    print(f"  {'reward margin':<24}{three_places(r['margin_before']):>10}{three_places(r['margin_after']):>10}")
     print(f"  reference: {ref['pairs']} pairs from the cache ({ref['computed']} computed, {ref['reused']} reused), "
           f"{ref['forward_passes_during_training']} reference forward passes during training")
     print(f"  time: {r['seconds']:.0f} s")

@@ -254,6 +254,9 @@ def unused_settings(cfg: Config, env: DistEnv) -> list[str]:
                   if value is not None]
     if cfg.distributed.fsdp and not env.enabled:
         notes.append(f"{flag_name('distributed.fsdp')} has no effect in one process (run under torchrun to shard)")
+    if cfg.model.ref_model and not parse_loss_spec(cfg.loss.name, **cfg.loss.params()).needs_reference:
+        notes.append(f"{flag_name('model.ref_model')} {cfg.model.ref_model} has no effect: the loss "
+                     f"'{cfg.loss.name}' reads no reference")
     return notes
 
 

@@ -84,6 +84,17 @@ def test_build_reuses_by_content(tmp_path, build, model_dir, pref_rows, pref_jso
     # Another cache root gets the same namespace: nothing but weights and dtype enter it (nor the budget).
     elsewhere = build(pref_jsonl, tmp_path / "elsewhere", "--max-tokens", "300")
     assert (elsewhere["namespace"], elsewhere["max_tokens"]) == (first["namespace"], 300)
+    assert "reads no reference" not in first["stderr"]
+
+
+def test_a_build_for_a_reference_free_loss_says_its_training_reads_none(tmp_path, cli, model_dir, pref_jsonl):
+    """A sweep's config with SimPO: the build ran and said nothing of it."""
+    config = tmp_path / "simpo.yaml"
+    config.write_text("loss:\n  name: simpo\n")
+    rc, _, err = cli("cache", "build", config, *cache_args("build", model_dir, pref_jsonl, tmp_path / "cache")[2:])
+    assert rc == 0, err
+    assert ("note: the loss 'simpo' reads no reference: a training with it reads nothing of this cache (other "
+            "losses on the same model and data do)") in err
 
 
 def test_max_length_recomputes_exactly_the_truncated_pairs(tmp_path, build, tokenizer, pref_rows, pref_jsonl):

@@ -125,6 +125,17 @@ def test_a_mapping_under_a_field_is_a_wrong_value_not_an_unknown_section(tmp_pat
     assert message(yaml_text="lr: {a: 1}\n", tmp_path=tmp_path).endswith("optim.lr: expected float, got {'a': 1}")
 
 
+def test_target_modules_as_a_yaml_list_are_its_names(tmp_path):
+    """PEFT's and TRL's configs write them as a list; it was refused ("expected str")."""
+    from dpocache.config import build_config
+
+    config = tmp_path / "lora.yaml"
+    config.write_text("lora:\n  r: 4\n  target_modules: [q_proj, v_proj]\n")
+    assert build_config(str(config), []).lora.target_modules == "q_proj,v_proj"
+    assert message(yaml_text="lora:\n  target_modules: [1, 2]\n", tmp_path=tmp_path).endswith(
+        "lora.target_modules: expected str, got [1, 2]")
+
+
 def test_a_config_files_wrong_value_is_named_by_its_file_and_field(tmp_path):
     assert message(yaml_text="train:\n  batch_size: two\n", tmp_path=tmp_path) == \
         f"{tmp_path / 'config.yaml'}: train.batch_size: expected int, got 'two'"

@@ -24,3 +24,11 @@ def test_library_bars_only_with_verbose(tmp_path, base_model, train_jsonl):
     assert "reference log-probs" in quiet  # dpocache's own bar stays
     assert "Loading weights" not in quiet and "Warning" not in quiet, quiet
     assert "Loading weights" in _build(tmp_path, base_model, train_jsonl, "-v")  # the library's bar, shown with -v
+
+
+def test_a_figure_that_rounds_to_zero_has_no_sign():
+    """The demo's step-0 margin (the policy is the reference: a hair below 0) read -0.000."""
+    from dpocache.runtime.console import three_places
+
+    assert [three_places(x) for x in (-1e-9, -0.0004, 0.0, -0.0005001, 2.2469, float("nan"))] == \
+        ["0.000", "0.000", "0.000", "-0.001", "2.247", "nan"]

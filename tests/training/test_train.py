@@ -595,6 +595,11 @@ def test_settings_a_run_cannot_act_on_are_named():
     notes = setup_mod.unused_settings(cfg, one)
     assert len(notes) == 2 and "--eval-steps (train.eval_steps) 5" in notes[0] and "--fsdp" in notes[1]
     assert setup_mod.unused_settings(build_config(None, ["--eval-steps", "5", "--eval-data", "e.jsonl"]), one) == []
+    # a sweep's --ref-model carried over to a reference-free loss (it was silently unused)
+    free = build_config(None, ["--loss", "simpo", "--ref-model", "sft2"])
+    assert setup_mod.unused_settings(free, one) == ["--ref-model (model.ref_model) sft2 has no effect: the loss "
+                                                    "'simpo' reads no reference"]
+    assert setup_mod.unused_settings(build_config(None, ["--loss", "ipo", "--ref-model", "sft2"]), one) == []
 
 
 def test_summary_shows_the_eval_before_and_after_and_where_a_run_resumed(tmp_path, base_model, train_jsonl,
@@ -611,12 +616,12 @@ def test_summary_shows_the_eval_before_and_after_and_where_a_run_resumed(tmp_pat
     start, end = evals[0], evals[-1]
     assert start["step"] == 0 and end["step"] == 4
 
-    def line(before, after):
+    def line(before, after):  # a figure that rounds to zero is 0.000 (it was -0.000 at step 0, if a hair below)
         return (f"eval: reward accuracy {before['eval/rewards/accuracies']:.3f} -> "
                 f"{after['eval/rewards/accuracies']:.3f}, margin {before['eval/rewards/margins']:.3f} -> "
-                f"{after['eval/rewards/margins']:.3f}")
+                f"{after['eval/rewards/margins']:.3f}").replace(" -0.000", " 0.000")
 
-    assert line(start, evals[1]) in first and "resumed from" not in first
+    assert line(start, evals[1]) in first and "resumed from" not in first and "-0.000" not in first
     held_out = len(eval_jsonl.read_text().splitlines())
     assert f"skipped); {held_out} held-out pairs\n" in first  # the data line counts them too
     assert line(start, end) in resumed  # the first attempt's step 0, kept in metrics.jsonl
