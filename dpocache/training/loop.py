@@ -141,7 +141,7 @@ def _apply_update(run: Run, window: MetricWindow, grad_norm: torch.Tensor, norm:
     skipped = run.scaler is not None and not math.isfinite(norm)
     if not skipped:
         window.add("grad_norm", grad_norm, 1.0)
-    window.add("lr", run.scheduler.get_last_lr()[0], 1.0)
+    window.set("lr", run.scheduler.get_last_lr()[0])  # the rate this step trains at: the window's last, not its mean
     if run.scaler is None:
         run.optimizer.step()
     else:

@@ -44,6 +44,13 @@ class MetricWindow:
         self.sums[name] = self.sums[name] + total if name in self.sums else total
         self.weights[name] += weight
 
+    def set(self, name: str, value: float) -> None:
+        """``value`` as of the window's last step (a learning rate: the rate the last step trained
+        at, as Hugging Face's Trainer logs the current one), not its mean over the window. Every
+        rank sets the same value; the reduction's mean over ranks keeps it."""
+        self.sums[name] = float(value)
+        self.weights[name] = 1.0
+
     def add_total(self, name: str, value: float) -> None:
         self.totals.add(name)
         self.add(name, value, 1.0)

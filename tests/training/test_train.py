@@ -660,3 +660,15 @@ def test_every_module_trains_in_a_step_and_evaluates_in_an_eval(tmp_path, base_m
     stepped = [p for group in run.optimizer.param_groups for p in group["params"]]
     assert {id(p) for p in run.trainable} == {id(p) for p in stepped} and len(run.trainable) == len(stepped)
     assert [id(p) for p in run.trainable] == [id(p) for p in run.policy.parameters() if p.requires_grad]
+
+
+def test_the_logged_learning_rate_is_the_windows_last_steps(tmp_path, base_model, train_jsonl):
+    """A window of two steps logs the rate its last step trained at, as Hugging Face's Trainer
+    logs the current one: the mean over the window hid a warm-up's peak (0.000375 logged where
+    the step trained at 5e-4)."""
+    out = tmp_path / "run"
+    run_training(*flags(base_model, train_jsonl, out, tmp_path / "cache", "--max-steps", "4", "--logging-steps", "2",
+                        "--optim.warmup_ratio", "0.5"))
+    # warm-up over steps 1 and 2 at 1/2 and 2/2 of the peak, then linear decay to 0 at step 4
+    # (step 3 at 1 - 0/2, step 4 at 1 - 1/2)
+    assert [(r["step"], r["lr"]) for r in train_records(out)] == [(2, pytest.approx(1e-3)), (4, pytest.approx(5e-4))]
