@@ -59,7 +59,9 @@ def plot_run(output_dir: str | Path, out_file: str | Path | None = None) -> Path
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     for ax, (title, series) in zip(axes.flat, panel_series(records).items()):
         for label, (steps, values) in series.items():
-            ax.plot(steps, values, "o--" if label.startswith("eval") else "-", label=label)
+            # a line of one point draws nothing: a short run's training series gets its marker
+            style = "o--" if label.startswith("eval") else "-" if len(steps) > 1 else "o"
+            ax.plot(steps, values, style, label=label)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -141,6 +141,24 @@ def test_plot_writes_a_png(dpo_run, capsys):
     assert png.read_bytes()[:8] == PNG_MAGIC
 
 
+def test_a_series_of_one_point_is_drawn_as_a_marker(tmp_path, monkeypatch):
+    """A 3-step run logging every 10 steps has one training row: a line of one point, invisible."""
+    import matplotlib.axes
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "eval/loss": 0.69}\n{"step": 3, "loss": 0.68}\n'
+                                            '{"step": 3, "eval/loss": 0.6}\n')
+    styles = {}
+    real = matplotlib.axes.Axes.plot
+
+    def recorded(ax, x, y, fmt, label):
+        styles[label] = fmt
+        return real(ax, x, y, fmt, label=label)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", recorded)
+    assert cli_main(["plot", str(tmp_path)]) == 0
+    assert styles["train"] == "o" and styles["eval"] == "o--"
+
+
 def test_plot_draws_chosen_and_rejected_together_and_eval_beside_train(dpo_run):
     from dpocache.training.metrics import read_metrics
     from dpocache.training.plot import panel_series
