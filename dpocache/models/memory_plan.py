@@ -336,11 +336,32 @@ def format_table(rows: list[PlanRow], device_gib: float) -> str:
     return "\n".join(lines)
 
 
+DEFAULT_RESIDENT = 10  # the last streamed LoRA row's layers on the device, where the model has more
+
+
+def _shape(path: Path, parser: argparse.ArgumentParser) -> ModelShape:
+    """``--config``'s model: a ``config.json`` or the model directory holding one; one line for
+    anything else (a missing file, JSON that is not a config, a model that is no Llama-style
+    decoder, whose shapes this plan does not know)."""
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+        return ModelShape.from_config(config, name=file.parent.name or file.stem)
+    except OSError as e:
+        parser.error(f"--config {path}: cannot read {file} ({e.strerror or e})")
+    except ValueError as e:
+        parser.error(f"--config {path}: {file} is not JSON ({e})")
+    except (TypeError, KeyError, AttributeError):
+        parser.error(f"--config {path}: not a Llama-style decoder's config (hidden_size, num_hidden_layers, "
+                     "intermediate_size, num_attention_heads, vocab_size), whose memory this plan counts")
+    raise AssertionError("parser.error exits")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m dpocache.memory_plan",
                                      description="Per-device memory of the reference pass and of training.")
     parser.add_argument("--config", type=Path, action="append",
-                        help="a model's config.json (repeatable; default: Llama 3.1 8B and 70B)")
+                        help="a model's config.json or its directory (repeatable; default: Llama 3.1 8B and 70B)")
     parser.add_argument("--devices", type=int, nargs="+", default=[1, 8, 16])
     parser.add_argument("--device-gib", type=float, default=80.0)
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per forward / micro-batch per device")
@@ -349,15 +370,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpoint-keep", default="none",
                         help="matrices whose products the last LoRA rows keep, or attention (its output; "
                              "comma-separated; none: no such row)")
-    parser.add_argument("--skip-unread-products", choices=("true", "false"), default="true",
+    parser.add_argument("--skip-unread-products", choices=("true", "false"), default="true", nargs="?", const="true",
                         help="the recompute skips the down projections' products, which the backward never reads: "
                              "--checkpoint-keep does not keep them (as train does; default true)")
-    parser.add_argument("--resident-layers", type=int, default=10,
-                        help="decoder layers the last streamed LoRA row keeps on the device (0: no such row)")
+    parser.add_argument("--resident-layers", type=int, default=None,
+                        help="decoder layers the last streamed LoRA row keeps on the device (0: no such row; "
+                             f"default {DEFAULT_RESIDENT}, where the model has more)")
     parser.add_argument("--turn-layers", type=int, default=None,
                         help="the last streamed LoRA row's bottom turn with this many layers kept (default: the "
                              "most that stay below its peak)")
     args = parser.parse_args(argv)
+    for flag, values, least in (("--devices", args.devices, 1), ("--tokens", [args.tokens], 1),
+                                ("--lora-r", [args.lora_r], 1), ("--resident-layers", [args.resident_layers or 0], 0)):
+        if min(values) < least:  # --lora-r 0 is full fine-tuning in train: the full rows here
+            parser.error(f"{flag}: must be at least {least}, got {min(values)}")
+    if args.device_gib <= 0:
+        parser.error(f"--device-gib: must be above 0, got {args.device_gib:g}")
     try:
         keep = checkpoint_keep_names(args.checkpoint_keep)
     except ConfigError as e:
@@ -370,8 +398,13 @@ def main(argv: list[str] | None = None) -> None:
     if unread and args.skip_unread_products == "true":
         print(f"{', '.join(unread)}: skipped in the recompute, not kept (--skip-unread-products false keeps it)\n")
         keep = tuple(name for name in keep if name not in unread)
-    shapes = ([ModelShape.from_config(json.loads(p.read_text()), name=p.parent.name or p.stem) for p in args.config]
-              if args.config else [LLAMA_3_8B, LLAMA_3_70B])
+    shapes = [_shape(p, parser) for p in args.config] if args.config else [LLAMA_3_8B, LLAMA_3_70B]
+    for s in shapes if args.resident_layers is not None else ():  # the default leaves a small model's row out
+        if args.resident_layers >= s.layers:
+            parser.error(f"--resident-layers {args.resident_layers}: {s.name} has {s.layers} decoder layers; keep "
+                         "fewer on the device for a streamed row (0: no such row)")
+    if args.resident_layers is None:
+        args.resident_layers = DEFAULT_RESIDENT
     rows = [row for s in shapes for row in plan(s, args.devices, args.device_gib, args.tokens,
                                                 lora_rank=args.lora_r, keep=keep, resident=args.resident_layers)]
     print(format_table(rows, args.device_gib))

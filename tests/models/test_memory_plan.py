@@ -223,3 +223,26 @@ def test_a_streamed_rows_host_memory_is_its_layers_allocations_rounded_up_to_pow
     assert "host page-locked GiB" in out.splitlines()[0]
     row = next(line for line in out.splitlines() if "Llama-3.1-70B | reference, bf16 weights, layers streamed" in line)
     assert row.split("|")[6].strip() == "128.0"
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--devices", "0"], "--devices: must be at least 1, got 0"),  # a ZeroDivisionError
+    (["--tokens", "-5"], "--tokens: must be at least 1, got -5"),  # a table of negative memory
+    (["--lora-r", "0"], "--lora-r: must be at least 1, got 0"),  # rows named "LoRA r0"
+    (["--resident-layers", "40"], "--resident-layers 40: Llama-3.1-8B has 32 decoder layers"),  # the row dropped
+    (["--config", "absent.json"], "--config absent.json: cannot read absent.json (No such file or directory)"),
+    (["--config", "gpt2.json"], "--config gpt2.json: not a Llama-style decoder's config"),  # a TypeError
+])
+def test_a_mistake_is_one_line(args, line, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gpt2.json").write_text('{"model_type": "gpt2", "n_embd": 768, "n_layer": 12}')
+    with pytest.raises(SystemExit) as raised:
+        main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert raised.value.code == 2 and line in err[-1], err
+
+
+def test_a_model_directory_is_read_as_its_config(capsys, model_dir):
+    """What train's --model takes: an IsADirectoryError traceback before."""
+    main(["--config", str(model_dir), "--devices", "1", "--skip-unread-products"])  # a bare switch, as train's
+    assert f"| {model_dir.name} | reference" in capsys.readouterr().out
