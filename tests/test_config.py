@@ -157,6 +157,9 @@ def test_a_flag_without_its_value_is_one_line_and_a_switch_is_true():
 
 @pytest.mark.parametrize("args, fragment", [
     (["--loss", "sigmoid", "--loss.gamma", "2"], "gamma=2.0 is set, but the loss 'sigmoid' does not read it"),
+    # a sweep's base config set it: how to unset it from the command line
+    (["--loss", "sigmoid", "--loss.gamma", "2"], "remove it (--loss.gamma none on the command line, over a config "
+                                                 "file's), or use one of those losses"),
     (["--loss", "ipo,sft", "--loss.label_smoothing", "0.2"], "none of the losses ipo, sft reads it"),
     (["--loss", "simpo", "--loss.discopop_tau", "-5"], "discopop_tau is a param of discopop"),
     (["--loss.f_alpha_divergence_coef", "7"], "f_divergence_type is 'reverse_kl'"),

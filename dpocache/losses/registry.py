@@ -153,10 +153,15 @@ class LossSpec:
 
 # Names users type for a method whose loss goes by another name here (TRL's ``loss_type``).
 METHOD_NAMES = {"dpo": ("sigmoid", "DPO's loss, TRL's name for it")}
+# Methods of the field that dpocache does not offer, and why.
+NOT_OFFERED = {"kto": "KTO trains on unpaired completions, each labelled good or bad, and dpocache's losses take "
+                      "preference pairs (TRL's KTOTrainer runs it); for pairs, bco_pair is BCO's paired form"}
 
 
 def _check_name(name: str) -> str:
     if name not in LOSSES:
+        if str(name).lower() in NOT_OFFERED:
+            raise ValueError(f"loss {name!r} is not offered: {NOT_OFFERED[str(name).lower()]}")
         meant = METHOD_NAMES.get(str(name).lower())
         if meant is None:
             close = difflib.get_close_matches(str(name).lower().replace("-", "_"), LOSSES, n=1, cutoff=0.75)
@@ -305,7 +310,8 @@ def check_params_read(spec: LossSpec) -> None:
         unread = (f"the loss {names[0]!r} does not read it" if len(names) == 1
                   else f"none of the losses {', '.join(names)} reads it")
         raise ValueError(f"{key}={spec.params[key]} is set, but {unread} ({key} is a param of "
-                         f"{readers}): remove it, or use one of those losses")
+                         f"{readers}): remove it (--loss.{key} none on the command line, over a config file's), "
+                         "or use one of those losses")
     coef = _option(spec, "f_alpha_divergence_coef")
     if _option(spec, "f_divergence_type") != "alpha_divergence" and coef != GLOBAL_DEFAULTS["f_alpha_divergence_coef"]:
         raise ValueError(f"f_alpha_divergence_coef={coef} is set, but f_divergence_type is "

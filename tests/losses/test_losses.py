@@ -464,6 +464,8 @@ def test_unknown_loss_lists_known_ones():
         parse_loss_spec("sigmoid:1,sftt:0.5")
     with pytest.raises(ValueError, match="unknown loss 'DPO-norm'; did you mean 'dpo_norm'"):
         parse_loss_spec("DPO-norm")
+    with pytest.raises(ValueError, match=r"^loss 'kto' is not offered: KTO trains on unpaired completions"):
+        parse_loss_spec("kto")  # a method of the field that takes other data: said why, not "unknown"
     with pytest.raises(ValueError, match="unknown loss 'zzz'; known losses: sigmoid"):  # nothing close: no guess
         parse_loss_spec("zzz")
     with pytest.raises(ValueError, match="unknown loss"):
