@@ -61,6 +61,11 @@ def _has_weights(path: Path) -> bool:
     return any(p.is_file() and p.name.endswith(WEIGHT_SUFFIXES) for p in path.iterdir())
 
 
+def _is_model_dir(path: Path) -> bool:
+    """A model (or PEFT adapter) directory: a config beside weights or an adapter."""
+    return (path / "config.json").is_file() and (_has_weights(path) or (path / "adapter_config.json").is_file())
+
+
 def _has_tokenizer(path: Path) -> bool:
     return any((path / name).is_file() for name in TOKENIZER_FILES)
 
@@ -298,8 +303,7 @@ def check_data_path(path: str | Path | None, flag: str = "--data") -> None:
     if not Path(path).exists() and not is_pattern(path):
         raise UsageError(f"{flag} {path}: no such file or directory{_relative(path)}")
     path = Path(path)
-    if path.is_dir() and not is_saved_dataset(path) and (path / "config.json").is_file() and (
-            _has_weights(path) or (path / "adapter_config.json").is_file()):
+    if path.is_dir() and not is_saved_dataset(path) and _is_model_dir(path):
         raise UsageError(f"{flag} {path}: a model directory (config.json and weights), not preference data; "
                          "pass the data's .jsonl, .json, .parquet or .csv file, or a folder of them")
     try:
@@ -356,7 +360,7 @@ def check_run_dir(out: str | Path, flag: str, inputs: dict[str, str | Path | Non
     for folder in [target, *target.parents]:
         if not folder.is_dir():
             continue
-        if (folder / "config.json").is_file() and (_has_weights(folder) or (folder / "adapter_config.json").is_file()):
+        if _is_model_dir(folder):
             where = "a model directory" if folder == target else f"inside the model directory {folder}"
             raise UsageError(f"{flag} {out}: {where}, where the run's files would mix with the model's; name a "
                              "directory of its own")
@@ -371,8 +375,7 @@ def unwritable(path: str | Path) -> str | None:
     if not path.is_dir():
         return None
     try:
-        with tempfile.TemporaryFile(dir=path, prefix=".dpocache-probe-"):
-            pass
+        _write_probe(path)
     except OSError as e:
         if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
             return e.strerror or str(e)
@@ -397,10 +400,15 @@ def check_writable_dir(path: str | Path, flag: str) -> None:
         raise UsageError(f"{flag} {path}: a file, not a directory; name a directory")
     try:
         path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path, prefix=".dpocache-probe-"):
-            pass
+        _write_probe(path)
     except OSError as e:
         raise UsageError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
+
+
+def _write_probe(path: Path) -> None:
+    """Create (and remove) a file in the directory ``path``; the ``OSError`` where it cannot."""
+    with tempfile.TemporaryFile(dir=path, prefix=".dpocache-probe-"):
+        pass
 
 
 def model_context(path: str | Path) -> int | None:
