@@ -162,6 +162,10 @@ class DistributedConfig:
 
 @dataclass
 class Config:
+    """Every setting of a run, one section per area. A Config read from a file also carries, off
+    its fields (so not in run.json), ``set_in_file``: ``{dotted field: (file, key as written)}``
+    for the values the file set and no flag overrode, which a bad value's error names."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -182,15 +186,18 @@ class Config:
         missing = [flag_name(d) for d in required if _get(self, d) is None]
         if missing:
             raise ConfigError(f"missing {' and '.join(missing)}")
-        _validate_loss(self.loss)
-        _validate_data(self.data)
-        _validate_choices(self)
-        _validate_counts(self)
-        _validate_hub(self.train)
-        validate_device(self.model.device)
-        _validate_kernels(self.model)
-        _validate_streaming(self)
-        _validate_checkpoint_keep(self)
+        try:
+            _validate_loss(self.loss)
+            _validate_data(self.data)
+            _validate_choices(self)
+            _validate_counts(self)
+            _validate_hub(self.train)
+            validate_device(self.model.device)
+            _validate_kernels(self.model)
+            _validate_streaming(self)
+            _validate_checkpoint_keep(self)
+        except ConfigError as e:
+            raise ConfigError(in_config_file(self, str(e))) from None
         validate_environment()
         return self
 
@@ -321,6 +328,18 @@ def _get(cfg: Config, dotted: str) -> Any:
     return getattr(getattr(cfg, section), name)
 
 
+def in_config_file(cfg: Config, message: str) -> str:
+    """``message`` (which starts with the flag of the field it is about, ``flag_name``) naming
+    the config file and its key instead, where the value came from a file and no flag set it
+    over it: ``b0.yaml: loss.beta: must be ...``, not ``--beta (loss.beta): ...``, a flag the
+    user never typed."""
+    for dotted, (source, key) in getattr(cfg, "set_in_file", {}).items():
+        shown = flag_name(dotted)
+        if message.startswith(shown) and message[len(shown):len(shown) + 1] in (":", " ", ""):
+            return f"{source}: {key}{message[len(shown):]}"
+    return message
+
+
 def flag_name(dotted: str) -> str:
     """``train.batch_size`` -> ``--batch-size (train.batch_size)``: the flag a user typed, and the field."""
     alias = {v: k for k, v in ALIASES.items()}.get(dotted)
@@ -384,6 +403,9 @@ def _validate_hub(train: TrainLoopConfig) -> None:
         raise ConfigError(f"{flag_name('train.push_to_hub')} takes a Hub repo id (org/name), got "
                           f"'{train.push_to_hub}' (TRL's push_to_hub + hub_model_id REPO is dpocache's "
                           "--push-to-hub REPO)")
+    if train.push_to_hub is not None and train.max_steps == 0:
+        raise ConfigError(f"{flag_name('train.push_to_hub')} with {flag_name('train.max_steps')} 0: a run of no "
+                          "step writes no model to push")
 
 
 # Fields that count something: at least 1 (the optional ones when set); intervals where 0 means "off".
@@ -693,6 +715,8 @@ def _set_from(cfg: Config, dotted: str, value: Any, source: str, aliases: dict[s
         _set(cfg, dotted, value, aliases)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
+    # Which file set the field, and under which key: its value's errors name them (in_config_file).
+    cfg.__dict__.setdefault("set_in_file", {})[_resolve(dotted, aliases)] = (source, dotted)
 
 
 def load_yaml(path: str | Path) -> dict:
@@ -773,6 +797,7 @@ def build_config(yaml_path: str | Path | None = None, overrides: list[str] | Non
         if value is None and dotted == "train.push_to_hub":
             value = "true"  # TRL's switch: _validate_hub's line says what dpocache's flag takes
         value = switch_value(f"--{key}", field_types()[dotted], value)
+        cfg.__dict__.get("set_in_file", {}).pop(dotted, None)  # the flag's value is the one checked
         # a bad value is named by the flag as typed, and its field where the flag is a short one
         _set(cfg, key, value, aliases, shown=f"--{key}" + (f" ({dotted})" if key.replace("-", "_") != dotted else ""))
     return cfg

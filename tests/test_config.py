@@ -108,6 +108,23 @@ def test_bad_value_in_yaml_is_a_config_error(tmp_path, text, field):
         build_config(_yaml(tmp_path, text))
 
 
+@pytest.mark.parametrize("text, expected", [
+    ("loss:\n  beta: 0.0\n", "config.yaml: loss.beta: must be a finite number > 0, got 0.0"),
+    ("lr: -1\n", "config.yaml: lr: must be a finite number >= 0, got -1.0"),
+    ("optim: {schedule: cosin}\n", "config.yaml: optim.schedule: must be one of linear, cosine, constant"),
+    ("data: {max_length: 64, max_prompt_length: 64}\n", "config.yaml: data.max_prompt_length (64) must be below"),
+])
+def test_a_value_a_config_file_set_is_refused_naming_the_file_and_its_key(tmp_path, text, expected):
+    path = _yaml(tmp_path, text)
+    with pytest.raises(ConfigError) as err:  # the type is right: validate() is what refuses it
+        build_config(path).validate()
+    assert str(err.value).startswith(str(tmp_path / expected)), err.value
+    # the same value given by its flag is named by the flag; a flag over the file's value wins
+    with pytest.raises(ConfigError, match="^--beta \\(loss.beta\\)"):
+        build_config(None, ["--beta", "0"]).validate()
+    build_config(_yaml(tmp_path, "loss: {beta: 0.0}\n"), ["--beta", "0.1"]).validate()
+
+
 def test_invalid_yaml_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="invalid YAML"):
         build_config(_yaml(tmp_path, "optim: [unclosed\n"))

@@ -110,7 +110,11 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     print(describe_data(info["data"]))
     if info.get("resumed_from"):
         print(f"resumed from {info['resumed_from']['checkpoint']} (step {info['resumed_from']['step']})")
-    print(f"done: {final['step']} step{'s' if final['step'] != 1 else ''}; model in {final['output']}")
+    if final["output"] is None:  # --max-steps 0
+        print("done: 0 steps (--max-steps 0): " + ("the held-out set evaluated" if final["eval"] else
+                                                   "the reference log-probs in the cache") + "; no model written")
+    else:
+        print(f"done: {final['step']} step{'s' if final['step'] != 1 else ''}; model in {final['output']}")
     compiled = describe_compiled(info.get("policy", {}))
     if compiled:
         print(compiled)
@@ -126,7 +130,8 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
         if pace:
             print(pace)
     if final["eval"]:
-        print(describe_eval(first_eval(cfg.train.output_dir), final["eval"]))
+        # a run of no step evaluated once: no "before -> after"
+        print(describe_eval(first_eval(cfg.train.output_dir) if final["step"] else None, final["eval"]))
     return 0
 
 

@@ -147,10 +147,11 @@ def activation_bytes_per_token(shape: ModelShape) -> float:
     return ACTIVATION_HIDDEN_COEF * shape.hidden + ACTIVATION_INTERMEDIATE_COEF * shape.intermediate
 
 
-def _head_chunk_bytes(shape: ModelShape, training: bool) -> float:
-    """fp32 logits of one head chunk (``DEFAULT_LOGITS_BUDGET`` elements, capped at a whole
-    row); training also holds their gradient and the recomputed chunk in backward."""
-    elements = max(DEFAULT_LOGITS_BUDGET, shape.vocab)
+def _head_chunk_bytes(shape: ModelShape, training: bool, tokens: int) -> float:
+    """fp32 logits of one head chunk (``DEFAULT_LOGITS_BUDGET`` elements, at least a whole row,
+    at most the ``tokens``' rows); training also holds their gradient and the recomputed chunk in
+    backward."""
+    elements = min(max(DEFAULT_LOGITS_BUDGET, shape.vocab), tokens * shape.vocab)
     return 4.0 * elements * (3 if training else 1)
 
 
@@ -179,7 +180,7 @@ def reference_memory(shape: ModelShape, devices: int = 1, tokens: int = 4096, we
         parts["weights"] = shape.params * weight_bytes
     per_token = INFERENCE_HIDDEN_COEF * shape.hidden + INFERENCE_INTERMEDIATE_COEF * shape.intermediate
     parts["activations (one layer)"] = tokens * per_token
-    parts["head chunk logits"] = _head_chunk_bytes(shape, training=False)
+    parts["head chunk logits"] = _head_chunk_bytes(shape, training=False, tokens=tokens)
     return parts
 
 
@@ -196,7 +197,7 @@ def training_memory(shape: ModelShape, devices: int, tokens: int = 4096, gather_
         "unsharded layer gradient": 4.0 * shape.layer_params,
         "checkpointed layer inputs": float(tokens * shape.hidden * RESIDUAL_BYTES * shape.layers),
         "activations (one layer, recomputed)": tokens * activation_bytes_per_token(shape),
-        "head chunk logits + grad": _head_chunk_bytes(shape, training=True),
+        "head chunk logits + grad": _head_chunk_bytes(shape, training=True, tokens=tokens),
     }
 
 
@@ -218,7 +219,7 @@ def lora_training_memory(shape: ModelShape, tokens: int = 4096, rank: int = 16, 
     if keep:
         kept = sum(shape.kept_bytes_per_token(name) for name in keep)
         parts[f"kept products ({', '.join(keep)})"] = float(tokens * kept * shape.layers)
-    parts["head chunk logits + grad"] = _head_chunk_bytes(shape, training=True)
+    parts["head chunk logits + grad"] = _head_chunk_bytes(shape, training=True, tokens=tokens)
     return parts
 
 
@@ -357,6 +358,21 @@ def _shape(path: Path, parser: argparse.ArgumentParser) -> ModelShape:
     raise AssertionError("parser.error exits")
 
 
+def check_turn_layers(parser: argparse.ArgumentParser, turn: int | None, shapes: list[ModelShape],
+                      resident: int) -> None:
+    """``--turn-layers`` within what ``train`` takes for each model's streamed row
+    (``streaming.most_turn_layers``): a count past it was planned here and refused there."""
+    if turn is None:
+        return
+    if turn < 0:
+        parser.error(f"--turn-layers: must be at least 0, got {turn}")
+    for s in shapes:
+        most = most_turn_layers(s.layers - resident) if 0 < resident < s.layers else None
+        if most is not None and turn > most:
+            parser.error(f"--turn-layers {turn}: at most {most} for the {s.layers - resident} layers {s.name} "
+                         f"streams with --resident-layers {resident}, as train takes")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m dpocache.memory_plan",
                                      description="Per-device memory of the reference pass and of training.")
@@ -405,6 +421,7 @@ def main(argv: list[str] | None = None) -> None:
                          "fewer on the device for a streamed row (0: no such row)")
     if args.resident_layers is None:
         args.resident_layers = DEFAULT_RESIDENT
+    check_turn_layers(parser, args.turn_layers, shapes, args.resident_layers)
     rows = [row for s in shapes for row in plan(s, args.devices, args.device_gib, args.tokens,
                                                 lora_rank=args.lora_r, keep=keep, resident=args.resident_layers)]
     print(format_table(rows, args.device_gib))

@@ -66,16 +66,18 @@ def save_final(run: Run) -> Path:
     return final
 
 
-def finish(run: Run, final_eval: dict, final_dir: Path, loop_s: float) -> dict:
-    """run.json's last record: the step reached, the final eval, where the model went, the loop's
-    wall time (``loop_s``: this process's steps, evals and saves), what compiling and streaming did."""
-    run.info["final"] = {"step": run.step, "eval": final_eval, "output": str(final_dir), "loop_s": round(loop_s, 3)}
+def finish(run: Run, final_eval: dict, final_dir: Path | None, loop_s: float) -> dict:
+    """run.json's last record: the step reached, the final eval, where the model went (None: a
+    run of no step wrote none), the loop's wall time (``loop_s``: this process's steps, evals and
+    saves), what compiling and streaming did."""
+    run.info["final"] = {"step": run.step, "eval": final_eval, "output": final_dir and str(final_dir),
+                         "loop_s": round(loop_s, 3)}
     if run.compiler_at_start is not None:  # what compiling the policy's layers took, this run's share
         run.info["policy"]["compiler"] = compiler_since(run.compiler_at_start)
     streamed = getattr(run.policy, "dpocache_streamed", None)
     if streamed is not None:  # the run's copies, their time and the compute's waits for them
         run.info["policy"]["streamed"]["transfers"] = streamed.transfers.to_json()
     write_run_json(run)
-    if run.cfg.train.push_to_hub and run.env.is_main:
+    if run.cfg.train.push_to_hub and run.env.is_main and final_dir is not None:
         push_folder(final_dir, run.cfg.train.push_to_hub)
     return run.info

@@ -293,12 +293,15 @@ def _train(run: Run, stop: StopRequest) -> dict:
                 _stop(run, stop, signum, bar)
             if _eval_due(run) and not last:
                 _eval_or_stop(run, stop, bar)
-        if run.saved_step != run.step:
+        # A run of no step (--max-steps 0: the evaluation, or the reference pass, alone) trained
+        # nothing to save: a copy of the initial model would cost an 8B model's 16 GB for nothing.
+        trained = run.total_steps > 0
+        if trained and run.saved_step != run.step:
             _save(run)
         final_eval = _final_eval(run, stop, bar)
         bar.close()
         loop_s = time.perf_counter() - started  # steps, evals, saves: what a streamed run's waits are read against
-        final_dir = save_final(run)
+        final_dir = save_final(run) if trained else None
         summary = finish(run, final_eval, final_dir, loop_s)
     run.writer.close()
     return summary

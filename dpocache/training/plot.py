@@ -1,5 +1,6 @@
 """``dpocache plot OUTPUT``: loss, reward accuracy, reward margins and the chosen and rejected
-log-probs, train and eval side by side in each panel, to a PNG."""
+log-probs, train and eval side by side in each panel (and the SFT term and WPO weights where
+the loss logs them), to a PNG."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ from dpocache.training.metrics import read_metrics
 # (panel title, metric keys drawn together in it)
 PANELS = (("loss", ("loss",)), ("reward accuracy", ("rewards/accuracies",)), ("reward margin", ("rewards/margins",)),
           ("log-probs of chosen and rejected", ("logps/chosen", "logps/rejected")))
+# Drawn only where the run logged them (a loss with an SFT term, WPO's weighting).
+OPTIONAL_PANELS = (("SFT term (chosen NLL per token)", ("sft_loss",)), ("WPO weights", ("wpo/weights",)))
 
 
 def panel_series(records: list[dict]) -> dict[str, dict[str, tuple[list[int], list[float]]]]:
     """``{panel title: {series label: (steps, values)}}`` of a run's metric rows: for every key of
-    a panel, a train series and an eval series (``eval/`` rows), where the run logged them."""
+    a panel, a train series and an eval series (``eval/`` rows), where the run logged them. The
+    ``PANELS`` always; the ``OPTIONAL_PANELS`` where they have a series."""
     panels: dict[str, dict[str, tuple[list[int], list[float]]]] = {}
-    for title, keys in PANELS:
+    for title, keys in PANELS + OPTIONAL_PANELS:
         series = panels.setdefault(title, {})
         for key in keys:
             side = f" {key.rsplit('/', 1)[-1]}" if len(keys) > 1 else ""  # "chosen", "rejected"
@@ -26,7 +30,8 @@ def panel_series(records: list[dict]) -> dict[str, dict[str, tuple[list[int], li
                 if points:
                     steps, values = zip(*points)
                     series[name + side] = (list(steps), list(values))
-    return panels
+    optional = {title for title, _ in OPTIONAL_PANELS}
+    return {title: series for title, series in panels.items() if series or title not in optional}
 
 
 def plot_run(output_dir: str | Path, out_file: str | Path | None = None) -> Path:
@@ -56,8 +61,12 @@ def plot_run(output_dir: str | Path, out_file: str | Path | None = None) -> Path
     records = read_metrics(output_dir)
     if not records:
         raise UsageError(f"OUTPUT_DIR {output_dir}: its metrics.jsonl has no rows yet; nothing to draw")
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    for ax, (title, series) in zip(axes.flat, panel_series(records).items()):
+    panels = panel_series(records)
+    cols = 2 if len(panels) <= 4 else 3
+    fig, axes = plt.subplots(2, cols, figsize=(5 * cols, 7))
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)  # a grid of 5 panels leaves one
+    for ax, (title, series) in zip(axes.flat, panels.items()):
         for label, (steps, values) in series.items():
             # a line of one point draws nothing: a short run's training series gets its marker
             style = "o--" if label.startswith("eval") else "-" if len(steps) > 1 else "o"

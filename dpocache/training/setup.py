@@ -257,6 +257,9 @@ def unused_settings(cfg: Config, env: DistEnv) -> list[str]:
     if cfg.model.ref_model and not parse_loss_spec(cfg.loss.name, **cfg.loss.params()).needs_reference:
         notes.append(f"{flag_name('model.ref_model')} {cfg.model.ref_model} has no effect: the loss "
                      f"'{cfg.loss.name}' reads no reference")
+    if cfg.optim.lr == 0 and cfg.train.max_steps != 0:  # allowed: a dry run of the loop, or of its logging
+        notes.append(f"{flag_name('optim.lr')} 0: no step changes the weights; the loss and rewards are the "
+                     "initial model's throughout")
     return notes
 
 

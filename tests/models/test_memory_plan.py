@@ -232,6 +232,10 @@ def test_a_streamed_rows_host_memory_is_its_layers_allocations_rounded_up_to_pow
     (["--resident-layers", "40"], "--resident-layers 40: Llama-3.1-8B has 32 decoder layers"),  # the row dropped
     (["--config", "absent.json"], "--config absent.json: cannot read absent.json (No such file or directory)"),
     (["--config", "gpt2.json"], "--config gpt2.json: not a Llama-style decoder's config"),  # a TypeError
+    # planned here, refused by train (streaming.check_streamed_layers)
+    (["--turn-layers", "10"], "--turn-layers 10: at most 9 for the 22 layers Llama-3.1-8B streams with "
+                              "--resident-layers 10, as train takes"),
+    (["--turn-layers", "-1"], "--turn-layers: must be at least 0, got -1"),
 ])
 def test_a_mistake_is_one_line(args, line, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -246,3 +250,17 @@ def test_a_model_directory_is_read_as_its_config(capsys, model_dir):
     """What train's --model takes: an IsADirectoryError traceback before."""
     main(["--config", str(model_dir), "--devices", "1", "--skip-unread-products"])  # a bare switch, as train's
     assert f"| {model_dir.name} | reference" in capsys.readouterr().out
+
+
+def test_the_head_chunk_is_no_larger_than_the_tokens_logits():
+    """A chunk of ``DEFAULT_LOGITS_BUDGET`` fp32 logits, but never more than the micro-batch's
+    tokens x vocabulary (a tiny model's row was 0.38 GiB over)."""
+    from dpocache.scoring.logprobs import DEFAULT_LOGITS_BUDGET
+
+    tiny = ModelShape(vocab=1024, hidden=64, layers=2, intermediate=128, heads=4, kv_heads=2, head_dim=16)
+    for tokens in (16, 4096):
+        chunk = min(DEFAULT_LOGITS_BUDGET, tokens * 1024) * 4.0
+        assert reference_memory(tiny, tokens=tokens)["head chunk logits"] == chunk
+        assert lora_training_memory(tiny, tokens=tokens)["head chunk logits + grad"] == 3 * chunk
+    # an 8B model's 128k vocabulary: a row at least, whatever the budget
+    assert reference_memory(LLAMA_3_8B, tokens=4096)["head chunk logits"] == 4.0 * max(DEFAULT_LOGITS_BUDGET, 128256)

@@ -170,6 +170,12 @@ def test_plot_draws_chosen_and_rejected_together_and_eval_beside_train(dpo_run):
     steps, values = logps["eval rejected"]
     assert values == [r["eval/logps/rejected"] for r in records if "eval/logps/rejected" in r] and steps
     assert set(panels["loss"]) == {"train", "eval"}
+    assert len(panels) == 4  # sigmoid logs no SFT term and no WPO weights: no empty panel for them
+    # a loss with an SFT term and WPO's weighting: a panel each, train and eval (they were logged, never drawn)
+    panels = panel_series([{"step": 1, "loss": 0.7, "sft_loss": 2.1, "wpo/weights": 0.5},
+                           {"step": 2, "eval/loss": 0.6, "eval/sft_loss": 2.0}])
+    assert set(panels["SFT term (chosen NLL per token)"]) == {"train", "eval"}
+    assert set(panels["WPO weights"]) == {"train"}
 
 
 @pytest.mark.parametrize("damage", ["{not json", "[1, 2]"])
@@ -618,6 +624,10 @@ def test_settings_a_run_cannot_act_on_are_named():
     assert setup_mod.unused_settings(free, one) == ["--ref-model (model.ref_model) sft2 has no effect: the loss "
                                                     "'simpo' reads no reference"]
     assert setup_mod.unused_settings(build_config(None, ["--loss", "ipo", "--ref-model", "sft2"]), one) == []
+    # a learning rate of 0 trains nothing (said, not refused: a run that only measures or logs)
+    assert setup_mod.unused_settings(build_config(None, ["--lr", "0"]), one) == [
+        "--lr (optim.lr) 0: no step changes the weights; the loss and rewards are the initial model's throughout"]
+    assert setup_mod.unused_settings(build_config(None, ["--lr", "0", "--max-steps", "0"]), one) == []
 
 
 def test_summary_shows_the_eval_before_and_after_and_where_a_run_resumed(tmp_path, base_model, train_jsonl,
@@ -644,6 +654,33 @@ def test_summary_shows_the_eval_before_and_after_and_where_a_run_resumed(tmp_pat
     assert f"skipped); {held_out} held-out pairs\n" in first  # the data line counts them too
     assert line(start, end) in resumed  # the first attempt's step 0, kept in metrics.jsonl
     assert f"resumed from {out / 'checkpoints' / 'step-000002'} (step 2)" in resumed
+
+
+def test_a_run_of_no_step_evaluates_once_and_writes_no_model(tmp_path, base_model, train_jsonl, eval_jsonl,
+                                                              capsys):
+    """--max-steps 0: the held-out set evaluated once, or the reference pass alone; no checkpoint
+    and no final/ (they were written, a copy of the initial model: an 8B model's 16 GB)."""
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    assert cli_main(["train", *flags(base_model, train_jsonl, out, cache, "--eval-data", str(eval_jsonl)),
+                     "--max-steps", "0"]) == 0
+    printed = capsys.readouterr().out
+    written = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))  # .dpocache-run.lock stays
+    assert written == ["metrics.jsonl", "run.json"]
+    (row,) = eval_records(out)
+    assert row["step"] == 0
+    assert "done: 0 steps (--max-steps 0): the held-out set evaluated; no model written" in printed
+    assert f"eval: reward accuracy {row['eval/rewards/accuracies']:.3f}, margin" in printed and "->" not in printed
+    assert json.loads((out / "run.json").read_text())["final"]["output"] is None
+    # without held-out data: the reference pass into the cache, and nothing else
+    assert cli_main(["train", *flags(base_model, train_jsonl, tmp_path / "run2", tmp_path / "cache2"),
+                     "--max-steps", "0"]) == 0
+    assert "the reference log-probs in the cache; no model written" in capsys.readouterr().out
+    assert [p.name for p in (tmp_path / "run2").iterdir() if not p.name.startswith(".")] == ["run.json"]
+    assert any((tmp_path / "cache2").iterdir())
+    from dpocache.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match="a run of no step writes no model to push"):
+        build_config(None, ["--max-steps", "0", "--push-to-hub", "org/name"]).validate()
 
 
 @pytest.mark.parametrize("evals", [True, False], ids=["with-evals", "no-eval"])
