@@ -162,9 +162,9 @@ class DistributedConfig:
 
 @dataclass
 class Config:
-    """Every setting of a run, one section per area. A Config read from a file also carries, off
-    its fields (so not in run.json), ``set_in_file``: ``{dotted field: (file, key as written)}``
-    for the values the file set and no flag overrode, which a bad value's error names."""
+    """Every setting of a run, one section per area; and, off its fields (so not in run.json),
+    ``set_in_file``: ``{dotted field: (config file, key as written)}`` for the values a file set
+    and no flag overrode, which a bad value's error names (``in_config_file``)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -174,6 +174,9 @@ class Config:
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def __post_init__(self) -> None:
+        self.set_in_file: dict[str, tuple[str, str]] = {}  # not a field: asdict and run.json leave it out
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -333,7 +336,7 @@ def in_config_file(cfg: Config, message: str) -> str:
     the config file and its key instead, where the value came from a file and no flag set it
     over it: ``b0.yaml: loss.beta: must be ...``, not ``--beta (loss.beta): ...``, a flag the
     user never typed."""
-    for dotted, (source, key) in getattr(cfg, "set_in_file", {}).items():
+    for dotted, (source, key) in cfg.set_in_file.items():
         shown = flag_name(dotted)
         if message.startswith(shown) and message[len(shown):len(shown) + 1] in (":", " ", ""):
             return f"{source}: {key}{message[len(shown):]}"
@@ -716,7 +719,7 @@ def _set_from(cfg: Config, dotted: str, value: Any, source: str, aliases: dict[s
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
     # Which file set the field, and under which key: its value's errors name them (in_config_file).
-    cfg.__dict__.setdefault("set_in_file", {})[_resolve(dotted, aliases)] = (source, dotted)
+    cfg.set_in_file[_resolve(dotted, aliases)] = (source, dotted)
 
 
 def load_yaml(path: str | Path) -> dict:
@@ -797,7 +800,7 @@ def build_config(yaml_path: str | Path | None = None, overrides: list[str] | Non
         if value is None and dotted == "train.push_to_hub":
             value = "true"  # TRL's switch: _validate_hub's line says what dpocache's flag takes
         value = switch_value(f"--{key}", field_types()[dotted], value)
-        cfg.__dict__.get("set_in_file", {}).pop(dotted, None)  # the flag's value is the one checked
+        cfg.set_in_file.pop(dotted, None)  # the flag's value is the one checked
         # a bad value is named by the flag as typed, and its field where the flag is a short one
         _set(cfg, key, value, aliases, shown=f"--{key}" + (f" ({dotted})" if key.replace("-", "_") != dotted else ""))
     return cfg
