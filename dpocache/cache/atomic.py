@@ -121,6 +121,30 @@ def remove_stale_temps(directory: str | Path, older_than_s: float) -> int:
     return removed
 
 
+def umask() -> int:
+    """The process's umask, read where Linux tells it (``os.umask`` can only read it by setting it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def as_umask_allows(path: Path) -> None:
+    """Give the safetensors files at ``path`` (a file, or every one under a directory) mode 0666
+    less the umask, as every other file a run writes: safetensors' ``save_file`` (and so
+    ``save_pretrained``) creates them 0600 whatever the umask, so a model trained on shared
+    storage was unreadable to the team beside its readable config and tokenizer."""
+    files = [path] if path.is_file() else path.rglob("*.safetensors")
+    mode = 0o666 & ~umask()
+    for file in files:
+        os.chmod(file, mode)
+
+
 def _create_temp(path: Path) -> tuple[int, Path]:
     """A new, exclusive temp file next to ``path``, mode 0666 less the umask (the kernel applies it)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)

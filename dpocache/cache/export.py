@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from dpocache.cache.atomic import atomic_output, atomic_output_dir
+from dpocache.cache.atomic import as_umask_allows, atomic_output, atomic_output_dir
 from dpocache.cache.build import export_rows
 from dpocache.cache.store import CacheStore
 from dpocache.config import EXPORT_FORMATS as FORMATS
@@ -122,6 +122,7 @@ def _write_safetensors(store: CacheStore, pairs: Sequence[TokenizedPair], out: P
     }
     with atomic_output(out) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "dpocache-reference", "namespace": store.namespace.id})
+        as_umask_allows(tmp)
 
 
 def _write_keys(store: CacheStore, pairs: Sequence[TokenizedPair], out: Path, with_ids: bool) -> None:

@@ -63,7 +63,7 @@ from dpocache.data import sources, token_store
 from dpocache.data.columns import PairsView, TokenColumns
 from dpocache.data.keys import KEY_BYTES, example_key  # noqa: F401 (public names here)
 from dpocache.data.tokenize import continuation_ids, tokenize_continuations  # noqa: F401 (a public name here)
-from dpocache.runtime.signals import Interrupted
+from dpocache.runtime.signals import NOTHING_LOST, Interrupted
 
 STANDARD_COLUMNS = ("prompt", "chosen", "rejected")
 TEMPLATE_COLUMNS = ("tools", "chat_template_kwargs")  # per-row chat-template inputs, kept by map_columns
@@ -667,13 +667,16 @@ def tokenize_columns(
 @contextmanager
 def _saying_what_is_kept(chunks: token_store.TokenizedChunks | None, total: int) -> Iterator[None]:
     """A stop signal while tokenizing stops at once (``Interrupted``): its line then says how many
-    of the ``total`` rows are kept for the next build, so a user sees the stop lost little."""
+    of the ``total`` rows are kept for the next build, so a user sees the stop lost little (the
+    chunk it stopped in, not "nothing", which the signal's handler says)."""
     try:
         yield
     except Interrupted as stop:
-        if chunks is not None and chunks.rows_kept and not stop.message:
+        if chunks is not None and stop.message in ("", NOTHING_LOST):
             stop.message = (f"{chunks.rows_kept:,} of {total:,} rows tokenized are kept in {chunks.directory}; "
-                            "the next build tokenizes the rest")
+                            "the next build tokenizes the rest" if chunks.rows_kept else
+                            f"none of the {total:,} rows' tokens were kept yet (they are kept {ROWS_PER_CHUNK:,} "
+                            "rows at a time); the next build tokenizes them all")
         raise
 
 

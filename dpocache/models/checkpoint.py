@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from dpocache.cache.atomic import atomic_write_text
+from dpocache.cache.atomic import as_umask_allows, atomic_write_text
 from dpocache.models.hub_ids import snapshot_repo
 from dpocache.models.loading import safetensors_files
 from dpocache.runtime.preflight import FULL_ERRNOS, disk_errno
@@ -131,6 +131,7 @@ def save_checkpoint(output_dir: Path, step: int, model, tokenizer, optimizer, sc
         save_file(tensors, str(tmp / "optimizer.safetensors"))
         state = {"step": step, "optimizer": opt_meta, "scheduler": scheduler.state_dict(), **extra}
         atomic_write_text(tmp / STATE_FILE, json.dumps(state, indent=1, default=str))
+        as_umask_allows(tmp)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     _prune(output_dir, keep)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from dpocache.cache.atomic import as_umask_allows
 from dpocache.distributed.fsdp import (
     GatheredModel,
     GatheredOptimizer,
@@ -60,6 +61,7 @@ def save_final(run: Run) -> Path:
             model.save_pretrained(tmp)
             name_adapter_base(tmp)
             run.tokenizer.save_pretrained(tmp)
+            as_umask_allows(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
     barrier(run.env)

@@ -21,7 +21,7 @@ from dpocache.data.pairs import DataError, load_preference_data, write_jsonl
 from dpocache.data.token_store import STORE_DIR
 from dpocache.data.tokenize import tokenize_continuations
 from dpocache.models.tiny import CHAT_TEMPLATE, build_tokenizer
-from dpocache.runtime.signals import Interrupted
+from dpocache.runtime.signals import NOTHING_LOST, Interrupted
 
 REPO = Path(__file__).resolve().parents[2]
 _TOOLS = [{"name": "sort_list", "description": "sort numbers", "parameters": {"type": "object"}}]
@@ -274,13 +274,14 @@ _TOKENIZE_CHUNK = pairs_module._tokenize_chunk
 
 
 def _stop_at_chunk(monkeypatch, stop: int = 0) -> list[int]:
-    """Chunks of 10 rows, the ``stop``-th tokenized raising ``Interrupted`` (what SIGTERM raises
-    while tokenizing; 0: none); returns the list each tokenized chunk's row count goes into."""
+    """Chunks of 10 rows, the ``stop``-th tokenized raising ``Interrupted`` as SIGTERM's handler
+    raises it while tokenizing (with its "nothing computed was lost", which the kept rows' line
+    must replace: it did not); 0: none. Returns the list each tokenized chunk's row count goes into."""
     calls = []
 
     def tokenize_chunk(chunk, *args):
         if len(calls) + 1 == stop:
-            raise Interrupted(signal.SIGTERM)
+            raise Interrupted(signal.SIGTERM, NOTHING_LOST)
         calls.append(len(chunk))
         return _TOKENIZE_CHUNK(chunk, *args)
 
@@ -307,6 +308,11 @@ def test_a_build_stopped_while_tokenizing_keeps_its_chunks_and_the_next_tokenize
     path = write_jsonl(make_rows(45, seed=7), tmp_path / "d.jsonl")
     tok, cache = build_tokenizer(), tmp_path / "cache"
     expected = load_preference_data(path, tok, show_progress=False, skip_invalid=True)  # in memory, no store
+    calls = _stop_at_chunk(monkeypatch, stop=1)  # in the first chunk: nothing kept, and said so
+    with pytest.raises(Interrupted) as stopped:
+        load_preference_data(path, tok, show_progress=False, skip_invalid=True, cache_dir=cache)
+    assert str(stopped.value) == ("stopped by SIGTERM: none of the 45 rows' tokens were kept yet (they are kept 10 "
+                                  "rows at a time); the next build tokenizes them all")
     calls = _stop_at_chunk(monkeypatch, stop=4)
     with pytest.raises(Interrupted) as stopped:
         load_preference_data(path, tok, show_progress=False, skip_invalid=True, cache_dir=cache)

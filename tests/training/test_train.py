@@ -656,6 +656,29 @@ def test_summary_shows_the_eval_before_and_after_and_where_a_run_resumed(tmp_pat
     assert f"resumed from {out / 'checkpoints' / 'step-000002'} (step 2)" in resumed
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_models_checkpoints_and_exports_are_written_as_the_umask_allows(tmp_path, base_model, train_jsonl, lora):
+    """Every file of final/, of a checkpoint and of a safetensors export has mode 0666 less the
+    umask: safetensors created the weights and the optimizer state 0600, so a model trained on
+    shared storage could not be read by the team (its config and tokenizer could)."""
+    import os
+    import stat
+
+    out, cache, export = tmp_path / "run", tmp_path / "cache", tmp_path / "ref.safetensors"
+    old = os.umask(0o027)  # a group that reads: 0640
+    try:
+        assert cli_main(["train", *flags(base_model, train_jsonl, out, cache, "--max-steps", "1",
+                                         *(("--lora-r", "4") if lora else ()))]) == 0
+        assert cli_main(["cache", "export", "--model", str(base_model), "--data", str(train_jsonl), "--cache-dir",
+                         str(cache), "--out", str(export)]) == 0
+    finally:
+        os.umask(old)
+    files = [f for f in [*(out / "final").iterdir(), *(out / "checkpoints").rglob("*"), export] if f.is_file()]
+    weights = "adapter_model.safetensors" if lora else "model.safetensors"
+    assert {weights, "optimizer.safetensors", "tokenizer.json"} <= {f.name for f in files}
+    assert {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in files} == {f.name: "0o640" for f in files}
+
+
 def test_a_run_of_no_step_evaluates_once_and_writes_no_model(tmp_path, base_model, train_jsonl, eval_jsonl,
                                                               capsys):
     """--max-steps 0: the held-out set evaluated once, or the reference pass alone; no checkpoint
