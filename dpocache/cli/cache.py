@@ -207,6 +207,8 @@ def cmd_info(args) -> int:
             status |= _print_pair_values(ns_dir)
         if (ns_dir / SEQUENCES).is_dir():
             status |= _print_look_aside_values(ns_dir)
+    if args.tokenizer and args.data:
+        status |= _print_coverage(args, dirs)
     return status
 
 
@@ -242,12 +244,37 @@ def _print_token_stores(cache_dir: Path) -> None:
     for store in token_stores(cache_dir):
         meta = store.get("meta")
         if meta:
-            what = f"pairs {meta['pairs']}  tokens {meta['tokens']}  from {meta['source']}"
+            what = f"pairs {meta['pairs']}  tokens {meta['tokens']}  from {meta['source']}{_store_settings(meta)}"
         elif store["path"].name.startswith(PARTIAL_PREFIX):
             what = "partial (the chunks a build that stopped had tokenized: the next build of this data takes them)"
         else:
             what = "incomplete (a build that did not finish: never read, removed by the next build)"
         print(f"tokens/{store['path'].name}  {what}  size {_human_bytes(store['bytes'])}")
+
+
+def _store_settings(meta: dict) -> str:
+    """What a token store's ``meta.json`` records beside its data (stores written before it did: nothing)."""
+    settings = meta.get("settings") or {}
+    limits = [f"{name} {settings[name]}" for name in ("max_length", "max_prompt_length") if settings.get(name)]
+    return "".join(f"  {part}" for part in limits) + (f"  written {meta['created']}" if meta.get("created") else "")
+
+
+def _print_coverage(args, dirs: list[Path]) -> int:
+    """``cache info --model M --data D``: how many of D's pairs (tokenized as ``train`` would,
+    with M's tokenizer) each namespace holds; 1 where none holds them all."""
+    data = _load_data(args, load_tokenizer(args.tokenizer))
+    keys = [p.key for p in data.pairs]
+    print(f"{args.data}: {len(keys):,} pairs (--max-length {args.max_length})")
+    complete = False
+    for ns_dir in (d for d in dirs if has_pair_values(d)):
+        store = open_namespace_dir(ns_dir)
+        missing = len(store.missing(keys))
+        complete |= missing == 0
+        print(f"  {ns_dir.name} ({store.namespace.model}, {store.namespace.dtype}): {len(keys) - missing:,} cached"
+              + (f", {missing:,} missing" if missing else ", all"))
+    if not complete:
+        print("  no namespace holds them all: dpocache cache build with these settings computes the rest")
+    return 0 if complete else 1
 
 
 def cmd_verify(args) -> int:

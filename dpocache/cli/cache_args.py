@@ -55,7 +55,9 @@ Options of this command:
 
 Fields:
 {fields}"""
-TEXTS = {"build": "Compute the reference log-probs the cache lacks", "info": "List the cache's namespaces",
+TEXTS = {"build": "Compute the reference log-probs the cache lacks",
+         "info": "List the cache's namespaces and token stores; with --model and --data, how many of the data's "
+                 "pairs each namespace holds (exit 1 where none holds them all; no model loads)",
          "verify": "Check every shard's checksum and recompute a sample",
          "export": "Write the cached values of every row, in data order: with --format (or by --out's name) the "
                    "input rows plus TRL's reference columns (jsonl, parquet, datasets), index-aligned tensors "
@@ -90,7 +92,13 @@ def parse_args(command: str, rest: list[str]) -> argparse.Namespace | None:
     # A Hub id (org/name[@revision]) becomes its snapshot directory in the local Hugging Face cache.
     cfg.model.path = resolve_model_path(cfg.model.path)
     cfg.model.ref_model = resolve_model_path(cfg.model.ref_model, "--ref-model")
-    if command != "info":
+    flagged = [d for d, value in (("model.path", cfg.model.path), ("data.train", cfg.data.train))
+               if value and d not in cfg.set_in_file]
+    if command == "info" and flagged and bool(cfg.model.path) != bool(cfg.data.train):  # a config file's: listed only
+        given, lacking = ("--model", "--data") if cfg.model.path else ("--data", "--model")
+        raise UsageError(f"cache info {given} needs {lacking} too: with both it counts the data's pairs each "
+                         "namespace holds (the model's tokenizer tokenizes the data); with neither it lists the cache")
+    if command != "info" or (cfg.model.path and cfg.data.train):
         # The paths first: they need no imports, and a wrong --model must not wait for torch.
         if cfg.model.path:
             check_model_dir(cfg.model.path, "--model")

@@ -770,8 +770,9 @@ def load_preference_data(
     if cache_dir is not None and path and (files is not None or Path(source).exists()):
         settings = {"max_length": max_length, "max_prompt_length": max_prompt_length, "columns": list(columns)}
         key = token_store.store_key(Path(source), tokenizer, settings, files)
-    tokens = token_store.open_or_build(Path(cache_dir), key, str(source), tokenize, show_progress,
-                                       cache_read_only) if key else tokenize()
+    # the source's absolute path: ``cache info`` names it from any working directory
+    tokens = token_store.open_or_build(Path(cache_dir), key, str(Path(source).absolute()), tokenize, show_progress,
+                                       cache_read_only, settings) if key else tokenize()
     name = source_name(source)
     locate = _Locator(str(Path(source)) if path else name, tokens, files)
     skipped = [SkippedRow(locate(where), f, reason) for where, f, reason in tokens.skipped]

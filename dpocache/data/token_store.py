@@ -35,6 +35,7 @@ import json
 import os
 import shutil
 import sys
+import time
 import zipfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -128,7 +129,7 @@ def _checksum(path: Path) -> str:
     return h.hexdigest()
 
 
-def _write(directory: Path, tokens: StoredTokens, source: str) -> None:
+def _write(directory: Path, tokens: StoredTokens, source: str, settings: dict[str, Any] | None = None) -> None:
     directory.mkdir(parents=True)
     checksums = {}
     for name in TokenColumns.NAMES:
@@ -144,7 +145,9 @@ def _write(directory: Path, tokens: StoredTokens, source: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     checksums["skipped.jsonl"] = _checksum(directory / "skipped.jsonl")
-    meta = {"rules": RULES, "source": source, "pairs": len(tokens.columns), "tokens": int(len(tokens.columns.ids)),
+    # source, settings and created: for the eye (``cache info``); the key alone identifies the store
+    meta = {"rules": RULES, "source": source, "settings": settings or {}, "created": time.strftime("%Y-%m-%d %H:%M"),
+            "pairs": len(tokens.columns), "tokens": int(len(tokens.columns.ids)),
             "skipped": len(tokens.skipped), "location_kind": tokens.location_kind, "files": tokens.files,
             "checksums": checksums}
     with open(directory / "meta.json", "w", encoding="utf-8") as f:  # last: a directory with it is complete
@@ -263,14 +266,16 @@ def _building(lock, store: Path, show_progress: bool) -> Iterator[None]:
 
 
 def open_or_build(cache_dir: Path, key: str, source: str, build: Callable[[TokenizedChunks | None], StoredTokens],
-                  show_progress: bool = True, read_only: bool = False) -> StoredTokens:
+                  show_progress: bool = True, read_only: bool = False,
+                  settings: dict[str, Any] | None = None) -> StoredTokens:
     """The store ``key`` under ``cache_dir``, built with ``build(chunks)`` and written first if
     there is none (or none that passes its checks); ``chunks``: where the build keeps what it has
     tokenized as it goes (``TokenizedChunks``), None where the cache cannot hold it. A
     ``build`` that raises writes no store (its finished chunks stay for the next build). A cache
     directory that cannot hold the store (full, read-only) raises the ``OSError``, as the cache's
     own writes do, unless ``read_only`` (a command that only reads the cache): then it costs a
-    line and the store, the tokens kept in memory."""
+    line and the store, the tokens kept in memory. ``source`` and ``settings`` (the key's length
+    limits and columns) are recorded in the store's ``meta.json`` for ``cache info``."""
     root = Path(cache_dir) / STORE_DIR
     final = root / key
     if (final / "meta.json").exists():
@@ -288,11 +293,11 @@ def open_or_build(cache_dir: Path, key: str, source: str, build: Callable[[Token
               "again at every start", file=sys.stderr)
         return build(None)
     with lock, _building(lock, root / key, show_progress):
-        return _build_locked(root, key, source, build, read_only)
+        return _build_locked(root, key, source, build, read_only, settings)
 
 
 def _build_locked(root: Path, key: str, source: str, build: Callable[[TokenizedChunks | None], StoredTokens],
-                  read_only: bool) -> StoredTokens:
+                  read_only: bool, settings: dict[str, Any] | None = None) -> StoredTokens:
     final = root / key
     if (final / "meta.json").exists():
         try:
@@ -305,7 +310,7 @@ def _build_locked(root: Path, key: str, source: str, build: Callable[[TokenizedC
     tokens = build(chunks)
     tmp = root / f".tmp-{key}-{os.getpid()}"
     try:
-        _write(tmp, tokens, source)
+        _write(tmp, tokens, source, settings)
         os.rename(tmp, final)
         _sync_dir(root)
         chunks.remove()

@@ -245,6 +245,30 @@ def test_corrupt_shard_is_named_by_info_verify_and_build(tmp_path, cli, build, m
     assert rc == 0 and "OK" in out
 
 
+def test_cache_info_with_model_and_data_counts_the_pairs_each_namespace_holds(tmp_path, cli, build, model_dir,
+                                                                              pref_jsonl, pref_rows):
+    """"Is my cache complete for this data?" without loading a model (--model and --data were
+    taken and silently ignored; only verify answered, by loading the model)."""
+    from dpocache.data.pairs import write_jsonl
+
+    cache, part = tmp_path / "cache", write_jsonl(pref_rows[:5], tmp_path / "part.jsonl")
+    build(part, cache)
+    info = ["cache", "info", "--cache-dir", cache, "--model", model_dir, "--max-length", 1024]
+    rc, out, _ = cli(*info, "--data", pref_jsonl)
+    namespace = next(d.name for d in cache.iterdir() if (d / "manifest.json").exists())
+    missing = len(pref_rows) - 5
+    assert rc == 1 and f"{pref_jsonl}: {len(pref_rows):,} pairs (--max-length 1024)" in out
+    assert f"  {namespace} ({model_dir}, float32): 5 cached, {missing:,} missing" in out
+    assert "no namespace holds them all" in out
+    build(pref_jsonl, cache)
+    rc, out, _ = cli(*info, "--data", pref_jsonl)
+    assert rc == 0 and f"{len(pref_rows):,} cached, all" in out
+    # the token stores: their data's absolute path, length limit and date
+    assert f"from {part.absolute()}  max_length 1024  written " in out
+    rc, _, err = cli("cache", "info", "--cache-dir", cache, "--data", pref_jsonl)
+    assert rc == 2 and "cache info --data needs --model too" in err
+
+
 # The killed build is a real process running the real command; each shard flush is followed
 # by a short sleep so that the kill lands part-way however loaded the machine is.
 _SLOW_BUILD = """

@@ -165,8 +165,8 @@ _CHILD = textwrap.dedent("""
         with open(log, "a") as f:
             f.write(f"{{os.getpid()}}\\n")
         return real_tokenize(*args, **kwargs)
-    def write(directory, tokens, source):
-        real_write(directory, tokens, source)
+    def write(directory, tokens, *meta):
+        real_write(directory, tokens, *meta)
         os.remove(directory / "meta.json")  # as if killed before the last file
         os.kill(os.getpid(), signal.SIGKILL)
     pairs._tokenize_source = tokenize
@@ -245,7 +245,7 @@ def test_a_cache_dir_that_cannot_hold_a_store(tmp_path, make_rows, capsys):
 def test_a_store_that_cannot_be_written_keeps_the_tokens(tmp_path, make_rows, capsys, monkeypatch):
     from dpocache.data import token_store
 
-    def full_disk(directory, tokens, source):
+    def full_disk(directory, tokens, *meta):
         directory.mkdir(parents=True)
         (directory / "ids.npy").write_bytes(b"partial")
         raise OSError(28, "No space left on device")
