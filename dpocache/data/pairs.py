@@ -586,19 +586,25 @@ def with_eos(ids: list[int], eos: int | None) -> list[int]:
 ROWS_PER_CHUNK = 8192  # rows tokenized at a time: a chunk's ids are Python lists until they become columns
 
 
-def _render_rows(rows: list[RawRow], tokenizer, skip_invalid: bool) -> tuple[list[tuple[RawRow, _RenderedRow]],
-                                                                           list[SkippedRow]]:
+def _render_rows(rows: list[RawRow], tokenizer, skip_invalid: bool,
+                 show_progress: bool = False) -> tuple[list[tuple[RawRow, _RenderedRow]], list[SkippedRow]]:
     """Every row checked and rendered to text before any is tokenized: a bad row is reported in
-    a moment, not after the whole set's tokenization."""
+    a moment, not after the whole set's tokenization. A bar where it takes a while (a chat
+    template renders about 2,500 conversation rows a second on one core: minutes for Tulu 3)."""
     skipped: list[SkippedRow] = []
     rendered: list[tuple[RawRow, _RenderedRow]] = []
-    for row in rows:
-        try:
-            rendered.append((row, _render(row, tokenizer)))
-        except DataError as e:
-            if not skip_invalid:
-                raise _with_skip_hint(e) if rendered or isinstance(e, LacksValues) else e
-            skipped.append(SkippedRow(e.location, e.field, e.reason))
+    with tqdm(total=len(rows), desc="checking rows", unit="rows", mininterval=1.0,
+              disable=not show_progress or len(rows) < ROWS_PER_CHUNK) as bar:
+        for i, row in enumerate(rows):
+            try:
+                rendered.append((row, _render(row, tokenizer)))
+            except DataError as e:
+                if not skip_invalid:
+                    raise _with_skip_hint(e) if rendered or isinstance(e, LacksValues) else e
+                skipped.append(SkippedRow(e.location, e.field, e.reason))
+            if i % 1024 == 1023:
+                bar.update(1024)
+        bar.update(len(rows) % 1024)
     return rendered, skipped
 
 
@@ -631,7 +637,7 @@ def tokenize_columns(
     build that stopped kept it (every row is rendered again: the checks come first)."""
     if max_length is not None and max_prompt_length is not None and max_prompt_length >= max_length:
         raise ValueError(f"max_prompt_length ({max_prompt_length}) must be below max_length ({max_length})")
-    rendered, skipped = _render_rows(rows, tokenizer, skip_invalid)
+    rendered, skipped = _render_rows(rows, tokenizer, skip_invalid, show_progress)
     prefix, eos = special_prefix(tokenizer), tokenizer.eos_token_id
     starts = range(0, len(rendered), ROWS_PER_CHUNK)
     kept = {}  # start -> (columns, unfit) of the chunks a stopped build kept
