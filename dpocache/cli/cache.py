@@ -138,8 +138,9 @@ def _print_build_summary(args, s, store: CacheStore, dtype: torch.dtype, data: P
     say(f"pairs {s.pairs} (unique {s.unique}): computed {s.computed}{ranks}, reused {s.reused}")
     say(f"rows: {data.truncated} truncated to max_length={args.max_length}, {data.identical} with chosen == "
         f"rejected, {len(data.skipped)} skipped")
-    say(f"tokens {s.tokens} in {s.seconds:.1f} s ({s.tokens_per_s:.0f} tokens/s), "
-        f"peak memory {_human_bytes(s.peak_memory_bytes)}"
+    # the tokens the forwards ran (the pairs computed, a prompt once); a token store counts every pair's
+    say(f"reference pass: {s.tokens:,} tokens of the {s.computed:,} pairs computed in {s.seconds:.1f} s "
+        f"({s.tokens_per_s:,.0f} tokens/s), peak memory {_human_bytes(s.peak_memory_bytes)}"
         + (" (largest rank)" if s.world_size > 1 else ""))
     say(f"cache {s.cache_dir} (dtype {dtype_name(dtype)}, {len(store)} pairs stored, "
         f"{_human_bytes(store.size_bytes())})")
@@ -244,7 +245,8 @@ def _print_token_stores(cache_dir: Path) -> None:
     for store in token_stores(cache_dir):
         meta = store.get("meta")
         if meta:
-            what = f"pairs {meta['pairs']}  tokens {meta['tokens']}  from {meta['source']}{_store_settings(meta)}"
+            what = (f"pairs {meta['pairs']}  tokens {meta['tokens']} (prompts, chosen and rejected)  "
+                    f"from {meta['source']}{_store_settings(meta)}")
         elif store["path"].name.startswith(PARTIAL_PREFIX):
             what = "partial (the chunks a build that stopped had tokenized: the next build of this data takes them)"
         else:

@@ -222,7 +222,7 @@ def test_cache_info_lists_token_stores(tmp_path, make_rows, capsys):
     assert main(["cache", "info", "--cache-dir", str(cache)]) == 0
     out = capsys.readouterr().out
     tokens = len(data.pairs.columns.ids)
-    assert f"pairs {len(data)}  tokens {tokens}  from {path}" in out
+    assert f"pairs {len(data)}  tokens {tokens} (prompts, chosen and rejected)  from {path}" in out
     assert "tokens/.tmp-0123-99  incomplete" in out
     assert "tokens/.partial-0123  partial (the chunks a build that stopped had tokenized" in out
 
