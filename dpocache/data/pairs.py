@@ -600,7 +600,8 @@ def _render_rows(rows: list[RawRow], tokenizer, skip_invalid: bool,
                 rendered.append((row, _render(row, tokenizer)))
             except DataError as e:
                 if not skip_invalid:
-                    raise _with_skip_hint(e) if rendered or isinstance(e, LacksValues) else e
+                    raise _naming_others(_with_skip_hint(e) if rendered or isinstance(e, LacksValues) else e,
+                                         rows[i + 1:]) from None
                 skipped.append(SkippedRow(e.location, e.field, e.reason))
             if i % 1024 == 1023:
                 bar.update(1024)
@@ -609,6 +610,20 @@ def _render_rows(rows: list[RawRow], tokenizer, skip_invalid: bool,
 
 
 SKIP_HINT = "fix or drop the row; --skip-invalid skips such rows"
+
+
+def _naming_others(e: DataError, rest: list[RawRow]) -> DataError:
+    """``e`` (a bad row, which stops the run) also naming the rows after it that a glance finds
+    bad (unreadable, or without chosen or rejected), so that one run names every such row to
+    fix, not one a run; the rest are found as they are rendered."""
+    bad = [row.location for row in rest if row.error is not None or not isinstance(row.values, dict)
+           or row.values.get("chosen") is None or row.values.get("rejected") is None]
+    if not bad:
+        return e
+    shown = ", ".join(bad[:3]) + (", ..." if len(bad) > 3 else "")
+    rows = f"{len(bad)} more rows after it cannot be read or lack" if len(bad) > 1 else \
+        "1 more row after it cannot be read or lacks"
+    return DataError(e.location, e.field, f"{e.reason}; {rows} chosen or rejected ({shown})")
 
 
 def _with_skip_hint(e: DataError) -> DataError:

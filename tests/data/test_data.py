@@ -222,6 +222,23 @@ def test_bad_row_error_names_file_line_and_field(tmp_path, tokenizer, case):
     assert reason in msg, msg
 
 
+def test_the_bad_row_that_stops_a_run_names_the_unreadable_rows_after_it(tmp_path, tokenizer):
+    """One run names every row a glance finds bad (a line cut short, a row without rejected):
+    the first stopped the run alone, three bad rows cost three runs to find."""
+    path = tmp_path / "d.jsonl"
+    lines = [json.dumps(GOOD), '{"prompt": "x", "chosen": "y"', json.dumps(GOOD),
+             json.dumps({"prompt": "sort", "chosen": " 1"}), json.dumps({**GOOD, "chosen": ""}), '{"prompt": ']
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError) as err:
+        _load(path, tokenizer)
+    message = str(err.value)
+    assert message.startswith(f"{path}:2: malformed JSON") and "--skip-invalid skips such rows" in message
+    # the empty completion (line 5) is found as the rows are rendered, not at a glance
+    assert message.endswith(f"; 2 more rows after it cannot be read or lack chosen or rejected ({path}:4, {path}:6)")
+    assert [s.location for s in _load(path, tokenizer, skip_invalid=True).skipped] == [
+        f"{path}:{n}" for n in (2, 4, 5, 6)]
+
+
 @pytest.mark.parametrize("first", [False, True], ids=["after-good-rows", "first-row"])
 def test_a_row_without_values_other_rows_have_is_the_rows_problem_not_the_mapping(tmp_path, tokenizer, first):
     """Row 2 of 3 (or row 1) lacks 'rejected' or both completions while the others have them: the
