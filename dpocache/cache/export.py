@@ -10,7 +10,7 @@
   ``CachedDPOTrainer`` overrides that hook and fills the columns from the cache directly.
 - ``keys``: the cache's own table, one JSON line per row in data order (``index``, ``key``, the
   sums and token counts; with ``--with-ids`` the token ids too).
-- ``safetensors``: index-aligned ``chosen_logps`` / ``rejected_logps`` ``(N,)`` float32 tensors
+- ``safetensors``: ``chosen_logps`` / ``rejected_logps`` ``(N,)`` float32 tensors, an entry a pair read
   (what open-instruct caches with ``torch.save``, without pickle), plus ``index``, the source row
   of each entry, so rows skipped as invalid cannot shift the alignment unnoticed.
 

@@ -30,9 +30,9 @@ OPTIONS = {
                "with_ids": (bool, False, "include the token ids the values were computed on (--format keys, "
                                          "which it implies)"),
                "format": (str, None, "jsonl, parquet or datasets: the input rows plus ref_chosen_logps/"
-                                     "ref_rejected_logps; safetensors: index-aligned tensors; keys: the cache's own "
-                                     "table (index, key, values) as JSON lines. Default: by --out's name (.jsonl, "
-                                     ".parquet, .safetensors)")},
+                                     "ref_rejected_logps; safetensors: tensors, with each entry's source row "
+                                     "(index); keys: the cache's own table (index, key, values) as JSON lines. "
+                                     "Default: by --out's name (.jsonl, .parquet, .safetensors)")},
 }
 # The short flags the cache commands had before they read the configuration, kept working.
 CACHE_ALIASES = {"layout": "cache.layout"}
@@ -60,8 +60,8 @@ TEXTS = {"build": "Compute the reference log-probs the cache lacks",
                  "pairs each namespace holds (exit 1 where none holds them all; no model loads)",
          "verify": "Check every shard's checksum and recompute a sample",
          "export": "Write the cached values of every row, in data order: with --format (or by --out's name) the "
-                   "input rows plus TRL's reference columns (jsonl, parquet, datasets), index-aligned tensors "
-                   "(safetensors) or the cache's own table (keys)"}
+                   "input rows plus TRL's reference columns (jsonl, parquet, datasets), tensors with each entry's "
+                   "source row (safetensors) or the cache's own table (keys)"}
 
 
 def parse_args(command: str, rest: list[str]) -> argparse.Namespace | None:
