@@ -293,17 +293,21 @@ def open_or_build(cache_dir: Path, key: str, source: str, build: Callable[[Token
               "again at every start", file=sys.stderr)
         return build(None)
     with lock, _building(lock, root / key, show_progress):
-        return _build_locked(root, key, source, build, read_only, settings)
+        return _build_locked(root, key, source, build, read_only, settings, show_progress)
 
 
 def _build_locked(root: Path, key: str, source: str, build: Callable[[TokenizedChunks | None], StoredTokens],
-                  read_only: bool, settings: dict[str, Any] | None = None) -> StoredTokens:
+                  read_only: bool, settings: dict[str, Any] | None = None,
+                  show_progress: bool = False) -> StoredTokens:
     final = root / key
     if (final / "meta.json").exists():
         try:
             return open_store(final)  # written by the process that held the lock
         except StoreError:
             pass
+    why = _why_tokenized_again(root, source, settings or {}) if show_progress else None
+    if why:
+        print(f"tokens: {why}", file=sys.stderr)
     for stale in [*root.glob(f".tmp-{key}-*"), final]:  # killed builds and a store that failed its checks
         shutil.rmtree(stale, ignore_errors=True)
     chunks = TokenizedChunks(root / f"{PARTIAL_PREFIX}{key}")
@@ -323,6 +327,26 @@ def _build_locked(root: Path, key: str, source: str, build: Callable[[TokenizedC
               "memory", file=sys.stderr)
         return tokens
     return open_store(final, verify=False)  # mapped: the builder, too, keeps no private copy
+
+
+def _why_tokenized_again(root: Path, source: str, settings: dict[str, Any]) -> str | None:
+    """Why ``source``, which has a store here already, is tokenized again: its length limits or
+    columns differ from every store's of it (named), or else the file or the tokenizer changed
+    (the key covers both); None where no store of it is here."""
+    earlier = [store["meta"] for store in token_stores(root.parent)
+               if store["meta"] and store["meta"].get("source") == source and store["meta"].get("settings")]
+    if not earlier:
+        return None
+
+    def differences(seen: dict) -> list[str]:
+        return [f"{name} {settings.get(name)} (the cache has {seen.get(name)})" for name in sorted(settings)
+                if settings.get(name) != seen.get(name)]
+
+    changed = min((differences(meta["settings"]) for meta in earlier), key=len)  # against the closest store
+    if changed:
+        return f"{source} is tokenized again for {', '.join(changed)}; the other store stays"
+    return (f"{source} is tokenized again: the file, or the tokenizer, changed since its store here was written "
+            "(that store is no longer read)")
 
 
 def token_stores(cache_dir: Path) -> list[dict]:

@@ -382,3 +382,20 @@ def test_long_data_shows_a_bar_while_its_rows_are_checked_and_one_while_they_are
     assert "checking rows: 100%" in err and "45/45" in err and err.index("checking rows") < err.index("tokenizing")
     load_preference_data(write_jsonl(make_rows(9), tmp_path / "short.jsonl"), build_tokenizer(), show_progress=True)
     assert "checking rows" not in capsys.readouterr().err  # shorter than a chunk: no bar
+
+
+def test_data_tokenized_again_says_why(tmp_path, make_rows, capsys):
+    """Another --max-length, or an edited file, tokenizes the whole set again (34 s at 100,000
+    rows in a trial) where a store of it is in the cache: said, with what changed."""
+    path, cache, tok = write_jsonl(make_rows(12), tmp_path / "d.jsonl"), tmp_path / "cache", build_tokenizer()
+    load_preference_data(path, tok, max_length=256, show_progress=True, cache_dir=cache)
+    assert "tokenized again" not in capsys.readouterr().err  # the first store of it
+    load_preference_data(path, tok, max_length=128, show_progress=True, cache_dir=cache)
+    assert (f"tokens: {path} is tokenized again for max_length 128 (the cache has 256); the other store stays"
+            in capsys.readouterr().err)
+    write_jsonl(make_rows(13), path)
+    load_preference_data(path, tok, max_length=128, show_progress=True, cache_dir=cache)
+    assert (f"tokens: {path} is tokenized again: the file, or the tokenizer, changed since its store here was "
+            "written" in capsys.readouterr().err)
+    load_preference_data(path, tok, max_length=128, show_progress=True, cache_dir=cache)
+    assert "tokens:" not in capsys.readouterr().err  # read from its store
