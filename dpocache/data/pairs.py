@@ -645,11 +645,14 @@ def tokenize_columns(
     skip_invalid: bool = False,
     show_progress: bool = True,
     chunks: token_store.TokenizedChunks | None = None,
+    model_limits: tuple[int | None, int | None] = (None, None),
 ) -> tuple[TokenColumns, list[SkippedRow]]:
     """Validate, render and tokenize rows into columns. Bad rows raise ``DataError`` unless
     ``skip_invalid``, in which case they are returned as ``SkippedRow``s. ``chunks``: where each
     chunk of ``ROWS_PER_CHUNK`` rows is kept as it is tokenized, and taken from where an earlier
-    build that stopped kept it (every row is rendered again: the checks come first)."""
+    build that stopped kept it (every row is rendered again: the checks come first).
+    ``model_limits``: the model's (context, vocab_size); without ``skip_invalid`` the first pair
+    past either stops the tokenizing at its chunk (``unfit_pairs``), not after the whole set."""
     if max_length is not None and max_prompt_length is not None and max_prompt_length >= max_length:
         raise ValueError(f"max_prompt_length ({max_prompt_length}) must be below max_length ({max_length})")
     rendered, skipped = _render_rows(rows, tokenizer, skip_invalid, show_progress)
@@ -669,20 +672,36 @@ def tokenize_columns(
               disable=not show_progress or len(rendered) < ROWS_PER_CHUNK) as bar, \
             _saying_what_is_kept(chunks, len(rendered)):
         for start in starts:
+            chunk = rendered[start:start + ROWS_PER_CHUNK]
             if start in kept:
                 columns, found = kept[start]
                 parts.append(columns)
                 unfit.extend(SkippedRow(*row) for row in found)
+                _refuse_unfit(columns, chunk, model_limits, max_length, skip_invalid)
                 continue
-            chunk = rendered[start:start + ROWS_PER_CHUNK]
             found = []
             parts.append(_tokenize_chunk(chunk, tokenizer, prefix, eos, max_length, max_prompt_length,
                                          skip_invalid, found))
+            _refuse_unfit(parts[-1], chunk, model_limits, max_length, skip_invalid)
             if chunks is not None:
                 chunks.save(start, len(chunk), parts[-1], [(r.location, r.field, r.reason) for r in found])
             unfit.extend(found)
             bar.update(len(chunk))
     return TokenColumns.concatenate(parts), skipped + unfit
+
+
+def _refuse_unfit(columns: TokenColumns, chunk: list[tuple[RawRow, _RenderedRow]],
+                  model_limits: tuple[int | None, int | None], max_length: int | None, skip_invalid: bool) -> None:
+    """The first pair of a chunk the model cannot take (``unfit_pairs``) as a ``DataError``, before
+    the next chunk is tokenized (a --max-length past a model's context was refused after the
+    whole set: minutes at Tulu's size); with ``skip_invalid`` they are skipped later (``_fitting``)."""
+    context, vocab_size = model_limits
+    if skip_invalid or (context is None and vocab_size is None):
+        return
+    for problem in unfit_pairs(columns, vocab_size, context, max_length):
+        for i, reason in problem:
+            row = int(columns.rows[i])
+            raise DataError(next(r.location for r, _ in chunk if r.index == row), None, reason)
 
 
 @contextmanager
@@ -785,7 +804,7 @@ def load_preference_data(
 
     def tokenize(chunks: token_store.TokenizedChunks | None = None) -> token_store.StoredTokens:
         return _tokenize_source(source, tokenizer, max_length, max_prompt_length, skip_invalid, show_progress,
-                                columns, chunks, files)
+                                columns, chunks, files, (context, vocab_size))
 
     key = None
     if cache_dir is not None and path and (files is not None or Path(source).exists()):
@@ -833,15 +852,17 @@ class _Locator:
 
 def _tokenize_source(source: Any, tokenizer, max_length, max_prompt_length, skip_invalid: bool,
                      show_progress: bool, columns: tuple[str | None, str, str],
-                     chunks: token_store.TokenizedChunks | None = None, files: list[Path] | None = None):
+                     chunks: token_store.TokenizedChunks | None = None, files: list[Path] | None = None,
+                     model_limits: tuple[int | None, int | None] = (None, None)):
     """Read and tokenize ``source``: its columns, skipped rows and how its rows are located
-    (``files``: the data files it names, where it names several)."""
+    (``files``: the data files it names, where it names several; ``model_limits``:
+    ``tokenize_columns``')."""
     name, rows = read_rows(source)
     if not rows:
         raise DataError(name, None, "no rows")
     rows = map_columns(rows, columns)
     token_columns, skipped = tokenize_columns(rows, tokenizer, max_length, max_prompt_length, skip_invalid,
-                                              show_progress, chunks)
+                                              show_progress, chunks, model_limits)
     kind = "row" if rows[0].location.rsplit(":", 1)[1].startswith("row ") else "line"
     firsts = _files_read(files, rows)
     number = {file: k for k, (file, _) in enumerate(firsts)}

@@ -176,6 +176,32 @@ def test_row_longer_than_the_context_is_named(tmp_path, tokenizer, pref_rows):
     assert [s.location for s in _load(path, tokenizer, context=64, skip_invalid=True).skipped] == [f"{path}:2"]
 
 
+def test_a_pair_past_the_context_stops_the_tokenizing_at_its_chunk(tmp_path, tokenizer, pref_rows, monkeypatch):
+    """Refused when its chunk is tokenized, not after the whole set (a --max-length past the
+    model's context cost minutes of tokenizing at Tulu's size before its one line), in a token
+    store's build too; the message is the same, and --skip-invalid still skips the row."""
+    from dpocache.data import pairs as pairs_module
+
+    monkeypatch.setattr(pairs_module, "ROWS_PER_CHUNK", 4)
+    chunks, real = [], pairs_module._tokenize_chunk
+
+    def counted(chunk, *args):
+        chunks.append(len(chunk))
+        return real(chunk, *args)
+
+    monkeypatch.setattr(pairs_module, "_tokenize_chunk", counted)
+    long_row = {"prompt": "sort " * 80, "chosen": " 1", "rejected": " 2"}
+    rows = [*pref_rows[:5], long_row, *pref_rows[5:14]]  # line 6: the second chunk of four
+    path = write_jsonl(rows, tmp_path / "d.jsonl")
+    for cache in (None, tmp_path / "cache"):
+        chunks.clear()
+        with pytest.raises(DataError, match=rf"^{path}:6: \d+ tokens, longer than the model's context \(64"):
+            load_preference_data(path, tokenizer, context=64, show_progress=False, cache_dir=cache)
+        assert chunks == [4, 4]  # of four chunks
+    data = load_preference_data(path, tokenizer, context=64, show_progress=False, skip_invalid=True)
+    assert [s.location for s in data.skipped] == [f"{path}:6"] and len(data) == len(rows) - 1
+
+
 def test_counts_of_truncated_and_identical_pairs(tokenizer, pref_rows):
     rows = list(pref_rows[:6]) + [{"prompt": "sort 1 2", "chosen": " 1 2", "rejected": " 1 2"}]
     full = _load(rows, tokenizer)
