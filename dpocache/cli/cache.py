@@ -287,6 +287,8 @@ def cmd_verify(args) -> int:
     reference = _load_reference(args, dtype, device)
     report = verify(store, data.pairs, reference, args.samples, args.seed, tokenizer.pad_token_id or 0,
                     args.max_tokens)
+    damaged = sum(1 for bad in report.corrupt_shards if bad.file != MANIFEST)
+    print(f"shards: {len(store.shards) + damaged} hashed again, {damaged} damaged")  # every one, memo or not
     print(f"checked {report.checked} pairs: max |stored - recomputed| = {report.max_abs_diff:.3g}")
     for line in report.mismatches:
         print(f"MISMATCH {line}")

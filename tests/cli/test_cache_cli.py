@@ -228,6 +228,7 @@ def test_corrupt_shard_is_named_by_info_verify_and_build(tmp_path, cli, build, m
 
     rc, out, err = cli(*cache_args("verify", model_dir, pref_jsonl, cache, "--samples", 8))
     assert rc != 0 and bad.name in out and "FAILED" in out
+    assert f"shards: {len(shards)} hashed again, 1 damaged" in out
     assert bad.name in err  # also reported when the store is opened
 
     summary = build(pref_jsonl, cache)
@@ -242,7 +243,7 @@ def test_corrupt_shard_is_named_by_info_verify_and_build(tmp_path, cli, build, m
     rc, out, _ = cli("cache", "info", "--cache-dir", cache)
     assert rc == 0 and "CORRUPT" not in out
     rc, out, _ = cli(*cache_args("verify", model_dir, pref_jsonl, cache, "--samples", 8))
-    assert rc == 0 and "OK" in out
+    assert rc == 0 and "OK" in out and " hashed again, 0 damaged" in out
 
 
 def test_cache_info_with_model_and_data_counts_the_pairs_each_namespace_holds(tmp_path, cli, build, model_dir,
