@@ -8,6 +8,7 @@ import functools
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -98,6 +99,7 @@ def _load_reference(args, dtype, device) -> ReferenceModel:
 def cmd_build(args) -> int:
     """Under torchrun every rank scores its token-balanced share of the missing pairs
     (``build_distributed``); rank 0 prints the totals."""
+    started = time.perf_counter()
     env = init_distributed(args.device)
     try:
         if env.is_main and not parse_loss_spec(args.cfg.loss.name, **args.cfg.loss.params()).needs_reference:
@@ -110,6 +112,7 @@ def cmd_build(args) -> int:
         pairs = data.pairs
         if args.eval_data:  # a config's eval set is cached too, as train would
             pairs = pairs + _load_data(args, tokenizer, verbose=env.is_main, source=args.eval_data).pairs
+        data_s = time.perf_counter() - started  # the tokenizer, and the data tokenized or read from its token store
         store, dtype = _open_store(args, env.device, open_now=False, verbose=env.is_main)
         load = reference_loader(base, dtype, env, args.layout, sharded=args.fsdp, adapter=adapter,
                                 attention=args.attention, probe_memo=ProbeMemo(store.root), compile=args.compile,
@@ -123,13 +126,15 @@ def cmd_build(args) -> int:
                 _print_json(stopped.summary, data)  # what was computed before the signal, its "interrupted" set
             raise
         if env.is_main:
-            _print_build_summary(args, summary, store, dtype, data)
+            _print_build_summary(args, summary, store, dtype, data, (data_s, time.perf_counter() - started))
     finally:
         destroy(env)
     return 0
 
 
-def _print_build_summary(args, s, store: CacheStore, dtype: torch.dtype, data: PreferenceData) -> None:
+def _print_build_summary(args, s, store: CacheStore, dtype: torch.dtype, data: PreferenceData,
+                         times: tuple[float, float]) -> None:
+    """``times``: (seconds to the data loaded, seconds of the whole build), after the imports."""
     # With --json, stdout holds the JSON object alone (for jq, json.load), the lines go to stderr.
     say = functools.partial(print, file=sys.stderr if args.json else sys.stdout)
     for bad in s.corrupt_shards:
@@ -144,6 +149,8 @@ def _print_build_summary(args, s, store: CacheStore, dtype: torch.dtype, data: P
         + (" (largest rank)" if s.world_size > 1 else ""))
     say(f"cache {s.cache_dir} (dtype {dtype_name(dtype)}, {len(store)} pairs stored, "
         f"{_human_bytes(store.size_bytes())})")
+    say(f"time: {times[1]:.1f} s after the imports: {times[0]:.1f} s loading the tokenizer and the data (tokenized, "
+        f"or read from its token store), {s.seconds:.1f} s in the reference pass")
     if s.kernels and s.kernels["used"] == "liger":
         say(f"kernels: Liger's {', '.join(s.kernels['applied'])}")
     if s.streamed:
@@ -154,12 +161,14 @@ def _print_build_summary(args, s, store: CacheStore, dtype: torch.dtype, data: P
         if pace:
             say(pace)
     if args.json:
-        _print_json(s, data)
+        _print_json(s, data, times)
 
 
-def _print_json(s, data: PreferenceData) -> None:
+def _print_json(s, data: PreferenceData, times: tuple[float, float] | None = None) -> None:
     out = s.to_json()
     out.update(skipped=len(data.skipped), truncated=data.truncated, identical=data.identical)
+    if times is not None:
+        out.update(data_s=round(times[0], 3), wall_s=round(times[1], 3))
     print(json.dumps(out), flush=True)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import signal
 import struct
 import subprocess
@@ -65,6 +66,9 @@ def test_build_reuses_by_content(tmp_path, build, model_dir, pref_rows, pref_jso
     assert (first["computed"], first["reused"]) == (len(pref_rows), 0)
     assert f"pairs {len(pref_rows)} (unique {len(pref_rows)}): computed {len(pref_rows)}, reused 0" in first["stderr"]
     assert first["tokens"] > 0 and first["tokens_per_s"] > 0
+    # where the time went: the data (tokenizer, tokenizing) and the pass, within the whole
+    assert 0 < first["data_s"] and first["data_s"] + first["seconds"] <= first["wall_s"]
+    assert re.search(r"time: [\d.]+ s after the imports: [\d.]+ s loading the tokenizer and the data", first["stderr"])
     assert first["namespace"] == namespace_for_dir(model_dir, torch.float32, cache).id
     assert first["cache_dir"] == str(cache / first["namespace"])
 
