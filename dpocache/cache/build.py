@@ -485,6 +485,8 @@ def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_refere
         raise UsageError(f"--cache-dir {store.root}: cannot write there ({read_only}), and {len(todo_keys)} of the "
                          f"{len(by_key)} pairs are not in it; build them into a cache that can be written "
                          "(dpocache cache build --cache-dir DIR), then read from that one")
+    if todo_keys and env.enabled:
+        check_one_directory(store.root, env)  # before the pass, not after it
     mine = split_by_tokens([by_key[k] for k in todo_keys], env.world_size)[env.rank]
     options = replace(options, show_progress=options.show_progress and env.is_main)
     local, error = None, None
@@ -538,6 +540,38 @@ def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_refere
         stopped.summary = summary  # for a caller that reports it (cache build --json)
         raise stopped
     return summary
+
+
+PROBE_WAIT_S = 90.0  # how long a rank looks for the others' probes: NFS caches a name not found for up to 60 s
+
+
+def check_one_directory(cache_dir: Path, env: DistEnv, wait_s: float | None = None) -> None:
+    """Every rank writes a probe file into ``cache_dir`` and looks for the others': a directory
+    of the same name on each node's own disk (``--cache-dir /scratch/cache``) let every rank
+    score its share and write it where rank 0 never sees it, which was found only after the
+    whole reference pass. ``CacheError`` on every rank, naming the ranks not seen, before any
+    pair is scored. Waits up to ``wait_s`` (``PROBE_WAIT_S``) for a shared file system's
+    caches, only where a probe is missing."""
+    token = broadcast_object(env, os.urandom(6).hex() if env.is_main else None)
+    probe = Path(cache_dir) / f".rank-probe-{token}-{env.rank}"
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    probe.touch()
+    barrier(env)
+    deadline = time.monotonic() + (PROBE_WAIT_S if wait_s is None else wait_s)
+    while True:
+        unseen = [r for r in range(env.world_size) if not (Path(cache_dir) / f".rank-probe-{token}-{r}").exists()]
+        if not unseen or time.monotonic() >= deadline:
+            break
+        time.sleep(2.0)
+    (blind,) = reduce_counts(env, [float(bool(unseen))])
+    barrier(env)  # every rank has looked before any probe goes
+    probe.unlink(missing_ok=True)
+    if blind:
+        seen = f"rank {env.rank} does not see rank {', '.join(map(str, unseen))}'s" if unseen else \
+            f"{int(blind)} of the {env.world_size} ranks do not see the others'"
+        raise CacheError(f"--cache-dir {cache_dir}: {seen} files there: each node has a directory of its own under "
+                         "that name, where every rank writes its share of the reference values for rank 0 to read; "
+                         "give --cache-dir a directory on storage every node shares (nothing was computed)")
 
 
 def _missing_after_build(store: CacheStore, by_key: dict[bytes, TokenizedPair], per_token: bool) -> str | None:

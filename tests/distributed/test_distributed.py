@@ -580,7 +580,10 @@ def test_setup_mistake_under_torchrun_is_one_line_per_rank(assets, tmp_path):
 # a disk that is not shared does) and with the flags RANK1_ARGS added (a config file that differs).
 RANK1_DIFFERS = r"""
 import os, sys
+import dpocache.cache.build
 from dpocache.cli.entry import main
+
+dpocache.cache.build.PROBE_WAIT_S = float(os.environ.get("PROBE_WAIT_S", dpocache.cache.build.PROBE_WAIT_S))
 
 args = sys.argv[1:]
 if os.environ["RANK"] == "1":
@@ -590,12 +593,14 @@ raise SystemExit(main(args))
 """
 
 
-@pytest.mark.parametrize("differs", ["data", "setting", "reference"])
+@pytest.mark.parametrize("differs", ["data", "setting", "reference", "cache"])
 def test_ranks_with_other_data_settings_or_reference_are_refused(assets, tmp_path, monkeypatch, differs):
     """A data file whose path holds other pairs on rank 1, a setting rank 1 alone was given, or
     a reference directory whose path holds another model on rank 1 stops every rank with one
     line naming it, before any model loads (it trained, exit 0, each rank on its own pairs, with
-    its own learning rate, or against its own reference's values from a cache holding both)."""
+    its own learning rate, or against its own reference's values from a cache holding both); a
+    cache directory whose path is another directory on rank 1 (a node's own disk), before the
+    reference pass (it ran the whole pass, then found rank 1's values missing)."""
     for rank in (0, 1):
         rows = sorting_pairs(16, 14 if differs == "data" and rank == 1 else 12)
         write_jsonl(rows, tmp_path / f"rank{rank}" / "train.jsonl")
@@ -610,22 +615,29 @@ def test_ranks_with_other_data_settings_or_reference_are_refused(assets, tmp_pat
     monkeypatch.chdir(tmp_path / "rank0")  # torchrun's processes inherit it, RANK1_CWD and RANK1_ARGS
     monkeypatch.setenv("RANK1_CWD", str(tmp_path / "rank1"))
     monkeypatch.setenv("RANK1_ARGS", "--lr 2e-3" if differs == "setting" else "")
+    monkeypatch.setenv("PROBE_WAIT_S", "0")  # a shared file system's caches need no waiting for here
     driver = tmp_path / "driver.py"
     driver.write_text(RANK1_DIFFERS)
     args = train_args(assets, tmp_path / "run", 4)
+    cache = "cache" if differs == "cache" else str(tmp_path / "cache")  # relative: each rank's own
     for flag, value in (("--data", "train.jsonl"), ("--eval-data", "train.jsonl"), ("--ref-model", "ref"),
-                        ("--cache-dir", str(tmp_path / "cache"))):
+                        ("--cache-dir", cache)):
         args[args.index(flag) + 1] = value
     proc = torchrun("train", *args, script=driver, check=False)
     codes = worker_exit_codes(proc)
-    code = 1 if differs == "reference" else 2  # the reference's namespace is the cache build's check (CacheError)
+    code = 1 if differs in ("reference", "cache") else 2  # the cache build's checks (CacheError)
     assert code in codes.values() and set(codes.values()) <= {code, -15}, proc.stderr[-6000:]
     named = {"data": "--data (data.train) train.jsonl: the ranks read different pairs",
              "setting": "the ranks were started with different values of --lr (optim.lr)",
-             "reference": "ranks disagree on the reference's namespace"}[differs]
+             "reference": "ranks disagree on the reference's namespace",
+             "cache": "files there: each node has a directory of its own under that name"}[differs]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("dpocache train: error: ")]
     assert 1 <= len(lines) <= 2 and all(named in line for line in lines), proc.stderr[-6000:]
     assert not worker_traceback(proc) and not (tmp_path / "run" / "run.json").exists(), proc.stderr[-6000:]
+    if differs == "cache":  # nothing scored, no probe left behind
+        for rank in (0, 1):
+            assert not list((tmp_path / f"rank{rank}" / "cache").rglob("shard-*")), rank
+            assert not list((tmp_path / f"rank{rank}" / "cache").glob(".rank-probe-*")), rank
 
 
 def test_rank_failing_alone_leaves_one_line_on_the_other(assets, ddp_run, tmp_path):
