@@ -410,6 +410,18 @@ def _common_prefix_len(a: Sequence, b: Sequence) -> int:
     return n
 
 
+def _check_divergence(location: str, chosen: list, rejected: list, n: int) -> None:
+    """Conversations that first differ at message ``n`` in a user's or the system's turn: the
+    prompt would end on an answer and the completions start with the user's words, which the
+    chat template then refused as "not a prefix", naming neither. Said as it is."""
+    for name, messages in (("chosen", chosen), ("rejected", rejected)):
+        role = messages[n].get("role") if n < len(messages) else None
+        if role in ("user", "system"):
+            raise DataError(location, name, f"chosen and rejected differ first at message {n}, a {role} turn: a "
+                            "pair's conversations may differ in the assistant's answer only (the turns before it "
+                            "are the prompt)")
+
+
 def _split_implicit(location: str, chosen: Any, rejected: Any, text_prompt: bool = False) -> tuple[Any, Any, Any]:
     """Implicit prompt: the longest common prefix of chosen and rejected is the prompt.
     ``text_prompt``: the row's prompt is text beside these conversations, and not used."""
@@ -431,6 +443,7 @@ def _split_implicit(location: str, chosen: Any, rejected: Any, text_prompt: bool
                             "prompt as messages too")
         if n == 0:
             raise DataError(location, "chosen", "implicit prompt: chosen and rejected share no first message")
+        _check_divergence(location, chosen, rejected, n)
         return chosen[:n], chosen[n:], rejected[n:]
     chosen = check_text(location, "chosen", chosen)
     rejected = check_text(location, "rejected", rejected)

@@ -197,6 +197,14 @@ BAD_ROWS = {
     "message without content": (
         {"prompt": [{"role": "user"}], "chosen": [{"role": "assistant", "content": "1"}],
          "rejected": [{"role": "assistant", "content": "2"}]}, "prompt[0]", "content"),
+    # the second user turn differs (the chat template's "not a prefix" named neither)
+    "conversations that differ first in a user's turn": (
+        {"chosen": MSGS + [{"role": "assistant", "content": "1"}, {"role": "user", "content": "again"},
+                           {"role": "assistant", "content": "1"}],
+         "rejected": MSGS + [{"role": "assistant", "content": "1"}, {"role": "user", "content": "once more"},
+                             {"role": "assistant", "content": "2"}]}, "chosen",
+        "chosen and rejected differ first at message 2, a user turn: a pair's conversations may differ in the "
+        "assistant's answer only"),
 }
 
 
