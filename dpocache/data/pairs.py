@@ -996,7 +996,7 @@ def _mapped(row: RawRow, columns: tuple[str | None, str, str]) -> dict:
     mapped.update({k: values[k] for k in TEMPLATE_COLUMNS if values.get(k) is not None})
     if prompt_field is not None and values.get(prompt_field) is not None:
         mapped["prompt"] = values[prompt_field]
-    elif prompt_field in values:
+    elif prompt_field in values and not _conversations(values, columns):
         # The column is there without a value (a parquet null, "prompt": null): this row lost
         # its prompt, and its chosen and rejected are answers, not prompt + answer.
         raise DataError(row.location, prompt_field, "null (--data.prompt_field none reads every row's prompt "
@@ -1013,10 +1013,17 @@ def _missing_fields(values: dict, columns: tuple[str | None, str, str]) -> list[
     # over for the prompt once chosen and rejected have theirs: a question column is more likely
     # the prompt under another name than a column to ignore, and reading the row as implicit-prompt
     # would drop that prompt without a word.
-    if prompt_field is not None and prompt_field not in values and (
+    if prompt_field is not None and prompt_field not in values and not _conversations(values, columns) and (
             prompt_field != "prompt" or len(_text_columns(values, columns)) > len(missing)):
         missing.insert(0, "prompt")
     return missing
+
+
+def _conversations(values: dict, columns: tuple[str | None, str, str]) -> bool:
+    """Chosen and rejected are both messages: a text prompt beside them is not used (their common
+    first messages are the prompt), so a row without one (a shard of a mixture that lacks the
+    column, a null) reads the same, not as a row that lost its prompt."""
+    return _is_messages(values.get(columns[1])) and _is_messages(values.get(columns[2]))
 
 
 class LacksValues(DataError):

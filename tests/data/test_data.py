@@ -492,3 +492,22 @@ def test_bad_template_inputs_name_the_field(tokenizer, extra, field, reason):
     with pytest.raises(DataError) as e:
         _load([dict(prompt=prompt, chosen=chosen, rejected=rejected, **extra)], tokenizer)
     assert e.value.field == field and reason in e.value.reason and "row 0" in e.value.location
+
+
+def test_conversation_rows_without_their_text_prompt_read_as_those_with_it(tmp_path, tokenizer):
+    """A Tulu-style mixture whose shards differ: one with a text prompt beside the conversations,
+    one without the column (but with others: id, source), one with it null. The text is never
+    used for conversations, so all read alike; they were refused as "missing, where other rows
+    have it", with advice (--skip-invalid) that dropped the shard."""
+    user = {"role": "user", "content": "sort 3 1"}
+    conversation = {"chosen": [user, {"role": "assistant", "content": "1 3"}],
+                    "rejected": [user, {"role": "assistant", "content": "3 1"}]}
+    rows = [{"prompt": "sort 3 1", "id": "a", **conversation}, {"id": "b", "source": "wildchat", **conversation},
+            {"prompt": None, "id": "c", **conversation}]
+    path = write_jsonl(rows, tmp_path / "mixed.jsonl")
+    data = _load(path, tokenizer)
+    keys = [p.key for p in data.pairs]
+    assert len(keys) == 3 and len(set(keys)) == 1 and not data.skipped
+    # text rows keep their checks: a null prompt beside text completions lost its prompt
+    with pytest.raises(DataError, match="field 'prompt': null"):
+        _load(write_jsonl([GOOD, {**GOOD, "prompt": None}], tmp_path / "text.jsonl"), tokenizer)
