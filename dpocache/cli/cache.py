@@ -7,13 +7,21 @@ import argparse
 import functools
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from dpocache.cache import CacheError, CacheStore, default_cache_dir, namespace_for_dir, verify
+from dpocache.cache import (
+    CacheError,
+    CacheStore,
+    MissingReferenceError,
+    default_cache_dir,
+    namespace_for_dir,
+    verify,
+)
 from dpocache.cache.build import BuildOptions, build_distributed, has_pair_values, namespace_dirs, open_namespace_dir
 from dpocache.cache.sequences import SUBDIR as SEQUENCES
 from dpocache.cache.sequences import SequenceStore
@@ -25,6 +33,8 @@ from dpocache.distributed.process_group import destroy, init_distributed
 from dpocache.distributed.sharded_reference import reference_loader
 from dpocache.losses.registry import parse_loss_spec
 from dpocache.models.directories import reference_source
+from dpocache.cli.cache_args import OPTIONS
+from dpocache.config import BOOL_WORDS
 from dpocache.models.kernels import kernels_for
 from dpocache.models.loading import load_tokenizer
 from dpocache.models.reference import ReferenceModel, default_device, dtype_name, resolve_dtype
@@ -369,6 +379,28 @@ def run(args: argparse.Namespace) -> int:
     try:
         with disk_errors(cache_dir=args.cache_dir or default_cache_dir()):
             return commands[args.cache_command](args)
+    except MissingReferenceError as err:  # export: the build to run, as this command named everything
+        print(f"dpocache cache {args.cache_command}: error: {err.missing} of the data's pairs have no cached "
+              f"reference log-probs; build them first: {build_command(args.given)}", file=sys.stderr)
+        return 1
     except CacheError as err:  # a missing value, or a distributed build that left holes
         print(f"dpocache cache {args.cache_command}: error: {err}", file=sys.stderr)
         return 1
+
+
+def build_command(rest: list[str]) -> str:
+    """``cache export``'s arguments (``CONFIG --model M ... --out F --format keys``) as the
+    ``cache build`` with the same settings (export's own options dropped), for the user to paste."""
+    own = {f"--{name.replace('_', '-')}" for name in OPTIONS["export"]}
+    kept, skip = [], False
+    for i, arg in enumerate(rest):
+        if skip:
+            skip = False
+            continue
+        flag = arg.split("=", 1)[0]
+        if flag in own:  # and its value, where it takes one and has it apart
+            takes_value = flag != "--with-ids" or (i + 1 < len(rest) and rest[i + 1].lower() in BOOL_WORDS)
+            skip = "=" not in arg and takes_value
+            continue
+        kept.append(arg)
+    return shlex.join(["dpocache", "cache", "build", *kept])

@@ -68,6 +68,7 @@ def parse_args(command: str, rest: list[str]) -> argparse.Namespace | None:
     """The typed configuration plus this command's options, as the attributes the commands
     read (``args.model``, ``args.max_length``, ...). None after printing ``--help``."""
     rest = [a for a in rest if a != "--"]
+    given = list(rest)  # as typed after the command: what a message that names a command to run repeats
     if "-h" in rest or "--help" in rest:
         options = "\n".join(f"  --{k.replace('_', '-'):<50} {t.__name__:<14} default: {d!r}\n      {h}"
                             for k, (t, d, h) in OPTIONS[command].items()) or "  (none)"
@@ -116,7 +117,7 @@ def parse_args(command: str, rest: list[str]) -> argparse.Namespace | None:
         raise UsageError("--out FILE is required")
     if command == "export":
         own["format"] = export_format(own.get("format"), own["out"], own.get("with_ids"))
-    return _namespace(cfg, command, own)
+    return _namespace(cfg, command, own, given)
 
 
 def export_format(fmt: str | None, out: Path, with_ids: bool) -> str:
@@ -154,14 +155,16 @@ def _option_value(name: str, type_: type, value: str):
     raise UsageError(f"--{name.replace('_', '-')}: expected {type_.__name__}, got {value!r}")
 
 
-def _namespace(cfg: Config, command: str, own: dict) -> argparse.Namespace:
-    """The names the commands below were written against, read from the configuration."""
+def _namespace(cfg: Config, command: str, own: dict, given: list[str]) -> argparse.Namespace:
+    """The names the commands below were written against, read from the configuration; ``given``:
+    the arguments as typed after the command."""
     defaults = {k: d for k, (_, d, _) in OPTIONS[command].items()}
     options = {**defaults, **own}
     if command == "build" and cfg.loss.ld_alpha is not None:
         options["per_token"] = True  # LD-DPO trains on per-token values: store them, as train's own build would
     return argparse.Namespace(
-        cfg=cfg, cache_command=command, model=cfg.model.ref_model or cfg.model.path, tokenizer=cfg.model.path,
+        cfg=cfg, cache_command=command, given=given, model=cfg.model.ref_model or cfg.model.path,
+        tokenizer=cfg.model.path,
         reference=cfg.model.reference,
         data=cfg.data.train, eval_data=cfg.data.eval, max_length=cfg.data.max_length,
         max_prompt_length=cfg.data.max_prompt_length, skip_invalid=cfg.data.skip_invalid,

@@ -274,6 +274,22 @@ def test_cache_info_with_model_and_data_counts_the_pairs_each_namespace_holds(tm
     assert rc == 2 and "cache info --data needs --model too" in err
 
 
+def test_an_export_of_pairs_not_cached_names_the_build_to_run(tmp_path, cli, build, model_dir, pref_jsonl, pref_rows):
+    """The build command with this export's settings, ready to paste (it said --model <reference
+    model> --data <data>, though the export had named both)."""
+    from dpocache.data.pairs import write_jsonl
+
+    cache = tmp_path / "cache"
+    build(write_jsonl(pref_rows[:3], tmp_path / "part.jsonl"), cache)
+    rc, _, err = cli(*cache_args("export", model_dir, pref_jsonl, cache, "--out", tmp_path / "x.jsonl", "--with-ids",
+                                 "--format", "keys", "--max-length=512"))
+    line = err.strip().splitlines()[-1]
+    assert rc == 1 and line == (
+        f"dpocache cache export: error: {len(pref_rows) - 3} of the data's pairs have no cached reference log-probs; "
+        f"build them first: dpocache cache build --model {model_dir} --data {pref_jsonl} --cache-dir {cache} "
+        "--dtype float32 --device cpu --max-length=512")
+
+
 # The killed build is a real process running the real command; each shard flush is followed
 # by a short sleep so that the kill lands part-way however loaded the machine is.
 _SLOW_BUILD = """
