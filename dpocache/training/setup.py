@@ -184,6 +184,8 @@ def _setup(cfg: Config, env: DistEnv) -> Run:
     global_batch = cfg.train.batch_size * cfg.train.grad_accum * env.world_size
     epoch_steps = steps_per_epoch(len(train_data), global_batch)  # check_batch_fits: at least one
     total = cfg.train.max_steps if cfg.train.max_steps is not None else cfg.train.epochs * epoch_steps
+    if env.is_main:  # before the first step: a recipe's batch on another world size shows here, not in the curves
+        print(describe_batch(cfg, env.world_size, total, epoch_steps), file=sys.stderr)
     optimizer = build_optimizer(cfg, policy)
     scheduler = build_scheduler(cfg, optimizer, total)
     writer = MetricsWriter(out, cfg.train.tensorboard, enabled=env.is_main, report_to=cfg.train.report_to,
@@ -242,6 +244,15 @@ def check_same_data_on_every_rank(cfg: Config, env: DistEnv, train_data: Prefere
         raise ConfigError(f"{flag_name(dotted)} {getattr(cfg.data, dotted.split('.')[1])}: the ranks read different "
                           "pairs from it (a file that differs between machines, or is not on a shared disk?); every "
                           "rank must read the same data")
+
+
+def describe_batch(cfg: Config, world_size: int, total: int, epoch_steps: int) -> str:
+    """``train: 2,100 steps of 128 pairs (1 a device x 2 accumulated x 64 processes), 2,100 an
+    epoch``: the global batch as the run computes it, named by its factors."""
+    batch = cfg.train.batch_size * cfg.train.grad_accum * world_size
+    processes = f"{world_size} process{'es' if world_size != 1 else ''}"
+    return (f"train: {total:,} step{'s' if total != 1 else ''} of {batch:,} pairs ({cfg.train.batch_size} a device x "
+            f"{cfg.train.grad_accum} accumulated x {processes}), {epoch_steps:,} an epoch")
 
 
 def unused_settings(cfg: Config, env: DistEnv) -> list[str]:

@@ -679,6 +679,21 @@ def test_models_checkpoints_and_exports_are_written_as_the_umask_allows(tmp_path
     assert {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in files} == {f.name: "0o640" for f in files}
 
 
+def test_a_run_says_its_steps_and_global_batch_before_the_first(tmp_path, base_model, train_jsonl, capsys):
+    """The global batch by its factors, before any step: a recipe for 64 processes run on 8
+    trained at an eighth of its batch without a word (open-instruct's Tulu 3 is 128 pairs)."""
+    from dpocache.config import build_config
+
+    cfg = build_config(None, ["--batch-size", "1", "--grad-accum", "2"])
+    assert setup_mod.describe_batch(cfg, 64, 2100, 2100) == (
+        "train: 2,100 steps of 128 pairs (1 a device x 2 accumulated x 64 processes), 2,100 an epoch")
+    assert cli_main(["train", *flags(base_model, train_jsonl, tmp_path / "run", tmp_path / "cache", "--max-steps", "1",
+                                     "--batch-size", "2", "--grad-accum", "2")]) == 0
+    pairs = len(train_jsonl.read_text().splitlines())
+    assert (f"train: 1 step of 4 pairs (2 a device x 2 accumulated x 1 process), {-(-pairs // 4)} an epoch"
+            in capsys.readouterr().err)
+
+
 def test_a_run_of_no_step_evaluates_once_and_writes_no_model(tmp_path, base_model, train_jsonl, eval_jsonl,
                                                               capsys):
     """--max-steps 0: the held-out set evaluated once, or the reference pass alone; no checkpoint
