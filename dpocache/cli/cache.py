@@ -27,14 +27,14 @@ from dpocache.cache.sequences import SUBDIR as SEQUENCES
 from dpocache.cache.sequences import SequenceStore
 from dpocache.cache.probes import ProbeMemo
 from dpocache.cache.store import MANIFEST
+from dpocache.cli.cache_args import OPTIONS
+from dpocache.config import BOOL_WORDS
 from dpocache.data.pairs import PreferenceData, load_preference_data
 from dpocache.data.token_store import PARTIAL_PREFIX, token_stores
 from dpocache.distributed.process_group import destroy, init_distributed
 from dpocache.distributed.sharded_reference import reference_loader
 from dpocache.losses.registry import parse_loss_spec
 from dpocache.models.directories import reference_source
-from dpocache.cli.cache_args import OPTIONS
-from dpocache.config import BOOL_WORDS
 from dpocache.models.kernels import kernels_for
 from dpocache.models.loading import load_tokenizer
 from dpocache.models.reference import ReferenceModel, default_device, dtype_name, resolve_dtype
