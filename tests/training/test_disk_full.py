@@ -32,9 +32,11 @@ def _train(capsys, model, data, out, cache, *extra) -> tuple[int, str]:
 
 
 def _one_line(err: str) -> str:
-    """The one line of stderr besides the progress bars transformers draws in-process."""
+    """The one line of stderr besides the progress bars transformers draws in-process and the
+    run's own line of its steps and batch, said before the first step."""
     assert "Traceback" not in err, err
-    lines = [line for line in err.splitlines() if line.strip() and "it/s]" not in line]
+    lines = [line for line in err.splitlines()
+             if line.strip() and "it/s]" not in line and not line.startswith("train: ")]
     assert len(lines) == 1, err
     return lines[0]
 
