@@ -222,20 +222,21 @@ def cmd_info(args) -> int:
         print(f"{cache_dir}: no cached namespaces")
     _print_token_stores(Path(cache_dir))
     status = 0
+    pair_stores = []  # opened once: listed, then counted against the data
     for ns_dir in dirs:
         if has_pair_values(ns_dir):
-            status |= _print_pair_values(ns_dir)
+            pair_stores.append(open_namespace_dir(ns_dir))
+            status |= _print_pair_values(pair_stores[-1])
         if (ns_dir / SEQUENCES).is_dir():
             status |= _print_look_aside_values(ns_dir)
     if args.tokenizer and args.data:
-        status |= _print_coverage(args, dirs)
+        status |= _print_coverage(args, pair_stores)
     return status
 
 
-def _print_pair_values(ns_dir: Path) -> int:
+def _print_pair_values(store: CacheStore) -> int:
     """A namespace's pair cache in one line, and a line per damaged shard; 1 where there is one."""
-    store = open_namespace_dir(ns_dir)
-    ns = store.namespace
+    ns_dir, ns = store.dir, store.namespace
     per_token = sum(s.info.pairs for s in store.shards if s.info.per_token)
     print(f"{ns_dir.name}  model {ns.model}  dtype {ns.dtype}  pairs {len(store)} (per-token {per_token})  "
           f"shards {len(store.shards)}  size {_human_bytes(store.size_bytes())}")
@@ -280,18 +281,17 @@ def _store_settings(meta: dict) -> str:
     return "".join(f"  {part}" for part in limits) + (f"  written {meta['created']}" if meta.get("created") else "")
 
 
-def _print_coverage(args, dirs: list[Path]) -> int:
+def _print_coverage(args, stores: list[CacheStore]) -> int:
     """``cache info --model M --data D``: how many of D's pairs (tokenized as ``train`` would,
-    with M's tokenizer) each namespace holds; 1 where none holds them all."""
+    with M's tokenizer) each of the namespaces' ``stores`` holds; 1 where none holds them all."""
     data = _load_data(args, load_tokenizer(args.tokenizer))
     keys = [p.key for p in data.pairs]
     print(f"{args.data}: {len(keys):,} pairs (--max-length {args.max_length})")
     complete = False
-    for ns_dir in (d for d in dirs if has_pair_values(d)):
-        store = open_namespace_dir(ns_dir)
+    for store in stores:
         missing = len(store.missing(keys))
         complete |= missing == 0
-        print(f"  {ns_dir.name} ({store.namespace.model}, {store.namespace.dtype}): {len(keys) - missing:,} cached"
+        print(f"  {store.dir.name} ({store.namespace.model}, {store.namespace.dtype}): {len(keys) - missing:,} cached"
               + (f", {missing:,} missing" if missing else ", all"))
     if not complete:
         print("  no namespace holds them all: dpocache cache build with these settings computes the rest")
