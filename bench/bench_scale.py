@@ -62,7 +62,7 @@ def build_inputs(pairs: int, work: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dpocache.data.pairs import write_jsonl
+    from dpocache.data.rows import write_jsonl
     from dpocache.models.tiny import build_tokenizer
 
     tokenizer = build_tokenizer(TOKENIZER_VOCAB)

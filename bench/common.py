@@ -93,7 +93,7 @@ def build_inputs(cfg: BenchConfig, pairs: int, root: Path | None = None, seed: i
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dpocache.data.pairs import write_jsonl
+    from dpocache.data.rows import write_jsonl
     from dpocache.models.tiny import build_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)

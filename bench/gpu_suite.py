@@ -262,7 +262,7 @@ def llama_inputs(suite: Suite, pairs: int) -> tuple[Path, Path, dict]:
         print(f"  built the {s.llama_dir} model in {info['wall_s']:.0f} s", flush=True)
     data = root / f"data-{pairs}.jsonl"
     if not data.exists():
-        from dpocache.data.pairs import write_jsonl
+        from dpocache.data.rows import write_jsonl
 
         write_jsonl(tulu_rows(s, pairs), data)
     return model, data, json.loads(info_path.read_text())

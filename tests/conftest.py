@@ -139,7 +139,7 @@ def pref_rows() -> list[dict]:
 
 @pytest.fixture(scope="session")
 def pref_jsonl(tmp_path_factory, pref_rows) -> Path:
-    from dpocache.data.pairs import write_jsonl
+    from dpocache.data.rows import write_jsonl
 
     return write_jsonl(pref_rows, tmp_path_factory.mktemp("data") / "prefs.jsonl")
 

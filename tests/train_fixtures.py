@@ -49,7 +49,7 @@ def base_model(tmp_path_factory) -> Path:
 
 
 def _rows_file(tmp_path_factory, name: str, n: int, seed: int) -> Path:
-    from dpocache.data.pairs import write_jsonl
+    from dpocache.data.rows import write_jsonl
     from dpocache.training.demo import sorting_pairs
 
     return _once(name, lambda: write_jsonl(sorting_pairs(n, seed),

@@ -121,7 +121,7 @@ def run_worker(kind: str, data: Path, tokenizer_dir: Path, env: dict | None = No
 
 
 def build_inputs(pairs: int, work: Path) -> tuple[Path, Path]:
-    from dpocache.data.pairs import write_jsonl
+    from dpocache.data.rows import write_jsonl
     from dpocache.models.tiny import build_tokenizer
 
     out = work / f"data-path-{pairs}"

@@ -9,6 +9,7 @@ missing: a complete cache costs no model load and no forward pass.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -49,12 +50,13 @@ from dpocache.distributed.process_group import (
 )
 from dpocache.distributed.sharded_reference import build_share_sharded
 from dpocache.models.directories import reference_source
-from dpocache.models.reference import ReferenceModel, dtype_name
+from dpocache.models.reference import DTYPES, ReferenceModel, dtype_name, resolve_dtype
 from dpocache.runtime.lookahead import ahead
-from dpocache.runtime.preflight import UsageError, unwritable
+from dpocache.runtime.preflight import UsageError, context_length, unwritable
 from dpocache.runtime.signals import StopRequest, stop_signals
 from dpocache.scoring.layout_choice import PADDED
 from dpocache.scoring.layouts import budget_batches
+from dpocache.scoring.logprobs import unwrap_causal_lm
 
 # Padded token slots per reference forward when none is given (``--max-tokens``), by device.
 # The CPU's: on the 2-core bench CPU the reference pass ran faster at 1024 than at 4096, 2048 or
@@ -97,13 +99,31 @@ def _adapter_fingerprint(adapter_dir: Path, memo: FingerprintMemo) -> tuple[str,
     return weights.hexdigest(), hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def namespace_for_dir(model_path: str | Path, dtype: torch.dtype, cache_dir: str | Path,
+def namespace_for_dir(model_path: str | Path, dtype: torch.dtype | str, cache_dir: str | Path,
                       reference: str = "initial", read_only: bool = False) -> Namespace:
     """The namespace of the reference ``model_path`` describes (``reference_source``): the base's
     weights and config, and with an adapter on, the adapter's weights and config too.
-    ``read_only``: the caller only reads the cache (``FingerprintMemo``)."""
+    ``dtype``: the one the values are computed in (a ``torch.dtype`` or its name; ``auto`` is
+    resolved first, ``resolve_dtype``). ``read_only``: the caller only reads the cache
+    (``FingerprintMemo``)."""
     base, adapter = reference_source(model_path, reference)
-    memo = FingerprintMemo(default_memo_path(Path(cache_dir)), read_only)
+    return _namespace_of(base, adapter, _value_dtype(dtype), FingerprintMemo(default_memo_path(Path(cache_dir)),
+                                                                             read_only))
+
+
+def _value_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """``dtype`` as a namespace takes it: one of ``DTYPES``, never ``auto`` (which differs by device)."""
+    if dtype == "auto":
+        raise ValueError("dtype 'auto': a namespace is for the dtype its values are computed in; resolve it first "
+                         "(dpocache.models.reference.resolve_dtype('auto', device))")
+    if isinstance(dtype, str):
+        return resolve_dtype(dtype)
+    if dtype not in DTYPES.values():
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype}")
+    return dtype
+
+
+def _namespace_of(base: Path, adapter: Path | None, dtype: torch.dtype, memo: FingerprintMemo) -> Namespace:
     fp = model_dir_fingerprint(base, memo)
     if adapter is None:
         return Namespace(fp["weights_sha256"], fp["config_sha256"], dtype_name(dtype), model=str(base.resolve()))
@@ -152,6 +172,9 @@ class BuildSummary:
     # The decoder layers streamed from host memory (dpocache.models.streaming.StreamedLayers.to_json: layers,
     # slots, host_gib, device_gib); None when the reference was resident or no pass ran.
     streamed: dict | None = None
+    # Of the pairs computed or to compute, those the cache held as sums alone when per-token values
+    # were asked for (``BuildOptions.per_token``): scored again for them (their sums are unchanged).
+    per_token_again: int = 0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -218,10 +241,18 @@ def build_missing(
     ``update_manifest``: False leaves the manifest to whoever opens the store next (it adopts
     the shards written here).
 
+    ``load_reference``: a function that loads the reference (``ReferenceModel.from_pretrained``),
+    called only when a pair is missing, or the ``ReferenceModel`` itself. A store not opened yet
+    is opened first.
+
     SIGTERM or SIGINT ends the build after the batch in flight: what was computed is flushed
     (shard and manifest), then ``signals.Interrupted`` is raised (the command line exits 143 or
     130); the next build reuses every pair computed before the signal.
     """
+    if isinstance(load_reference, ReferenceModel):
+        load_reference = functools.partial(lambda loaded: loaded, load_reference)
+    if not store.opened:
+        store.open()
     with stop_signals() as stop:
         options = with_fields(BuildOptions, options, fields)
         summary = score_missing(store, pairs, load_reference, stop, options, update_manifest)
@@ -230,10 +261,53 @@ def build_missing(
     return summary
 
 
+def check_reference(store: CacheStore, reference: ReferenceModel) -> None:
+    """The reference is the model whose values the store files: a store opened for one model or
+    dtype and a loader giving another (the Python API names both twice) would file values of
+    one under the other's namespace, where every later run would read them as its own. The
+    weights are compared where the reference knows the directories it was loaded from
+    (``ReferenceModel.source``: their digests are memoised, so this hashes nothing again)."""
+    if not hasattr(reference, "score") or not hasattr(reference, "dtype"):
+        raise TypeError(f"load_reference returned a {type(reference).__name__}, not a ReferenceModel: load it with "
+                        "dpocache.ReferenceModel.from_pretrained(model_dir) (or wrap a loaded model in "
+                        "ReferenceModel(model))")
+    check_namespace_dtype(store.namespace, reference)
+    source = getattr(reference, "source", None)
+    if source is None:
+        return
+    memo = FingerprintMemo(default_memo_path(store.root), read_only=True)
+    loaded = _namespace_of(*source, reference.dtype, memo)
+    namespace = store.namespace
+    if (loaded.weights_sha256, loaded.config_sha256) != (namespace.weights_sha256, namespace.config_sha256):
+        raise ValueError(f"the reference was loaded from {loaded.model}, but the store's namespace {namespace.id} is "
+                         f"that of other weights ({namespace.model or 'unnamed'}): its values would be filed as that "
+                         "model's; open the store with namespace_for_dir of the directory the reference loads")
+
+
+def check_pairs_fit(pairs: Sequence[TokenizedPair], reference: ReferenceModel, pad_id: int) -> None:
+    """The pairs fit the model: a pad id inside its vocabulary, no sequence past its context (the
+    command line refuses such data as it is read, ``data.pairs.unfit_pairs``; data loaded in
+    Python without ``context`` reaches here, where the model is known)."""
+    config = unwrap_causal_lm(reference.model).config
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab_size = getattr(config, "vocab_size", None)
+    if isinstance(vocab_size, int) and not 0 <= pad_id < vocab_size:
+        raise ValueError(f"pad_id {pad_id} is outside the model's vocabulary (0..{vocab_size - 1}); pass the "
+                         "tokenizer's (tokenizer.pad_token_id, or 0 where it has none)")
+    context = context_length(config.to_dict())
+    if context is None:
+        return
+    for pair in pairs:
+        if pair.unique_tokens <= context:  # the prompt and both completions: a bound read without the ids
+            continue
+        longest = len(pair.prompt_ids) + max(len(pair.chosen_ids), len(pair.rejected_ids))
+        if longest > context:
+            raise ValueError(f"pair {pair.index}: {longest} tokens, longer than the model's context ({context} "
+                             f"positions, from its config); load the data with max_length={context} or less")
+
+
 def check_namespace_dtype(namespace: Namespace, reference: ReferenceModel) -> None:
-    """The reference runs in the dtype its values are filed under: a store opened for one dtype
-    and a loader giving another (the Python API names the dtype twice) would file values of one
-    under the other's namespace, where every later run would read them as its own."""
+    """The reference runs in the dtype its values are filed under (``check_reference``)."""
     if dtype_name(reference.dtype) != namespace.dtype:
         raise ValueError(f"the reference runs in {dtype_name(reference.dtype)}, but the store's namespace is for "
                          f"{namespace.dtype} (values are filed by the dtype they were computed in): load it in "
@@ -320,9 +394,11 @@ def score_missing(
     by_key = unique_pairs(pairs)
     per_token, max_tokens = options.per_token, options.max_tokens
     todo = [by_key[k] for k in store.missing(by_key, per_token)]
+    again = _held_as_sums(store, [p.key for p in todo]) if per_token else 0
     reference = load_reference() if todo else None
     if reference is not None:
-        check_namespace_dtype(store.namespace, reference)
+        check_reference(store, reference)
+        check_pairs_fit(todo, reference, options.pad_id)
         max_tokens = max_tokens or default_max_tokens(reference.device)
         reference.prepare(sum(p.unique_tokens for p in todo))  # --compile auto: compile if the pass repays it
     scoring = _Scoring(reference, store, options, max_tokens, start)
@@ -358,7 +434,13 @@ def score_missing(
         max_tokens=max_tokens if reference is not None else None,
         kernels=_kernels_json(reference),
         streamed=reference.streamed.to_json() if reference is not None and reference.streamed is not None else None,
+        per_token_again=again,
     )
+
+
+def _held_as_sums(store: CacheStore, keys: Sequence[bytes]) -> int:
+    """How many of ``keys`` (pairs lacking per-token values) the cache holds as sums alone."""
+    return sum(k in store for k in keys)
 
 
 def _kernels_json(reference: ReferenceModel | None) -> dict | None:
@@ -471,6 +553,11 @@ def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_refere
         store.open()
     by_key = unique_pairs(pairs)
     todo_keys = store.missing(by_key, options.per_token)
+    again = _held_as_sums(store, todo_keys) if options.per_token else 0  # before the pass adds them
+    if again and options.show_progress and env.is_main:
+        print(f"cache: {again:,} of the {len(by_key):,} pairs are cached without per-token values, which this run "
+              "stores (cache build --per-token, or a loss with ld_alpha); they are scored again (their sums stay "
+              "the same)", file=sys.stderr)
     differing = differing_on_ranks(env, {"namespace": store.namespace.id, "missing": _keys_digest(todo_keys)})
     if "namespace" in differing:
         # Each rank would read another reference's values from its own namespace, even with a complete cache.
@@ -534,6 +621,7 @@ def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_refere
         compiled_layers=local.compiled_layers if local else 0,  # this rank's (each rank decides alike)
         max_tokens=local.max_tokens if local else None,
         streamed=local.streamed if local else None,  # this rank's (each rank streams alike)
+        per_token_again=again,  # every rank alike
     )
     if signum:
         stopped = stop.interrupted(interrupted_message(summary), signum=int(signum))

@@ -33,27 +33,37 @@ from __future__ import annotations
 
 import datetime
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
+from tqdm.auto import tqdm
 
 from dpocache.cache.atomic import as_umask_allows, atomic_output, atomic_output_dir
 from dpocache.cache.build import export_rows
 from dpocache.cache.store import CacheStore
 from dpocache.config import EXPORT_FORMATS as FORMATS
-from dpocache.data.pairs import TokenizedPair, read_rows
+from dpocache.data.pairs import TokenizedPair
+from dpocache.data.rows import read_rows
 from dpocache.runtime.preflight import UsageError, check_replaceable_dir
 
 # The column names of TRL 1.x DPOTrainer's precomputed reference (which it fills itself, see above).
 REF_CHOSEN, REF_REJECTED = "ref_chosen_logps", "ref_rejected_logps"
 # True where dpocache truncated the pair (see above); prefixed so it cannot be taken for a column of TRL's.
 TRUNCATED = "dpocache_truncated"
+BAR_FROM_ROWS = 8192  # an export of fewer rows takes a second or two: no bar
 
 
-def rows_with_reference(source: Any, store: CacheStore, pairs: Sequence[TokenizedPair]) -> list[dict]:
+def _rows_bar(rows: Sequence, show_progress: bool, desc: str = "exporting") -> Iterator:
+    """``rows`` with a bar where there are many (an export of Tulu's 270k rows takes tens of seconds)."""
+    return iter(tqdm(rows, desc=desc, unit="rows", mininterval=1.0,
+                     disable=not show_progress or len(rows) < BAR_FROM_ROWS))
+
+
+def rows_with_reference(source: Any, store: CacheStore, pairs: Sequence[TokenizedPair],
+                        show_progress: bool = False) -> list[dict]:
     """The source rows of ``pairs`` (in input order) with the two reference columns and
     ``dpocache_truncated`` added.
 
@@ -62,7 +72,7 @@ def rows_with_reference(source: Any, store: CacheStore, pairs: Sequence[Tokenize
     values = store.lookup([p.key for p in pairs])
     _, raw = read_rows(source)
     out = []
-    for i, p in enumerate(pairs):
+    for i, p in enumerate(_rows_bar(pairs, show_progress, "reading rows")):
         row = raw[p.index].values
         row = dict(row) if isinstance(row, Mapping) else {"row": row}
         row[REF_CHOSEN] = float(values.chosen_logps[i])
@@ -93,9 +103,9 @@ def _json_line(row: dict) -> str:
         raise
 
 
-def _write_jsonl(rows: list[dict], out: Path) -> None:
+def _write_jsonl(rows: list[dict], out: Path, show_progress: bool) -> None:
     with atomic_output(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
+        for row in _rows_bar(rows, show_progress, "writing"):
             f.write(_json_line(row) + "\n")
 
 
@@ -125,29 +135,33 @@ def _write_safetensors(store: CacheStore, pairs: Sequence[TokenizedPair], out: P
         as_umask_allows(tmp)
 
 
-def _write_keys(store: CacheStore, pairs: Sequence[TokenizedPair], out: Path, with_ids: bool) -> None:
+def _write_keys(store: CacheStore, pairs: Sequence[TokenizedPair], out: Path, with_ids: bool,
+                show_progress: bool) -> None:
     with atomic_output(out) as tmp, open(tmp, "w", encoding="utf-8") as f:  # no torn file if stopped
-        for row in export_rows(store, pairs, with_ids):
+        rows = export_rows(store, pairs, with_ids)
+        for row in tqdm(rows, total=len(pairs), desc="writing", unit="rows", mininterval=1.0,
+                        disable=not show_progress or len(pairs) < BAR_FROM_ROWS):
             f.write(json.dumps(row) + "\n")
 
 
 def export(fmt: str, out: str | Path, source: Any, store: CacheStore, pairs: Sequence[TokenizedPair],
-           with_ids: bool = False) -> int:
+           with_ids: bool = False, show_progress: bool = False) -> int:
     """Write the export of ``pairs`` (from ``source``) in ``fmt`` to ``out``; returns the rows
-    written. ``with_ids``: the ``keys`` table also holds the token ids."""
+    written. ``with_ids``: the ``keys`` table also holds the token ids. ``show_progress``: bars
+    where there are many rows (``datasets`` draws its own while it writes)."""
     if fmt not in FORMATS:
         raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "keys":
-        _write_keys(store, pairs, out, with_ids)
+        _write_keys(store, pairs, out, with_ids, show_progress)
         return len(pairs)
     if fmt == "safetensors":
         _write_safetensors(store, pairs, out)
         return len(pairs)
-    rows = rows_with_reference(source, store, pairs)
+    rows = rows_with_reference(source, store, pairs, show_progress)
     if fmt == "jsonl":
-        _write_jsonl(rows, out)
+        _write_jsonl(rows, out, show_progress)
     else:
         _write_dataset(rows, out, fmt)
     return len(rows)

@@ -85,12 +85,17 @@ DEFAULT_SHARD_PAIRS = CacheConfig.shard_size  # pairs per shard: the one default
 
 
 class CacheError(RuntimeError):
-    pass
+    """The cache cannot give or take what was asked: values missing or damaged, a store used
+    before ``open``, values that are not finite."""
 
 
 class MissingReferenceError(CacheError):
-    def __init__(self, missing: int, total: int, namespace_dir: Path):
+    """Some pairs asked for have no cached value. ``missing``: how many; ``positions``: where
+    they are among the keys asked for (to build exactly those: ``[pairs[i] for i in positions]``)."""
+
+    def __init__(self, missing: int, total: int, namespace_dir: Path, positions: Sequence[int] = ()):
         self.missing = missing
+        self.positions = list(positions)
         super().__init__(
             f"{missing} of {total} pairs have no cached reference log-probs in {namespace_dir}. "
             "Build them with: dpocache cache build --model <reference model> --data <data> "
@@ -174,6 +179,7 @@ class CacheStore:
         # Shard digests memoised beside the weight files' (read-only: a memo not written costs a hash)
         self._memo = FingerprintMemo(default_memo_path(self.root), read_only=True)
         self.rehash = False  # True: hash every shard on open, memo or not (``cache verify``)
+        self.opened = False  # by ``open``: before it the store holds only what this process wrote
 
     # ---------------------------------------------------------------- opening and verifying
 
@@ -187,6 +193,7 @@ class CacheStore:
         of this directory's own listing are ever renamed, never a name read from the manifest."""
         self.shards, self.corrupt, self._index = [], [], {}
         self._seen, self._loaded, self._quarantine = set(), set(), []
+        self.opened = True
         recorded, manifest_sound = self._read_manifest()
         on_disk = self._scan()
         for name in sorted(recorded.keys() - set(on_disk)):
@@ -332,12 +339,23 @@ class CacheStore:
     def __contains__(self, key: bytes) -> bool:
         return key in self._index
 
+    def _check_opened(self, method: str) -> None:
+        """Read before ``open``, the store knows none of the shards on disk: every pair would
+        read as missing (and be built again), which is said instead."""
+        if not self.opened:
+            raise CacheError(f"CacheStore.{method}: the store is not open; call store.open() first (it reads and "
+                             f"checks the shards of {self.dir})")
+
     def has(self, key: bytes, per_token: bool = False) -> bool:
+        """Whether ``key`` has a value (with ``per_token``: per-token values too)."""
+        self._check_opened("has")
         loc = self._index.get(key)
         return loc is not None and (not per_token or self.shards[loc[0]].info.per_token)
 
     def missing(self, keys: Iterable[bytes], per_token: bool = False) -> list[bytes]:
         """Unique keys without a value (or without per-token values when asked), in order."""
+        self._check_opened("missing")
+        keys = _checked_keys(keys)
         seen: set[bytes] = set()
         out = []
         for k in keys:
@@ -351,9 +369,11 @@ class CacheStore:
         Raises ``MissingReferenceError`` if a key is absent, ``CacheError`` if ``per_token`` and a
         pair was cached without per-token values. An optional field is given (else None) only
         when every pair asked for has it: shards written before the field existed lack it."""
-        missing = sum(1 for k in keys if k not in self._index)
-        if missing:
-            raise MissingReferenceError(missing, len(keys), self.dir)
+        self._check_opened("lookup")
+        keys = _checked_keys(keys)
+        absent = [i for i, k in enumerate(keys) if k not in self._index]
+        if absent:
+            raise MissingReferenceError(len(absent), len(keys), self.dir, absent)
         locations = [self._index[k] for k in keys]
         if per_token and not all(self.shards[pos].info.per_token for pos, _ in locations):
             raise CacheError(_NO_PER_TOKEN)
@@ -412,6 +432,21 @@ class CacheStore:
         if update_manifest:
             self.write_manifest()
         return info
+
+
+def _checked_keys(keys: Iterable[bytes]) -> list[bytes]:
+    """``keys`` as a list, each a pair's key (``TokenizedPair.key``): a pair, a string or one key
+    given where keys are asked for would otherwise read as that many missing pairs."""
+    if isinstance(keys, (bytes, bytearray, str)):
+        raise TypeError(f"keys: expected a list of pair keys, got one {type(keys).__name__} object (wrap a single "
+                        "key in a list)")
+    keys = list(keys)
+    for k in keys:
+        if not isinstance(k, bytes) or len(k) != KEY_BYTES:
+            what = f"bytes of length {len(k)}" if isinstance(k, bytes) else type(k).__name__
+            raise TypeError(f"keys: each must be a pair's key ({KEY_BYTES} bytes, TokenizedPair.key), got {what}: "
+                            "pass [pair.key for pair in pairs]")
+    return keys
 
 
 def _offsets(counts: torch.Tensor) -> torch.Tensor:

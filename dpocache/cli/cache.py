@@ -150,7 +150,9 @@ def _print_build_summary(args, s, store: CacheStore, dtype: torch.dtype, data: P
     for bad in s.corrupt_shards:
         print(store.describe_corrupt(bad, "not loaded"), file=sys.stderr)
     ranks = f" on {s.world_size} ranks" if s.world_size > 1 else ""
-    say(f"pairs {s.pairs} (unique {s.unique}): computed {s.computed}{ranks}, reused {s.reused}")
+    again = f" ({s.per_token_again} of them cached as sums alone: scored again for --per-token)" \
+        if s.per_token_again else ""
+    say(f"pairs {s.pairs} (unique {s.unique}): computed {s.computed}{ranks}{again}, reused {s.reused}")
     say(f"rows: {data.truncated} truncated to max_length={args.max_length}, {data.identical} with chosen == "
         f"rejected, {len(data.skipped)} skipped")
     # the tokens the forwards ran (the pairs computed, a prompt once); a token store counts every pair's
@@ -354,7 +356,7 @@ def cmd_export(args) -> int:
     from dpocache.cache.export import export
 
     try:
-        written = export(args.format, args.out, args.data, store, data.pairs, args.with_ids)
+        written = export(args.format, args.out, args.data, store, data.pairs, args.with_ids, show_progress=True)
     except Exception as err:  # noqa: BLE001 - safetensors' own error on a full disk names no file: say which
         errno_ = disk_errno(err)
         if errno_ is None or isinstance(err, OSError):

@@ -26,7 +26,7 @@ import sys
 import traceback
 
 from dpocache.config import ConfigError, validate_environment
-from dpocache.data.pairs import DataError
+from dpocache.data.rows import DataError
 from dpocache.runtime.allocator import configure_cpu_allocator, configure_cuda_allocator
 from dpocache.runtime.console import quiet_libraries
 from dpocache.runtime.preflight import UsageError

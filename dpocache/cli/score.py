@@ -29,18 +29,9 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from dpocache.data.pairs import (
-    DataError,
-    RawRow,
-    check_text,
-    read_rows,
-    render_conversation,
-    special_prefix,
-    template_inputs,
-    tokenize_continuations,
-    with_eos,
-    with_prefix,
-)
+from dpocache.data.pairs import special_prefix, tokenize_continuations, with_eos, with_prefix
+from dpocache.data.render import check_text, render_conversation, template_inputs
+from dpocache.data.rows import DataError, RawRow, is_messages, read_rows
 from dpocache.runtime.preflight import check_model_dir, check_output, check_writable_dir, context_length
 from dpocache.runtime.signals import Interrupted
 
@@ -80,12 +71,8 @@ def add_score_parser(sub) -> None:
 # ------------------------------------------------------------------------------- tokenizing
 
 
-def _is_messages(value) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
-
-
 def _tokenize(row: RawRow, tokenizer, prefix: list[int]) -> dict:
-    """A text row as a request, checked and rendered by ``data.py`` as ``cache build`` does: plain
+    """A text row as a request, checked and rendered by ``data.render`` as ``cache build`` does: plain
     text gets the special tokens ``cache build`` gives it (``data.special_prefix``/``with_eos``:
     TRL's rule); messages go through the chat template (which adds its own), with the row's
     ``tools`` and ``chat_template_kwargs``."""
@@ -98,9 +85,9 @@ def _tokenize(row: RawRow, tokenizer, prefix: list[int]) -> dict:
     if not isinstance(completions, list) or not completions:
         raise DataError(loc, "completions", "expected a non-empty list")
     names = [f"completions[{k}]" for k in range(len(completions))]
-    if _is_messages(prompt):
+    if is_messages(prompt):
         for name, c in zip(names, completions):
-            if not _is_messages(c):
+            if not is_messages(c):
                 raise DataError(loc, name, "the prompt is messages: give completions as messages")
         prompt_text, texts = render_conversation(loc, prompt, list(zip(names, completions)), tokenizer,
                                                  template_inputs(loc, values))

@@ -3,14 +3,15 @@
 ``PairValues`` is what the reference pass returns (``cache.build.score_batch``), what
 ``ShardWriter.add`` takes and ``CacheStore.lookup`` gives back, what training and evaluation
 select a micro-batch's reference values from, and what the policy's forward returns
-(``prefix.layout_logprobs``: the same record, its tensors carrying the autograd graph).
+(``scoring.layouts.layout_logprobs``, and ``policy_logps`` for a loop of one's own: the same
+record, its tensors carrying the autograd graph).
 
 Each field says how the cache stores it (``stored``): its on-disk dtype, and for per-token
 fields the per-pair field holding their counts. The store reads, checks and writes shards from
 these declarations only, and a shard tensor is named after its field, so the shard format is
 this record's fields. Adding a cached field is: declare it here (optional, ``None`` by
 default, so shards written before it still load), compute it where the reference values are
-computed (``cache/build.py``'s ``score_batch``), use it where it is needed (``train.py``).
+computed (``cache/build.py``'s ``score_batch``), use it where it is needed (``training/objective.py``).
 Pairs cached before the field existed are not recomputed for it (``lookup`` gives None for a
 field some of the asked pairs lack); a field every value must have is a required one, and then
 ``cache/store.py``'s ``SCHEMA_VERSION`` moves too (a new namespace: everything is rebuilt).
@@ -19,7 +20,7 @@ Shapes (``B`` pairs)::
 
     chosen_logps         (B,)   float32 sum of completion-token log-probs
     rejected_logps       (B,)   float32
-    chosen_tokens        (B,)   int     completion token counts
+    chosen_tokens        (B,)   int     completion token counts (int32 from the cache, int64 from a forward)
     rejected_tokens      (B,)   int
     chosen_token_logps   B tensors (chosen_tokens[i],)  float32, or None
     rejected_token_logps B tensors (rejected_tokens[i],) float32, or None

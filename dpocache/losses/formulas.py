@@ -460,6 +460,8 @@ def ld_sequence_logps(token_logps: Tensor, mask: Tensor, shared_lens: Tensor, ld
 
     Returns: ``(B,)``.
     """
+    if not 0 <= ld_alpha <= 1:
+        raise ValueError(f"ld_alpha must be in [0, 1], got {ld_alpha}")
     mask = mask.to(token_logps.dtype)
     position = mask.cumsum(dim=1)  # k on the k-th completion token, (B, T)
     shared = mask * (position <= shared_lens.unsqueeze(1)).to(token_logps.dtype)

@@ -366,6 +366,11 @@ def _prepare(spec: LossSpec, tensors: dict[str, Tensor | None],
     sizes = {key: value.shape[0] for key, value in present.items()}
     if len(set(sizes.values())) != 1:
         raise ValueError(f"all inputs must have the same batch size B, got {sizes}")
+    device = tensors["policy_chosen"].device
+    elsewhere = {key: str(value.device) for key, value in present.items() if value.device != device}
+    if elsewhere:  # torch's own error names no argument (the cache's lookup gives its values on the CPU)
+        raise ValueError(f"all inputs must be on the policy's device ({device}), got {elsewhere}: move them there "
+                         "(PairValues.to(device) for values from the cache)")
     dtype = torch.promote_types(tensors["policy_chosen"].dtype, torch.float32)
     out = {k: v.to(dtype) if v is not None else None for k, v in tensors.items()}
     for key in ("chosen_tokens", "rejected_tokens"):

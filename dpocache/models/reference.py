@@ -19,9 +19,11 @@ from torch import nn
 
 from dpocache.data.pairs import TokenizedPair
 from dpocache.data.values import PairValues
+from dpocache.models.hub_ids import resolve_model_path
 from dpocache.models.kernels import KernelChoice, apply_kernels, kernels_for
 from dpocache.models.loading import disable_dropout, load_causal_lm, load_for_storage, store_frozen_matrices_
 from dpocache.models.streaming import StreamedLayers, move_resident_
+from dpocache.runtime.preflight import check_model_dir
 from dpocache.scoring import bf16_matmul
 from dpocache.scoring.attention import choose_layout
 from dpocache.scoring.bf16_matmul import cpu_has_amx_bf16
@@ -74,6 +76,10 @@ def _store_frozen_(model: nn.Module, dtype: torch.dtype) -> None:
 
 class ReferenceModel:
     """Frozen log-prob scorer. ``logprobs`` runs under ``inference_mode`` and counts its work."""
+
+    # (base directory, adapter directory or None) the weights were read from (``from_pretrained``):
+    # a cache build checks them against the store's namespace. None: a model given in memory.
+    source: tuple[Path, Path | None] | None = None
 
     def __init__(self, model: nn.Module, dtype: torch.dtype = torch.float32, compile: str = "off",
                  adapter_disabled: bool = False, layout: str = "auto", scorer: CompletionLogProbs | None = None,
@@ -131,6 +137,8 @@ class ReferenceModel:
         device = torch.device(device) if device is not None else default_device()
         if isinstance(dtype, str):
             dtype = resolve_dtype(dtype, device)
+        path = resolve_model_path(str(path), "path")  # a Hub id: its snapshot in the local cache
+        check_model_dir(path, "path", tokenizer=False)  # one line, not transformers' traceback
         if stream and compile == "on":
             raise ValueError("a streamed reference runs eager layers: compile must be auto or off")
         kernel_choice = kernels_for(kernels, device, path, liger_rope=liger_rope)
@@ -169,6 +177,7 @@ class ReferenceModel:
         if streamed is None:
             _store_frozen_(model, dtype)
         reference.streamed = streamed
+        reference.source = (Path(path), Path(adapter) if adapter is not None else None)
         return reference
 
     @classmethod

@@ -8,6 +8,7 @@ from dpocache.imports import lazy_surface
 __getattr__, __dir__, __all__ = lazy_surface(__name__, {
     "dpocache.scoring.logprobs": ["CompletionLogProbs", "unwrap_causal_lm", "autocast"],
     "dpocache.scoring.layout_choice": ["LayoutChoice", "select_layout", "LAYOUTS"],
+    "dpocache.scoring.layouts": ["policy_logps"],
     "dpocache.scoring.padded": ["PairBatch", "collate_pairs"],
     "dpocache.scoring.shared": ["SharedPromptBatch", "collate_shared", "collate_packed"],
     "dpocache.scoring.groups": [

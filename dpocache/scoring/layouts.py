@@ -28,8 +28,8 @@ from dpocache.data.pairs import TokenizedPair
 from dpocache.data.values import PairValues
 from dpocache.scoring import packing
 from dpocache.scoring.attention import choose_layout, is_flex, row_multiple
-from dpocache.scoring.layout_choice import PACKED, SHARED, LayoutChoice, shares_prompts
-from dpocache.scoring.logprobs import scorer_core, unwrap_causal_lm
+from dpocache.scoring.layout_choice import PACKED, PADDED, SHARED, LayoutChoice, shares_prompts
+from dpocache.scoring.logprobs import CompletionLogProbs, scorer_core, unwrap_causal_lm
 from dpocache.scoring.padded import PairBatch, collate_pairs, pair_values
 from dpocache.scoring.shared import (
     SharedPromptBatch,
@@ -109,6 +109,8 @@ def lay_out(layout: str, pairs: Sequence[TokenizedPair], pad_id: int, config, on
     """``pairs`` laid out in ``layout`` for a model with ``config``, on the host (``one_row`` and
     ``width``: a packed reference batch in one row at least ``width`` tokens wide, as
     ``packing.budget_batches`` planned it)."""
+    if layout not in (PADDED, SHARED, PACKED):
+        raise ValueError(f"layout must be one of {PADDED}, {SHARED}, {PACKED}; got {layout!r}")
     if shares_prompts(layout):
         batch = layout_batch(layout, pairs, pad_id, config, one_row=one_row, width=width)
         return LaidOut(layout, batch, pairs, sum(p.unique_tokens for p in pairs))
@@ -161,10 +163,35 @@ def layout_logprobs(scorer: nn.Module, layout: str, pairs: Sequence[TokenizedPai
     """Policy log-probs of ``pairs`` in ``layout`` (packed: the micro-batch first fit into rows
     of its longest pair's width), through ``scorer``'s forward: (``PairValues`` carrying the
     graph, per-token values only if ``per_token``; real tokens run). ``laid``: ``pairs`` laid
-    out already (``lay_out``, by a prefetching thread)."""
+    out already (``lay_out``, by a prefetching thread). ``policy_logps`` is the same for a
+    loop of one's own."""
+    core = scorer_core(scorer)
+    if not isinstance(core, CompletionLogProbs):
+        raise TypeError(f"scorer: expected a CompletionLogProbs, got {type(core).__name__}; wrap the model once: "
+                        "scorer = dpocache.CompletionLogProbs(model)")
     if laid is None:
-        laid = lay_out(layout, pairs, pad_id, scorer_core(scorer).config)
+        laid = lay_out(layout, pairs, pad_id, core.config)
     return run_laid_out(ModuleRunner(scorer), laid, device, per_token)
+
+
+def policy_logps(scorer: nn.Module, pairs: Sequence[TokenizedPair], pad_id: int, device=None, layout: str = PADDED,
+                 per_token: bool = False) -> PairValues:
+    """A policy's completion log-probs of ``pairs``, with their graph, for a training loop of
+    one's own: what ``CacheStore.lookup`` gives for the reference, for the same pairs.
+
+    ``scorer``: ``CompletionLogProbs(model)``, made once per model (it finds the model's head;
+    DDP- or FSDP2-wrapped as training wraps it). ``pad_id``: the tokenizer's (never scored).
+    ``device``: where the batch runs (None: the scorer's parameters'). ``layout``: ``padded``
+    (two rows a pair), ``shared`` or ``packed`` (the prompt once a pair; not every model takes
+    them: ``dpocache.scoring.select_layout``). Returns a ``PairValues`` of the ``B`` pairs on
+    ``device``: ``chosen_logps``, ``rejected_logps`` ``(B,)`` float32 sums over each completion's
+    tokens, ``chosen_tokens``, ``rejected_tokens`` ``(B,)`` counts; per-token lists with
+    ``per_token``. Dropout and autocast are the caller's (``model.eval()``,
+    ``dpocache.scoring.autocast(dtype, device)``)."""
+    if device is None:
+        device = next(scorer.parameters()).device
+    values, _ = layout_logprobs(scorer, layout, pairs, pad_id, device, per_token)
+    return values
 
 
 def training_layout(scorer: nn.Module, requested: str, attention: str = "auto") -> LayoutChoice:

@@ -106,6 +106,24 @@ def scored_positions(completion_mask: torch.Tensor) -> torch.Tensor:
     return predicts.reshape(-1).nonzero().squeeze(1)
 
 
+def _check_padded_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                         completion_mask: torch.Tensor | None) -> None:
+    """The padded layout's masks in the shape of its ids (shapes only: nothing waits for a GPU).
+    A label-style mask, shifted by one to ``(N, T - 1)``, would score the wrong tokens."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids: expected (N, T) token ids, got shape {tuple(input_ids.shape)}")
+    for name, mask in (("attention_mask", attention_mask), ("completion_mask", completion_mask)):
+        if mask is None or mask.shape != input_ids.shape:
+            got = "None" if mask is None else f"shape {tuple(mask.shape)}"
+            raise ValueError(f"{name}: expected the shape of input_ids {tuple(input_ids.shape)}, got {got} (1 on "
+                             "each completion token itself, not shifted to the position that predicts it)"
+                             if name == "completion_mask" else
+                             f"{name}: expected the shape of input_ids {tuple(input_ids.shape)}, got {got}")
+    if completion_mask.device.type == "cpu" and bool(completion_mask[:, 0].any()):
+        raise ValueError("completion_mask: 1 at position 0, which no position predicts; a row starts with at least "
+                         "one prompt token")
+
+
 def router_shape(config) -> tuple[int, int] | None:
     """(experts, experts per token) of a mixture-of-experts config, else None."""
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
@@ -209,6 +227,7 @@ class CompletionLogProbs(nn.Module):
         """
         if source is not None:
             return self.gathered_logps(input_ids, attention_mask, position_ids, source, labels)
+        _check_padded_inputs(input_ids, attention_mask, completion_mask)
         if scored is None:
             scored = scored_positions(completion_mask)  # (M,)
         n, t = input_ids.shape

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from dpocache.config import Config, build_config
-from dpocache.data.pairs import write_jsonl
+from dpocache.data.rows import write_jsonl
 from dpocache.models.tiny import save_tiny_model
 from dpocache.runtime.console import three_places
 from dpocache.training.loop import train

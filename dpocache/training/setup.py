@@ -24,7 +24,8 @@ from dpocache.config import (
     flag_name,
 )
 from dpocache.data.order import steps_per_epoch
-from dpocache.data.pairs import DataError, PreferenceData, load_preference_data
+from dpocache.data.pairs import PreferenceData, load_preference_data
+from dpocache.data.rows import DataError
 from dpocache.distributed.process_group import (
     DistEnv,
     barrier,

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from dpocache.cache import CacheStore, MissingReferenceError, build_missing, namespace_for_dir
+from dpocache.cache import CacheError, CacheStore, MissingReferenceError, build_missing, namespace_for_dir
 from dpocache.cache.build import namespace_for_module
 from dpocache.cache.fingerprint import FingerprintMemo, model_dir_fingerprint
 
@@ -309,3 +309,91 @@ def test_shards_missing_from_the_manifest_are_adopted(tmp_path, model_dir, data,
     reopened.open(repair=True)
     assert (store.dir / "manifest.json").exists()  # a build's open rewrites it from the shards
     assert len(reopened) == len(pairs)
+
+
+# ------------------------------------------------------------------------------------ mistakes in Python
+
+
+def test_a_reference_of_other_weights_than_the_namespace_is_refused_before_any_value(tmp_path, model_dir,
+                                                                                       other_model_dir, data):
+    """A store opened for one model and a loader giving another (the Python API names the model
+    twice) filed the other's values under the first's namespace, with no error."""
+    from dpocache.models.reference import ReferenceModel
+
+    store = _store(tmp_path / "c", model_dir)
+    other = ReferenceModel.from_pretrained(other_model_dir, "float32", "cpu")
+    with pytest.raises(ValueError, match=f"^the reference was loaded from {other_model_dir.resolve()}, but the "
+                       "store's namespace .* is that of other weights"):
+        _build(store, data.pairs[:4], other)
+    assert not list(store.dir.glob("*.safetensors"))
+    # A copy of the same weights elsewhere is the same model.
+    shutil.copytree(model_dir, tmp_path / "copy")
+    assert _build(store, data.pairs[:4], ReferenceModel.from_pretrained(tmp_path / "copy", "float32", "cpu"))[0] \
+        .computed == 4
+
+
+def test_a_store_read_before_open_says_so(tmp_path, model_dir, data, reference):
+    _build(_store(tmp_path / "c", model_dir), data.pairs[:4], reference)
+    unopened = CacheStore(tmp_path / "c", namespace_for_dir(model_dir, torch.float32, tmp_path / "c"))
+    keys = [p.key for p in data.pairs[:4]]
+    for method in (lambda: unopened.lookup(keys), lambda: unopened.missing(keys), lambda: unopened.has(keys[0])):
+        with pytest.raises(CacheError, match=r"^CacheStore\.\w+: the store is not open; call store.open\(\) first"):
+            method()
+    # build_missing opens it: nothing is computed again, no reference loaded
+    summary, calls = _build(unopened, data.pairs[:4], reference)
+    assert (summary.computed, summary.reused, calls) == (0, 4, 0)
+
+
+def test_keys_of_the_wrong_type_are_named(tmp_path, model_dir, data, reference):
+    store = _store(tmp_path / "c", model_dir)
+    _build(store, data.pairs[:4], reference)
+    with pytest.raises(TypeError, match="got one bytes object"):
+        store.lookup(data.pairs[0].key)  # one key, not a list of them: read as 16 missing pairs
+    with pytest.raises(TypeError, match=r"each must be a pair's key \(16 bytes, TokenizedPair.key\), got StoredPair"):
+        store.lookup(data.pairs[:2])  # pairs, not their keys
+    with pytest.raises(TypeError, match="got str"):
+        store.missing(["abc"])
+    with pytest.raises(MissingReferenceError) as missing:
+        store.lookup([p.key for p in data.pairs[2:8]])
+    assert missing.value.positions == [2, 3, 4, 5]  # pairs 4..7 of the data, not built
+
+
+def test_namespace_dtype_is_a_computed_dtype(tmp_path, model_dir):
+    ns = namespace_for_dir(model_dir, torch.float32, tmp_path)
+    assert namespace_for_dir(model_dir, "float32", tmp_path).id == ns.id
+    with pytest.raises(ValueError, match="^dtype 'auto': a namespace is for the dtype its values are computed in"):
+        namespace_for_dir(model_dir, "auto", tmp_path)
+    with pytest.raises(ValueError, match="^dtype must be one of auto, float32, bfloat16, float16; got 'fp32'"):
+        namespace_for_dir(model_dir, "fp32", tmp_path)
+    with pytest.raises(ValueError, match="^dtype must be one of float32, bfloat16, float16; got torch.int64"):
+        namespace_for_dir(model_dir, torch.int64, tmp_path)
+
+
+def test_what_build_missing_is_given_is_checked(tmp_path, model_dir, tokenizer, reference):
+    from transformers import AutoModelForCausalLM
+
+    from dpocache.data.pairs import load_preference_data
+    from dpocache.data.rows import write_jsonl
+
+    store = _store(tmp_path / "c", model_dir)
+    long = write_jsonl([{"prompt": "a " * 600, "chosen": " b", "rejected": " c"}], tmp_path / "long.jsonl")
+    pairs = load_preference_data(long, tokenizer, show_progress=False).pairs  # no context given: not checked here
+    context = reference.model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=rf"^pair 0: \d+ tokens, longer than the model's context \({context} "):
+        build_missing(store, pairs, reference, show_progress=False)
+    short = write_jsonl([{"prompt": "a", "chosen": " b", "rejected": " c"}], tmp_path / "short.jsonl")
+    pairs = load_preference_data(short, tokenizer, show_progress=False).pairs
+    with pytest.raises(ValueError, match=r"^pad_id 100000 is outside the model's vocabulary \(0\.\.511\)"):
+        build_missing(store, pairs, reference, pad_id=100_000, show_progress=False)
+    with pytest.raises(TypeError, match="^load_reference returned a LlamaForCausalLM, not a ReferenceModel"):
+        build_missing(store, pairs, lambda: AutoModelForCausalLM.from_pretrained(model_dir), show_progress=False)
+    assert not list(store.dir.glob("*.safetensors"))
+    assert build_missing(store, pairs, reference, show_progress=False).computed == 1  # the model itself is taken
+
+
+def test_a_reference_directory_that_is_not_there_is_one_line(tmp_path):
+    from dpocache.models.reference import ReferenceModel
+    from dpocache.runtime.preflight import UsageError
+
+    with pytest.raises(UsageError, match=f"^path {tmp_path / 'nope'}: no such directory"):
+        ReferenceModel.from_pretrained(tmp_path / "nope", "float32", "cpu")

@@ -167,7 +167,7 @@ def test_with_ids_and_format_is_one_line_exit_2(exported, model_dir, pref_jsonl,
 
 def test_a_missing_value_is_named_after_the_command(exported, model_dir, tmp_path, pref_rows, capsys):
     """Every command's errors start with ``dpocache COMMAND: error:``."""
-    from dpocache.data.pairs import write_jsonl
+    from dpocache.data.rows import write_jsonl
 
     root, _ = exported
     data = write_jsonl([{**pref_rows[0], "chosen": pref_rows[0]["chosen"] + " 0"}], tmp_path / "new.jsonl")
@@ -225,3 +225,19 @@ def test_a_full_disk_under_a_safetensors_export_is_one_line(exported, model_dir,
     assert code == 2 and "Traceback" not in err and not out.exists(), err
     assert err.strip().splitlines()[-1].endswith(f"--out {out}: cannot write it: No space left on device; the cache "
                                                  "is unchanged and no partial file is left"), err
+
+
+def test_a_long_export_shows_its_bars(exported, model_dir, pref_jsonl, pref_rows, capsys, monkeypatch):
+    from dpocache.cache import export as export_module
+
+    root, own = exported
+    monkeypatch.setattr(export_module, "BAR_FROM_ROWS", len(pref_rows))  # these rows count as many
+    for fmt, bars in (("jsonl", ("reading rows", "writing")), ("keys", ("writing",))):
+        capsys.readouterr()
+        out = _export(root, model_dir, pref_jsonl, fmt, f"bars.{fmt}.jsonl")
+        err = capsys.readouterr().err
+        assert all(f"{bar}: 100%" in err for bar in bars), err
+        assert len(out.read_text().splitlines()) == len(own)
+    monkeypatch.setattr(export_module, "BAR_FROM_ROWS", len(pref_rows) + 1)  # one row fewer: no bar
+    _export(root, model_dir, pref_jsonl, "jsonl", "few.jsonl")
+    assert "writing" not in capsys.readouterr().err

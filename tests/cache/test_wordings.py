@@ -13,7 +13,8 @@ import json
 import pytest
 from train_fixtures import flags
 
-from dpocache.data.pairs import DataError, load_preference_data, write_jsonl
+from dpocache.data.pairs import load_preference_data
+from dpocache.data.rows import DataError, write_jsonl
 
 DTYPE = ("--dtype", "float32", "--device", "cpu")
 

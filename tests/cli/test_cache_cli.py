@@ -21,7 +21,7 @@ import torch
 
 from dpocache.cache import CacheStore, namespace_for_dir
 from dpocache.cache.build import CPU_MAX_TOKENS
-from dpocache.data.pairs import write_jsonl
+from dpocache.data.rows import write_jsonl
 
 SUMMARY_KEYS = {"computed", "reused", "tokens", "tokens_per_s", "cache_dir", "namespace"}
 
@@ -158,10 +158,16 @@ def test_exported_values_equal_a_naive_computation(tmp_path, build, cli, model_d
 def test_per_token_build(tmp_path, build, model_dir, pref_jsonl, pref_rows):
     n = len(pref_rows)
     cache = tmp_path / "cache"
-    assert build(pref_jsonl, cache)["computed"] == n
-    # A sums-only cache lacks per-token values: a per-token build recomputes everything.
-    assert build(pref_jsonl, cache, "--per-token")["computed"] == n
+    assert build(write_jsonl(pref_rows[:5], tmp_path / "first.jsonl"), cache)["computed"] == 5
+    # A sums-only cache lacks per-token values: a per-token build recomputes them, and says so.
+    again = build(pref_jsonl, cache, "--per-token")
+    assert (again["computed"], again["reused"], again["per_token_again"]) == (n, 0, 5)
+    said = (f"cache: 5 of the {n} pairs are cached without per-token values, which this run stores (cache build "
+            "--per-token, or a loss with ld_alpha); they are scored again (their sums stay the same)")
+    assert said in again["stderr"]
+    assert f"computed {n} (5 of them cached as sums alone: scored again for --per-token), reused 0" in again["stderr"]
     assert build(pref_jsonl, cache, "--per-token")["computed"] == 0
+    assert build(pref_jsonl, cache)["computed"] == 0
     assert build(pref_jsonl, cache)["computed"] == 0
 
     store = CacheStore(cache, namespace_for_dir(model_dir, torch.float32, cache)).open()
@@ -254,7 +260,7 @@ def test_cache_info_with_model_and_data_counts_the_pairs_each_namespace_holds(tm
                                                                               pref_jsonl, pref_rows):
     """"Is my cache complete for this data?" without loading a model (--model and --data were
     taken and silently ignored; only verify answered, by loading the model)."""
-    from dpocache.data.pairs import write_jsonl
+    from dpocache.data.rows import write_jsonl
 
     cache, part = tmp_path / "cache", write_jsonl(pref_rows[:5], tmp_path / "part.jsonl")
     build(part, cache)
@@ -277,7 +283,7 @@ def test_cache_info_with_model_and_data_counts_the_pairs_each_namespace_holds(tm
 def test_an_export_of_pairs_not_cached_names_the_build_to_run(tmp_path, cli, build, model_dir, pref_jsonl, pref_rows):
     """The build command with this export's settings, ready to paste (it said --model <reference
     model> --data <data>, though the export had named both)."""
-    from dpocache.data.pairs import write_jsonl
+    from dpocache.data.rows import write_jsonl
 
     cache = tmp_path / "cache"
     build(write_jsonl(pref_rows[:3], tmp_path / "part.jsonl"), cache)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dpocache.data.pairs import write_jsonl
+from dpocache.data.rows import write_jsonl
 
 QUIET = {"OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
          "TRANSFORMERS_VERBOSITY": "error"}

@@ -1,4 +1,4 @@
-"""Tests for dpocache.data.pairs: sources, row formats, validation errors, truncation and keys."""
+"""Tests for dpocache.data (rows, render, pairs): sources, row formats, validation errors, truncation and keys."""
 
 from __future__ import annotations
 
@@ -8,15 +8,8 @@ import re
 
 import pytest
 
-from dpocache.data.pairs import (
-    DataError,
-    example_key,
-    load_preference_data,
-    read_rows,
-    tokenize_rows,
-    truncate_pair,
-    write_jsonl,
-)
+from dpocache.data.pairs import example_key, load_preference_data, tokenize_rows, truncate_pair
+from dpocache.data.rows import DataError, read_rows, write_jsonl
 
 
 def _load(source, tokenizer, **kwargs):
@@ -511,3 +504,10 @@ def test_conversation_rows_without_their_text_prompt_read_as_those_with_it(tmp_p
     # text rows keep their checks: a null prompt beside text completions lost its prompt
     with pytest.raises(DataError, match="field 'prompt': null"):
         _load(write_jsonl([GOOD, {**GOOD, "prompt": None}], tmp_path / "text.jsonl"), tokenizer)
+
+
+def test_a_tokenizer_not_loaded_is_named(tmp_path, model_dir):
+    path = write_jsonl([{"prompt": "a", "chosen": " b", "rejected": " c"}], tmp_path / "d.jsonl")
+    with pytest.raises(TypeError, match=r"^tokenizer: expected a tokenizer, got str; load it first: "
+                       r"transformers.AutoTokenizer.from_pretrained\(model_dir\)"):
+        load_preference_data(path, str(model_dir))

@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from dpocache.data.pairs import DataError, load_preference_data, write_jsonl
+from dpocache.data.pairs import load_preference_data
+from dpocache.data.rows import DataError, write_jsonl
 
 
 def _load(source, tokenizer, **kw):

@@ -10,7 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dpocache.data.pairs import DataError, load_preference_data, write_jsonl
+from dpocache.data.pairs import load_preference_data
+from dpocache.data.rows import DataError, write_jsonl
 from dpocache.data.sources import SourceError, data_files
 
 

@@ -17,7 +17,8 @@ import pytest
 
 from dpocache.data import pairs as pairs_module
 from dpocache.data.keys import example_key
-from dpocache.data.pairs import DataError, load_preference_data, write_jsonl
+from dpocache.data.pairs import load_preference_data
+from dpocache.data.rows import DataError, write_jsonl
 from dpocache.data.token_store import STORE_DIR
 from dpocache.data.tokenize import tokenize_continuations
 from dpocache.models.tiny import CHAT_TEMPLATE, build_tokenizer

@@ -116,7 +116,8 @@ def test_plain_text_ids_are_trls(which, request, make_rows):
 
 def _score_ids(values: dict, tok):
     from dpocache.cli.score import to_request
-    from dpocache.data.pairs import RawRow, special_prefix
+    from dpocache.data.pairs import special_prefix
+    from dpocache.data.rows import RawRow
 
     request = to_request(RawRow(0, "rows.jsonl:1", values), tok, special_prefix(tok))
     return request["prompt_ids"], request["completion_ids"]
@@ -146,7 +147,7 @@ def test_score_tokenizes_conversations_as_cache_build(plain_tok):
 def test_score_rows_are_checked_as_cache_builds(plain_tok, values, field, reason):
     """A null content rendered as an empty message and scored (exit 0); a lone surrogate reached
     the tokenizer and stopped the command with a traceback."""
-    from dpocache.data.pairs import DataError
+    from dpocache.data.rows import DataError
 
     with pytest.raises(DataError) as err:
         _score_ids(values, plain_tok)

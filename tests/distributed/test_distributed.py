@@ -24,7 +24,7 @@ import torch
 
 import dpocache
 from dpocache.cache.build import split_by_tokens
-from dpocache.data.pairs import write_jsonl
+from dpocache.data.rows import write_jsonl
 from dpocache.models.tiny import save_tiny_model
 from dpocache.scoring.layout_choice import CAUSAL
 from dpocache.training.demo import sorting_pairs

@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_distributed import assert_close_records, evals, losses, torchrun, train_args, train_in_process
 
-from dpocache.data.pairs import write_jsonl
+from dpocache.data.rows import write_jsonl
 from dpocache.models.tiny import save_tiny_model
 from dpocache.training.demo import sorting_pairs
 

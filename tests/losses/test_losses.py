@@ -537,3 +537,20 @@ def test_none_param_means_the_loss_default():
 
 def test_params_known_to_other_losses_are_ignored():
     torch.testing.assert_close(_run("sigmoid", gamma=3.0, discopop_tau=9.0)[0], _run("sigmoid")[0])
+
+
+def test_inputs_on_other_devices_than_the_policy_are_named():
+    """The cache's values come on the CPU; torch's own error named no argument."""
+    pc, pr, rc, rr, ct, rt = _batch()
+    with pytest.raises(ValueError, match=r"^all inputs must be on the policy's device \(meta\), got \{'ref_chosen': "
+                       r"'cpu', 'ref_rejected': 'cpu', 'chosen_tokens': 'cpu', 'rejected_tokens': 'cpu'\}: move them "
+                       r"there \(PairValues.to\(device\)"):
+        preference_loss("sigmoid", pc.to("meta"), pr.to("meta"), rc, rr, ct, rt, beta=0.1)
+
+
+def test_ld_pair_logps_takes_an_alpha_in_0_1():
+    from dpocache.losses.formulas import ld_pair_logps
+
+    logps, mask = torch.zeros(1, 3), torch.ones(1, 3)
+    with pytest.raises(ValueError, match=r"^ld_alpha must be in \[0, 1\], got 1.5"):
+        ld_pair_logps(logps, mask, logps, mask, 1.5)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dpocache.data.pairs import write_jsonl
+from dpocache.data.rows import write_jsonl
 from dpocache.runtime.preflight import UsageError, check_model_dir
 
 QUIET = {"OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",

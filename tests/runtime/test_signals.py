@@ -26,7 +26,7 @@ from train_fixtures import (  # noqa: F401  (fixtures are used by name; one_thre
 
 from dpocache.cache import CacheStore, namespace_for_dir
 from dpocache.cli.entry import main
-from dpocache.data.pairs import write_jsonl
+from dpocache.data.rows import write_jsonl
 from dpocache.models.checkpoint import STATE_FILE, checkpoints, latest_checkpoint, save_checkpoint
 from dpocache.runtime.signals import Interrupted, stop_signals
 from dpocache.training.metrics import MetricsWriter, read_metrics

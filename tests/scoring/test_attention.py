@@ -288,7 +288,7 @@ def test_compiled_layers_under_flex_on_cpu_build_every_row_width(tmp_path, model
     torch 2.13's CPU inductor fails to build (a C++ compile error at the second batch shape);
     compiled per shape (``compiling.flex_on_cpu``) every batch runs, and the values are those a
     default build verifies."""
-    from dpocache.data.pairs import write_jsonl
+    from dpocache.data.rows import write_jsonl
     from dpocache.scoring.compiling import flex_on_cpu
 
     # Two batch shapes under a budget of 256: one row of 256 tokens, then two rows of 128.

@@ -85,3 +85,53 @@ def test_bad_attention_or_layout_is_one_line_and_status_2(command, tmp_path, mod
     flag = "--train.layout" if command == "train" else "--layout"
     assert main([*args, flag, "bogus"]) == 2
     assert "must be one of auto, padded, shared, packed" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------ policy_logps
+
+
+def test_policy_logps_equal_a_naive_forward_with_their_graph(model_dir, data):
+    """``policy_logps`` (a loop of one's own) against each sequence's log-softmax summed over its
+    completion tokens, in every layout; the gradient reaches the weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dpocache.scoring.layouts import policy_logps
+    from dpocache.scoring.logprobs import CompletionLogProbs
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    scorer, pairs = CompletionLogProbs(model), list(data.pairs[:6])
+    naive = []
+    with torch.no_grad():
+        for p in pairs:
+            sums = []
+            for completion in (p.chosen_ids, p.rejected_ids):
+                ids = torch.tensor([p.prompt_ids + completion])
+                logps = model(input_ids=ids).logits[0, :-1].log_softmax(-1)  # (T-1, V)
+                start = len(p.prompt_ids) - 1  # predicts the first completion token
+                sums.append(logps[start:].gather(-1, ids[0, start + 1:, None]).sum())
+            naive.append(sums)
+    naive = torch.tensor(naive)  # (B, 2)
+    for layout in ("padded", "shared", "packed"):
+        values = policy_logps(scorer, pairs, pad_id=0, layout=layout)
+        got = torch.stack([values.chosen_logps, values.rejected_logps], dim=1)
+        torch.testing.assert_close(got.detach(), naive, rtol=0, atol=1e-4)
+        assert values.chosen_tokens.tolist() == [len(p.chosen_ids) for p in pairs]
+        model.zero_grad()
+        got.sum().backward()
+        assert model.model.embed_tokens.weight.grad.abs().sum() > 0
+
+
+def test_policy_logps_mistakes_are_named(model_dir, data):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dpocache.scoring.layouts import policy_logps
+    from dpocache.scoring.logprobs import CompletionLogProbs
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with pytest.raises(TypeError, match=r"^scorer: expected a CompletionLogProbs, got LlamaForCausalLM; wrap the "
+                       r"model once: scorer = dpocache.CompletionLogProbs\(model\)"):
+        policy_logps(model, data.pairs[:2], pad_id=0)
+    with pytest.raises(ValueError, match="^layout must be one of padded, shared, packed; got 'paded'"):
+        policy_logps(CompletionLogProbs(model), data.pairs[:2], pad_id=0, layout="paded")

@@ -308,3 +308,26 @@ def test_reference_of_a_lora_policy_is_the_base_model(tokenizer, batch):
 def test_from_peft_policy_rejects_a_plain_model(tiny_models):
     with pytest.raises(TypeError):
         ReferenceModel.from_peft_policy(tiny_models["llama"])
+
+
+def test_masks_not_in_the_shape_of_the_ids_are_refused(tiny_models):
+    """A label-style completion mask, shifted to (N, T - 1), was accepted and scored the wrong tokens."""
+    from dpocache.scoring.logprobs import CompletionLogProbs
+
+    scorer = CompletionLogProbs(tiny_models["llama"])
+    ids = torch.randint(3, 100, (2, 8))
+    mask = torch.zeros_like(ids)
+    mask[:, 5:] = 1
+    with pytest.raises(ValueError, match=r"^completion_mask: expected the shape of input_ids \(2, 8\), got shape "
+                       r"\(2, 7\) \(1 on each completion token itself"):
+        scorer(ids, torch.ones_like(ids), mask[:, 1:])
+    with pytest.raises(ValueError, match=r"^completion_mask: expected the shape of input_ids \(2, 8\), got None"):
+        scorer(ids, torch.ones_like(ids), None)
+    with pytest.raises(ValueError, match=r"^attention_mask: expected the shape of input_ids \(2, 8\), got shape "
+                       r"\(8,\)"):
+        scorer(ids, torch.ones(8), mask)
+    with pytest.raises(ValueError, match=r"^input_ids: expected \(N, T\) token ids, got shape \(8,\)"):
+        scorer(ids[0], torch.ones(8), mask[0])
+    mask[:, 0] = 1
+    with pytest.raises(ValueError, match="^completion_mask: 1 at position 0, which no position predicts"):
+        scorer(ids, torch.ones_like(ids), mask)

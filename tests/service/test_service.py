@@ -550,7 +550,8 @@ def test_score_cli_text_ids_and_resume(model_dir, tokenizer, tmp_path, capsys):
     """Text rows are tokenized as ``cache build`` does (what the tokenizer puts before a plain
     prompt, EOS after each completion): the same ids given as ids score the same. A second run
     computes nothing."""
-    from dpocache.data.pairs import special_prefix, write_jsonl
+    from dpocache.data.pairs import special_prefix
+    from dpocache.data.rows import write_jsonl
 
     prompt, completions = "sort: 3 1 2", [" 1 2 3", " 3 2 1", " 2"]
     ids = {"prompt_ids": special_prefix(tokenizer) + tokenizer(prompt, add_special_tokens=False)["input_ids"],
@@ -588,7 +589,7 @@ def test_score_cli_stopped_by_a_signal_says_what_it_kept_and_continues(model_dir
     chunk's sequences come from the cache."""
     import signal
 
-    from dpocache.data.pairs import write_jsonl
+    from dpocache.data.rows import write_jsonl
 
     rows = [{"prompt_ids": [5, 6, 7 + i], "completion_ids": [[8, 9], [10 + i]]} for i in range(3)]
     data, out, cache = write_jsonl(rows, tmp_path / "rows.jsonl"), tmp_path / "o.jsonl", tmp_path / "cache"
@@ -631,7 +632,7 @@ def test_score_cli_stopped_by_a_signal_says_what_it_kept_and_continues(model_dir
     ({"prompt": "sort: 1", "completions": [" 1", ""]}, "rows.jsonl:2: field 'completions[1]': empty string"),
 ])
 def test_score_cli_bad_row_one_line(model_dir, tmp_path, capsys, row, message):
-    from dpocache.data.pairs import write_jsonl
+    from dpocache.data.rows import write_jsonl
 
     data = write_jsonl([{"prompt_ids": [1, 2], "completion_ids": [[3]]}, row], tmp_path / "rows.jsonl")
     code, printed = _score_cli(["--model", model_dir, "--data", data, "--out", tmp_path / "o.jsonl",
@@ -642,7 +643,7 @@ def test_score_cli_bad_row_one_line(model_dir, tmp_path, capsys, row, message):
 
 
 def test_score_cli_bad_token_budget_one_line(model_dir, tmp_path, capsys):
-    from dpocache.data.pairs import write_jsonl
+    from dpocache.data.rows import write_jsonl
 
     data = write_jsonl([{"prompt_ids": [1, 2], "completion_ids": [[3]]}], tmp_path / "rows.jsonl")
     code, printed = _score_cli(["--model", model_dir, "--data", data, "--out", tmp_path / "o.jsonl",
@@ -652,7 +653,7 @@ def test_score_cli_bad_token_budget_one_line(model_dir, tmp_path, capsys):
 
 
 def test_score_cli_missing_model_one_line(tmp_path, capsys):
-    from dpocache.data.pairs import write_jsonl
+    from dpocache.data.rows import write_jsonl
 
     data = write_jsonl([{"prompt_ids": [1, 2], "completion_ids": [[3]]}], tmp_path / "rows.jsonl")
     code, printed = _score_cli(["--model", tmp_path / "nope", "--data", data, "--out", tmp_path / "o.jsonl"], capsys)

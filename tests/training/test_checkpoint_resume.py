@@ -204,7 +204,7 @@ def test_resume_on_inputs_rewritten_in_place_is_refused_before_training(tmp_path
 
     import dpocache.models.loading
     from dpocache.cli.entry import main
-    from dpocache.data.pairs import read_rows, write_jsonl
+    from dpocache.data.rows import read_rows, write_jsonl
     from dpocache.models.loading import load_causal_lm
 
     data, model = tmp_path / "data.jsonl", tmp_path / "model"

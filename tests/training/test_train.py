@@ -261,7 +261,7 @@ def test_cache_built_for_ld_dpo_is_reused_whole(tmp_path, base_model, train_json
 
 
 def test_appended_rows_build_only_the_new_pairs(tmp_path, base_model, train_jsonl, monkeypatch):
-    from dpocache.data.pairs import write_jsonl
+    from dpocache.data.rows import write_jsonl
     from dpocache.training.demo import sorting_pairs
 
     cache = tmp_path / "cache"
