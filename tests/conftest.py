@@ -29,14 +29,16 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-# Nothing a test runs reaches the user's own caches ($DPOCACHE_CACHE_DIR or ~/.cache/dpocache,
-# datasets' ~/.cache/huggingface/datasets): a command run without --cache-dir writes its
+# Nothing a test runs reaches the user's own caches ($DPOCACHE_CACHE_DIR or ~/.cache/dpocache, the
+# fingerprint memo of their own under $XDG_CACHE_HOME, datasets' ~/.cache/huggingface/datasets):
+# a command run without --cache-dir writes its
 # reference values and token stores, and datasets the tables its load_dataset prepares (the
 # cache export tests read their parquet back so), into this process's own directory (each xdist
 # worker has one; subprocesses inherit it), removed at exit.
 _CACHE_DIR = tempfile.mkdtemp(prefix="dpocache-tests-cache-")
 os.environ["DPOCACHE_CACHE_DIR"] = _CACHE_DIR
 os.environ["HF_DATASETS_CACHE"] = os.path.join(_CACHE_DIR, "datasets")
+os.environ["XDG_CACHE_HOME"] = os.path.join(_CACHE_DIR, "xdg")
 atexit.register(shutil.rmtree, _CACHE_DIR, True)
 
 # SIGINT as an interactive shell leaves it. A test run started in the background (nohup, or `&`

@@ -177,21 +177,27 @@ def read_regular_file_head(path: str | Path, max_bytes: int, head_bytes: int) ->
 
 def read_regular_file(path: str | Path, max_bytes: int, head_bytes: int | None = None,
                       with_stamp: bool = False):
-    """The whole content of ``path`` if it is a regular file of at most ``max_bytes`` bytes.
+    """The whole content of ``path`` if it is a regular file (or a symbolic link to one: the
+    trees of DVC, git-annex and ``cp -rs``) of at most ``max_bytes`` bytes.
 
-    Raises ``UnsafeFileError`` (naming what the path is) for a symbolic link, FIFO, device,
-    socket or directory, or a file over the limit, without reading it; ``FileNotFoundError``
-    if it does not exist. ``lstat`` decides before anything is opened (opening a device can
-    have effects), and ``fstat`` of the descriptor opened with ``O_NOFOLLOW | O_NONBLOCK``
-    confirms that it is still the same file."""
+    Raises ``UnsafeFileError`` (naming what the path is) for a FIFO, device, socket or
+    directory, or a link to one, or a file over the limit, without reading it;
+    ``FileNotFoundError`` if it does not exist (or a link's target does not). ``stat`` decides
+    before anything is opened (opening a device can have effects), and ``fstat`` of the
+    descriptor opened ``O_NONBLOCK`` (``O_NOFOLLOW`` where the path was no link) confirms that
+    it is still the same file."""
     path = Path(path)
     st = os.lstat(path)
+    link = stat.S_ISLNK(st.st_mode)
+    if link:
+        st = os.stat(path)  # its target's
     if not stat.S_ISREG(st.st_mode):
-        raise UnsafeFileError(f"{_describe(st.st_mode)}, not a regular file")
+        raise UnsafeFileError(f"{'a symbolic link to ' if link else ''}{_describe(st.st_mode)}, not a regular file")
     if st.st_size > max_bytes:
         raise UnsafeFileError(f"{st.st_size} bytes, more than the {max_bytes} a cache file may have")
+    no_follow = 0 if link else os.O_NOFOLLOW
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, os.O_RDONLY | no_follow | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         if os.path.islink(path):  # replaced by a link between lstat and open (ELOOP)
             raise UnsafeFileError("a symbolic link, not a regular file") from e
@@ -213,6 +219,8 @@ def locked(lock_path: str | Path) -> Iterator[None]:
     ``flock`` excludes every other open of the file, in this process or another (Linux NFS
     clients map it onto POSIX locks, so a shared cache directory on NFS is covered too)."""
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    if os.path.islink(lock_path):  # a ``cp -rs`` copy's link to another cache's lock: this one gets its own
+        os.unlink(lock_path)
     try:
         fd = os.open(lock_path, flags, 0o666)
     except PermissionError:

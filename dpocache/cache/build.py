@@ -28,14 +28,17 @@ from tqdm.auto import tqdm
 from dpocache.cache.concurrent_builds import SharedBuild, shared_build
 from dpocache.cache.fingerprint import FingerprintMemo, default_memo_path, model_dir_fingerprint, module_fingerprint
 from dpocache.cache.sequences import SUBDIR as SEQUENCES
+from dpocache.cache.atomic import UnsafeFileError, read_regular_file
 from dpocache.cache.store import (
     DEFAULT_SHARD_PAIRS,
     MANIFEST,
+    MAX_MANIFEST_BYTES,
     CacheError,
     CacheStore,
     CorruptShard,
     Namespace,
     ShardWriter,
+    parse_manifest,
 )
 from dpocache.config import with_fields
 from dpocache.data.pairs import TokenizedPair
@@ -554,6 +557,13 @@ def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_refere
     by_key = unique_pairs(pairs)
     todo_keys = store.missing(by_key, options.per_token)
     again = _held_as_sums(store, todo_keys) if options.per_token else 0  # before the pass adds them
+    if todo_keys and not len(store) and options.show_progress and env.is_main:
+        similar = _same_config_elsewhere(store)
+        if similar is not None:
+            print(f"cache: no values here are of these weights ({store.namespace.model}); namespace {similar.id} "
+                  f"({similar.model}) has the same config and dtype and other weight files: a model saved again "
+                  "(another shard size, another file beside its weights) or trained is another namespace, its "
+                  "weights identified by their files' bytes (docs/cache.md)", file=sys.stderr)
     if again and options.show_progress and env.is_main:
         print(f"cache: {again:,} of the {len(by_key):,} pairs are cached without per-token values, which this run "
               "stores (cache build --per-token, or a loss with ld_alpha); they are scored again (their sums stay "
@@ -567,9 +577,13 @@ def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_refere
     if differing:
         raise CacheError("ranks disagree on which pairs the cache lacks: every rank must load the same data with the "
                          "same tokenizer and length limits, and see the same cache directory")
-    read_only = unwritable(store.root) if todo_keys else None
-    if read_only is not None:  # every rank alike: each sees the same directory and the same pairs missing
-        raise UsageError(f"--cache-dir {store.root}: cannot write there ({read_only}), and {len(todo_keys)} of the "
+    # The namespace's own directory too: a colleague's, in a cache whose top this user may write.
+    unwritten = next(((d, why) for d in (store.root, store.dir) if (why := unwritable(d)) is not None), None) \
+        if todo_keys else None
+    if unwritten is not None:  # every rank alike: each sees the same directory and the same pairs missing
+        where, read_only = unwritten
+        there = "there" if where == store.root else f"to its namespace directory {where.name}"
+        raise UsageError(f"--cache-dir {store.root}: cannot write {there} ({read_only}), and {len(todo_keys)} of the "
                          f"{len(by_key)} pairs are not in it; build them into a cache that can be written "
                          "(dpocache cache build --cache-dir DIR), then read from that one")
     if todo_keys and env.enabled:
@@ -744,6 +758,24 @@ def export_rows(store: CacheStore, pairs: Sequence[TokenizedPair], with_ids: boo
 
 
 # ------------------------------------------------------------------------------------ info
+
+
+def _same_config_elsewhere(store: CacheStore) -> Namespace | None:
+    """Another namespace of the cache with ``store``'s config and dtype and other weights (read
+    from the manifests it records, no shard opened), or None: why a model the user thinks
+    cached starts a new namespace."""
+    ns = store.namespace
+    for ns_dir in namespace_dirs(store.root):
+        if ns_dir == store.dir:
+            continue
+        try:
+            _, recorded, _ = parse_manifest(read_regular_file(ns_dir / MANIFEST, MAX_MANIFEST_BYTES), ns_dir.name)
+        except (OSError, UnsafeFileError):
+            continue
+        if recorded is not None and (recorded.config_sha256, recorded.dtype) == (ns.config_sha256, ns.dtype) \
+                and recorded.weights_sha256 != ns.weights_sha256:
+            return recorded
+    return None
 
 
 def namespace_dirs(cache_dir: Path) -> list[Path]:

@@ -69,6 +69,7 @@ from dpocache.cache.fingerprint import FingerprintMemo, default_memo_path, file_
 from dpocache.config import CacheConfig
 from dpocache.data.pairs import KEY_BYTES
 from dpocache.data.values import PairValues
+from dpocache.runtime.preflight import unwritable
 
 SCHEMA_VERSION = 1
 # A temp file older than this was left by a writer that died mid-write (a shard is written in
@@ -180,6 +181,7 @@ class CacheStore:
         self._memo = FingerprintMemo(default_memo_path(self.root), read_only=True)
         self.rehash = False  # True: hash every shard on open, memo or not (``cache verify``)
         self.opened = False  # by ``open``: before it the store holds only what this process wrote
+        self.repair_skipped = False  # the last open(repair=True) found the directory read-only: nothing changed
 
     # ---------------------------------------------------------------- opening and verifying
 
@@ -190,7 +192,11 @@ class CacheStore:
         trips on them again), the manifest is rewritten to list exactly the good shards,
         adopting those a killed build (or another rank) wrote but did not record, and the temp
         files of writes killed more than ``STALE_TEMP_SECONDS`` ago are removed. Only entries
-        of this directory's own listing are ever renamed, never a name read from the manifest."""
+        of this directory's own listing are ever renamed, never a name read from the manifest.
+        A directory this user cannot write (a team's cache) is read as it is, unrepaired
+        (``repair_skipped``): what is sound is used, what is not stays for its owner's next build."""
+        self.repair_skipped = bool(repair and self.dir.is_dir() and unwritable(self.dir) is not None)
+        repair = repair and not self.repair_skipped
         self.shards, self.corrupt, self._index = [], [], {}
         self._seen, self._loaded, self._quarantine = set(), set(), []
         self.opened = True
@@ -198,8 +204,9 @@ class CacheStore:
         on_disk = self._scan()
         for name in sorted(recorded.keys() - set(on_disk)):
             self.corrupt.append(CorruptShard(name, "listed in the manifest but missing on disk"))
-        for name in on_disk:
-            self._load_shard(name, recorded.get(name, {}).get("sha256"))
+        with self._memo.batched():  # a copied cache's shards are all hashed anew: the memo written once
+            for name in on_disk:
+                self._load_shard(name, recorded.get(name, {}).get("sha256"))
         if repair:
             self.dir.mkdir(parents=True, exist_ok=True)
             remove_stale_temps(self.dir, STALE_TEMP_SECONDS)
@@ -230,8 +237,9 @@ class CacheStore:
         process building into the same namespace); returns how many pairs that added."""
         before = len(self._index)
         if self.dir.is_dir():
-            for name in self._scan():
-                self._load_shard(name, None)
+            with self._memo.batched():
+                for name in self._scan():
+                    self._load_shard(name, None)
         return len(self._index) - before
 
     def _refuse(self, name: str, reason: str, quarantine: bool = True) -> None:

@@ -285,19 +285,32 @@ def _store_settings(meta: dict) -> str:
 
 def _print_coverage(args, stores: list[CacheStore]) -> int:
     """``cache info --model M --data D``: how many of D's pairs (tokenized as ``train`` would,
-    with M's tokenizer) each of the namespaces' ``stores`` holds; 1 where none holds them all."""
+    with M's tokenizer) each of the namespaces' ``stores`` holds; 1 where the namespace of M in
+    ``--dtype`` (the one a run of these settings reads: its weights hashed, no model loaded)
+    lacks some. Another model's values serve no run of M."""
     data = _load_data(args, load_tokenizer(args.tokenizer))
     keys = [p.key for p in data.pairs]
+    cache_dir = args.cache_dir or default_cache_dir()
+    dtype = resolve_dtype(args.dtype, torch.device(args.device) if args.device else default_device())
+    ours = namespace_for_dir(args.model, dtype, cache_dir, args.reference, read_only=True)
     print(f"{args.data}: {len(keys):,} pairs (--max-length {args.max_length})")
-    complete = False
+    if args.dtype == "auto":
+        print(f"  --dtype auto is {dtype_name(dtype)} on this machine; a run elsewhere may choose another (pass "
+              "--dtype as the run will)")
+    missing_ours = len(keys)
     for store in stores:
         missing = len(store.missing(keys))
-        complete |= missing == 0
+        mine = store.namespace.id == ours.id
+        if mine:
+            missing_ours = missing
         print(f"  {store.dir.name} ({store.namespace.model}, {store.namespace.dtype}): {len(keys) - missing:,} cached"
-              + (f", {missing:,} missing" if missing else ", all"))
-    if not complete:
-        print("  no namespace holds them all: dpocache cache build with these settings computes the rest")
-    return 0 if complete else 1
+              + (f", {missing:,} missing" if missing else ", all") + ("  <- this run's" if mine else ""))
+    if not any(store.namespace.id == ours.id for store in stores):
+        print(f"  {ours.id} ({ours.model}, {ours.dtype}): not in the cache  <- this run's")
+    if missing_ours:
+        print(f"  --model {args.model} in {dtype_name(dtype)} lacks {missing_ours:,} of them: dpocache cache build "
+              "with these settings computes them")
+    return 1 if missing_ours else 0
 
 
 def cmd_verify(args) -> int:

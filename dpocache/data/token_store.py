@@ -29,6 +29,7 @@ removes it.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -129,15 +130,26 @@ def _checksum(path: Path) -> str:
     return h.hexdigest()
 
 
+def _save_array(path: Path, array: np.ndarray) -> None:
+    with open(path, "wb") as f:
+        try:
+            np.save(f, array, allow_pickle=False)
+        except OSError as e:
+            if e.errno is not None:
+                raise
+            # numpy's short write ("67471 requested and 35808 written") says neither why nor where:
+            # a full disk, said as the OS says it, so that it is one line naming the file.
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from e
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _write(directory: Path, tokens: StoredTokens, source: str, settings: dict[str, Any] | None = None) -> None:
     directory.mkdir(parents=True)
     checksums = {}
     for name in TokenColumns.NAMES:
         path = directory / f"{name}.npy"
-        with open(path, "wb") as f:
-            np.save(f, getattr(tokens.columns, name), allow_pickle=False)
-            f.flush()
-            os.fsync(f.fileno())
+        _save_array(path, getattr(tokens.columns, name))
         checksums[path.name] = _checksum(path)
     with open(directory / "skipped.jsonl", "w", encoding="utf-8") as f:
         for where, field_name, reason in tokens.skipped:
@@ -273,9 +285,10 @@ def open_or_build(cache_dir: Path, key: str, source: str, build: Callable[[Token
     tokenized as it goes (``TokenizedChunks``), None where the cache cannot hold it. A
     ``build`` that raises writes no store (its finished chunks stay for the next build). A cache
     directory that cannot hold the store (full, read-only) raises the ``OSError``, as the cache's
-    own writes do, unless ``read_only`` (a command that only reads the cache): then it costs a
-    line and the store, the tokens kept in memory. ``source`` and ``settings`` (the key's length
-    limits and columns) are recorded in the store's ``meta.json`` for ``cache info``."""
+    own writes do, unless ``read_only`` (a command that only reads the cache) or the directory is
+    one this user may not write: then it costs a line and the store, the tokens kept in memory.
+    ``source`` and ``settings`` (the key's length limits and columns) are recorded in the store's
+    ``meta.json`` for ``cache info``."""
     root = Path(cache_dir) / STORE_DIR
     final = root / key
     if (final / "meta.json").exists():
@@ -287,7 +300,9 @@ def open_or_build(cache_dir: Path, key: str, source: str, build: Callable[[Token
         root.mkdir(parents=True, exist_ok=True)
         lock = open(root / f".{key}.lock", "a")
     except OSError as e:
-        if not read_only:
+        # A token store is a convenience, never a value: where this user cannot write one (a
+        # team's tokens/ made by a colleague, the cache read-only), the data is tokenized in memory.
+        if not read_only and e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise
         print(f"tokens: no token store in {root} ({e.strerror or e}); the data is tokenized in memory, "
               "again at every start", file=sys.stderr)
@@ -305,7 +320,9 @@ def _build_locked(root: Path, key: str, source: str, build: Callable[[TokenizedC
             return open_store(final)  # written by the process that held the lock
         except StoreError:
             pass
-    why = _why_tokenized_again(root, source, settings or {}) if show_progress else None
+    # A store of this key that failed its checks has said why itself.
+    damaged = (final / "meta.json").exists()
+    why = _why_tokenized_again(root, key, source, settings or {}) if show_progress and not damaged else None
     if why:
         print(f"tokens: {why}", file=sys.stderr)
     for stale in [*root.glob(f".tmp-{key}-*"), final]:  # killed builds and a store that failed its checks
@@ -329,12 +346,14 @@ def _build_locked(root: Path, key: str, source: str, build: Callable[[TokenizedC
     return open_store(final, verify=False)  # mapped: the builder, too, keeps no private copy
 
 
-def _why_tokenized_again(root: Path, source: str, settings: dict[str, Any]) -> str | None:
-    """Why ``source``, which has a store here already, is tokenized again: its length limits or
-    columns differ from every store's of it (named), or else the file or the tokenizer changed
-    (the key covers both); None where no store of it is here."""
+def _why_tokenized_again(root: Path, key: str, source: str, settings: dict[str, Any]) -> str | None:
+    """Why ``source``, which has another store here already, is tokenized again: its length
+    limits or columns differ from every such store's (named), or else the file or the tokenizer
+    differs from that store's (the key covers both); None where no other store of it is here
+    (a store of this ``key`` that failed its checks has said so itself)."""
     earlier = [store["meta"] for store in token_stores(root.parent)
-               if store["meta"] and store["meta"].get("source") == source and store["meta"].get("settings")]
+               if store["path"].name != key and store["meta"] and store["meta"].get("source") == source
+               and store["meta"].get("settings")]
     if not earlier:
         return None
 
@@ -345,8 +364,8 @@ def _why_tokenized_again(root: Path, source: str, settings: dict[str, Any]) -> s
     changed = min((differences(meta["settings"]) for meta in earlier), key=len)  # against the closest store
     if changed:
         return f"{source} is tokenized again for {', '.join(changed)}; the other store stays"
-    return (f"{source} is tokenized again: the file, or the tokenizer, changed since its store here was written "
-            "(that store is no longer read)")
+    return (f"{source} is tokenized again: the file, or the tokenizer, is not the one its other store here was "
+            "made from (that store stays, for runs of those)")
 
 
 def token_stores(cache_dir: Path) -> list[dict]:

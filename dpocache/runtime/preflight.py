@@ -22,8 +22,10 @@ import functools
 import importlib.metadata
 import importlib.util
 import json
+import os
 import pickle
 import re
+import stat
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -478,7 +480,26 @@ def disk_errors(**dirs: str | Path | None) -> Iterator[None]:
         if e.errno not in DISK_ERRNOS:
             raise
         where = e.filename or " or ".join(f"{name.replace('_', ' ')} {d}" for name, d in dirs.items() if d)
+        unreadable = _unreadable(e)
+        if unreadable:  # a colleague's directory or file this user may not read: not a write that failed
+            raise UsageError(f"cannot read {where}: {e.strerror} ({unreadable}); ask its owner to let the group "
+                             "read it (umask 002, or chmod -R g+rX)") from None
         raise UsageError(f"cannot write to {where}: {e.strerror}; what was saved before this is kept") from None
+
+
+def _unreadable(e: OSError) -> str | None:
+    """Its owner and mode, where ``e`` is a permission error on a path that exists and this user
+    may not read (or, a directory, enter); None otherwise."""
+    if e.errno not in (errno.EACCES, errno.EPERM) or not e.filename:
+        return None
+    try:
+        st = os.stat(e.filename)
+    except OSError:
+        return None
+    kind = os.R_OK | os.X_OK if stat.S_ISDIR(st.st_mode) else os.R_OK
+    if os.access(e.filename, kind):
+        return None
+    return f"owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}"
 
 
 def disk_errno(err: BaseException) -> int | None:

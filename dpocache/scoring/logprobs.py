@@ -119,9 +119,6 @@ def _check_padded_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor |
                              "each completion token itself, not shifted to the position that predicts it)"
                              if name == "completion_mask" else
                              f"{name}: expected the shape of input_ids {tuple(input_ids.shape)}, got {got}")
-    if completion_mask.device.type == "cpu" and bool(completion_mask[:, 0].any()):
-        raise ValueError("completion_mask: 1 at position 0, which no position predicts; a row starts with at least "
-                         "one prompt token")
 
 
 def router_shape(config) -> tuple[int, int] | None:

@@ -61,8 +61,12 @@ def prepare_reference(cfg: Config, env: DistEnv, dtype: torch.dtype, spec, token
                            per_token=cfg.loss.ld_alpha is not None, sharded=cfg.distributed.fsdp)  # per token: LD-DPO
     summary = build_distributed(store, pairs, load, env, options)
     if env.is_main:
+        # A cache this user cannot write was read as it is: a bad shard's pairs were read from
+        # others, or refused, never recomputed into it.
+        action = "not loaded (left as it is: the cache cannot be written here)" if store.repair_skipped else \
+            "recomputing its pairs"
         for bad in summary.corrupt_shards:
-            print(store.describe_corrupt(bad, "recomputing its pairs"), file=sys.stderr)
+            print(store.describe_corrupt(bad, action, repaired=not store.repair_skipped), file=sys.stderr)
     if summary.computed:
         gc.collect()  # the reference model is unreachable now; give its memory back
     if not env.is_main:

@@ -397,3 +397,43 @@ def test_a_reference_directory_that_is_not_there_is_one_line(tmp_path):
 
     with pytest.raises(UsageError, match=f"^path {tmp_path / 'nope'}: no such directory"):
         ReferenceModel.from_pretrained(tmp_path / "nope", "float32", "cpu")
+
+
+def test_a_copied_cache_writes_its_memo_once_on_open(tmp_path, model_dir, data, reference, monkeypatch):
+    """Every shard of a copy is hashed anew (its inodes are new); the memo was written whole once a
+    shard (3,000 shards: 173 s to open, 2.2 s with one write)."""
+    from dpocache.cache import fingerprint
+
+    for start in range(0, 12, 2):  # a shard a build
+        _build(_store(tmp_path / "c", model_dir), data.pairs[start:start + 2], reference)
+    shutil.copytree(tmp_path / "c", tmp_path / "copy")
+    writes = []
+    real = fingerprint._write_memo
+    monkeypatch.setattr(fingerprint, "_write_memo", lambda path, entries: (writes.append(path), real(path, entries)))
+    store = _store(tmp_path / "copy", model_dir)
+    assert len(store) == 12 and len(store.shards) == 6
+    assert writes == [tmp_path / "copy" / "fingerprints.json"]
+
+
+def test_a_memo_that_cannot_be_written_goes_to_the_users_own(tmp_path, model_dir, monkeypatch):
+    """A team's read-only cache: its memo cannot take this user's hashes, which went nowhere (every
+    start hashed the weights and every shard again)."""
+    from dpocache.cache import fingerprint
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "mine"))
+    shared = tmp_path / "shared" / "fingerprints.json"
+    real = fingerprint._write_memo
+
+    def read_only_shared(path, entries):
+        if path == shared:
+            raise PermissionError(13, "Permission denied", str(path))
+        real(path, entries)
+
+    monkeypatch.setattr(fingerprint, "_write_memo", read_only_shared)
+    first = FingerprintMemo(shared, read_only=True)
+    digest = model_dir_fingerprint(model_dir, first)
+    assert first.hashed_bytes > 0 and (tmp_path / "mine" / "dpocache" / "fingerprints.json").exists()
+    again = FingerprintMemo(shared, read_only=True)
+    assert model_dir_fingerprint(model_dir, again) == digest and again.hashed_bytes == 0
+    with pytest.raises(PermissionError):  # a command that writes the cache: its first write stops it
+        FingerprintMemo(shared).remember(model_dir / "config.json", "0" * 64)

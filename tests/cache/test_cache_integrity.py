@@ -396,18 +396,21 @@ print(ProbeMemo(sys.argv[1]).get("any key"))
 
 def test_a_fifo_or_link_under_the_probe_memo_name_is_not_read(tmp_path):
     """``probes.json`` is read as the other cache files are: a FIFO (a read would block
-    forever) or a link costs a probe, not a hang."""
-    for kind in ("fifo", "link"):
-        cache = tmp_path / kind
+    forever), or a link to one, costs a probe, not a hang; a link to a regular file is read as
+    that file (a ``cp -rs`` copy of a cache)."""
+    os.mkfifo(tmp_path / "elsewhere.fifo")
+    (tmp_path / "elsewhere.json").write_text(json.dumps({"any key": True}))
+    for kind, read in (("fifo", "None"), ("link to a fifo", "None"), ("link to a file", "True")):
+        cache = tmp_path / kind.replace(" ", "-")
         cache.mkdir()
         if kind == "fifo":
             os.mkfifo(cache / "probes.json")
         else:
-            (tmp_path / "elsewhere.json").write_text(json.dumps({"any key": True}))
-            (cache / "probes.json").symlink_to(tmp_path / "elsewhere.json")
+            (cache / "probes.json").symlink_to(tmp_path / ("elsewhere.fifo" if kind.endswith("fifo") else
+                                                           "elsewhere.json"))
         done = subprocess.run([sys.executable, "-c", _READ_PROBE_MEMO, str(cache)], capture_output=True, text=True,
                               timeout=HOSTILE_DEADLINE_S)
-        assert done.returncode == 0 and done.stdout.strip() == "None", done.stderr
+        assert done.returncode == 0 and done.stdout.strip() == read, (kind, done.stderr)
 
 
 def test_a_build_stores_no_non_finite_value_and_names_the_pairs(tmp_path, model_dir, data):
@@ -592,3 +595,20 @@ def test_an_in_place_weight_edit_with_its_mtime_restored_is_rehashed(tmp_path, m
     hit = FingerprintMemo(memo_file)
     model_dir_fingerprint(copy, hit)
     assert hit.hashed_bytes == 0  # and the new stamp is a hit again
+
+
+def test_a_tree_of_links_to_a_cache_is_read_as_the_cache(tmp_path, model_dir, data, reference):
+    """``cp -rs`` (DVC and git-annex make the same): every shard a link to the real one. Each was
+    refused as "a symbolic link" and renamed aside, then the linked manifest.lock stopped the
+    run with a traceback (ELOOP)."""
+    cache = tmp_path / "cache"
+    _build(_store(cache, model_dir), data.pairs[:8], reference)
+    linked = tmp_path / "linked"
+    subprocess.run(["cp", "-rs", str(cache), str(linked)], check=True)
+    store = _store(linked, model_dir)
+    assert any(p.is_symlink() for p in store.dir.glob("shard-*"))
+    proc = _cache_info(linked)
+    assert proc.returncode == 0 and "CORRUPT" not in proc.stdout and "pairs 8 " in proc.stdout, proc.stdout
+    summary = _build(store, data.pairs[:12], reference)
+    assert (summary.computed, summary.reused, summary.corrupt_shards) == (4, 8, [])
+    assert not list(store.dir.glob("*.corrupt")) and len(_store(cache, model_dir)) == 8  # the real cache untouched

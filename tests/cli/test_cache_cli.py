@@ -257,25 +257,32 @@ def test_corrupt_shard_is_named_by_info_verify_and_build(tmp_path, cli, build, m
 
 
 def test_cache_info_with_model_and_data_counts_the_pairs_each_namespace_holds(tmp_path, cli, build, model_dir,
-                                                                              pref_jsonl, pref_rows):
+                                                                              other_model_dir, pref_jsonl, pref_rows):
     """"Is my cache complete for this data?" without loading a model (--model and --data were
-    taken and silently ignored; only verify answered, by loading the model)."""
+    taken and silently ignored; only verify answered, by loading the model). Only --model's
+    namespace answers: one of another model counted as complete for it."""
     from dpocache.data.rows import write_jsonl
 
     cache, part = tmp_path / "cache", write_jsonl(pref_rows[:5], tmp_path / "part.jsonl")
     build(part, cache)
-    info = ["cache", "info", "--cache-dir", cache, "--model", model_dir, "--max-length", 1024]
+    info = ["cache", "info", "--cache-dir", cache, "--model", model_dir, "--max-length", 1024, "--dtype", "float32",
+            "--device", "cpu"]
     rc, out, _ = cli(*info, "--data", pref_jsonl)
     namespace = next(d.name for d in cache.iterdir() if (d / "manifest.json").exists())
     missing = len(pref_rows) - 5
     assert rc == 1 and f"{pref_jsonl}: {len(pref_rows):,} pairs (--max-length 1024)" in out
-    assert f"  {namespace} ({model_dir}, float32): 5 cached, {missing:,} missing" in out
-    assert "no namespace holds them all" in out
+    assert f"  {namespace} ({model_dir}, float32): 5 cached, {missing:,} missing  <- this run's" in out
+    assert f"--model {model_dir} in float32 lacks {missing:,} of them: dpocache cache build" in out
     build(pref_jsonl, cache)
     rc, out, _ = cli(*info, "--data", pref_jsonl)
-    assert rc == 0 and f"{len(pref_rows):,} cached, all" in out
+    assert rc == 0 and f"{len(pref_rows):,} cached, all  <- this run's" in out
     # the token stores: their data's absolute path, length limit and date
     assert f"from {part.absolute()}  max_length 1024  written " in out
+    # another model, or another dtype: nothing of this cache is theirs
+    for other in (["--model", other_model_dir], ["--dtype", "bfloat16"]):
+        rc, out, _ = cli(*info, "--data", pref_jsonl, *other)
+        assert rc == 1 and f"{len(pref_rows):,} cached, all\n" in out, out
+        assert "): not in the cache  <- this run's" in out and f"lacks {len(pref_rows):,} of them" in out
     rc, _, err = cli("cache", "info", "--cache-dir", cache, "--data", pref_jsonl)
     assert rc == 2 and "cache info --data needs --model too" in err
 
@@ -356,3 +363,18 @@ def test_python_m_dpocache_runs_beside_a_folder_named_dpocache(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "dpocache", "cache", "info", "--cache-dir", "cache"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_new_namespace_beside_one_of_the_same_config_says_why(tmp_path, cli, build, model_dir, other_model_dir,
+                                                                pref_jsonl, pref_rows):
+    """A model saved again (another shard size, a file dropped beside it) is a new namespace, every
+    pair computed again without a word: said, naming the namespace of the same config."""
+    cache = tmp_path / "cache"
+    first = build(pref_jsonl, cache)
+    assert "no values here are of these weights" not in first["stderr"]
+    rc, _, err = cli(*cache_args("build", other_model_dir, pref_jsonl, cache))
+    assert rc == 0
+    assert (f"cache: no values here are of these weights ({other_model_dir}); namespace {first['namespace']} "
+            f"({model_dir}) has the same config and dtype and other weight files") in err, err
+    rc, _, err = cli(*cache_args("build", other_model_dir, pref_jsonl, cache))
+    assert "no values here are of these weights" not in err  # its own values now

@@ -12,6 +12,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -490,3 +491,51 @@ def test_help_into_a_closed_pipe_ends_quietly(tmp_path, command):
     finally:
         os.close(write)
     assert (proc.returncode, proc.stderr) == (141, "")
+
+
+@pytest.mark.skipif(not _read_only_mounts(), reason="no user namespaces to mount a directory read-only")
+def test_a_read_only_cache_with_a_killed_builds_leftovers_is_read_as_it_is(work, tmp_path):
+    """A team's cache mounted read-only, a killed build's leftovers in it (a stale temp file, an
+    empty shard, the manifest lost): training on pairs its sound shards hold reads them and
+    changes nothing (each leftover made it stop with "cannot write to ...")."""
+    cache = tmp_path / "cache"
+    common = ("--model", work / "model", "--dtype", "float32", "--device", "cpu", "--cache-dir", cache)
+    built = dpocache("cache", "build", "--data", work / "data.jsonl", *common, cwd=tmp_path)
+    assert built.returncode == 0, built.stderr
+    namespace = next(d for d in cache.iterdir() if (d / "manifest.json").exists())
+    stale = namespace / ".shard-0123456789abcdef.safetensors.0123456789ab.tmp"
+    stale.write_bytes(b"half a shard")
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
+    (namespace / "shard-00000000000000aa.safetensors").write_bytes(b"")
+    (namespace / "manifest.json").unlink()
+    before = sorted((p.name, p.stat().st_size) for p in namespace.iterdir())
+    ran = _on_read_only(cache, "train", "--data", work / "data.jsonl", *common, "--output-dir", tmp_path / "run",
+                        "--max-steps", "1", cwd=tmp_path)
+    rows = len((work / "data.jsonl").read_text().splitlines())
+    assert ran.returncode == 0 and f"(0 computed, {rows} reused)" in ran.stdout, ran.stderr
+    assert "shard-00000000000000aa.safetensors" in ran.stderr and "recomputing" not in ran.stderr, ran.stderr
+    assert sorted((p.name, p.stat().st_size) for p in namespace.iterdir()) == before
+
+
+@pytest.mark.skipif(not _read_only_mounts(), reason="no user namespaces to mount a directory read-only")
+def test_a_colleagues_read_only_directories_inside_a_writable_cache(work, tmp_path):
+    """The cache's top directory writable, its tokens/ or a namespace directory not (made by a
+    colleague): the data is tokenized in memory (a token store is a convenience), and pairs a
+    read-only namespace lacks are one line naming that directory (each was a "cannot write to
+    .../tokens/.<key>.lock" or a failed shard write)."""
+    rows = (work / "data.jsonl").read_text().splitlines()
+    (tmp_path / "most.jsonl").write_text("\n".join(rows[:-3]) + "\n")
+    cache = tmp_path / "cache"
+    common = ("--model", work / "model", "--dtype", "float32", "--device", "cpu", "--cache-dir", cache)
+    built = dpocache("cache", "build", "--data", tmp_path / "most.jsonl", *common, cwd=tmp_path)
+    assert built.returncode == 0, built.stderr
+    done = _on_read_only(cache / "tokens", "cache", "build", "--data", work / "data.jsonl", *common, cwd=tmp_path)
+    assert done.returncode == 0 and "the data is tokenized in memory" in done.stderr, done.stderr
+    assert "computed 3, reused" in done.stdout, done.stdout
+    (tmp_path / "more.jsonl").write_text(rows[0].replace('"prompt": "', '"prompt": "new ') + "\n")
+    namespace = next(d for d in cache.iterdir() if (d / "manifest.json").exists())
+    proc = _on_read_only(namespace, "cache", "build", "--data", tmp_path / "more.jsonl", *common, cwd=tmp_path)
+    line = [x for x in proc.stderr.splitlines() if x.strip() and not x.startswith("tokens: ")]
+    assert proc.returncode == 2 and len(line) == 1, proc.stderr
+    assert f"cannot write to its namespace directory {namespace.name} (Read-only file system), and 1 of the 1 " \
+        "pairs are not in it" in line[0], line[0]

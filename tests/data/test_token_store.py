@@ -396,7 +396,28 @@ def test_data_tokenized_again_says_why(tmp_path, make_rows, capsys):
             in capsys.readouterr().err)
     write_jsonl(make_rows(13), path)
     load_preference_data(path, tok, max_length=128, show_progress=True, cache_dir=cache)
-    assert (f"tokens: {path} is tokenized again: the file, or the tokenizer, changed since its store here was "
-            "written" in capsys.readouterr().err)
+    assert (f"tokens: {path} is tokenized again: the file, or the tokenizer, is not the one its other store here "
+            "was made from (that store stays, for runs of those)" in capsys.readouterr().err)
     load_preference_data(path, tok, max_length=128, show_progress=True, cache_dir=cache)
     assert "tokens:" not in capsys.readouterr().err  # read from its store
+    store = next(p for p in (cache / STORE_DIR).iterdir() if (p / "meta.json").exists()
+                 and json.loads((p / "meta.json").read_text())["pairs"] == 13)
+    (store / "ids.npy").write_bytes(b"damaged")
+    load_preference_data(path, tok, max_length=128, show_progress=True, cache_dir=cache)
+    err = capsys.readouterr().err  # the damage said, and nothing said of a file changed
+    assert "does not match its checksum" in err or "tokenizing again" in err, err
+    assert "is not the one its other store" not in err, err
+
+
+def test_a_full_disk_under_numpy_says_so_by_file(tmp_path, make_rows, monkeypatch):
+    """numpy's short write ("67471 requested and 35808 written", no errno) was a traceback."""
+    import errno
+
+    def short_write(file, array, allow_pickle=False):
+        raise OSError("67471 requested and 35808 written")
+
+    monkeypatch.setattr(np, "save", short_write)
+    path = write_jsonl(make_rows(10, seed=6), tmp_path / "d.jsonl")
+    with pytest.raises(OSError) as full:
+        load_preference_data(path, build_tokenizer(), show_progress=False, cache_dir=tmp_path / "cache")
+    assert full.value.errno == errno.ENOSPC and full.value.filename.endswith(".npy")

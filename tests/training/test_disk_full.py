@@ -146,3 +146,24 @@ def test_the_weights_estimate_is_what_save_pretrained_writes(tmp_path, base_mode
     (written,) = tmp_path.glob("*.safetensors")
     # The file adds its JSON header (about 100 bytes a tensor) to the tensors' bytes.
     assert _model_bytes(model) == pytest.approx(written.stat().st_size, rel=0.05, abs=4096)
+
+
+def test_a_path_that_cannot_be_read_is_not_called_a_failed_write(tmp_path, monkeypatch):
+    """A colleague's cache of umask 077: ``cache info`` said "cannot write to ...; what was saved
+    before this is kept", though it writes nothing."""
+    import errno
+    import os
+
+    from dpocache.runtime import preflight
+
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    monkeypatch.setattr(preflight.os, "access", lambda path, mode: False)  # as another user (tests may run as root)
+    with pytest.raises(preflight.UsageError) as err, preflight.disk_errors(cache_dir=tmp_path):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(theirs))
+    assert str(err.value) == (f"cannot read {theirs}: Permission denied (owner uid {os.getuid()}, mode 0700); ask its "
+                              "owner to let the group read it (umask 002, or chmod -R g+rX)")
+    monkeypatch.setattr(preflight.os, "access", lambda path, mode: True)  # readable: a write that failed
+    with pytest.raises(preflight.UsageError, match="^cannot write to .*theirs: Permission denied; what was saved"), \
+            preflight.disk_errors(cache_dir=tmp_path):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(theirs))
