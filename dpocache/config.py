@@ -305,7 +305,7 @@ def with_fields(record_type: type, record, fields: dict):
 
 
 class ConfigError(ValueError):
-    pass
+    """A setting that cannot run: the message names the flag, or the config file and key."""
 
 
 def whole_number(value: Any, least: int) -> bool:

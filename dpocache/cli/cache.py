@@ -321,12 +321,13 @@ def cmd_verify(args) -> int:
     reference = _load_reference(args, dtype, device)
     report = verify(store, data.pairs, reference, args.samples, args.seed, tokenizer.pad_token_id or 0,
                     args.max_tokens)
-    damaged = sum(1 for bad in report.corrupt_shards if bad.file != MANIFEST)
-    print(f"shards: {len(store.shards) + damaged} hashed again, {damaged} damaged")  # every one, memo or not
+    shards = [bad for bad in report.corrupt_shards if bad.file != MANIFEST]
+    gone = sum(1 for bad in shards if not os.path.lexists(store.dir / bad.file))  # listed, not on disk
+    hashed = len(store.shards) + len(shards) - gone  # every one on disk, memo or not
+    print(f"shards: {hashed} hashed again, {len(shards) - gone} damaged" + (f", {gone} missing" if gone else ""))
     print(f"checked {report.checked} pairs: max |stored - recomputed| = {report.max_abs_diff:.3g}")
     for line in report.mismatches:
         print(f"MISMATCH {line}")
-    shards = [bad for bad in report.corrupt_shards if bad.file != MANIFEST]
     for bad in shards:
         print(f"CORRUPT {store.dir / bad.file}: {bad.reason}")
     for bad in report.corrupt_shards:

@@ -150,6 +150,12 @@ class CompletionLogProbs(nn.Module):
 
     def __init__(self, model: nn.Module, logits_budget: int = DEFAULT_LOGITS_BUDGET, probe: bool = True,
                  sum_sq_probs: bool = False, temperature: float = 1.0):
+        """``model``: a ``*ForCausalLM`` (or PEFT- or DDP-wrapped one). ``logits_budget``: the
+        most logits (tokens x vocabulary) one chunk of the head holds. ``probe``: check once,
+        on a tiny input, that the body-then-head route gives the model's own logits (else every
+        call runs the model's whole forward: ``fast_path`` False). ``sum_sq_probs``: also keep
+        WPO's ``log sum_v p(v)^2`` of each scored position (``log_sum_sq_probs``).
+        ``temperature``: what the logits are divided by (online RL's sampling temperature)."""
         super().__init__()
         if not (math.isfinite(temperature) and temperature > 0):
             raise ValueError(f"temperature must be a finite number above 0; got {temperature}")

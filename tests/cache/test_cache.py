@@ -437,3 +437,21 @@ def test_a_memo_that_cannot_be_written_goes_to_the_users_own(tmp_path, model_dir
     assert model_dir_fingerprint(model_dir, again) == digest and again.hashed_bytes == 0
     with pytest.raises(PermissionError):  # a command that writes the cache: its first write stops it
         FingerprintMemo(shared).remember(model_dir / "config.json", "0" * 64)
+
+
+def test_pairs_tokenized_elsewhere_are_cached_and_read_as_loaded_ones(tmp_path, model_dir, data, reference):
+    """docs/data.md: pairs tokenized by other code (open-instruct's) as ``TokenizedPair``s with
+    ``example_key``: the same keys, so the same cached values, as the pairs dpocache tokenized."""
+    from dpocache.data import TokenizedPair, example_key
+    from dpocache.scoring import policy_logps
+    from dpocache.scoring.logprobs import CompletionLogProbs
+
+    own = [TokenizedPair(i, tuple(p.prompt_ids), tuple(p.chosen_ids), tuple(p.rejected_ids),
+                         key=example_key(p.prompt_ids, p.chosen_ids, p.rejected_ids))
+           for i, p in enumerate(data.pairs[:6])]
+    store = _store(tmp_path / "c", model_dir)
+    assert _build(store, own, reference)[0].computed == 6
+    assert _build(store, data.pairs[:6], reference)[0].reused == 6  # the same keys
+    values = store.lookup([p.key for p in own])
+    mine = policy_logps(CompletionLogProbs(reference.model), own, pad_id=0)
+    torch.testing.assert_close(mine.chosen_logps, values.chosen_logps, rtol=0, atol=1e-4)

@@ -238,8 +238,13 @@ def test_corrupt_shard_is_named_by_info_verify_and_build(tmp_path, cli, build, m
 
     rc, out, err = cli(*cache_args("verify", model_dir, pref_jsonl, cache, "--samples", 8))
     assert rc != 0 and bad.name in out and "FAILED" in out
-    assert f"shards: {len(shards)} hashed again, 1 damaged" in out
+    assert f"shards: {len(shards)} hashed again, 1 damaged\n" in out
     assert bad.name in err  # also reported when the store is opened
+    gone = shards[2].read_bytes()
+    shards[2].unlink()  # listed in the manifest, not on disk: not a shard hashed
+    rc, out, _ = cli(*cache_args("verify", model_dir, pref_jsonl, cache, "--samples", 8))
+    assert rc != 0 and f"shards: {len(shards) - 1} hashed again, 1 damaged, 1 missing\n" in out
+    shards[2].write_bytes(gone)
 
     summary = build(pref_jsonl, cache)
     assert bad.name in summary["stderr"] and "not loaded" in summary["stderr"]
