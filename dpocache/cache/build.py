@@ -25,10 +25,10 @@ from typing import Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from dpocache.cache.atomic import UnsafeFileError, read_regular_file
 from dpocache.cache.concurrent_builds import SharedBuild, shared_build
 from dpocache.cache.fingerprint import FingerprintMemo, default_memo_path, model_dir_fingerprint, module_fingerprint
 from dpocache.cache.sequences import SUBDIR as SEQUENCES
-from dpocache.cache.atomic import UnsafeFileError, read_regular_file
 from dpocache.cache.store import (
     DEFAULT_SHARD_PAIRS,
     MANIFEST,
@@ -252,8 +252,8 @@ def build_missing(
     (shard and manifest), then ``signals.Interrupted`` is raised (the command line exits 143 or
     130); the next build reuses every pair computed before the signal.
     """
-    if isinstance(load_reference, ReferenceModel):
-        load_reference = functools.partial(lambda loaded: loaded, load_reference)
+    if isinstance(load_reference, ReferenceModel):  # loaded already: "loading" it gives it
+        load_reference = functools.partial(_given, load_reference)
     if not store.opened:
         store.open()
     with stop_signals() as stop:
@@ -262,6 +262,10 @@ def build_missing(
         if summary.interrupted:
             raise stop.interrupted(interrupted_message(summary))
     return summary
+
+
+def _given(reference: ReferenceModel) -> ReferenceModel:
+    return reference
 
 
 def check_reference(store: CacheStore, reference: ReferenceModel) -> None:
@@ -584,8 +588,9 @@ def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_refere
         where, read_only = unwritten
         there = "there" if where == store.root else f"to its namespace directory {where.name}"
         raise UsageError(f"--cache-dir {store.root}: cannot write {there} ({read_only}), and {len(todo_keys)} of the "
-                         f"{len(by_key)} pairs are not in it; build them into a cache that can be written "
-                         "(dpocache cache build --cache-dir DIR), then read from that one")
+                         f"{len(by_key)} pairs are not in it; build them into a cache that can be written, one "
+                         f"that links every value already there: cp -rs {store.root} DIR, then dpocache cache build "
+                         "--cache-dir DIR and read from that one")
     if todo_keys and env.enabled:
         check_one_directory(store.root, env)  # before the pass, not after it
     mine = split_by_tokens([by_key[k] for k in todo_keys], env.world_size)[env.rank]

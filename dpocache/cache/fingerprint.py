@@ -110,8 +110,8 @@ class FingerprintMemo:
     @contextlib.contextmanager
     def batched(self) -> Iterator[None]:
         """Within the block, the memo is written once, at its end: written at every file
-        remembered, an open of a copied cache (every shard hashed anew) wrote it once a shard,
-        whole each time (3,000 shards: 173 s, where hashing them took seconds)."""
+        remembered, an open of a copied cache (every shard hashed anew) wrote it whole once a
+        shard, a time quadratic in the shards (docs/cache.md gives the figure)."""
         self._deferred += 1
         try:
             yield

@@ -350,6 +350,11 @@ def truncation_warning(data: PreferenceData, max_length: int | None, max_prompt_
     if not data.truncated:
         return None
     marked = {"keys": "--with-ids shows the tokens scored", "safetensors": "tensor 'truncated' marks them"}
+    if max_prompt_length == max_length - 1:  # TRL's cut, but for a prompt that fills max_length (docs/data.md)
+        return (f"note: {data.truncated} of {len(data)} rows exceed --max-length {max_length}; with "
+                f"--max-prompt-length {max_prompt_length} they were cut as TRL 1.16's collator cuts them (the prompt "
+                "whole, the completions their start), except a prompt of max_length tokens or more, which TRL drops "
+                f"and which kept its end here ({marked.get(fmt, 'column dpocache_truncated marks them all')})")
     floor = max_prompt_length if max_prompt_length is not None else max_length // 2
     return (f"warning: {data.truncated} of {len(data)} rows exceed --max-length {max_length} and were scored as "
             f"dpocache truncates them (the prompt keeps its end, {floor} tokens or more where it has them, the "

@@ -241,3 +241,19 @@ def test_a_long_export_shows_its_bars(exported, model_dir, pref_jsonl, pref_rows
     monkeypatch.setattr(export_module, "BAR_FROM_ROWS", len(pref_rows) + 1)  # one row fewer: no bar
     _export(root, model_dir, pref_jsonl, "jsonl", "few.jsonl")
     assert "writing" not in capsys.readouterr().err
+
+
+def test_an_export_cut_as_trl_cuts_says_so(tmp_path, model_dir, pref_jsonl, capsys):
+    """``--max-prompt-length`` one below ``--max-length`` cuts as TRL's collator does: the export's
+    line says so (a note, not the warning that the values are of other tokens)."""
+    cut = ("--max-length", 32, "--max-prompt-length", 31)
+
+    def args(command, *extra):
+        return [str(a) for a in _cache_args(command, model_dir, pref_jsonl, tmp_path / "c", *extra)]
+
+    assert main(args("build", *cut)) == 0
+    capsys.readouterr()
+    assert main(args("export", *cut, "--out", tmp_path / "o.jsonl", "--format", "jsonl")) == 0
+    err = capsys.readouterr().err
+    assert "warning:" not in err and "note: " in err and "with --max-prompt-length 31 they were cut as TRL 1.16's " \
+        "collator cuts them (the prompt whole, the completions their start)" in err, err

@@ -474,8 +474,14 @@ def test_a_read_only_cache_is_read_and_its_missing_pairs_are_one_line(work, tmp_
         line = [x for x in proc.stderr.splitlines() if x.strip() and not x.startswith("tokens: ")]
         assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(line) == 1, proc.stderr
         assert line[0].endswith(f"--cache-dir {cache}: cannot write there (Read-only file system), and 3 of the "
-                                f"{len(rows)} pairs are not in it; build them into a cache that can be written "
-                                "(dpocache cache build --cache-dir DIR), then read from that one"), line[0]
+                                f"{len(rows)} pairs are not in it; build them into a cache that can be written, one "
+                                f"that links every value already there: cp -rs {cache} DIR, then dpocache cache "
+                                "build --cache-dir DIR and read from that one"), line[0]
+    # as it says: a tree of links to the team's values, the 3 pairs computed into it, the team's cache as it was
+    subprocess.run(["cp", "-rs", str(cache), str(tmp_path / "mine")], check=True)
+    mine = [a if a != cache else tmp_path / "mine" for a in common]
+    built = _on_read_only(cache, "cache", "build", "--data", work / "data.jsonl", *mine, cwd=tmp_path)
+    assert built.returncode == 0 and f"computed 3, reused {len(rows) - 3}" in built.stdout, built.stderr
 
 
 @pytest.mark.parametrize("command", [("train", "--help"), ("cache", "export", "--help")])

@@ -511,3 +511,20 @@ def test_a_tokenizer_not_loaded_is_named(tmp_path, model_dir):
     with pytest.raises(TypeError, match=r"^tokenizer: expected a tokenizer, got str; load it first: "
                        r"transformers.AutoTokenizer.from_pretrained\(model_dir\)"):
         load_preference_data(path, str(model_dir))
+
+
+def test_max_prompt_length_one_below_max_length_truncates_as_trl_and_open_instruct():
+    """docs/data.md: ``--max-prompt-length L-1`` keeps the prompt whole and cuts each completion,
+    as TRL 1.16's collator and open-instruct cut prompt + completion (its start, L tokens), for
+    every prompt shorter than L; checked against that cut, written out, over many lengths."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(500):
+        max_length = rng.randint(2, 64)
+        prompt = list(range(rng.randint(1, max_length - 1)))
+        chosen = list(range(100, 100 + rng.randint(1, 80)))
+        rejected = list(range(200, 200 + rng.randint(1, 80)))
+        kept = truncate_pair(prompt, chosen, rejected, max_length, max_length - 1)
+        start_of = [(prompt + c)[:max_length] for c in (chosen, rejected)]  # the start of each sequence
+        assert [kept[0] + kept[1], kept[0] + kept[2]] == start_of
