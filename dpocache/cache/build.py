@@ -109,6 +109,8 @@ def namespace_for_dir(model_path: str | Path, dtype: torch.dtype | str, cache_di
     ``dtype``: the one the values are computed in (a ``torch.dtype`` or its name; ``auto`` is
     resolved first, ``resolve_dtype``). ``read_only``: the caller only reads the cache
     (``FingerprintMemo``)."""
+    if not Path(model_path).is_dir():
+        raise FileNotFoundError(f"{model_path}: no such directory (a Hugging Face model directory is expected)")
     base, adapter = reference_source(model_path, reference)
     return _namespace_of(base, adapter, _value_dtype(dtype), FingerprintMemo(default_memo_path(Path(cache_dir)),
                                                                              read_only))
@@ -562,12 +564,11 @@ def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_refere
     todo_keys = store.missing(by_key, options.per_token)
     again = _held_as_sums(store, todo_keys) if options.per_token else 0  # before the pass adds them
     if todo_keys and not len(store) and options.show_progress and env.is_main:
-        similar = _same_config_elsewhere(store)
+        similar = same_config_elsewhere(store)
         if similar is not None:
             print(f"cache: no values here are of these weights ({store.namespace.model}); namespace {similar.id} "
-                  f"({similar.model}) has the same config and dtype and other weight files: a model saved again "
-                  "(another shard size, another file beside its weights) or trained is another namespace, its "
-                  "weights identified by their files' bytes (docs/cache.md)", file=sys.stderr)
+                  f"({similar.model}) has the same config and dtype and other weight files: {SAVED_AGAIN}",
+                  file=sys.stderr)
     if again and options.show_progress and env.is_main:
         print(f"cache: {again:,} of the {len(by_key):,} pairs are cached without per-token values, which this run "
               "stores (cache build --per-token, or a loss with ld_alpha); they are scored again (their sums stay "
@@ -765,7 +766,11 @@ def export_rows(store: CacheStore, pairs: Sequence[TokenizedPair], with_ids: boo
 # ------------------------------------------------------------------------------------ info
 
 
-def _same_config_elsewhere(store: CacheStore) -> Namespace | None:
+SAVED_AGAIN = ("a model saved again (another shard size, another file beside its weights) or trained is another "
+               "namespace, its weights identified by their files' bytes (docs/cache.md)")
+
+
+def same_config_elsewhere(store: CacheStore) -> Namespace | None:
     """Another namespace of the cache with ``store``'s config and dtype and other weights (read
     from the manifests it records, no shard opened), or None: why a model the user thinks
     cached starts a new namespace."""

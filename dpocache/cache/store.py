@@ -76,6 +76,8 @@ SCHEMA_VERSION = 1
 # seconds), and a repairing open removes it.
 STALE_TEMP_SECONDS = 3600
 MANIFEST = "manifest.json"
+# What becomes of a bad shard in a directory this user cannot write (``CacheStore.repair_skipped``).
+LEFT_AS_IT_IS = "not loaded (left as it is: the cache cannot be written here)"
 LOCK_FILE = "manifest.lock"
 SHARD_NAME = re.compile(r"shard-[0-9a-f]{16}\.safetensors")  # the only file names a manifest may give
 MAX_MANIFEST_BYTES = 256 << 20  # ~1.5M shard entries

@@ -22,11 +22,19 @@ from dpocache.cache import (
     namespace_for_dir,
     verify,
 )
-from dpocache.cache.build import BuildOptions, build_distributed, has_pair_values, namespace_dirs, open_namespace_dir
+from dpocache.cache.build import (
+    SAVED_AGAIN,
+    BuildOptions,
+    build_distributed,
+    has_pair_values,
+    namespace_dirs,
+    open_namespace_dir,
+    same_config_elsewhere,
+)
 from dpocache.cache.sequences import SUBDIR as SEQUENCES
 from dpocache.cache.sequences import SequenceStore
 from dpocache.cache.probes import ProbeMemo
-from dpocache.cache.store import MANIFEST
+from dpocache.cache.store import LEFT_AS_IT_IS, MANIFEST
 from dpocache.cli.cache_args import OPTIONS
 from dpocache.config import BOOL_WORDS
 from dpocache.data.pairs import PreferenceData, load_preference_data
@@ -148,7 +156,8 @@ def _print_build_summary(args, s, store: CacheStore, dtype: torch.dtype, data: P
     # With --json, stdout holds the JSON object alone (for jq, json.load), the lines go to stderr.
     say = functools.partial(print, file=sys.stderr if args.json else sys.stdout)
     for bad in s.corrupt_shards:
-        print(store.describe_corrupt(bad, "not loaded"), file=sys.stderr)
+        print(store.describe_corrupt(bad, LEFT_AS_IT_IS if store.repair_skipped else "not loaded",
+                                     repaired=not store.repair_skipped), file=sys.stderr)
     ranks = f" on {s.world_size} ranks" if s.world_size > 1 else ""
     again = f" ({s.per_token_again} of them cached as sums alone: scored again for --per-token)" \
         if s.per_token_again else ""
@@ -307,6 +316,9 @@ def _print_coverage(args, stores: list[CacheStore]) -> int:
               + (f", {missing:,} missing" if missing else ", all") + ("  <- this run's" if mine else ""))
     if not any(store.namespace.id == ours.id for store in stores):
         print(f"  {ours.id} ({ours.model}, {ours.dtype}): not in the cache  <- this run's")
+        similar = same_config_elsewhere(CacheStore(cache_dir, ours))
+        if similar is not None:
+            print(f"  {similar.id} has the same config and dtype and other weight files: {SAVED_AGAIN}")
     if missing_ours:
         print(f"  --model {args.model} in {dtype_name(dtype)} lacks {missing_ours:,} of them: dpocache cache build "
               "with these settings computes them")

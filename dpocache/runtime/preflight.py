@@ -482,24 +482,29 @@ def disk_errors(**dirs: str | Path | None) -> Iterator[None]:
         where = e.filename or " or ".join(f"{name.replace('_', ' ')} {d}" for name, d in dirs.items() if d)
         unreadable = _unreadable(e)
         if unreadable:  # a colleague's directory or file this user may not read: not a write that failed
-            raise UsageError(f"cannot read {where}: {e.strerror} ({unreadable}); ask its owner to let the group "
-                             "read it (umask 002, or chmod -R g+rX)") from None
+            path, owner = unreadable
+            raise UsageError(f"cannot read {path}: {e.strerror} ({owner}); ask its owner to let the group read it "
+                             "(umask 002, or chmod -R g+rX)") from None
         raise UsageError(f"cannot write to {where}: {e.strerror}; what was saved before this is kept") from None
 
 
-def _unreadable(e: OSError) -> str | None:
-    """Its owner and mode, where ``e`` is a permission error on a path that exists and this user
-    may not read (or, a directory, enter); None otherwise."""
+def _unreadable(e: OSError) -> tuple[str, str] | None:
+    """(the path, its owner and mode) where ``e`` is a permission error on a path this user may not
+    read, or inside a directory they may not enter (then that directory); None otherwise."""
     if e.errno not in (errno.EACCES, errno.EPERM) or not e.filename:
         return None
-    try:
-        st = os.stat(e.filename)
-    except OSError:
-        return None
-    kind = os.R_OK | os.X_OK if stat.S_ISDIR(st.st_mode) else os.R_OK
-    if os.access(e.filename, kind):
-        return None
-    return f"owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}"
+    for path in (Path(e.filename), *Path(e.filename).parents):
+        try:
+            st = os.stat(path)
+        except PermissionError:  # inside a directory this user may not enter: that one is named
+            continue
+        except OSError:
+            return None
+        kind = os.R_OK | os.X_OK if stat.S_ISDIR(st.st_mode) else os.R_OK
+        if os.access(path, kind):
+            return None
+        return str(path), f"owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}"
+    return None
 
 
 def disk_errno(err: BaseException) -> int | None:

@@ -161,6 +161,11 @@ class CompletionLogProbs(nn.Module):
             raise ValueError(f"temperature must be a finite number above 0; got {temperature}")
         self.model = model
         lm = unwrap_causal_lm(model)
+        head = getattr(lm, "get_output_embeddings", None)
+        headless = head is None or (head() is None and "For" not in type(lm).__name__)  # LlamaModel: no head
+        if not hasattr(lm, "config") or headless:
+            raise TypeError(f"model: expected a causal language model with its output head (a *ForCausalLM), got "
+                            f"{type(lm).__name__}")
         # Under CPU bf16 autocast on a CPU without AMX, linear layers use the fp32 GEMM on
         # bf16-rounded operands (dpocache.scoring.bf16_matmul): the same numbers, faster there.
         bf16_matmul.install(model)

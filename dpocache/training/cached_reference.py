@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from dpocache.cache import CacheStore, default_cache_dir, namespace_for_dir
+from dpocache.cache.store import LEFT_AS_IT_IS
 from dpocache.cache.build import BuildOptions, build_distributed
 from dpocache.cache.fingerprint import default_memo_path
 from dpocache.cache.probes import ProbeMemo
@@ -63,8 +64,7 @@ def prepare_reference(cfg: Config, env: DistEnv, dtype: torch.dtype, spec, token
     if env.is_main:
         # A cache this user cannot write was read as it is: a bad shard's pairs were read from
         # others, or refused, never recomputed into it.
-        action = "not loaded (left as it is: the cache cannot be written here)" if store.repair_skipped else \
-            "recomputing its pairs"
+        action = LEFT_AS_IT_IS if store.repair_skipped else "recomputing its pairs"
         for bad in summary.corrupt_shards:
             print(store.describe_corrupt(bad, action, repaired=not store.repair_skipped), file=sys.stderr)
     if summary.computed:

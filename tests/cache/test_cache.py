@@ -455,3 +455,8 @@ def test_pairs_tokenized_elsewhere_are_cached_and_read_as_loaded_ones(tmp_path, 
     values = store.lookup([p.key for p in own])
     mine = policy_logps(CompletionLogProbs(reference.model), own, pad_id=0)
     torch.testing.assert_close(mine.chosen_logps, values.chosen_logps, rtol=0, atol=1e-4)
+
+
+def test_a_namespace_of_a_directory_that_is_not_there_is_one_line(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"^{tmp_path / 'nope'}: no such directory"):
+        namespace_for_dir(tmp_path / "nope", torch.float32, tmp_path)

@@ -377,6 +377,10 @@ def test_a_new_namespace_beside_one_of_the_same_config_says_why(tmp_path, cli, b
     cache = tmp_path / "cache"
     first = build(pref_jsonl, cache)
     assert "no values here are of these weights" not in first["stderr"]
+    rc, out, _ = cli("cache", "info", "--cache-dir", cache, "--model", other_model_dir, "--data", pref_jsonl,
+                     "--dtype", "float32", "--device", "cpu")
+    assert rc == 1 and f"  {first['namespace']} has the same config and dtype and other weight files: a model saved " \
+        "again" in out, out
     rc, _, err = cli(*cache_args("build", other_model_dir, pref_jsonl, cache))
     assert rc == 0
     assert (f"cache: no values here are of these weights ({other_model_dir}); namespace {first['namespace']} "

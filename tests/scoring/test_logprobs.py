@@ -328,3 +328,12 @@ def test_masks_not_in_the_shape_of_the_ids_are_refused(tiny_models):
         scorer(ids, torch.ones(8), mask)
     with pytest.raises(ValueError, match=r"^input_ids: expected \(N, T\) token ids, got shape \(8,\)"):
         scorer(ids[0], torch.ones(8), mask[0])
+
+
+def test_a_model_without_its_output_head_is_named(tiny_models):
+    """``CompletionLogProbs(model.model)`` failed at the first call on a missing ``logits``."""
+    with pytest.raises(TypeError, match="^model: expected a causal language model with its output head .*got "
+                       "LlamaModel"):
+        CompletionLogProbs(tiny_models["llama"].model)
+    with pytest.raises(TypeError, match="got Linear"):
+        CompletionLogProbs(torch.nn.Linear(3, 3))

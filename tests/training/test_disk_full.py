@@ -163,6 +163,19 @@ def test_a_path_that_cannot_be_read_is_not_called_a_failed_write(tmp_path, monke
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(theirs))
     assert str(err.value) == (f"cannot read {theirs}: Permission denied (owner uid {os.getuid()}, mode 0700); ask its "
                               "owner to let the group read it (umask 002, or chmod -R g+rX)")
+    # a file inside it, which cannot even be looked at (what `cache build` and `train` met first)
+    inside, real_stat = theirs / "tokens" / "meta.json", os.stat
+
+    def stat_outside_theirs(path):
+        if str(path).startswith(str(theirs) + os.sep):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_stat(path)
+
+    monkeypatch.setattr(preflight.os, "stat", stat_outside_theirs)
+    with pytest.raises(preflight.UsageError, match=f"^cannot read {theirs}: Permission denied \\(owner uid"), \
+            preflight.disk_errors(cache_dir=tmp_path):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(inside))
+    monkeypatch.setattr(preflight.os, "stat", real_stat)
     monkeypatch.setattr(preflight.os, "access", lambda path, mode: True)  # readable: a write that failed
     with pytest.raises(preflight.UsageError, match="^cannot write to .*theirs: Permission denied; what was saved"), \
             preflight.disk_errors(cache_dir=tmp_path):
