@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -564,8 +564,12 @@ def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_refere
     todo_keys = store.missing(by_key, options.per_token)
     again = _held_as_sums(store, todo_keys) if options.per_token else 0  # before the pass adds them
     if todo_keys and not len(store) and options.show_progress and env.is_main:
-        similar = same_config_elsewhere(store)
-        if similar is not None:
+        similar, in_other_dtype = same_config_elsewhere(store), other_dtype_elsewhere(store)
+        if in_other_dtype is not None:
+            print(f"cache: namespace {in_other_dtype.id} holds this model's values in {in_other_dtype.dtype}; this "
+                  f"run computes them in {store.namespace.dtype} (--dtype {in_other_dtype.dtype} reads those)",
+                  file=sys.stderr)
+        elif similar is not None:
             print(f"cache: no values here are of these weights ({store.namespace.model}); namespace {similar.id} "
                   f"({similar.model}) has the same config and dtype and other weight files: {SAVED_AGAIN}",
                   file=sys.stderr)
@@ -771,10 +775,24 @@ SAVED_AGAIN = ("a model saved again (another shard size, another file beside its
 
 
 def same_config_elsewhere(store: CacheStore) -> Namespace | None:
-    """Another namespace of the cache with ``store``'s config and dtype and other weights (read
-    from the manifests it records, no shard opened), or None: why a model the user thinks
-    cached starts a new namespace."""
+    """Another namespace of the cache with ``store``'s config and dtype and other weights, or
+    None: why a model the user thinks cached starts a new namespace."""
     ns = store.namespace
+    return next((other for other in _other_namespaces(store) if (other.config_sha256, other.dtype) ==
+                 (ns.config_sha256, ns.dtype) and other.weights_sha256 != ns.weights_sha256), None)
+
+
+def other_dtype_elsewhere(store: CacheStore) -> Namespace | None:
+    """A namespace of the cache with ``store``'s weights and config in another dtype, or None: the
+    values a run in that dtype computed (``--dtype auto`` chooses by device: a login node's CPU
+    and a GPU node choose differently)."""
+    ns = store.namespace
+    return next((other for other in _other_namespaces(store) if (other.weights_sha256, other.config_sha256) ==
+                 (ns.weights_sha256, ns.config_sha256) and other.dtype != ns.dtype), None)
+
+
+def _other_namespaces(store: CacheStore) -> Iterator[Namespace]:
+    """The namespaces of the cache's other directories, as their manifests record them (no shard opened)."""
     for ns_dir in namespace_dirs(store.root):
         if ns_dir == store.dir:
             continue
@@ -782,10 +800,8 @@ def same_config_elsewhere(store: CacheStore) -> Namespace | None:
             _, recorded, _ = parse_manifest(read_regular_file(ns_dir / MANIFEST, MAX_MANIFEST_BYTES), ns_dir.name)
         except (OSError, UnsafeFileError):
             continue
-        if recorded is not None and (recorded.config_sha256, recorded.dtype) == (ns.config_sha256, ns.dtype) \
-                and recorded.weights_sha256 != ns.weights_sha256:
-            return recorded
-    return None
+        if recorded is not None:
+            yield recorded
 
 
 def namespace_dirs(cache_dir: Path) -> list[Path]:

@@ -29,6 +29,7 @@ from dpocache.cache.build import (
     has_pair_values,
     namespace_dirs,
     open_namespace_dir,
+    other_dtype_elsewhere,
     same_config_elsewhere,
 )
 from dpocache.cache.sequences import SUBDIR as SEQUENCES
@@ -388,6 +389,11 @@ def cmd_export(args) -> int:
 
     try:
         written = export(args.format, args.out, args.data, store, data.pairs, args.with_ids, show_progress=True)
+    except MissingReferenceError as err:
+        other = other_dtype_elsewhere(store)
+        err.hint = (f"; namespace {other.id} holds this model's values in {other.dtype}: --dtype {other.dtype} reads "
+                    "them; or build them in this dtype" if other is not None else "; build them first")
+        raise
     except Exception as err:  # noqa: BLE001 - safetensors' own error on a full disk names no file: say which
         errno_ = disk_errno(err)
         if errno_ is None or isinstance(err, OSError):
@@ -414,7 +420,8 @@ def run(args: argparse.Namespace) -> int:
             return commands[args.cache_command](args)
     except MissingReferenceError as err:  # export: the build to run, as this command named everything
         print(f"dpocache cache {args.cache_command}: error: {err.missing} of the data's pairs have no cached "
-              f"reference log-probs; build them first: {build_command(args.given)}", file=sys.stderr)
+              f"reference log-probs{getattr(err, 'hint', '; build them first')}: {build_command(args.given)}",
+              file=sys.stderr)
         return 1
     except CacheError as err:  # a missing value, or a distributed build that left holes
         print(f"dpocache cache {args.cache_command}: error: {err}", file=sys.stderr)

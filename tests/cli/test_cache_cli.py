@@ -308,6 +308,22 @@ def test_an_export_of_pairs_not_cached_names_the_build_to_run(tmp_path, cli, bui
         "--dtype float32 --device cpu --max-length=512")
 
 
+def test_values_of_the_model_in_another_dtype_are_pointed_to(tmp_path, cli, build, model_dir, pref_jsonl, pref_rows):
+    """``--dtype auto`` chooses by device (float32 on a login node's CPU, bfloat16 on a GPU): an
+    export or a build in the other dtype found nothing, said nothing of the values beside it, and
+    a build computed them all again."""
+    cache = tmp_path / "cache"
+    first = build(pref_jsonl, cache)  # float32
+    bf16 = [a if a != "float32" else "bfloat16" for a in cache_args("export", model_dir, pref_jsonl, cache)]
+    rc, _, err = cli(*bf16, "--out", tmp_path / "x.jsonl", "--format", "keys")
+    assert rc == 1 and (f"{len(pref_rows)} of the data's pairs have no cached reference log-probs; namespace "
+                        f"{first['namespace']} holds this model's values in float32: --dtype float32 reads them; or "
+                        "build them in this dtype: dpocache cache build") in err, err
+    rc, _, err = cli(*[a if a != "export" else "build" for a in bf16])
+    assert rc == 0 and (f"cache: namespace {first['namespace']} holds this model's values in float32; this run "
+                        "computes them in bfloat16 (--dtype float32 reads those)") in err, err
+
+
 # The killed build is a real process running the real command; each shard flush is followed
 # by a short sleep so that the kill lands part-way however loaded the machine is.
 _SLOW_BUILD = """
