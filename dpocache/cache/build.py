@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -564,15 +564,7 @@ def _build_shares(store: CacheStore, pairs: Sequence[TokenizedPair], load_refere
     todo_keys = store.missing(by_key, options.per_token)
     again = _held_as_sums(store, todo_keys) if options.per_token else 0  # before the pass adds them
     if todo_keys and not len(store) and options.show_progress and env.is_main:
-        similar, in_other_dtype = same_config_elsewhere(store), other_dtype_elsewhere(store)
-        if in_other_dtype is not None:
-            print(f"cache: namespace {in_other_dtype.id} holds this model's values in {in_other_dtype.dtype}; this "
-                  f"run computes them in {store.namespace.dtype} (--dtype {in_other_dtype.dtype} reads those)",
-                  file=sys.stderr)
-        elif similar is not None:
-            print(f"cache: no values here are of these weights ({store.namespace.model}); namespace {similar.id} "
-                  f"({similar.model}) has the same config and dtype and other weight files: {SAVED_AGAIN}",
-                  file=sys.stderr)
+        _say_why_new(store)
     if again and options.show_progress and env.is_main:
         print(f"cache: {again:,} of the {len(by_key):,} pairs are cached without per-token values, which this run "
               "stores (cache build --per-token, or a loss with ld_alpha); they are scored again (their sums stay "
@@ -774,25 +766,44 @@ SAVED_AGAIN = ("a model saved again (another shard size, another file beside its
                "namespace, its weights identified by their files' bytes (docs/cache.md)")
 
 
-def same_config_elsewhere(store: CacheStore) -> Namespace | None:
-    """Another namespace of the cache with ``store``'s config and dtype and other weights, or
-    None: why a model the user thinks cached starts a new namespace."""
+def _say_why_new(store: CacheStore) -> None:
+    """A line where an empty namespace about to be filled has the model's values beside it in
+    another dtype, or another model's of the same config (each namespace's manifest read once)."""
+    others = _other_namespaces(store)
+    in_other_dtype, similar = other_dtype_elsewhere(store, others), same_config_elsewhere(store, others)
+    if in_other_dtype is not None:
+        print(f"cache: namespace {in_other_dtype.id} holds this model's values in {in_other_dtype.dtype}; this run "
+              f"computes them in {store.namespace.dtype} (--dtype {in_other_dtype.dtype} reads those)",
+              file=sys.stderr)
+    elif similar is not None:
+        print(f"cache: no values here are of these weights ({store.namespace.model}); namespace {similar.id} "
+              f"({similar.model}) has the same config and dtype and other weight files: {SAVED_AGAIN}",
+              file=sys.stderr)
+
+
+def same_config_elsewhere(store: CacheStore, others: list[Namespace] | None = None) -> Namespace | None:
+    """Another namespace of the cache (``others``: its namespaces, read here if None) with
+    ``store``'s config and dtype and other weights, or None: why a model the user thinks cached
+    starts a new namespace."""
     ns = store.namespace
-    return next((other for other in _other_namespaces(store) if (other.config_sha256, other.dtype) ==
-                 (ns.config_sha256, ns.dtype) and other.weights_sha256 != ns.weights_sha256), None)
+    return next((other for other in (_other_namespaces(store) if others is None else others)
+                 if (other.config_sha256, other.dtype) == (ns.config_sha256, ns.dtype)
+                 and other.weights_sha256 != ns.weights_sha256), None)
 
 
-def other_dtype_elsewhere(store: CacheStore) -> Namespace | None:
-    """A namespace of the cache with ``store``'s weights and config in another dtype, or None: the
-    values a run in that dtype computed (``--dtype auto`` chooses by device: a login node's CPU
-    and a GPU node choose differently)."""
+def other_dtype_elsewhere(store: CacheStore, others: list[Namespace] | None = None) -> Namespace | None:
+    """A namespace of the cache (``others`` as above) with ``store``'s weights and config in
+    another dtype, or None: the values a run in that dtype computed (``--dtype auto`` chooses by
+    device: a login node's CPU and a GPU node choose differently)."""
     ns = store.namespace
-    return next((other for other in _other_namespaces(store) if (other.weights_sha256, other.config_sha256) ==
-                 (ns.weights_sha256, ns.config_sha256) and other.dtype != ns.dtype), None)
+    return next((other for other in (_other_namespaces(store) if others is None else others)
+                 if (other.weights_sha256, other.config_sha256) == (ns.weights_sha256, ns.config_sha256)
+                 and other.dtype != ns.dtype), None)
 
 
-def _other_namespaces(store: CacheStore) -> Iterator[Namespace]:
+def _other_namespaces(store: CacheStore) -> list[Namespace]:
     """The namespaces of the cache's other directories, as their manifests record them (no shard opened)."""
+    found = []
     for ns_dir in namespace_dirs(store.root):
         if ns_dir == store.dir:
             continue
@@ -801,7 +812,8 @@ def _other_namespaces(store: CacheStore) -> Iterator[Namespace]:
         except (OSError, UnsafeFileError):
             continue
         if recorded is not None:
-            yield recorded
+            found.append(recorded)
+    return found
 
 
 def namespace_dirs(cache_dir: Path) -> list[Path]:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import datetime
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,10 +56,11 @@ TRUNCATED = "dpocache_truncated"
 BAR_FROM_ROWS = 8192  # an export of fewer rows takes a second or two: no bar
 
 
-def _rows_bar(rows: Sequence, show_progress: bool, desc: str = "exporting") -> Iterator:
-    """``rows`` with a bar where there are many (an export of Tulu's 270k rows takes tens of seconds)."""
-    return iter(tqdm(rows, desc=desc, unit="rows", mininterval=1.0,
-                     disable=not show_progress or len(rows) < BAR_FROM_ROWS))
+def _rows_bar(rows: Iterable, total: int, show_progress: bool, desc: str) -> Iterator:
+    """``rows`` (``total`` of them) with a bar where there are many (an export of Tulu's 270k rows
+    takes tens of seconds)."""
+    return iter(tqdm(rows, total=total, desc=desc, unit="rows", mininterval=1.0,
+                     disable=not show_progress or total < BAR_FROM_ROWS))
 
 
 def rows_with_reference(source: Any, store: CacheStore, pairs: Sequence[TokenizedPair],
@@ -72,7 +73,7 @@ def rows_with_reference(source: Any, store: CacheStore, pairs: Sequence[Tokenize
     values = store.lookup([p.key for p in pairs])
     _, raw = read_rows(source)
     out = []
-    for i, p in enumerate(_rows_bar(pairs, show_progress, "reading rows")):
+    for i, p in enumerate(_rows_bar(pairs, len(pairs), show_progress, "reading rows")):
         row = raw[p.index].values
         row = dict(row) if isinstance(row, Mapping) else {"row": row}
         row[REF_CHOSEN] = float(values.chosen_logps[i])
@@ -105,7 +106,7 @@ def _json_line(row: dict) -> str:
 
 def _write_jsonl(rows: list[dict], out: Path, show_progress: bool) -> None:
     with atomic_output(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        for row in _rows_bar(rows, show_progress, "writing"):
+        for row in _rows_bar(rows, len(rows), show_progress, "writing"):
             f.write(_json_line(row) + "\n")
 
 
@@ -138,9 +139,7 @@ def _write_safetensors(store: CacheStore, pairs: Sequence[TokenizedPair], out: P
 def _write_keys(store: CacheStore, pairs: Sequence[TokenizedPair], out: Path, with_ids: bool,
                 show_progress: bool) -> None:
     with atomic_output(out) as tmp, open(tmp, "w", encoding="utf-8") as f:  # no torn file if stopped
-        rows = export_rows(store, pairs, with_ids)
-        for row in tqdm(rows, total=len(pairs), desc="writing", unit="rows", mininterval=1.0,
-                        disable=not show_progress or len(pairs) < BAR_FROM_ROWS):
+        for row in _rows_bar(export_rows(store, pairs, with_ids), len(pairs), show_progress, "writing"):
             f.write(json.dumps(row) + "\n")
 
 

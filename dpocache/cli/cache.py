@@ -307,19 +307,17 @@ def _print_coverage(args, stores: list[CacheStore]) -> int:
     if args.dtype == "auto":
         print(f"  --dtype auto is {dtype_name(dtype)} on this machine; a run elsewhere may choose another (pass "
               "--dtype as the run will)")
-    missing_ours = len(keys)
+    missing_in = {store.namespace.id: len(store.missing(keys)) for store in stores}
     for store in stores:
-        missing = len(store.missing(keys))
-        mine = store.namespace.id == ours.id
-        if mine:
-            missing_ours = missing
+        missing, mine = missing_in[store.namespace.id], store.namespace.id == ours.id
         print(f"  {store.dir.name} ({store.namespace.model}, {store.namespace.dtype}): {len(keys) - missing:,} cached"
               + (f", {missing:,} missing" if missing else ", all") + ("  <- this run's" if mine else ""))
-    if not any(store.namespace.id == ours.id for store in stores):
+    if ours.id not in missing_in:
         print(f"  {ours.id} ({ours.model}, {ours.dtype}): not in the cache  <- this run's")
         similar = same_config_elsewhere(CacheStore(cache_dir, ours))
         if similar is not None:
             print(f"  {similar.id} has the same config and dtype and other weight files: {SAVED_AGAIN}")
+    missing_ours = missing_in.get(ours.id, len(keys))
     if missing_ours:
         print(f"  --model {args.model} in {dtype_name(dtype)} lacks {missing_ours:,} of them: dpocache cache build "
               "with these settings computes them")

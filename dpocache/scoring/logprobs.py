@@ -115,10 +115,9 @@ def _check_padded_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor |
     for name, mask in (("attention_mask", attention_mask), ("completion_mask", completion_mask)):
         if mask is None or mask.shape != input_ids.shape:
             got = "None" if mask is None else f"shape {tuple(mask.shape)}"
-            raise ValueError(f"{name}: expected the shape of input_ids {tuple(input_ids.shape)}, got {got} (1 on "
-                             "each completion token itself, not shifted to the position that predicts it)"
-                             if name == "completion_mask" else
-                             f"{name}: expected the shape of input_ids {tuple(input_ids.shape)}, got {got}")
+            why = (" (1 on each completion token itself, not shifted to the position that predicts it)"
+                   if name == "completion_mask" else "")
+            raise ValueError(f"{name}: expected the shape of input_ids {tuple(input_ids.shape)}, got {got}{why}")
 
 
 def router_shape(config) -> tuple[int, int] | None:

@@ -455,17 +455,24 @@ def _on_read_only(directory: Path, *args, cwd: Path) -> subprocess.CompletedProc
                           text=True, timeout=300, env={**os.environ, **QUIET})
 
 
+def _built_cache(work: Path, tmp_path: Path, leave_out: int = 0) -> tuple[list[str], Path, tuple]:
+    """(the data's rows, a cache built of all of them but the last ``leave_out`` (``most.jsonl``),
+    the options naming the model and that cache)."""
+    rows = (work / "data.jsonl").read_text().splitlines()
+    (tmp_path / "most.jsonl").write_text("\n".join(rows[:len(rows) - leave_out]) + "\n")
+    cache = tmp_path / "cache"
+    common = ("--model", work / "model", "--dtype", "float32", "--device", "cpu", "--cache-dir", cache)
+    built = dpocache("cache", "build", "--data", tmp_path / "most.jsonl", *common, cwd=tmp_path)
+    assert built.returncode == 0, built.stderr
+    return rows, cache, common
+
+
 @pytest.mark.skipif(not _read_only_mounts(), reason="no user namespaces to mount a directory read-only")
 def test_a_read_only_cache_is_read_and_its_missing_pairs_are_one_line(work, tmp_path):
     """A team's cache mounted read-only: training on pairs it holds reads it (it was refused:
     "--cache-dir ...: cannot write there"); pairs it lacks are one line before the model loads,
     from train and cache build alike."""
-    rows = (work / "data.jsonl").read_text().splitlines()
-    (tmp_path / "most.jsonl").write_text("\n".join(rows[:-3]) + "\n")
-    cache = tmp_path / "cache"
-    common = ("--model", work / "model", "--dtype", "float32", "--device", "cpu", "--cache-dir", cache)
-    built = dpocache("cache", "build", "--data", tmp_path / "most.jsonl", *common, cwd=tmp_path)
-    assert built.returncode == 0, built.stderr
+    rows, cache, common = _built_cache(work, tmp_path, leave_out=3)
     ran = _on_read_only(cache, "train", "--data", tmp_path / "most.jsonl", *common, "--output-dir", tmp_path / "run",
                         "--max-steps", "1", cwd=tmp_path)
     assert ran.returncode == 0 and f"(0 computed, {len(rows) - 3} reused)" in ran.stdout, ran.stderr
@@ -504,10 +511,7 @@ def test_a_read_only_cache_with_a_killed_builds_leftovers_is_read_as_it_is(work,
     """A team's cache mounted read-only, a killed build's leftovers in it (a stale temp file, an
     empty shard, the manifest lost): training on pairs its sound shards hold reads them and
     changes nothing (each leftover made it stop with "cannot write to ...")."""
-    cache = tmp_path / "cache"
-    common = ("--model", work / "model", "--dtype", "float32", "--device", "cpu", "--cache-dir", cache)
-    built = dpocache("cache", "build", "--data", work / "data.jsonl", *common, cwd=tmp_path)
-    assert built.returncode == 0, built.stderr
+    rows, cache, common = _built_cache(work, tmp_path)
     namespace = next(d for d in cache.iterdir() if (d / "manifest.json").exists())
     stale = namespace / ".shard-0123456789abcdef.safetensors.0123456789ab.tmp"
     stale.write_bytes(b"half a shard")
@@ -515,12 +519,11 @@ def test_a_read_only_cache_with_a_killed_builds_leftovers_is_read_as_it_is(work,
     (namespace / "shard-00000000000000aa.safetensors").write_bytes(b"")
     (namespace / "manifest.json").write_text('{"shards": ')  # cut short
     before = sorted((p.name, p.stat().st_size) for p in namespace.iterdir())
-    rows = len((work / "data.jsonl").read_text().splitlines())
     ran = _on_read_only(cache, "train", "--data", work / "data.jsonl", *common, "--output-dir", tmp_path / "run",
                         "--max-steps", "1", cwd=tmp_path)
-    assert ran.returncode == 0 and f"(0 computed, {rows} reused)" in ran.stdout, ran.stderr
+    assert ran.returncode == 0 and f"(0 computed, {len(rows)} reused)" in ran.stdout, ran.stderr
     built = _on_read_only(cache, "cache", "build", "--data", work / "data.jsonl", *common, cwd=tmp_path)
-    assert built.returncode == 0 and f"computed 0, reused {rows}" in built.stdout, built.stderr
+    assert built.returncode == 0 and f"computed 0, reused {len(rows)}" in built.stdout, built.stderr
     for said in (ran.stderr, built.stderr):  # what was left, said as left: nothing rebuilt, recomputed or moved
         bad = next(line for line in said.splitlines() if "shard-00000000000000aa.safetensors" in line)
         assert bad.endswith("; not loaded (left as it is: the cache cannot be written here)"), said
@@ -535,12 +538,7 @@ def test_a_colleagues_read_only_directories_inside_a_writable_cache(work, tmp_pa
     colleague): the data is tokenized in memory (a token store is a convenience), and pairs a
     read-only namespace lacks are one line naming that directory (each was a "cannot write to
     .../tokens/.<key>.lock" or a failed shard write)."""
-    rows = (work / "data.jsonl").read_text().splitlines()
-    (tmp_path / "most.jsonl").write_text("\n".join(rows[:-3]) + "\n")
-    cache = tmp_path / "cache"
-    common = ("--model", work / "model", "--dtype", "float32", "--device", "cpu", "--cache-dir", cache)
-    built = dpocache("cache", "build", "--data", tmp_path / "most.jsonl", *common, cwd=tmp_path)
-    assert built.returncode == 0, built.stderr
+    rows, cache, common = _built_cache(work, tmp_path, leave_out=3)
     done = _on_read_only(cache / "tokens", "cache", "build", "--data", work / "data.jsonl", *common, cwd=tmp_path)
     assert done.returncode == 0 and "the data is tokenized in memory" in done.stderr, done.stderr
     assert "computed 3, reused" in done.stdout, done.stdout
